@@ -1,0 +1,29 @@
+"""plait: automatic pipeline-parallel training of an unmodified PyTorch model."""
+
+from plait.config import Config
+from plait.errors import (
+    CaptureError,
+    ConfigError,
+    LossError,
+    PartitionError,
+    PipelineError,
+    PlaitError,
+    ScheduleError,
+)
+from plait.model import Model
+from plait.plan import Plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Model",
+    "Config",
+    "Plan",
+    "PlaitError",
+    "ConfigError",
+    "CaptureError",
+    "PartitionError",
+    "ScheduleError",
+    "LossError",
+    "PipelineError",
+]

@@ -1,0 +1,143 @@
+"""Cutting a captured graph into one fx module per pipeline stage.
+
+Stage s runs the operations of its layers. Whatever a later stage needs from an earlier one
+crosses every boundary between them (a skip over two cuts is forwarded through the middle
+stage untouched), so each boundary b carries an ordered list of values `boundaries[b]`::
+
+    stage 0            stage 1                stage 2
+    x -> a ---------> [a] -> b -----------> [a, b] -> out
+         boundary 0: (a)     boundary 1: (a, b)
+
+Model inputs, parameters and input sizes are *local*: every stage that uses one makes it itself
+(each rank has the batch), so attention masks and tied weights never cross the wire.
+A stage module is called as `module(*received_values, *model_inputs_used)` and returns the tuple
+it sends on (or, on the last stage, the model's output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch.fx as fx
+from torch import nn
+
+from plait.capture.trace import CapturedGraph, is_local
+from plait.errors import PartitionError
+
+__all__ = ["StageModule", "split", "stage_of_layers"]
+
+
+@dataclass
+class StageModule:
+    """The code one pipeline stage runs, and what it receives and sends."""
+
+    stage_index: int
+    module: fx.GraphModule
+    recv_names: list[str]  # values received from the previous stage, in call order
+    send_names: list[str]  # values sent to the next stage (empty on the last stage)
+    input_indices: list[int]  # which placeholders (model inputs) the stage takes, after recv
+    is_last: bool
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters this stage uses (shared with the user's model)."""
+        return list(self.module.parameters())
+
+
+def stage_of_layers(layers_per_stage: Sequence[int]) -> list[int]:
+    """[2, 3] -> [0, 0, 1, 1, 1]."""
+    return [s for s, n in enumerate(layers_per_stage) for _ in range(n)]
+
+
+def split(captured: CapturedGraph, layer_stage: Sequence[int]) -> list[StageModule]:
+    """Build the stage modules given the stage of every layer (non-decreasing)."""
+    num_stages = max(layer_stage) + 1
+    if any(b < a for a, b in zip(layer_stage, layer_stage[1:])):
+        raise PartitionError(f"stages of layers must not decrease, got {list(layer_stage)}")
+    node_stage: dict[fx.Node, int] = {
+        op: layer_stage[captured.layers.op_layer[i]] for i, op in enumerate(captured.ops)
+    }
+    order = {n: i for i, n in enumerate(captured.graph.nodes)}
+    output = next(n for n in captured.graph.nodes if n.op == "output")
+    last = num_stages - 1
+
+    # needed[s]: non-local values stage s uses that an earlier stage makes.
+    crossing: set[fx.Node] = set()
+    first_use: dict[fx.Node, int] = {}
+    last_use: dict[fx.Node, int] = {}
+    for node in list(node_stage) + [output]:
+        s = node_stage.get(node, last)
+        for src in node.all_input_nodes:
+            if is_local(src):
+                continue
+            if node_stage[src] > s:
+                raise PartitionError(f"{node.name} on stage {s} uses {src.name} from a later stage")
+            if node_stage[src] < s:
+                crossing.add(src)
+                last_use[src] = max(last_use.get(src, s), s)
+                first_use[src] = min(first_use.get(src, s), s)
+    boundaries: list[list[fx.Node]] = []
+    for b in range(num_stages - 1):
+        carried = [n for n in crossing if node_stage[n] <= b < last_use[n]]
+        boundaries.append(sorted(carried, key=order.__getitem__))
+
+    placeholders = [n for n in captured.graph.nodes if n.op == "placeholder"]
+    stages = []
+    for s in range(num_stages):
+        recv = boundaries[s - 1] if s > 0 else []
+        send = boundaries[s] if s < last else []
+        ops = [n for n in captured.ops if node_stage[n] == s]
+        module, input_indices = _build(captured, s, recv, send, ops, output if s == last else None,
+                                       placeholders)
+        stages.append(
+            StageModule(s, module, [n.name for n in recv], [n.name for n in send], input_indices,
+                        s == last)
+        )
+    return stages
+
+
+def _build(
+    captured: CapturedGraph,
+    stage_index: int,
+    recv: list[fx.Node],
+    send: list[fx.Node],
+    ops: list[fx.Node],
+    output: fx.Node | None,
+    placeholders: list[fx.Node],
+) -> tuple[fx.GraphModule, list[int]]:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in recv:
+        env[node] = graph.placeholder(f"recv_{node.name}")
+    # Which model inputs does this stage touch (directly or through a local size op)?
+    used: set[fx.Node] = set()
+
+    def visit(src: fx.Node) -> None:
+        if src.op == "placeholder":
+            used.add(src)
+        elif is_local(src):
+            for x in src.all_input_nodes:
+                visit(x)
+
+    for node in ops + ([output] if output is not None else []):
+        for src in node.all_input_nodes:
+            visit(src)
+    input_indices = [i for i, p in enumerate(placeholders) if p in used]
+    for i in input_indices:
+        env[placeholders[i]] = graph.placeholder(f"input_{placeholders[i].name}")
+
+    def lookup(src: fx.Node) -> fx.Node:
+        if src not in env:  # a local node used for the first time on this stage
+            env[src] = graph.node_copy(src, lookup)
+        return env[src]
+
+    for node in ops:
+        if node not in env:
+            env[node] = graph.node_copy(node, lookup)
+    if output is not None:
+        graph.output(fx.map_arg(output.args[0], lookup))
+    else:
+        graph.output(tuple(lookup(n) for n in send))
+    graph.lint()
+    module = fx.GraphModule(captured.root, graph, class_name=f"Stage{stage_index}")
+    return module, input_indices

@@ -1,0 +1,204 @@
+"""Capturing a model into a `CapturedGraph`: torch.export first, torch.fx as the fallback."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from plait.capture.layers import LayerAssignment, assign_layers
+from plait.capture.output import OutputSpec, flatten_output, unflatten_output
+from plait.errors import CaptureError
+
+__all__ = ["CapturedGraph", "capture", "is_local"]
+
+log = logging.getLogger("plait")
+
+
+@dataclass
+class CapturedGraph:
+    """One traced forward pass of the model, with its operations grouped into layers.
+
+    graph: the fx graph (placeholders = model inputs, get_attr = parameters/buffers/constants).
+    root: module that get_attr / call_module targets resolve against; shares the user's parameters.
+    ops: the graph's operations in execution order, aligned with `layers.op_layer`.
+    bind: (args, kwargs) of one call -> the value of every placeholder, in graph order.
+    finish: the graph's output value -> exactly what `net(...)` returns.
+    """
+
+    method: str
+    graph: fx.Graph
+    root: nn.Module
+    ops: list[fx.Node]
+    layers: LayerAssignment
+    bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]]
+    finish: Callable[[Any], Any]
+
+
+def is_local(node: fx.Node) -> bool:
+    """Nodes every stage can make for itself instead of receiving: inputs, attributes, input sizes."""
+    if node.op in ("placeholder", "get_attr"):
+        return True
+    if node.op == "call_function" and node.target is torch.ops.aten.sym_size.int:
+        return isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
+    if node.op == "call_method" and node.target == "size":
+        return isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
+    return False
+
+
+def capture(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CapturedGraph:
+    """Trace `net` on one sample call, in its current train/eval mode.
+
+    torch.export(strict=False) handles most real models (transformers with RoPE, masks, output
+    dataclasses); torch.fx.symbolic_trace is the fallback. Both failing raises CaptureError with
+    the construct each tracer stopped at.
+    """
+    try:
+        return _capture_export(net, args, kwargs)
+    except Exception as export_error:  # noqa: BLE001 - every tracer failure leads to the fallback
+        log.info("plait: torch.export failed (%s); trying torch.fx.symbolic_trace", export_error)
+        try:
+            return _capture_fx(net)
+        except Exception as fx_error:  # noqa: BLE001
+            raise CaptureError(
+                f"could not capture {type(net).__name__}: torch.export(strict=False) stopped at: "
+                f"{_first_line(export_error)}; torch.fx.symbolic_trace stopped at: "
+                f"{_first_line(fx_error)}. Make that construct traceable (for example avoid "
+                "data-dependent Python control flow on tensor values), or wrap it in a leaf module"
+            ) from fx_error
+
+
+def _first_line(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".strip()
+    return text.splitlines()[0][:300]
+
+
+# -- torch.export front end ---------------------------------------------------------------------
+
+
+_OUT_SPECS: dict[int, OutputSpec] = {}
+
+
+class _FlatCall(nn.Module):
+    """Calls the user's net on flat tensor inputs and returns flat output leaves."""
+
+    def __init__(self, net: nn.Module, in_spec: Any, consts: list[Any], tensor_pos: list[int]):
+        super().__init__()
+        self.net = net
+        self._in_spec = in_spec
+        self._consts = consts
+        self._tensor_pos = tensor_pos
+        # export traces a copy of this module; the spec goes to a table keyed by our id.
+        self._key = id(self)
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[Any, ...]:
+        leaves = list(self._consts)
+        for pos, t in zip(self._tensor_pos, tensors):
+            leaves[pos] = t
+        args, kwargs = pytree.tree_unflatten(leaves, self._in_spec)
+        flat, spec = flatten_output(self.net(*args, **kwargs))
+        _OUT_SPECS[self._key] = spec
+        return tuple(flat)
+
+
+def _capture_export(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CapturedGraph:
+    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    consts = [None if i in tensor_pos else x for i, x in enumerate(leaves)]
+    wrapper = _FlatCall(net, in_spec, consts, tensor_pos)
+    tensors = tuple(leaves[i] for i in tensor_pos)
+    # The batch dimension stays symbolic so micro-batches of any size run on one graph.
+    dynamic = tuple({0: torch.export.Dim.AUTO} if t.dim() > 0 else {} for t in tensors)
+    ep = torch.export.export(wrapper, tensors, dynamic_shapes=(dynamic,), strict=False)
+    out_spec = _OUT_SPECS.pop(wrapper._key)
+    root = ep.module()
+    graph = root.graph
+    for node in list(graph.nodes):  # export's shape guards: plait checks shapes at the wire
+        if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
+            graph.erase_node(node)
+
+    def leaf_of(node: fx.Node) -> str | None:
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            return None
+        fqn = list(stack.values())[-1][0]
+        if not fqn.startswith("net"):
+            return None
+        try:
+            module = wrapper.get_submodule(fqn)
+        except AttributeError:
+            return None
+        if any(True for _ in module.children()):
+            return None
+        return fqn.removeprefix("net").removeprefix(".") or "<net>"
+
+    def bind(call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> list[Any]:
+        flat, spec = pytree.tree_flatten((call_args, call_kwargs))
+        if spec != in_spec:
+            raise CaptureError(
+                f"the model was captured with inputs shaped like {in_spec} but is now called "
+                f"with {spec}; call it with the same structure of tensors every time"
+            )
+        return [flat[i] for i in tensor_pos]
+
+    return _finish_capture(
+        "torch.export", graph, root, net, leaf_of, bind, lambda out: unflatten_output(list(out), out_spec)
+    )
+
+
+# -- torch.fx front end -------------------------------------------------------------------------
+
+
+class _LeafTracer(fx.Tracer):
+    """Keeps every module without children as one call_module node: one layer per call."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return not any(True for _ in m.children())
+
+
+def _capture_fx(net: nn.Module) -> CapturedGraph:
+    graph = _LeafTracer().trace(net)
+    signature = inspect.signature(net.forward)
+    names = [n.target for n in graph.nodes if n.op == "placeholder"]
+
+    def leaf_of(node: fx.Node) -> str | None:
+        return str(node.target) if node.op == "call_module" else None
+
+    def bind(call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> list[Any]:
+        bound = signature.bind(*call_args, **call_kwargs)
+        bound.apply_defaults()
+        return [bound.arguments[str(name).lstrip("*")] for name in names]
+
+    return _finish_capture("torch.fx", graph, net, net, leaf_of, bind, lambda out: out)
+
+
+# -- shared -------------------------------------------------------------------------------------
+
+
+def _finish_capture(
+    method: str,
+    graph: fx.Graph,
+    root: nn.Module,
+    net: nn.Module,
+    leaf_of: Callable[[fx.Node], str | None],
+    bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]],
+    finish: Callable[[Any], Any],
+) -> CapturedGraph:
+    ops = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    if not ops:
+        raise CaptureError(f"{type(net).__name__}.forward performs no operation; nothing to split")
+    leaves = [leaf_of(n) for n in ops]
+    stateful = set()
+    for name, module in net.named_modules():
+        own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        if own and not any(True for _ in module.children()):
+            stateful.add(name or "<net>")
+    layers = assign_layers(leaves, stateful)
+    log.info("plait: captured %d layers with %s", len(layers.layer_names), method)
+    return CapturedGraph(method, graph, root, ops, layers, bind, finish)

@@ -1,0 +1,92 @@
+"""The user's `Config`: a frozen dataclass checked when it is made."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from plait.errors import ConfigError
+
+__all__ = ["Config", "SCHEDULE_NAMES"]
+
+SCHEDULE_NAMES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class Config:
+    """How to split and run the model.
+
+    layers_per_proc: captured layers on each pipeline stage, in order (None: balanced automatically).
+    num_stages: pipeline stages (None: the length of `layers_per_proc`, else the world size).
+    num_microbatches: micro-batches each global batch is cut into (clamped to the batch size).
+    schedule: "gpipe" or "1f1b".
+    seed: seeds the shuffle order, identical on every rank.
+    timeout_s: longest any wait on another rank may take before the run fails with a report.
+    """
+
+    layers_per_proc: tuple[int, ...] | None = None
+    num_stages: int | None = None
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    seed: int = 0
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.layers_per_proc is not None:
+            lpp = self.layers_per_proc
+            if isinstance(lpp, (str, bytes)) or not hasattr(lpp, "__iter__"):
+                raise ConfigError(
+                    f"layers_per_proc must be a list of layer counts, one per stage, got {lpp!r}; "
+                    "for example layers_per_proc=[2, 3, 3]"
+                )
+            counts = tuple(lpp)
+            bad = [c for c in counts if not isinstance(c, int) or isinstance(c, bool) or c < 1]
+            if not counts or bad:
+                raise ConfigError(
+                    f"layers_per_proc={list(counts)} must hold one positive integer per stage "
+                    f"(bad entries: {bad}); every stage needs at least one layer"
+                )
+            object.__setattr__(self, "layers_per_proc", counts)
+            if self.num_stages is not None and self.num_stages != len(counts):
+                raise ConfigError(
+                    f"num_stages={self.num_stages} but layers_per_proc={list(counts)} has "
+                    f"{len(counts)} entries; give one of them, or make them agree"
+                )
+        if self.num_stages is not None and (
+            not isinstance(self.num_stages, int) or self.num_stages < 1
+        ):
+            raise ConfigError(f"num_stages must be a positive integer or None, got {self.num_stages!r}")
+        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
+            raise ConfigError(
+                f"num_microbatches must be a positive integer, got {self.num_microbatches!r}"
+            )
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ConfigError(
+                f"schedule={self.schedule!r} is not known; choose one of {list(SCHEDULE_NAMES)}"
+            )
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ConfigError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+
+    def stages_for(self, world_size: int) -> int:
+        """The number of pipeline stages this config asks for on `world_size` ranks."""
+        if self.layers_per_proc is not None:
+            stages = len(self.layers_per_proc)
+        elif self.num_stages is not None:
+            stages = self.num_stages
+        else:
+            stages = world_size
+        if stages != world_size:
+            raise ConfigError(
+                f"the config asks for {stages} pipeline stages (layers_per_proc="
+                f"{None if self.layers_per_proc is None else list(self.layers_per_proc)}, "
+                f"num_stages={self.num_stages}) but the world size is {world_size}; "
+                f"launch {stages} ranks (plait run -n {stages} ...) or change the config"
+            )
+        return stages
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain JSON-ready values."""
+        d = asdict(self)
+        if d["layers_per_proc"] is not None:
+            d["layers_per_proc"] = list(d["layers_per_proc"])
+        return d

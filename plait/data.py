@@ -1,0 +1,119 @@
+"""Batches and micro-batches: cutting user data (tensors, tuples, dicts, datasets) the same way on every rank."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Iterator
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler
+
+from plait.errors import ConfigError
+
+__all__ = [
+    "as_call",
+    "num_rows",
+    "take",
+    "microbatch_bounds",
+    "slice_rows",
+    "index_batches",
+    "loader_batches",
+]
+
+
+def as_call(x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """How `x` is passed to the model: a tensor or tuple positionally, a dict as keywords."""
+    if isinstance(x, dict):
+        return (), dict(x)
+    if isinstance(x, (tuple, list)):
+        return tuple(x), {}
+    return (x,), {}
+
+
+def num_rows(x: Any) -> int:
+    """Rows (samples) in `x`: the common size of dim 0 of its tensors."""
+    sizes = {t.shape[0] for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(sizes) != 1:
+        raise ConfigError(
+            f"inputs must hold tensors whose first dimension is the batch, all of one size; got "
+            f"first-dimension sizes {sorted(sizes)}"
+        )
+    return sizes.pop()
+
+
+def take(x: Any, index: torch.Tensor) -> Any:
+    """Rows `index` of every tensor in `x` (other values are kept)."""
+    return pytree.tree_map(
+        lambda t: t[index] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, x
+    )
+
+
+def slice_rows(x: Any, start: int, stop: int) -> Any:
+    """Rows start:stop of every tensor in `x`, without copying."""
+    return pytree.tree_map(
+        lambda t: t[start:stop] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, x
+    )
+
+
+def microbatch_bounds(rows: int, num_microbatches: int) -> list[tuple[int, int]]:
+    """Row ranges of the micro-batches: sizes differ by at most one, the larger ones first.
+
+    More micro-batches than rows are clamped to one row each, with a warning.
+    """
+    if num_microbatches > rows:
+        warnings.warn(
+            f"num_microbatches={num_microbatches} is more than the {rows} rows of this batch; "
+            f"using {rows} micro-batches of one row",
+            stacklevel=3,
+        )
+        num_microbatches = rows
+    base, extra = divmod(rows, num_microbatches)
+    bounds, start = [], 0
+    for i in range(num_microbatches):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def index_batches(rows: int, batch_size: int, shuffle: bool, seed: int) -> list[torch.Tensor]:
+    """Row indices of each global batch; the shuffle order depends only on `seed`."""
+    if shuffle:
+        order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
+    else:
+        order = torch.arange(rows)
+    return list(order.split(batch_size))
+
+
+def loader_batches(data: Dataset[Any] | DataLoader[Any], batch_size: int | None, shuffle: bool,
+                   seed: int) -> Iterator[tuple[Any, Any]]:
+    """(x, y) global batches of a Dataset or DataLoader, in an order every rank agrees on.
+
+    A DataLoader with a random or sequential sampler is rebuilt with a seeded generator, so
+    ranks that each made their own loader still see identical batches.
+    """
+    if isinstance(data, DataLoader):
+        loader = data
+        if isinstance(loader.sampler, (RandomSampler, SequentialSampler)) and loader.batch_size:
+            loader = DataLoader(
+                loader.dataset,
+                batch_size=loader.batch_size,
+                shuffle=isinstance(loader.sampler, RandomSampler),
+                collate_fn=loader.collate_fn,
+                drop_last=loader.drop_last,
+                generator=torch.Generator().manual_seed(seed),
+            )
+    else:
+        if batch_size is None:
+            raise ConfigError("fit(dataset) needs batch_size=...; or pass a DataLoader")
+        loader = DataLoader(
+            data, batch_size=batch_size, shuffle=shuffle, generator=torch.Generator().manual_seed(seed)
+        )
+    for item in loader:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ConfigError(
+                f"each item of the dataset must be an (input, target) pair, got "
+                f"{type(item).__name__}{'' if not isinstance(item, (tuple, list)) else f' of {len(item)}'}"
+            )
+        yield item[0], item[1]

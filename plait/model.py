@@ -1,0 +1,284 @@
+"""The public `Model`: Keras-like training of an unchanged nn.Module across pipeline stages."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from plait import data as batching
+from plait.callbacks import History, ProgressBar
+from plait.capture.output import flatten_output, unflatten_output
+from plait.config import Config
+from plait.errors import ConfigError, PlaitError
+from plait.metrics import METRICS, check_metrics
+from plait.pipeline import Pipeline, build_pipeline
+from plait.plan import Plan
+from plait.runtime.collectives import broadcast_floats, broadcast_state, gather_state_dict
+from plait.runtime.interpreter import MicroBatch
+from plait.runtime.process_group import init_process_group
+
+__all__ = ["Model"]
+
+log = logging.getLogger("plait")
+
+OptimizerArg = torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None
+
+
+class Model:
+    """Train `net` as a pipeline over every rank of the job; the same script runs on each rank.
+
+    >>> model = Model(net, config=Config(num_microbatches=4), optimizer=opt, loss=nn.CrossEntropyLoss())
+    >>> history = model.fit(x, y, epochs=5, batch_size=64)
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        config: Config | None = None,
+        optimizer: OptimizerArg = None,
+        loss: Callable[[Any, Any], torch.Tensor] | None = None,
+        metrics: Sequence[str] | None = None,
+    ):
+        if not isinstance(net, nn.Module):
+            raise ConfigError(f"plait.Model needs a torch.nn.Module, got {type(net).__name__}")
+        self.net = net
+        self.config = config if config is not None else Config()
+        if not isinstance(self.config, Config):
+            raise ConfigError(f"config must be a plait.Config, got {type(self.config).__name__}")
+        self.loss = loss
+        self.metrics = check_metrics(metrics)
+        self._optimizer_arg = optimizer
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.rank, self.world_size = init_process_group(self.config.timeout_s)
+        if self.world_size == 1:
+            self.num_stages = 1
+            if (self.config.num_stages or len(self.config.layers_per_proc or ())) > 1:
+                log.warning("plait: one process (no launcher): running every layer on one stage")
+        else:
+            self.num_stages = self.config.stages_for(self.world_size)
+            broadcast_state(net, 0)  # replicas start equal whatever each rank's seed
+        self._train: Pipeline | None = None
+        self._eval: Pipeline | None = None
+
+    # -- building ------------------------------------------------------------------------------
+
+    def _pipeline(self, x: Any, train: bool) -> Pipeline:
+        if self._train is None:
+            layers = self.config.layers_per_proc if self.num_stages > 1 else None
+            self._train = build_pipeline(self.net, x, self.num_stages, layers, self.config,
+                                         self.rank, self.world_size, self.loss, train=True)
+            self._make_optimizer()
+        if train:
+            return self._train
+        if self._eval is None:
+            self._eval = self._train.for_eval(self.net, x, self.loss)
+        return self._eval
+
+    def _make_optimizer(self) -> None:
+        assert self._train is not None
+        arg = self._optimizer_arg
+        if arg is None or isinstance(arg, torch.optim.Optimizer):
+            self.optimizer = arg
+        elif callable(arg):
+            self.optimizer = arg(self._train.local_parameters)
+        else:
+            raise ConfigError(
+                f"optimizer must be a torch.optim.Optimizer or a callable params -> optimizer, "
+                f"got {type(arg).__name__}"
+            )
+
+    @property
+    def plan(self) -> Plan:
+        """The plan in use (made when the model first sees data)."""
+        if self._train is None:
+            raise PlaitError(
+                "the plan is made when the model first sees data: call fit, train_on_batch, "
+                "evaluate or predict (or build(x_sample)) first"
+            )
+        return self._train.plan
+
+    def build(self, x_sample: Any) -> Plan:
+        """Capture and split the model on a sample input without training; returns the plan."""
+        return self._pipeline(x_sample, train=True).plan
+
+    # -- one global batch ------------------------------------------------------------------------
+
+    def _microbatches(self, pipe: Pipeline, x: Any, y: Any) -> list[MicroBatch]:
+        rows = batching.num_rows(x)
+        out = []
+        for start, stop in batching.microbatch_bounds(rows, self.config.num_microbatches):
+            xs = batching.slice_rows(x, start, stop)
+            args, kwargs = batching.as_call(xs)
+            inputs = pipe.captured.bind(args, kwargs)
+            key = tuple(tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor))
+            target = None if y is None else batching.slice_rows(y, start, stop)
+            out.append(MicroBatch(inputs, target, (stop - start) / rows, key))
+        return out
+
+    def _run(self, x: Any, y: Any, train: bool, keep_outputs: bool) -> tuple[list[float], Any]:
+        """Run one global batch; returns [loss, metric counts...] on every rank, and outputs."""
+        pipe = self._pipeline(x, train)
+        if train and (self.loss is None or self.optimizer is None):
+            missing = "loss" if self.loss is None else "optimizer"
+            raise ConfigError(f"training needs a {missing}: pass {missing}=... to plait.Model")
+        mbs = self._microbatches(pipe, x, y)
+        was_training = self.net.training
+        self.net.train(train)
+        try:
+            if train:
+                for p in pipe.local_parameters:
+                    p.grad = None
+            pipe.executor.reset()
+            pipe.interpreter.run(pipe.program(len(mbs), train), mbs, train,
+                                 keep_outputs=keep_outputs or bool(self.metrics))
+            if train:
+                if pipe.ties is not None:
+                    pipe.ties.sum()
+                assert self.optimizer is not None
+                self.optimizer.step()
+        finally:
+            self.net.train(was_training)
+        stats = [0.0] * (1 + 2 * len(self.metrics))
+        outputs = None
+        if pipe.is_last:
+            ex = pipe.executor
+            stats[0] = sum(ex.losses.values())
+            for k, mb in enumerate(mbs):
+                for i, name in enumerate(self.metrics):
+                    if mb.target is not None:
+                        c, n = METRICS[name](ex.outputs[k], mb.target)
+                        stats[1 + 2 * i] += c
+                        stats[2 + 2 * i] += n
+            if keep_outputs:
+                outputs = [ex.outputs[k] for k in range(len(mbs))]
+            ex.outputs.clear()
+        return broadcast_floats(stats, pipe.last_rank, len(stats)), outputs
+
+    def _logs(self, sums: list[float], rows: float) -> dict[str, float]:
+        logs = {"loss": sums[0] / rows}
+        for i, name in enumerate(self.metrics):
+            logs[name] = sums[1 + 2 * i] / max(sums[2 + 2 * i], 1.0)
+        return logs
+
+    def train_on_batch(self, x: Any, y: Any) -> float:
+        """One optimizer step on one global batch; returns its mean loss (same on every rank)."""
+        stats, _ = self._run(x, y, train=True, keep_outputs=False)
+        return stats[0]
+
+    # -- whole data sets -----------------------------------------------------------------------
+
+    def fit(
+        self,
+        x: Any,
+        y: Any = None,
+        epochs: int = 1,
+        batch_size: int | None = None,
+        shuffle: bool = True,
+        verbose: int = 1,
+        callbacks: Sequence[Any] = (),
+    ) -> History:
+        """Train for `epochs` epochs of global batches of `batch_size`; returns the History."""
+        if not isinstance(epochs, int) or epochs < 0:
+            raise ConfigError(f"epochs must be a non-negative integer, got {epochs!r}")
+        history = History()
+        batches_per_epoch = self._count_batches(x, batch_size)
+        cbs: list[Any] = list(callbacks) + [history]
+        if verbose:
+            cbs.append(ProgressBar(batches_per_epoch, epochs, enabled=self.rank == 0))
+        printed_plan = False
+        for epoch in range(epochs):
+            for cb in cbs:
+                _call(cb, "on_epoch_begin", epoch, {})
+            totals = [0.0] * (1 + 2 * len(self.metrics))
+            rows_seen = 0
+            for step, (xb, yb) in enumerate(self._batches(x, y, batch_size, shuffle, epoch)):
+                stats, _ = self._run(xb, yb, train=True, keep_outputs=False)
+                if verbose and not printed_plan and self.rank == 0:
+                    print(self.plan, flush=True)
+                    printed_plan = True
+                rows = batching.num_rows(xb)
+                rows_seen += rows
+                totals = [t + (s * rows if i == 0 else s) for i, (t, s) in enumerate(zip(totals, stats))]
+                for cb in cbs:
+                    _call(cb, "on_batch_end", step, self._logs(totals, rows_seen))
+            logs = self._logs(totals, max(rows_seen, 1))
+            for cb in cbs:
+                _call(cb, "on_epoch_end", epoch, logs)
+        return history
+
+    def _count_batches(self, x: Any, batch_size: int | None) -> int:
+        if isinstance(x, torch.utils.data.DataLoader):
+            return len(x)
+        if isinstance(x, torch.utils.data.Dataset):
+            if batch_size is None:
+                raise ConfigError("fit(dataset) needs batch_size=...")
+            return -(-len(x) // batch_size)  # type: ignore[arg-type]
+        rows = batching.num_rows(x)
+        size = batch_size or rows
+        if size < 1:
+            raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+        return -(-rows // size)
+
+    def _batches(self, x: Any, y: Any, batch_size: int | None, shuffle: bool, epoch: int):
+        seed = self.config.seed * 1_000_003 + epoch
+        if isinstance(x, (torch.utils.data.Dataset, torch.utils.data.DataLoader)):
+            yield from batching.loader_batches(x, batch_size, shuffle, seed)
+            return
+        if y is None:
+            raise ConfigError("fit(x, y): targets y are missing")
+        rows = batching.num_rows(x)
+        if batching.num_rows(y) != rows:
+            raise ConfigError(f"x has {rows} rows but y has {batching.num_rows(y)}; give one target per row")
+        for index in batching.index_batches(rows, batch_size or rows, shuffle, seed):
+            if shuffle:
+                yield batching.take(x, index), batching.take(y, index)
+            else:
+                yield batching.slice_rows(x, int(index[0]), int(index[-1]) + 1), \
+                    batching.slice_rows(y, int(index[0]), int(index[-1]) + 1)
+
+    def evaluate(self, x: Any, y: Any, batch_size: int | None = None) -> dict[str, float]:
+        """Mean loss and metrics over all of x (every sample once); the same dict on every rank."""
+        rows = batching.num_rows(x)
+        totals = [0.0] * (1 + 2 * len(self.metrics))
+        for index in batching.index_batches(rows, batch_size or rows, False, 0):
+            a, b = int(index[0]), int(index[-1]) + 1
+            stats, _ = self._run(batching.slice_rows(x, a, b), batching.slice_rows(y, a, b),
+                                 train=False, keep_outputs=False)
+            totals = [t + (s * (b - a) if i == 0 else s) for i, (t, s) in enumerate(zip(totals, stats))]
+        return self._logs(totals, rows)
+
+    def predict(self, x: Any, batch_size: int | None = None) -> Any:
+        """The model's outputs for all of x, on every rank (tensor leaves joined along dim 0)."""
+        rows = batching.num_rows(x)
+        parts: list[Any] = []
+        for index in batching.index_batches(rows, batch_size or rows, False, 0):
+            a, b = int(index[0]), int(index[-1]) + 1
+            _, outputs = self._run(batching.slice_rows(x, a, b), None, train=False, keep_outputs=True)
+            if outputs is not None:
+                parts.extend(outputs)
+        pipe = self._pipeline(x, train=False)
+        leaves: list[Any] | None = None
+        if pipe.is_last:
+            flat = [flatten_output(p)[0] for p in parts]
+            leaves = [
+                torch.cat([f[i] for f in flat]) if isinstance(flat[0][i], torch.Tensor)
+                and flat[0][i].dim() > 0 else flat[0][i]
+                for i in range(len(flat[0]))
+            ]
+        leaves = pipe.share_from_last(leaves, ("predict", rows))
+        return unflatten_output(leaves, pipe.output_spec)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full, unsplit state dict (keys, shapes and dtypes of net.state_dict()) on every rank."""
+        owners = self._train.owner_of if self._train is not None else {}
+        return gather_state_dict(self.net, owners)
+
+
+def _call(cb: Any, hook: str, *args: Any) -> None:
+    fn = getattr(cb, hook, None)
+    if fn is not None:
+        fn(*args)

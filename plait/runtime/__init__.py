@@ -1,0 +1,1 @@
+"""Running per-rank pipeline programs on torch.distributed."""

@@ -1,0 +1,69 @@
+"""The collectives around a step: initial parameter broadcast, tied-gradient sums, state gathering."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["broadcast_state", "TiedGradients", "gather_state_dict", "broadcast_floats"]
+
+
+def broadcast_state(net: nn.Module, src: int = 0) -> None:
+    """Make every rank's parameters and buffers equal to rank `src`'s, whatever their seeds."""
+    seen: set[int] = set()
+    with torch.no_grad():
+        for t in net.state_dict(keep_vars=True).values():
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            dist.broadcast(t.data, src)
+
+
+class TiedGradients:
+    """Sums the gradients of parameters replicated on several stages (nkflow layer reuse, §3.4.3).
+
+    Every rank makes the same groups in the same order, as `new_group` requires.
+    """
+
+    def __init__(self, tied: Sequence[tuple[nn.Parameter, Sequence[int]]], rank: int):
+        self._mine: list[tuple[nn.Parameter, Any]] = []
+        for param, ranks in tied:
+            group = dist.new_group(sorted(set(ranks)))
+            if rank in ranks:
+                self._mine.append((param, group))
+
+    def sum(self) -> None:
+        """All-reduce (sum) each tied parameter's gradient over the ranks that hold it."""
+        for param, group in self._mine:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+
+
+def gather_state_dict(net: nn.Module, owner_of: dict[int, int]) -> dict[str, torch.Tensor]:
+    """The full state dict on every rank: each tensor broadcast from the rank that trains it.
+
+    owner_of maps id(tensor) -> rank; tensors no stage uses come from rank 0.
+    """
+    out: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor] = {}
+    for name, t in net.state_dict(keep_vars=True).items():
+        if id(t) not in done:
+            value = t.detach().clone()
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast(value, owner_of.get(id(t), 0))
+            done[id(t)] = value
+        out[name] = done[id(t)]
+    return out
+
+
+def broadcast_floats(values: list[float], src: int, count: int) -> list[float]:
+    """Broadcast `count` float64 numbers from rank `src` (others pass anything)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return list(values)
+    t = torch.tensor(values if dist.get_rank() == src else [0.0] * count, dtype=torch.float64)
+    dist.broadcast(t, src)
+    return t.tolist()

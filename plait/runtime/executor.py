@@ -1,0 +1,101 @@
+"""`StageExecutor`: one stage's forward and backward for each micro-batch, with what it keeps between.
+
+The received activations become leaves that require grad -- the nkflow "gradient layer": in the
+forward pass it is the identity, in the backward pass its `.grad` is dL/d(input), which is sent
+upstream. Scaling each micro-batch's loss by its share of the batch makes the accumulated
+gradients those of the whole batch's mean loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+from plait.capture.split import StageModule
+from plait.errors import LossError
+
+__all__ = ["StageExecutor", "grad_leaves"]
+
+
+def grad_leaves(values: list[Any]) -> list[torch.Tensor]:
+    """The tensors among `values` that carry gradients, in a fixed order both peers agree on."""
+    leaves, _ = pytree.tree_flatten([tuple(v) if isinstance(v, torch.Size) else v for v in values])
+    return [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+
+
+class StageExecutor:
+    """Runs one stage module micro-batch by micro-batch."""
+
+    def __init__(
+        self,
+        stage: StageModule,
+        finish: Callable[[Any], Any],
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    ):
+        self.stage = stage
+        self.finish = finish
+        self.loss_fn = loss_fn
+        self._inputs: dict[int, list[torch.Tensor]] = {}
+        self._outputs: dict[int, list[torch.Tensor]] = {}
+        self._losses: dict[int, torch.Tensor] = {}
+        self.losses: dict[int, float] = {}  # micro-batch -> its scaled loss, this step
+        self.outputs: dict[int, Any] = {}  # micro-batch -> model output (last stage)
+
+    def forward(
+        self,
+        microbatch_index: int,
+        received: list[Any],
+        inputs: list[Any],
+        target: Any = None,
+        scale: float = 1.0,
+        train: bool = True,
+        keep_output: bool = False,
+    ) -> list[Any]:
+        """Run the stage; return what goes to the next stage (empty on the last stage)."""
+        with torch.set_grad_enabled(train):
+            out = self.stage.module(*received, *inputs)
+            if not self.stage.is_last:
+                values = list(out)
+                if train:
+                    self._inputs[microbatch_index] = grad_leaves(received)
+                    self._outputs[microbatch_index] = grad_leaves(values)
+                return values
+            output = self.finish(out)
+            if keep_output:
+                self.outputs[microbatch_index] = pytree.tree_map(
+                    lambda x: x.detach() if isinstance(x, torch.Tensor) else x, output
+                )
+            if self.loss_fn is not None and target is not None:
+                loss = self.loss_fn(output, target)
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                    raise LossError(
+                        f"the loss returned {shape}, not a scalar tensor; plait needs a scalar "
+                        "mean loss per batch (for torch.nn losses use reduction='mean')"
+                    )
+                self.losses[microbatch_index] = float(loss.detach()) * scale
+                if train:
+                    self._inputs[microbatch_index] = grad_leaves(received)
+                    self._losses[microbatch_index] = loss * scale
+            return []
+
+    def backward(self, microbatch_index: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Backpropagate one micro-batch; return dL/d(received tensors) for the previous stage."""
+        inputs = self._inputs.pop(microbatch_index)
+        if self.stage.is_last:
+            self._losses.pop(microbatch_index).backward()
+        else:
+            outputs = self._outputs.pop(microbatch_index)
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+        return [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
+
+    def reset(self) -> None:
+        """Forget everything of the previous step."""
+        self._inputs.clear()
+        self._outputs.clear()
+        self._losses.clear()
+        self.losses.clear()
+        self.outputs.clear()

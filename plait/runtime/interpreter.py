@@ -1,0 +1,130 @@
+"""The one interpreter loop: runs a rank's list of actions, whatever schedule made it.
+
+    RF  receive activations from the previous stage      F   forward one micro-batch
+    SF  send activations to the next stage (isend)       B   backward one micro-batch
+    RB  receive gradients from the next stage            SB  send input gradients back (isend)
+
+A failure anywhere becomes a `PipelineError` naming this rank, the action, the peer, and the
+rank x step grid with this rank's position marked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from plait.errors import PipelineError
+from plait.runtime.executor import StageExecutor, grad_leaves
+from plait.runtime.wire import Wire
+from plait.schedule import Action, Op, Program, format_grid
+
+__all__ = ["MicroBatch", "Interpreter"]
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch as every rank sees it: its model inputs, target and share of the batch."""
+
+    inputs: list[Any]  # value of every graph placeholder
+    target: Any
+    scale: float  # rows in this micro-batch / rows in the global batch
+    key: Hashable  # input shapes: equal keys mean equal activation shapes
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Interpreter:
+    """Executes per-rank programs for the stages this rank holds."""
+
+    def __init__(
+        self,
+        rank: int,
+        executors: dict[int, StageExecutor],
+        stage_to_rank: Sequence[int],
+        wire: Wire,
+    ):
+        self.rank = rank
+        self.executors = executors
+        self.stage_to_rank = list(stage_to_rank)
+        self.num_stages = len(stage_to_rank)
+        self.wire = wire
+
+    def run(
+        self,
+        program: Program,
+        microbatches: Sequence[MicroBatch],
+        train: bool,
+        keep_outputs: bool = False,
+    ) -> None:
+        """Run this rank's part of `program` over `microbatches`."""
+        actions = program.get(self.rank, [])
+        inbox: dict[tuple[int, int], list[Any]] = {}  # (stage, mb) -> received activations
+        outbox: dict[tuple[int, int], list[Any]] = {}  # (stage, mb) -> activations to send
+        grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}
+        grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
+        sent_like: dict[tuple[int, int], list[torch.Tensor]] = {}  # what SF sent, for RB shapes
+        for position, action in enumerate(actions):
+            s, k, op = action.stage_index, action.microbatch_index, action.op
+            mb = microbatches[k]
+            try:
+                if op is Op.RECV_F:
+                    peer = self.stage_to_rank[s - 1]
+                    inbox[(s, k)], _ = self.wire.recv(peer, ("F", s - 1, train, mb.key), 2 * k)
+                elif op is Op.FORWARD:
+                    received = inbox.pop((s, k), None)
+                    if received is None:  # producer on this rank: handed over locally
+                        received = outbox.pop((s - 1, k), []) if s > 0 else []
+                    ex = self.executors[s]
+                    inputs = [mb.inputs[i] for i in ex.stage.input_indices]
+                    out = ex.forward(k, received, inputs, mb.target, mb.scale, train, keep_outputs)
+                    if not ex.stage.is_last:
+                        outbox[(s, k)] = out
+                elif op is Op.SEND_F:
+                    values = outbox.pop((s, k))
+                    self.wire.send(values, self.stage_to_rank[s + 1], ("F", s, train, mb.key), 2 * k)
+                    if train:
+                        sent_like[(s, k)] = grad_leaves(values)
+                elif op is Op.RECV_B:
+                    like = sent_like.pop((s, k))
+                    grads_in[(s, k)] = self.wire.recv_tensors(like, self.stage_to_rank[s + 1], 2 * k + 1)
+                elif op is Op.BACKWARD:
+                    grads = grads_in.pop((s, k), None)
+                    if grads is None:
+                        grads = grads_out.pop((s + 1, k), [])
+                    grads_out[(s, k)] = self.executors[s].backward(k, grads)
+                elif op is Op.SEND_B:
+                    self.wire.send_tensors(grads_out.pop((s, k)), self.stage_to_rank[s - 1], 2 * k + 1)
+                else:  # pragma: no cover - the validator rejects unknown actions
+                    raise AssertionError(f"unknown action {action}")
+            except PipelineError:
+                raise
+            except Exception as e:  # noqa: BLE001 - every failure gets the rank/action/peer report
+                raise self._failure(program, position, action, e) from e
+        try:
+            self.wire.drain()
+        except Exception as e:  # noqa: BLE001
+            raise self._failure(program, len(actions), None, e) from e
+
+    def _peer(self, action: Action) -> int | None:
+        s = action.stage_index
+        if action.op in (Op.RECV_F,):
+            return self.stage_to_rank[s - 1]
+        if action.op in (Op.SEND_F, Op.RECV_B):
+            return self.stage_to_rank[s + 1]
+        if action.op is Op.SEND_B:
+            return self.stage_to_rank[s - 1]
+        return None
+
+    def _failure(
+        self, program: Program, position: int, action: Action | None, error: Exception
+    ) -> PipelineError:
+        what = f"action {action} (step {position})" if action else "waiting for its sends to finish"
+        peer = self._peer(action) if action else None
+        peer_text = f", peer rank {peer}" if peer is not None else ""
+        grid = format_grid(program, {self.rank: position})
+        return PipelineError(
+            f"rank {self.rank} failed at {what}{peer_text}: {type(error).__name__}: {error}\n"
+            f"where rank {self.rank} stood in the schedule (marked):\n{grid}"
+        )
+

@@ -1,0 +1,211 @@
+"""The point-to-point protocol between neighbouring stages: a description once, then raw tensors.
+
+A message is a list of values (tensors, Python numbers, None, tuples/lists/dicts of them).
+The first message for a *key* (direction, boundary, train/eval, the micro-batch's input shapes)
+starts with a description, so the receiver can allocate buffers; later ones carry only data::
+
+    first time:  header int64[2] = (len(desc), len(spec))
+                 desc   int64[...] = per leaf: kind, dtype, requires_grad, ndim, *shape
+                 spec   uint8[...] = the pytree structure as JSON (never pickle)
+    every time:  one tensor per tensor leaf, plus one float64 tensor of the Python-number leaves
+
+Sends are `isend` and never block the schedule (blocking sends deadlock 1F1B on gloo); a send's
+buffers are kept until `drain` waits for them. Every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Hashable
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+__all__ = ["Wire", "WireTimeout", "Description"]
+
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]
+_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+_TENSOR, _FLOAT, _NONE, _INT, _BOOL = 0, 1, 2, 3, 4
+_NUMBERS = (_FLOAT, _INT, _BOOL)
+
+
+class WireTimeout(RuntimeError):
+    """A receive or send did not complete in time, or the peer went away."""
+
+
+@dataclass(frozen=True)
+class Description:
+    """What a message holds: one entry per leaf, and the structure that rebuilds the values."""
+
+    kinds: tuple[int, ...]
+    dtypes: tuple[torch.dtype | None, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    requires_grad: tuple[bool, ...]
+    spec: pytree.TreeSpec
+
+    @property
+    def tensor_positions(self) -> list[int]:
+        return [i for i, k in enumerate(self.kinds) if k == _TENSOR]
+
+
+def _leaf_kind(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return _TENSOR
+    if x is None:
+        return _NONE
+    if isinstance(x, bool):
+        return _BOOL
+    if isinstance(x, int):
+        return _INT
+    if isinstance(x, float):
+        return _FLOAT
+    raise TypeError(
+        f"plait can send tensors, numbers and None between stages, not {type(x).__name__}"
+    )
+
+
+def _flatten(values: list[Any]) -> tuple[list[Any], pytree.TreeSpec]:
+    # torch.Size travels as a tuple of ints.
+    values = [tuple(v) if isinstance(v, torch.Size) else v for v in values]
+    return pytree.tree_flatten(values)
+
+
+def describe(values: list[Any]) -> Description:
+    """The description of a message, as the sender sees it."""
+    leaves, spec = _flatten(values)
+    kinds = tuple(_leaf_kind(x) for x in leaves)
+    return Description(
+        kinds,
+        tuple(x.dtype if k == _TENSOR else None for x, k in zip(leaves, kinds)),
+        tuple(tuple(x.shape) if k == _TENSOR else () for x, k in zip(leaves, kinds)),
+        tuple(bool(k == _TENSOR and x.requires_grad) for x, k in zip(leaves, kinds)),
+        spec,
+    )
+
+
+class Wire:
+    """Sends and receives stage messages for one rank."""
+
+    def __init__(self, timeout_s: float, group: Any = None):
+        self.timeout = timedelta(seconds=timeout_s)
+        self.group = group
+        self._pending: list[tuple[Any, Any]] = []  # (work, buffer kept alive)
+        self._sent: dict[Hashable, Description] = {}
+        self._received: dict[Hashable, Description] = {}
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        tensor = tensor.detach().contiguous()
+        self._pending.append((dist.isend(tensor, peer, group=self.group, tag=tag), tensor))
+
+    def send(self, values: list[Any], peer: int, key: Hashable, tag: int) -> Description:
+        """Send `values` to `peer`; describe them first if this key is new."""
+        leaves, _ = _flatten(values)
+        desc = self._sent.get(key)
+        if desc is None:
+            desc = describe(values)
+            self._sent[key] = desc
+            self._send_description(desc, peer, tag)
+        self._send_leaves(leaves, desc, peer, tag)
+        return desc
+
+    def _send_description(self, desc: Description, peer: int, tag: int) -> None:
+        body: list[int] = []
+        for kind, dtype, shape, grad in zip(desc.kinds, desc.dtypes, desc.shapes, desc.requires_grad):
+            body += [kind, _CODE[dtype] if dtype is not None else -1, int(grad), len(shape), *shape]
+        spec = pytree.treespec_dumps(desc.spec).encode()
+        self._isend(torch.tensor([len(body), len(spec)], dtype=torch.int64), peer, tag)
+        if body:
+            self._isend(torch.tensor(body, dtype=torch.int64), peer, tag)
+        self._isend(torch.frombuffer(bytearray(spec), dtype=torch.uint8), peer, tag)
+
+    def _send_leaves(self, leaves: list[Any], desc: Description, peer: int, tag: int) -> None:
+        numbers = []
+        for x, kind, shape in zip(leaves, desc.kinds, desc.shapes):
+            if kind == _TENSOR:
+                if tuple(x.shape) != shape:
+                    raise WireTimeout(
+                        f"a tensor of shape {tuple(x.shape)} was sent where the agreed shape is "
+                        f"{shape}; shapes must be a function of the input shapes"
+                    )
+                self._isend(x, peer, tag)
+            elif kind in _NUMBERS:
+                numbers.append(float(x))
+        if numbers:
+            self._isend(torch.tensor(numbers, dtype=torch.float64), peer, tag)
+
+    def send_tensors(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
+        """Send tensors whose shapes the peer already knows (gradients)."""
+        for t in tensors:
+            self._isend(t, peer, tag)
+
+    def drain(self) -> None:
+        """Wait for every send of this step to complete."""
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            self._wait(work)
+
+    # -- receiving -----------------------------------------------------------------------------
+
+    def _recv(self, tensor: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+        self._wait(dist.irecv(tensor, peer, group=self.group, tag=tag))
+        return tensor
+
+    def _wait(self, work: Any) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise WireTimeout(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+
+    def recv(self, peer: int, key: Hashable, tag: int) -> tuple[list[Any], Description]:
+        """Receive one message from `peer`; tensors that required grad there require grad here."""
+        desc = self._received.get(key)
+        if desc is None:
+            desc = self._recv_description(peer, tag)
+            self._received[key] = desc
+        leaves: list[Any] = []
+        for kind, dtype, shape, grad in zip(desc.kinds, desc.dtypes, desc.shapes, desc.requires_grad):
+            if kind == _TENSOR:
+                assert dtype is not None
+                t = self._recv(torch.empty(shape, dtype=dtype), peer, tag)
+                leaves.append(t.requires_grad_() if grad else t)
+            else:
+                leaves.append(None)
+        count = sum(k in _NUMBERS for k in desc.kinds)
+        if count:
+            numbers = iter(self._recv(torch.empty(count, dtype=torch.float64), peer, tag).tolist())
+            leaves = [
+                _CAST[k](next(numbers)) if k in _NUMBERS else x for x, k in zip(leaves, desc.kinds)
+            ]
+        return pytree.tree_unflatten(leaves, desc.spec), desc
+
+    def _recv_description(self, peer: int, tag: int) -> Description:
+        header = self._recv(torch.empty(2, dtype=torch.int64), peer, tag).tolist()
+        body = self._recv(torch.empty(header[0], dtype=torch.int64), peer, tag).tolist() if header[0] else []
+        spec = bytes(self._recv(torch.empty(header[1], dtype=torch.uint8), peer, tag).tolist())
+        kinds, dtypes, shapes, grads = [], [], [], []
+        i = 0
+        while i < len(body):
+            kind, code, grad, ndim = body[i : i + 4]
+            kinds.append(kind)
+            dtypes.append(_DTYPES[code] if code >= 0 else None)
+            grads.append(bool(grad))
+            shapes.append(tuple(body[i + 4 : i + 4 + ndim]))
+            i += 4 + ndim
+        return Description(
+            tuple(kinds), tuple(dtypes), tuple(shapes), tuple(grads),
+            pytree.treespec_loads(spec.decode()),
+        )
+
+    def recv_tensors(self, like: list[torch.Tensor], peer: int, tag: int) -> list[torch.Tensor]:
+        """Receive tensors shaped like `like` (gradients of what this rank sent)."""
+        return [self._recv(torch.empty_like(t, requires_grad=False), peer, tag) for t in like]
+
+
+_CAST = {_FLOAT: float, _INT: int, _BOOL: bool}

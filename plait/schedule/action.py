@@ -1,0 +1,120 @@
+"""Pipeline actions, their short text form (`2F0`), and printing of per-rank programs."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import TypeAlias
+
+from plait.errors import ScheduleError
+
+__all__ = ["Op", "Action", "Program", "parse_action", "format_program", "format_grid"]
+
+
+class Op(str, Enum):
+    """What a rank does in one step; the value is the text between the two numbers of `2F0`.
+
+    Direction words follow the activations: `SEND_F` ships stage s's output of micro-batch k to
+    stage s+1 (`RECV_F` of stage s+1 takes it); `SEND_B` ships the gradient of stage s's input to
+    stage s-1 (`RECV_B` of stage s-1 takes it).
+    """
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_F = "SF"
+    RECV_F = "RF"
+    SEND_B = "SB"
+    RECV_B = "RB"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# Two-letter ops first, so that "SF" is never read as stage digits followed by "F".
+_ACTION_RE = re.compile(r"(\d+)(SF|RF|SB|RB|F|B)(\d+)")
+
+
+@dataclass(frozen=True)
+class Action:
+    """Stage `stage_index` does `op` on micro-batch `microbatch_index`; `str()` gives `2F0`."""
+
+    stage_index: int
+    op: Op
+    microbatch_index: int
+
+    def __post_init__(self) -> None:
+        for name in ("stage_index", "microbatch_index"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ScheduleError(
+                    f"Action {name} must be an int >= 0, got {value!r}; "
+                    f"count stages and micro-batches from 0"
+                )
+        if not isinstance(self.op, Op):
+            try:
+                object.__setattr__(self, "op", Op(self.op))
+            except ValueError:
+                known = ", ".join(op.value for op in Op)
+                raise ScheduleError(
+                    f"Action op must be one of {known}, got {self.op!r}"
+                ) from None
+
+    def __str__(self) -> str:
+        return f"{self.stage_index}{self.op.value}{self.microbatch_index}"
+
+
+Program: TypeAlias = dict[int, list[Action]]
+"""rank -> the actions that rank executes, in order."""
+
+
+def parse_action(text: str) -> Action:
+    """Read the text form back into an Action: `"2F0"` -> `Action(2, Op.FORWARD, 0)`."""
+    match = _ACTION_RE.fullmatch(text.strip())
+    if match is None:
+        known = "|".join(op.value for op in Op)
+        raise ScheduleError(
+            f"cannot parse action {text!r}; expected <stage><op><microbatch> with op in "
+            f"{known}, e.g. '2F0' or '1SF3'"
+        )
+    stage, op, microbatch = match.groups()
+    return Action(int(stage), Op(op), int(microbatch))
+
+
+def format_program(program: Program) -> str:
+    """One line per rank, ranks ascending: `rank 0: 0F0 0SF0 0F1 ...`."""
+    return "\n".join(
+        f"rank {rank}: {' '.join(str(a) for a in program[rank])}".rstrip()
+        for rank in sorted(program)
+    )
+
+
+def format_grid(program: Program, positions: dict[int, int] | None = None) -> str:
+    """A rank x step table of the program; `positions[rank]` marks where that rank stands.
+
+    The marked cell is wrapped in brackets; a rank whose position is past its last action is
+    shown as `(done)`. Example, rank 0 stuck at step 2 and rank 1 finished:
+
+        step   | 0      1      2      3
+        rank 0 | 0F0    0SF0  [0RB0]  0B0
+        rank 1 | 1RF0   1F0    1B0    1SB0   (done)
+    """
+    ranks = sorted(program)
+    num_steps = max((len(program[r]) for r in ranks), default=0)
+    texts = {r: [str(a) for a in program[r]] for r in ranks}
+    width = max([len(t) for r in ranks for t in texts[r]] + [len(str(num_steps - 1))]) + 3
+    label_width = max([len(f"rank {r}") for r in ranks] + [len("step")])
+
+    def cell(text: str, marked: bool) -> str:
+        return (f"[{text}]" if marked else f" {text} ").ljust(width)
+
+    header = [f"{'step'.ljust(label_width)} |"] + [cell(str(i), False) for i in range(num_steps)]
+    lines = ["".join(header).rstrip()]
+    for rank in ranks:
+        position = None if positions is None else positions.get(rank)
+        row = [f"{f'rank {rank}'.ljust(label_width)} |"]
+        row += [cell(t, i == position) for i, t in enumerate(texts[rank])]
+        if position is not None and position >= len(texts[rank]):
+            row.append(" (done)")
+        lines.append("".join(row).rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""Unit-cost clock cycles of a compute-only program, used to merge stages and to draw schedules."""
+
+from __future__ import annotations
+
+from plait.errors import ScheduleError
+from plait.schedule.action import Action, Op, Program
+
+__all__ = ["clock_cycles", "format_timeline"]
+
+
+def compute_needs(action: Action, num_stages: int) -> list[Action]:
+    """The compute actions whose results `action` (an F or a B) consumes.
+
+    F(s, k) reads the output of F(s-1, k); B(s, k) reads its own F(s, k) (saved activations)
+    and the gradient produced by B(s+1, k).
+    """
+    s, k = action.stage_index, action.microbatch_index
+    if action.op is Op.FORWARD:
+        return [Action(s - 1, Op.FORWARD, k)] if s > 0 else []
+    needs = [Action(s, Op.FORWARD, k)]
+    if s < num_stages - 1:
+        needs.append(Action(s + 1, Op.BACKWARD, k))
+    return needs
+
+
+def clock_cycles(program: Program, num_stages: int) -> dict[Action, int]:
+    """The clock cycle at which each action starts when every F and B takes one cycle.
+
+    Each rank runs its list in order, one action at a time, and starts an action as soon as the
+    rank is free and every action it needs has finished (communication is free). With one
+    stage per rank GPipe and 1F1B both finish in 2(m + p - 1) cycles, of which 2(p - 1) are
+    bubble on every stage: the (p-1)/(m+p-1) bubble fraction of GPipe (Huang et al. 2019) and
+    PipeDream-Flush (Narayanan et al. 2021).
+    """
+    for rank, actions in program.items():
+        for action in actions:
+            if action.op not in (Op.FORWARD, Op.BACKWARD):
+                raise ScheduleError(
+                    f"clock_cycles takes a compute-only program (F and B), but rank {rank} "
+                    f"holds {action}; time the program before lower_communication"
+                )
+    start: dict[Action, int] = {}
+    positions = {rank: 0 for rank in program}
+    free_at = {rank: 0 for rank in program}
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, actions in program.items():
+            while positions[rank] < len(actions):
+                action = actions[positions[rank]]
+                needs = compute_needs(action, num_stages)
+                if any(need not in start for need in needs):
+                    break
+                begin = max([free_at[rank]] + [start[need] + 1 for need in needs])
+                start[action] = begin
+                free_at[rank] = begin + 1
+                positions[rank] += 1
+                progressed = True
+    stuck = {r: str(a[positions[r]]) for r, a in program.items() if positions[r] < len(a)}
+    if stuck:
+        raise ScheduleError(
+            f"cannot time the program: ranks wait forever at {stuck}; run validate() on it "
+            f"to see which action each one waits for"
+        )
+    return start
+
+
+def format_timeline(program: Program, num_stages: int) -> str:
+    """Draw a compute-only program against the clock, one row per rank (torchgpipe style).
+
+    For `one_f_one_b(2, 2)`:
+
+        clock  |  0    1    2    3    4    5
+        rank 0 | 0F0  0F1       0B0       0B1
+        rank 1 |      1F0  1B0  1F1  1B1
+    """
+    start = clock_cycles(program, num_stages)
+    num_cycles = max(start.values(), default=-1) + 1
+    width = max([len(str(a)) for a in start] + [len(str(num_cycles - 1))]) + 2
+    label_width = max([len(f"rank {r}") for r in program] + [len("clock")])
+    lines = [f"{'clock'.ljust(label_width)} |" + "".join(
+        str(c).center(width) for c in range(num_cycles)
+    )]
+    for rank in sorted(program):
+        cells = [""] * num_cycles
+        for action in program[rank]:
+            cells[start[action]] = str(action)
+        lines.append(f"{f'rank {rank}'.ljust(label_width)} |" + "".join(
+            c.center(width) for c in cells
+        ))
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,240 @@
+"""Validation of a lowered program: static checks, then a one-process dry run that finds deadlocks.
+
+The dry run models the runtime's rules: a rank executes its list in order; a send never
+blocks; a receive completes only after the peer rank has executed the matching send; F and B
+wait for the values they consume (a receive on this rank, or the producing F/B of a stage on
+the same rank).
+"""
+
+from __future__ import annotations
+
+from plait.errors import ScheduleError
+from plait.schedule.action import Action, Op, Program, format_grid
+from plait.schedule.lower import check_sizes, resolve_stage_to_rank
+
+__all__ = ["validate", "needs"]
+
+_MAX_LISTED = 12  # problems listed in one error; the rest are counted
+_BACKWARD_OPS = (Op.BACKWARD, Op.SEND_B, Op.RECV_B)
+
+
+def needs(action: Action, stage_to_rank: dict[int, int], num_stages: int) -> list[Action]:
+    """The actions that must have run before `action` can run, on its rank or a peer's."""
+    s, k = action.stage_index, action.microbatch_index
+    op = action.op
+    if op is Op.FORWARD:
+        if s == 0:
+            return []
+        local = stage_to_rank[s - 1] == stage_to_rank[s]
+        return [Action(s - 1, Op.FORWARD, k) if local else Action(s, Op.RECV_F, k)]
+    if op is Op.BACKWARD:
+        out = [Action(s, Op.FORWARD, k)]
+        if s < num_stages - 1:
+            local = stage_to_rank[s + 1] == stage_to_rank[s]
+            out.append(Action(s + 1, Op.BACKWARD, k) if local else Action(s, Op.RECV_B, k))
+        return out
+    if op is Op.SEND_F:
+        return [Action(s, Op.FORWARD, k)]
+    if op is Op.SEND_B:
+        return [Action(s, Op.BACKWARD, k)]
+    if op is Op.RECV_F:
+        return [Action(s - 1, Op.SEND_F, k)]
+    return [Action(s + 1, Op.SEND_B, k)]  # RECV_B
+
+
+def _counterpart(action: Action) -> Action:
+    """The other end of a send or receive: SF(s, k) <-> RF(s+1, k), SB(s, k) <-> RB(s-1, k)."""
+    s, k = action.stage_index, action.microbatch_index
+    if action.op is Op.SEND_F:
+        return Action(s + 1, Op.RECV_F, k)
+    if action.op is Op.RECV_F:
+        return Action(s - 1, Op.SEND_F, k)
+    if action.op is Op.SEND_B:
+        return Action(s - 1, Op.RECV_B, k)
+    assert action.op is Op.RECV_B, f"{action} is not a send or receive"
+    return Action(s + 1, Op.SEND_B, k)
+
+
+def _raise_if(problems: list[str], headline: str) -> None:
+    if not problems:
+        return
+    lines = [headline] + [f"  {p}" for p in problems[:_MAX_LISTED]]
+    if len(problems) > _MAX_LISTED:
+        lines.append(f"  ... and {len(problems) - _MAX_LISTED} more")
+    raise ScheduleError("\n".join(lines))
+
+
+def _check_placement(
+    program: Program, ranks: dict[int, int], num_stages: int, num_microbatches: int,
+    forward_only: bool,
+) -> None:
+    """Every action names an existing stage and micro-batch and sits on its stage's rank."""
+    problems: list[str] = []
+    for rank, actions in sorted(program.items()):
+        for step, a in enumerate(actions):
+            s, where = a.stage_index, f"rank {rank} step {step}: {a}"
+            if s >= num_stages:
+                problems.append(f"{where} names stage {s}, but stages are 0..{num_stages - 1}")
+            elif a.microbatch_index >= num_microbatches:
+                problems.append(
+                    f"{where} names micro-batch {a.microbatch_index}, but micro-batches are "
+                    f"0..{num_microbatches - 1}"
+                )
+            elif ranks[s] != rank:
+                problems.append(f"{where} belongs to stage {s} on rank {ranks[s]}; move it there")
+            elif forward_only and a.op in _BACKWARD_OPS:
+                problems.append(f"{where} is a backward action in a forward-only program")
+            elif a.op not in (Op.FORWARD, Op.BACKWARD):
+                peer = s + 1 if a.op in (Op.SEND_F, Op.RECV_B) else s - 1
+                if not 0 <= peer < num_stages:
+                    problems.append(f"{where} talks to stage {peer}, which does not exist")
+                elif ranks[peer] == rank:
+                    problems.append(
+                        f"{where} talks to stage {peer} on the same rank {rank}; the value is "
+                        f"handed over in memory, drop {a} and {_counterpart(a)}"
+                    )
+    _raise_if(problems, "actions in the wrong place:")
+
+
+def _index(program: Program) -> dict[Action, tuple[int, int]]:
+    """action -> (rank, step), after checking that no action occurs twice."""
+    where: dict[Action, tuple[int, int]] = {}
+    problems: list[str] = []
+    for rank, actions in sorted(program.items()):
+        for step, a in enumerate(actions):
+            if a in where:
+                first_rank, first_step = where[a]
+                problems.append(
+                    f"{a} occurs twice, at rank {first_rank} step {first_step} and rank {rank} "
+                    f"step {step}; keep one"
+                )
+            else:
+                where[a] = (rank, step)
+    _raise_if(problems, "duplicated actions:")
+    return where
+
+
+def _check_complete(
+    where: dict[Action, tuple[int, int]], ranks: dict[int, int], num_stages: int,
+    num_microbatches: int, forward_only: bool,
+) -> None:
+    """Every (stage, micro-batch) has its F, and its B unless forward-only."""
+    ops = (Op.FORWARD,) if forward_only else (Op.FORWARD, Op.BACKWARD)
+    missing = [
+        f"{a} on rank {ranks[s]}"
+        for s in range(num_stages) for k in range(num_microbatches) for op in ops
+        if (a := Action(s, op, k)) not in where
+    ]
+    _raise_if(
+        missing,
+        f"missing compute actions (each of the {num_stages} stages runs each of the "
+        f"{num_microbatches} micro-batches {'forward' if forward_only else 'forward and backward'}"
+        f" exactly once; generate the program with a schedule generator):",
+    )
+
+
+def _check_order(
+    program: Program, where: dict[Action, tuple[int, int]], ranks: dict[int, int],
+    num_stages: int,
+) -> None:
+    """Sends and receives pair up, every need exists, and local needs come earlier in the list."""
+    problems: list[str] = []
+    for rank, actions in sorted(program.items()):
+        for step, a in enumerate(actions):
+            here = f"rank {rank} step {step}: {a}"
+            if a.op not in (Op.FORWARD, Op.BACKWARD):
+                other = _counterpart(a)
+                if other not in where:
+                    kind = "receive" if a.op in (Op.SEND_F, Op.SEND_B) else "send"
+                    problems.append(
+                        f"{here} has no matching {kind} {other} on rank "
+                        f"{ranks[other.stage_index]}; add it there (lower_communication does)"
+                    )
+                    continue
+            for need in needs(a, ranks, num_stages):
+                need_rank = ranks[need.stage_index]
+                if need not in where:
+                    problems.append(
+                        f"{here} needs {need} on rank {need_rank}, which is missing; add it "
+                        f"there (lower_communication inserts sends and receives)"
+                    )
+                elif need_rank == rank and where[need][1] > step:
+                    problems.append(
+                        f"{here} comes before {need} (step {where[need][1]}), which it needs; "
+                        f"move {a} after {need}"
+                    )
+    _raise_if(problems, "actions out of order or unmatched:")
+
+
+def _simulate(
+    program: Program, ranks: dict[int, int], num_stages: int, num_microbatches: int
+) -> None:
+    """Run every rank's list in one process; raise with a grid if no rank can progress."""
+    done: set[Action] = set()
+    positions = {rank: 0 for rank in program}
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, actions in program.items():
+            while positions[rank] < len(actions):
+                action = actions[positions[rank]]
+                if any(n not in done for n in needs(action, ranks, num_stages)):
+                    break
+                done.add(action)
+                positions[rank] += 1
+                progressed = True
+    total = sum(len(actions) for actions in program.values())
+    if len(done) == total:
+        return
+    lines = [
+        f"deadlock: no rank can progress after {len(done)} of {total} actions "
+        f"(num_stages={num_stages}, num_microbatches={num_microbatches})"
+    ]
+    for rank, actions in sorted(program.items()):
+        if positions[rank] == len(actions):
+            lines.append(f"  rank {rank} has finished")
+            continue
+        action = actions[positions[rank]]
+        waits = []
+        for need in needs(action, ranks, num_stages):
+            if need not in done:
+                peer = ranks[need.stage_index]
+                peer_step = positions[peer]
+                waits.append(
+                    f"{need} on rank {peer} (rank {peer} is blocked at step {peer_step} on "
+                    f"{program[peer][peer_step]})"
+                )
+        lines.append(
+            f"  rank {rank} is blocked at step {positions[rank]} on {action}, waiting for "
+            + " and ".join(waits)
+        )
+    lines.append(
+        "reorder the lists so that every receive can be matched by a send its peer reaches "
+        "first (sends never block); the marked cells show where each rank stands:"
+    )
+    lines.append(format_grid(program, positions))
+    raise ScheduleError("\n".join(lines))
+
+
+def validate(
+    program: Program,
+    num_stages: int,
+    num_microbatches: int,
+    stage_to_rank: dict[int, int] | None = None,
+    *,
+    forward_only: bool = False,
+) -> None:
+    """Raise ScheduleError unless `program` runs every F (and B) exactly once without deadlock.
+
+    Checks, in order: actions name existing stages and micro-batches and sit on their stage's
+    rank; no action occurs twice; every (stage, micro-batch) has one F and, unless
+    `forward_only`, one B; every send has its receive on the peer rank and vice versa; every
+    action's inputs exist and the local ones come earlier (F before B); then the dry run.
+    """
+    check_sizes(num_stages, num_microbatches)
+    ranks = resolve_stage_to_rank(num_stages, stage_to_rank)
+    _check_placement(program, ranks, num_stages, num_microbatches, forward_only)
+    where = _index(program)
+    _check_complete(where, ranks, num_stages, num_microbatches, forward_only)
+    _check_order(program, where, ranks, num_stages)
+    _simulate(program, ranks, num_stages, num_microbatches)

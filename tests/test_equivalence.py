@@ -1,0 +1,102 @@
+"""Pipeline training equals single-process training of a deep copy: losses, gradients, parameters, outputs.
+
+Every rank trains plait and, on the side, the deep copy in one process; each compares what it
+holds and returns the mismatches. fp32 tolerances: rtol 1e-5, atol 1e-6 on parameters and
+outputs; gradients are sums over micro-batches in another order, so they get atol 1e-5.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+import plait
+from tests.harness import run_ranks
+from tests.models import MODELS, make
+
+BATCH = 10
+
+
+def _reference_step(ref, opt, loss_fn, x, y):
+    opt.zero_grad(set_to_none=True)
+    out = ref(*x) if isinstance(x, tuple) else ref(x)
+    loss = loss_fn(out, y)
+    loss.backward()
+    opt.step()
+    return float(loss)
+
+
+def _slice(x, a, b):
+    return tuple(t[a:b] for t in x) if isinstance(x, tuple) else x[a:b]
+
+
+def _optimizer(kind, params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9) if kind == "sgd" else torch.optim.Adam(params, lr=1e-2)
+
+
+def check_case(rank, world, name, schedule, microbatches, opt_kind):
+    net, x, y, loss_fn = make(name)
+    ref = copy.deepcopy(net)
+    ref_opt = _optimizer(opt_kind, ref.parameters())
+    model = plait.Model(net, config=plait.Config(num_stages=world, num_microbatches=microbatches,
+                                                 schedule=schedule),
+                        optimizer=_optimizer(opt_kind, net.parameters()), loss=loss_fn)
+    problems = []
+    rows = y.shape[0]
+    for a in range(0, rows, BATCH):
+        xb, yb = _slice(x, a, a + BATCH), y[a:a + BATCH]
+        got = model.train_on_batch(xb, yb)
+        want = _reference_step(ref, ref_opt, loss_fn, xb, yb)
+        if abs(got - want) > 1e-5 * abs(want) + 1e-6:
+            problems.append(f"loss at rows {a}: {got} != {want}")
+    ref_params = dict(ref.named_parameters())
+    for pname, p in net.named_parameters():
+        if p.grad is not None:  # the parameters this rank trains
+            try:
+                torch.testing.assert_close(p.grad, ref_params[pname].grad, rtol=1e-5, atol=1e-5)
+            except AssertionError as e:
+                problems.append(f"grad {pname}: {e}")
+    state = model.state_dict()
+    want_state = ref.state_dict()
+    if list(state) != list(want_state):
+        problems.append(f"state_dict keys {list(state)} != {list(want_state)}")
+    for k, v in want_state.items():
+        try:
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+        except (AssertionError, KeyError) as e:
+            problems.append(f"param {k}: {e}")
+    ref.eval()
+    with torch.no_grad():
+        want_out = ref(*x) if isinstance(x, tuple) else ref(x)
+    got_out = model.predict(x, batch_size=BATCH)
+    try:
+        torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
+    except (AssertionError, TypeError) as e:
+        problems.append(f"predict: {e}")
+    return problems
+
+
+def all_cases(rank, world, models):
+    report = {}
+    combos = itertools.product(models, ["gpipe", "1f1b"], [1, 3, 8])
+    for i, (name, schedule, m) in enumerate(combos):
+        opt_kind = "sgd" if i % 2 == 0 else "adam"
+        report[(name, schedule, m, opt_kind)] = check_case(rank, world, name, schedule, m, opt_kind)
+    return report
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.timeout(600)
+def test_pipeline_equals_single_process(world):
+    results = run_ranks(world, all_cases, MODELS, timeout=580)
+    failures = {
+        f"rank {r} {case}": problems
+        for r, report in enumerate(results)
+        for case, problems in report.items()
+        if problems
+    }
+    assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())
+    assert len(results[0]) == len(MODELS) * 6
