@@ -78,7 +78,9 @@ class Block(nn.Module):
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
         self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        # No bias on c_attn: the key bias has an identically zero gradient, and Adam turns the
+        # rounding noise in it into full-size steps, so no two summation orders agree on it.
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d)
         self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
         self.heads = heads
 

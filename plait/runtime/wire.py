@@ -107,10 +107,10 @@ class Wire:
     def send(self, values: list[Any], peer: int, key: Hashable, tag: int) -> Description:
         """Send `values` to `peer`; describe them first if this key is new."""
         leaves, _ = _flatten(values)
-        desc = self._sent.get(key)
+        desc = self._sent.get((peer, key))
         if desc is None:
             desc = describe(values)
-            self._sent[key] = desc
+            self._sent[(peer, key)] = desc
             self._send_description(desc, peer, tag)
         self._send_leaves(leaves, desc, peer, tag)
         return desc
@@ -165,10 +165,10 @@ class Wire:
 
     def recv(self, peer: int, key: Hashable, tag: int) -> tuple[list[Any], Description]:
         """Receive one message from `peer`; tensors that required grad there require grad here."""
-        desc = self._received.get(key)
+        desc = self._received.get((peer, key))
         if desc is None:
             desc = self._recv_description(peer, tag)
-            self._received[key] = desc
+            self._received[(peer, key)] = desc
         leaves: list[Any] = []
         for kind, dtype, shape, grad in zip(desc.kinds, desc.dtypes, desc.shapes, desc.requires_grad):
             if kind == _TENSOR:
