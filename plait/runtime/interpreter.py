@@ -15,7 +15,7 @@ from typing import Any, Hashable, Sequence
 
 import torch
 
-from plait.errors import PipelineError
+from plait.errors import PipelineError, PlaitError
 from plait.runtime.executor import StageExecutor, grad_leaves
 from plait.runtime.wire import Wire
 from plait.schedule import Action, Op, Program, format_grid
@@ -97,7 +97,7 @@ class Interpreter:
                     self.wire.send_tensors(grads_out.pop((s, k)), self.stage_to_rank[s - 1], 2 * k + 1)
                 else:  # pragma: no cover - the validator rejects unknown actions
                     raise AssertionError(f"unknown action {action}")
-            except PipelineError:
+            except PlaitError:  # the user's mistake (a loss that is not a scalar...): as it is
                 raise
             except Exception as e:  # noqa: BLE001 - every failure gets the rank/action/peer report
                 raise self._failure(program, position, action, e) from e

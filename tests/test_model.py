@@ -1,0 +1,196 @@
+"""The public Model: fit/evaluate/predict/state_dict, data forms, and every user error, on 1 and 2 ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import plait
+from tests.harness import run_ranks
+from tests.models import mlp
+
+
+def data(n=23, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def reference_fit(net, x, y, epochs, batch_size):
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(epochs):
+        for a in range(0, len(x), batch_size):
+            opt.zero_grad()
+            F.cross_entropy(net(x[a:a + batch_size]), y[a:a + batch_size]).backward()
+            opt.step()
+
+
+def fit_three_ways(rank, world):
+    """fit on tensors, a Dataset and a DataLoader (shuffle=False) all equal the reference."""
+    x, y = data()
+    out = {}
+    for form in ["tensors", "dataset", "loader"]:
+        torch.manual_seed(1)
+        net = mlp()
+        ref = copy.deepcopy(net)
+        model = plait.Model(net, plait.Config(num_microbatches=3),
+                            optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                            loss=nn.CrossEntropyLoss(), metrics=["accuracy"])
+        if form == "tensors":
+            history = model.fit(x, y, epochs=2, batch_size=10, shuffle=False, verbose=0)
+        elif form == "dataset":
+            history = model.fit(TensorDataset(x, y), epochs=2, batch_size=10, shuffle=False, verbose=0)
+        else:
+            history = model.fit(DataLoader(TensorDataset(x, y), batch_size=10), epochs=2, verbose=0)
+        reference_fit(ref, x, y, epochs=2, batch_size=10)
+        state = model.state_dict()
+        diff = max(float((state[k] - v).abs().max()) for k, v in ref.state_dict().items())
+        ref.eval()
+        with torch.no_grad():
+            want_loss = float(F.cross_entropy(ref(x), y))
+            want_acc = float((ref(x).argmax(-1) == y).float().mean())
+        result = model.evaluate(x, y, batch_size=7)
+        out[form] = (diff, result, want_loss, want_acc, history.history)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 2])
+def test_fit_on_tensors_datasets_and_loaders_equals_one_process(world):
+    results = run_ranks(world, fit_three_ways, timeout=110)
+    for rank_result in results:
+        for form, (diff, result, want_loss, want_acc, history) in rank_result.items():
+            assert diff < 1e-6, (form, diff)
+            assert result["loss"] == pytest.approx(want_loss, rel=1e-5), form
+            assert result["accuracy"] == pytest.approx(want_acc), form
+            assert len(history["loss"]) == 2 and len(history["accuracy"]) == 2
+    # evaluate returns the same dict on every rank
+    assert all(r["tensors"][1] == results[0]["tensors"][1] for r in results)
+
+
+def test_single_process_round_trip_and_plan():
+    x, y = data()
+    net = mlp()
+    model = plait.Model(net, optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
+                        loss=nn.CrossEntropyLoss())
+    with pytest.raises(plait.PlaitError, match="first sees data"):
+        model.plan
+    loss = model.train_on_batch(x, y)
+    assert isinstance(loss, float) and loss > 0
+    assert model.plan.layer_names[0] == "0" and model.plan.layers_per_stage == (11,)
+    assert plait.Plan.from_json(model.plan.to_json()) == model.plan
+    state = model.state_dict()
+    assert {k: (v.shape, v.dtype) for k, v in state.items()} == {
+        k: (v.shape, v.dtype) for k, v in net.state_dict().items()}
+    net2 = mlp()
+    net2.load_state_dict(state)
+    torch.testing.assert_close(model.predict(x, batch_size=5), net2(x).detach())
+
+
+def test_more_microbatches_than_rows_warns_and_clamps():
+    x, y = data(n=3)
+    model = plait.Model(mlp(), plait.Config(num_microbatches=8), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                        loss=nn.CrossEntropyLoss())
+    with pytest.warns(UserWarning, match="num_microbatches=8 is more than the 3 rows"):
+        model.train_on_batch(x, y)
+
+
+def test_loss_that_is_not_a_scalar():
+    x, y = data()
+    model = plait.Model(mlp(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                        loss=nn.CrossEntropyLoss(reduction="none"))
+    with pytest.raises(plait.LossError, match=r"returned \(23,\), not a scalar.*reduction='mean'"):
+        model.train_on_batch(x, y)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_microbatches": 0}, "num_microbatches must be a positive integer, got 0"),
+    ({"schedule": "zigzag"}, r"schedule='zigzag' is not known; choose one of \['gpipe', '1f1b'\]"),
+    ({"layers_per_proc": [2, 0]}, r"bad entries: \[0\]"),
+    ({"layers_per_proc": [2, 2], "num_stages": 3}, "num_stages=3 but layers_per_proc=\\[2, 2\\]"),
+    ({"timeout_s": -1}, "timeout_s must be a positive number"),
+])
+def test_config_errors_name_the_value(kwargs, message):
+    with pytest.raises(plait.ConfigError, match=message):
+        plait.Config(**kwargs)
+
+
+class Reuse(nn.Module):
+    """Calls `a` again after `b`: layers a, b, a#1 form an uncuttable region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.c(self.a(torch.tanh(self.b(self.a(x)))))
+
+
+def user_errors(rank, world):
+    x, y = data()
+    errors = {}
+    cases = {
+        "sum": (mlp(), plait.Config(layers_per_proc=[2, 2])),
+        "world": (mlp(), plait.Config(layers_per_proc=[4, 4, 3])),
+        "region": (Reuse(), plait.Config(layers_per_proc=[1, 3])),
+        "stages": (nn.Sequential(nn.Linear(8, 4)), plait.Config()),
+    }
+    for name, (net, config) in cases.items():
+        try:
+            model = plait.Model(net, config, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                                loss=nn.CrossEntropyLoss())
+            model.train_on_batch(x, y)
+            errors[name] = None
+        except plait.PlaitError as e:
+            errors[name] = (type(e).__name__, str(e))
+    # automatic balancing keeps the region together
+    model = plait.Model(Reuse(), plait.Config(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                        loss=nn.CrossEntropyLoss())
+    model.train_on_batch(x, y)
+    errors["auto"] = model.plan.layers_per_stage
+    return errors
+
+
+@pytest.mark.timeout(120)
+def test_user_errors_on_two_ranks():
+    for errors in run_ranks(2, user_errors, timeout=110):
+        kind, message = errors["sum"]
+        assert kind == "PartitionError" and "sums to 4" in message and "11 layers" in message
+        assert "0:0, 1:1, 2:2" in message  # the layers are listed
+        kind, message = errors["world"]
+        assert kind == "ConfigError" and "3 pipeline stages" in message and "world size is 2" in message
+        assert "plait run -n 3" in message
+        kind, message = errors["region"]
+        assert kind == "PartitionError" and "a, b, a#1" in message
+        kind, message = errors["stages"]
+        assert kind == "PartitionError" and "only 1 layers" in message
+        assert errors["auto"] == (3, 1)
+
+
+def stall(rank, world):
+    """Rank 1 never runs its part: rank 0 must fail within timeout_s with the full report."""
+    x, y = data()
+    model = plait.Model(mlp(), plait.Config(num_microbatches=2, timeout_s=3),
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
+    if rank == 1:
+        model.build(x)
+        import time
+        time.sleep(8)
+        return None
+    try:
+        model.train_on_batch(x, y)
+    except plait.PipelineError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_peer_gives_a_report_not_a_hang():
+    message = run_ranks(2, stall, timeout=50)[0]
+    assert "rank 0 failed at action 0RB0" in message, message
+    assert "peer rank 1" in message
+    assert "[0RB0]" in message  # the grid marks where rank 0 stood
