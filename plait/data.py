@@ -17,6 +17,7 @@ __all__ = [
     "take",
     "microbatch_bounds",
     "slice_rows",
+    "to_device",
     "index_batches",
     "loader_batches",
 ]
@@ -47,6 +48,11 @@ def take(x: Any, index: torch.Tensor) -> Any:
     return pytree.tree_map(
         lambda t: t[index] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, x
     )
+
+
+def to_device(x: Any, device: torch.device) -> Any:
+    """`x` with every tensor on `device` (no copy when it is there already)."""
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, x)
 
 
 def slice_rows(x: Any, start: int, stop: int) -> Any:

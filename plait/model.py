@@ -17,7 +17,7 @@ from plait.errors import ConfigError, PlaitError
 from plait.metrics import METRICS, check_metrics
 from plait.pipeline import Pipeline, build_pipeline
 from plait.plan import Plan
-from plait.runtime.collectives import broadcast_floats, broadcast_state, gather_state_dict
+from plait.runtime.collectives import broadcast_floats, broadcast_state, gather_state_dict, local_device
 from plait.runtime.interpreter import MicroBatch
 from plait.runtime.process_group import init_process_group
 
@@ -54,6 +54,9 @@ class Model:
         self._optimizer_arg = optimizer
         self.optimizer: torch.optim.Optimizer | None = None
         self.rank, self.world_size = init_process_group(self.config.timeout_s)
+        self.device = local_device()
+        if self.device.type != "cpu":
+            net.to(self.device)
         if self.world_size == 1:
             self.num_stages = 1
             if (self.config.num_stages or len(self.config.layers_per_proc or ())) > 1:
@@ -70,7 +73,8 @@ class Model:
         if self._train is None:
             layers = self.config.layers_per_proc if self.num_stages > 1 else None
             self._train = build_pipeline(self.net, x, self.num_stages, layers, self.config,
-                                         self.rank, self.world_size, self.loss, train=True)
+                                         self.rank, self.world_size, self.loss, train=True,
+                                         device=self.device)
             self._make_optimizer()
         if train:
             return self._train
@@ -110,6 +114,7 @@ class Model:
     def _microbatches(self, pipe: Pipeline, x: Any, y: Any) -> list[MicroBatch]:
         rows = batching.num_rows(x)
         out = []
+        x, y = batching.to_device(x, self.device), batching.to_device(y, self.device)
         for start, stop in batching.microbatch_bounds(rows, self.config.num_microbatches):
             xs = batching.slice_rows(x, start, stop)
             args, kwargs = batching.as_call(xs)

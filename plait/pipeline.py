@@ -120,6 +120,7 @@ def build_pipeline(
     world_size: int,
     loss: Callable[[Any, Any], torch.Tensor] | None,
     train: bool,
+    device: torch.device,
 ) -> Pipeline:
     """Capture `net` on a sample of `x`, partition it and make this rank's executor."""
     sample = _sample(x)
@@ -160,7 +161,7 @@ def build_pipeline(
         uncuttable=regions,
     )
     layer_stage = stage_of_layers(plan.layers_per_stage)
-    wire = Wire(config.timeout_s)
+    wire = Wire(config.timeout_s, device)
     return _assemble(captured, layer_stage, plan, rank, loss, wire, ties="make", output_spec=output_spec)
 
 

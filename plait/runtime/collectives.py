@@ -8,7 +8,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["broadcast_state", "TiedGradients", "gather_state_dict", "broadcast_floats"]
+__all__ = ["local_device", "broadcast_state", "TiedGradients", "gather_state_dict", "broadcast_floats"]
+
+
+def local_device() -> torch.device:
+    """Where this rank computes: its own CUDA device under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def broadcast_state(net: nn.Module, src: int = 0) -> None:
@@ -64,6 +71,7 @@ def broadcast_floats(values: list[float], src: int, count: int) -> list[float]:
     """Broadcast `count` float64 numbers from rank `src` (others pass anything)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return list(values)
-    t = torch.tensor(values if dist.get_rank() == src else [0.0] * count, dtype=torch.float64)
+    t = torch.tensor(values if dist.get_rank() == src else [0.0] * count, dtype=torch.float64,
+                     device=local_device())
     dist.broadcast(t, src)
     return t.tolist()

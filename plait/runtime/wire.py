@@ -91,8 +91,9 @@ def describe(values: list[Any]) -> Description:
 class Wire:
     """Sends and receives stage messages for one rank."""
 
-    def __init__(self, timeout_s: float, group: Any = None):
+    def __init__(self, timeout_s: float, device: torch.device | None = None, group: Any = None):
         self.timeout = timedelta(seconds=timeout_s)
+        self.device = device or torch.device("cpu")
         self.group = group
         self._pending: list[tuple[Any, Any]] = []  # (work, buffer kept alive)
         self._sent: dict[Hashable, Description] = {}
@@ -120,10 +121,10 @@ class Wire:
         for kind, dtype, shape, grad in zip(desc.kinds, desc.dtypes, desc.shapes, desc.requires_grad):
             body += [kind, _CODE[dtype] if dtype is not None else -1, int(grad), len(shape), *shape]
         spec = pytree.treespec_dumps(desc.spec).encode()
-        self._isend(torch.tensor([len(body), len(spec)], dtype=torch.int64), peer, tag)
+        self._isend(torch.tensor([len(body), len(spec)], dtype=torch.int64, device=self.device), peer, tag)
         if body:
-            self._isend(torch.tensor(body, dtype=torch.int64), peer, tag)
-        self._isend(torch.frombuffer(bytearray(spec), dtype=torch.uint8), peer, tag)
+            self._isend(torch.tensor(body, dtype=torch.int64, device=self.device), peer, tag)
+        self._isend(torch.frombuffer(bytearray(spec), dtype=torch.uint8).to(self.device), peer, tag)
 
     def _send_leaves(self, leaves: list[Any], desc: Description, peer: int, tag: int) -> None:
         numbers = []
@@ -138,7 +139,7 @@ class Wire:
             elif kind in _NUMBERS:
                 numbers.append(float(x))
         if numbers:
-            self._isend(torch.tensor(numbers, dtype=torch.float64), peer, tag)
+            self._isend(torch.tensor(numbers, dtype=torch.float64, device=self.device), peer, tag)
 
     def send_tensors(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
         """Send tensors whose shapes the peer already knows (gradients)."""
@@ -152,6 +153,9 @@ class Wire:
             self._wait(work)
 
     # -- receiving -----------------------------------------------------------------------------
+
+    def _empty(self, count: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(count, dtype=dtype, device=self.device)
 
     def _recv(self, tensor: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
         self._wait(dist.irecv(tensor, peer, group=self.group, tag=tag))
@@ -173,22 +177,22 @@ class Wire:
         for kind, dtype, shape, grad in zip(desc.kinds, desc.dtypes, desc.shapes, desc.requires_grad):
             if kind == _TENSOR:
                 assert dtype is not None
-                t = self._recv(torch.empty(shape, dtype=dtype), peer, tag)
+                t = self._recv(torch.empty(shape, dtype=dtype, device=self.device), peer, tag)
                 leaves.append(t.requires_grad_() if grad else t)
             else:
                 leaves.append(None)
         count = sum(k in _NUMBERS for k in desc.kinds)
         if count:
-            numbers = iter(self._recv(torch.empty(count, dtype=torch.float64), peer, tag).tolist())
+            numbers = iter(self._recv(self._empty(count, torch.float64), peer, tag).tolist())
             leaves = [
                 _CAST[k](next(numbers)) if k in _NUMBERS else x for x, k in zip(leaves, desc.kinds)
             ]
         return pytree.tree_unflatten(leaves, desc.spec), desc
 
     def _recv_description(self, peer: int, tag: int) -> Description:
-        header = self._recv(torch.empty(2, dtype=torch.int64), peer, tag).tolist()
-        body = self._recv(torch.empty(header[0], dtype=torch.int64), peer, tag).tolist() if header[0] else []
-        spec = bytes(self._recv(torch.empty(header[1], dtype=torch.uint8), peer, tag).tolist())
+        header = self._recv(self._empty(2, torch.int64), peer, tag).tolist()
+        body = self._recv(self._empty(header[0], torch.int64), peer, tag).tolist() if header[0] else []
+        spec = bytes(self._recv(self._empty(header[1], torch.uint8), peer, tag).tolist())
         kinds, dtypes, shapes, grads = [], [], [], []
         i = 0
         while i < len(body):
