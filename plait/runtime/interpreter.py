@@ -17,6 +17,7 @@ import torch
 
 from plait.errors import PipelineError, PlaitError
 from plait.runtime.executor import StageExecutor, grad_leaves
+from plait.runtime.report import gather_positions
 from plait.runtime.wire import Wire
 from plait.schedule import Action, Op, Program, format_grid
 
@@ -49,6 +50,7 @@ class Interpreter:
         self.stage_to_rank = list(stage_to_rank)
         self.num_stages = len(stage_to_rank)
         self.wire = wire
+        self.runs = 0  # programs run so far: names this run's failure reports in the store
 
     def run(
         self,
@@ -59,6 +61,7 @@ class Interpreter:
     ) -> None:
         """Run this rank's part of `program` over `microbatches`."""
         actions = program.get(self.rank, [])
+        self.runs += 1
         inbox: dict[tuple[int, int], list[Any]] = {}  # (stage, mb) -> received activations
         outbox: dict[tuple[int, int], list[Any]] = {}  # (stage, mb) -> activations to send
         grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -122,9 +125,13 @@ class Interpreter:
         what = f"action {action} (step {position})" if action else "waiting for its sends to finish"
         peer = self._peer(action) if action else None
         peer_text = f", peer rank {peer}" if peer is not None else ""
-        grid = format_grid(program, {self.rank: position})
+        self.wire.abandon()
+        positions = gather_positions(self.runs, self.rank, position)
+        silent = sorted(set(self.stage_to_rank) - set(positions))
+        grid = format_grid(program, positions)
         return PipelineError(
             f"rank {self.rank} failed at {what}{peer_text}: {type(error).__name__}: {error}\n"
-            f"where rank {self.rank} stood in the schedule (marked):\n{grid}"
+            f"where each rank stood in the schedule (marked"
+            f"{'; no report from ranks ' + str(silent) if silent else ''}):\n{grid}"
         )
 

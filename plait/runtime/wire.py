@@ -152,6 +152,10 @@ class Wire:
         for work, _ in pending:
             self._wait(work)
 
+    def abandon(self) -> None:
+        """Forget unfinished sends after a failure (their peer may be gone)."""
+        self._pending.clear()
+
     # -- receiving -----------------------------------------------------------------------------
 
     def _empty(self, count: int, dtype: torch.dtype) -> torch.Tensor:
