@@ -89,7 +89,7 @@ def index_batches(rows: int, batch_size: int, shuffle: bool, seed: int) -> list[
         order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
     else:
         order = torch.arange(rows)
-    return list(order.split(batch_size))
+    return list(torch.split(order, batch_size))
 
 
 def loader_batches(data: Dataset[Any] | DataLoader[Any], batch_size: int | None, shuffle: bool,

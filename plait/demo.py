@@ -50,10 +50,10 @@ class Defaults:
 
 
 # MNIST: 8,000 images in batches of 1000 give only 8 optimizer steps an epoch, so Adam runs at
-# 3x the Keras example's 1e-3; 5 epochs reached 0.97-0.98 test accuracy in our measurements.
-# Digits: 1437 images are 2 steps an epoch, but each epoch takes well under a second.
+# 4x the Keras example's 1e-3; the paper's 5 epochs then reached 0.970-0.977 test accuracy
+# over the seeds we tried. Digits: 1437 images are 2 steps an epoch, each well under a second.
 DEFAULTS = {
-    "mnist": Defaults(epochs=5, lr=3e-3),
+    "mnist": Defaults(epochs=5, lr=4e-3),
     "digits": Defaults(epochs=25, lr=1e-2),
 }
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ def _accuracy(output: Any, target: torch.Tensor) -> tuple[float, float]:
 METRICS: dict[str, Callable[[Any, torch.Tensor], tuple[float, float]]] = {"accuracy": _accuracy}
 
 
-def check_metrics(names: list[str] | tuple[str, ...] | None) -> list[str]:
+def check_metrics(names: Sequence[str] | None) -> list[str]:
     """Validate metric names."""
     names = list(names or [])
     unknown = [n for n in names if n not in METRICS]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -228,7 +228,9 @@ class Model:
             raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
         return -(-rows // size)
 
-    def _batches(self, x: Any, y: Any, batch_size: int | None, shuffle: bool, epoch: int):
+    def _batches(
+        self, x: Any, y: Any, batch_size: int | None, shuffle: bool, epoch: int
+    ) -> Iterator[tuple[Any, Any]]:
         seed = self.config.seed * 1_000_003 + epoch
         if isinstance(x, (torch.utils.data.Dataset, torch.utils.data.DataLoader)):
             yield from batching.loader_batches(x, batch_size, shuffle, seed)

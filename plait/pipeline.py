@@ -194,14 +194,15 @@ def _assemble(
                 holders[id(t)].append(st.stage_index)
             tensors[id(t)] = t
     owner_of = {i: plan.stage_to_rank[min(s)] for i, s in holders.items()}
+    params = {i: t for i, t in tensors.items() if isinstance(t, nn.Parameter)}
     my_stage = plan.stage_to_rank.index(rank)
     local = [p for p in stages[my_stage].module.parameters()]
     if ties == "make":
         names = {id(p): n for n, p in captured.root.named_parameters()}
-        tied = [
-            (tensors[i], [plan.stage_to_rank[s] for s in ss])
+        tied: list[tuple[nn.Parameter, list[int]]] = [
+            (params[i], [plan.stage_to_rank[s] for s in ss])
             for i, ss in holders.items()
-            if len(ss) > 1 and isinstance(tensors[i], nn.Parameter)
+            if len(ss) > 1 and i in params
         ]
         tied.sort(key=lambda item: names.get(id(item[0]), ""))
         plan = Plan(**{**plan.__dict__, "tied_parameters": tuple(

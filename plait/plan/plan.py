@@ -57,7 +57,7 @@ class Plan:
                 schedule=str(data["schedule"]),
                 world_size=int(data["world_size"]),
                 capture_method=str(data["capture_method"]),
-                uncuttable=tuple(tuple(r) for r in data.get("uncuttable", ())),  # type: ignore[misc]
+                uncuttable=tuple((int(r[0]), int(r[1])) for r in data.get("uncuttable", ())),
                 tied_parameters=tuple(
                     (str(n), tuple(s)) for n, s in data.get("tied_parameters", ())
                 ),

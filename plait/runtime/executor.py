@@ -85,7 +85,7 @@ class StageExecutor:
         """Backpropagate one micro-batch; return dL/d(received tensors) for the previous stage."""
         inputs = self._inputs.pop(microbatch_index)
         if self.stage.is_last:
-            self._losses.pop(microbatch_index).backward()
+            torch.autograd.backward(self._losses.pop(microbatch_index))
         else:
             outputs = self._outputs.pop(microbatch_index)
             if outputs:
