@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         # here so that `plait run` does not import the model code.
         from plait import demo
 
-        demo.parse_args(rest)
+        demo.parse_args(rest, prog="plait demo")
         start, target, target_args = launch.run_module, "plait.demo", rest
     try:
         return start(target, target_args, args.nproc, args.max_restarts,

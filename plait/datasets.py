@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["load_digits", "load_mnist_idx", "mnist_split"]
+__all__ = ["load_digits", "mnist_files", "load_mnist_idx", "mnist_split"]
 
 # IDX magic numbers: 0x0000 08 0N = unsigned byte data, N dimensions
 # (http://yann.lecun.com/exdb/mnist/, "FILE FORMATS FOR THE MNIST DATABASE").
@@ -83,14 +83,21 @@ def _read_idx(path: Path, magic: int, dims: int) -> tuple[tuple[int, ...], bytes
     return tuple(shape), payload
 
 
+def mnist_files(directory: str | Path) -> tuple[Path, Path]:
+    """The (images, labels) IDX files in `directory`, raw or gzipped; FileNotFoundError if absent."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} is not a folder; expected one holding {MNIST_IMAGES}(.gz) "
+                                f"and {MNIST_LABELS}(.gz)")
+    return _find(directory, MNIST_IMAGES), _find(directory, MNIST_LABELS)
+
+
 def load_mnist_idx(directory: str | Path) -> Pair:
     """Read the MNIST test set from `directory` (IDX files, gzip optional): (x, y).
 
     x is float32 (N, 1, 28, 28) in [0, 1]; y is int64 (N,).
     """
-    directory = Path(directory)
-    images_path = _find(directory, MNIST_IMAGES)
-    labels_path = _find(directory, MNIST_LABELS)
+    images_path, labels_path = mnist_files(directory)
     (n, rows, cols), pixels = _read_idx(images_path, IDX_IMAGES_MAGIC, dims=3)
     (n_labels,), labels = _read_idx(labels_path, IDX_LABELS_MAGIC, dims=1)
     if n != n_labels:

@@ -58,8 +58,8 @@ DEFAULTS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m plait.demo", description=__doc__.split("\n\n")[0])
+def build_parser(prog: str = "python -m plait.demo") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", metavar="DIR", default=None,
                         help="folder with t10k-images-idx3-ubyte(.gz) and t10k-labels-idx1-ubyte(.gz) "
                              "(default: sklearn's 8x8 digits, no download)")
@@ -74,10 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, prog: str = "python -m plait.demo") -> argparse.Namespace:
     """The demo's options; exits with a usage message when they are wrong."""
-    parser = build_parser()
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if args.data is not None:
+        try:
+            datasets.mnist_files(args.data)
+        except FileNotFoundError as err:
+            parser.error(f"--data: {err}")
     for name in ("epochs", "batch_size", "microbatches"):
         value = getattr(args, name)
         if value is not None and value < 1:

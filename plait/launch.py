@@ -123,6 +123,7 @@ def _launch(spec: LaunchSpec) -> int:
     # which ranks failed and how, so the report below is one line per rank instead of
     # torchrun's own traceback. Imported here because it is slow and only `plait run` needs it.
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     parsed = torchrun.parse_args(build_args(spec))  # type: ignore[no-untyped-call]  # torch's
@@ -143,6 +144,9 @@ def _launch(spec: LaunchSpec) -> int:
             )
         log.error("plait run: the failing rank's own traceback, if any, is printed above")
         return _exit_code(first.exitcode)
+    except SignalException as err:  # Ctrl-C or a kill: the launcher has stopped every rank
+        log.error("plait run: stopped by %s; every rank of %s was stopped", err.sigval.name, spec.target)
+        return 128 + int(err.sigval)
     return 0
 
 

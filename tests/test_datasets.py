@@ -12,7 +12,8 @@ import torch
 
 from plait import datasets
 
-MNIST_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
+ROOT = Path(__file__).resolve().parents[1]
+MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"  # ../shared/data/mnist from the project root
 
 
 def write_idx(directory: Path, images: np.ndarray, labels: np.ndarray, gz: bool,
@@ -72,8 +73,10 @@ def test_idx_count_mismatch(tmp_path: Path) -> None:
 
 
 def test_idx_missing_files(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="t10k-images-idx3-ubyte"):
+    with pytest.raises(FileNotFoundError, match="no t10k-images-idx3-ubyte or t10k-images-idx3-ubyte.gz in"):
         datasets.load_mnist_idx(tmp_path)
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        datasets.mnist_files(tmp_path / "absent")
 
 
 def test_real_mnist_test_set() -> None:

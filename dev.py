@@ -1,0 +1,88 @@
+"""Developer entry point: set up the project's virtual environment, then run the demo or the tests.
+
+Usage (any Python >= 3.10, standard library only):
+
+    python3 dev.py demo [plait demo options]    # e.g. python3 dev.py demo --epochs 2
+    python3 dev.py test [pytest options]        # e.g. python3 dev.py test -k launch
+
+The environment lives in `.venv` beside this file. It is built once: torch is pinned to the CPU
+build first (a bare `torch` requirement could make pip resolve a multi-GB CUDA build), then plait
+is installed in editable mode with its `dev` extra. A stamp file holding a hash of
+pyproject.toml makes later runs start at once; editing pyproject.toml reinstalls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+__all__ = ["main"]
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+STAMP = VENV / ".plait-installed"
+TORCH_PIN = "torch==2.13.0"  # the CPU build; see the module docstring
+
+
+def _bin(name: str) -> Path:
+    scripts = "Scripts" if os.name == "nt" else "bin"
+    suffix = ".exe" if os.name == "nt" else ""
+    return VENV / scripts / f"{name}{suffix}"
+
+
+def _wanted_stamp() -> str:
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    return f"{digest}\n"
+
+
+def _run(cmd: list[str]) -> None:
+    """Run a setup step; stop with its exit code if it fails."""
+    code = subprocess.call(cmd, cwd=ROOT)
+    if code != 0:
+        print(f"dev.py: setup step failed with exit code {code}: {' '.join(cmd)}", file=sys.stderr)
+        sys.exit(code)
+
+
+def ensure_venv() -> Path:
+    """Create or reuse `.venv` with torch (CPU) and plait[dev]; return its python."""
+    python = _bin("python")
+    if not python.exists():
+        print(f"dev.py: creating virtual environment in {VENV.name}/", file=sys.stderr)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    if STAMP.exists() and STAMP.read_text() == _wanted_stamp():
+        return python
+
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    has_torch = subprocess.call(
+        [str(python), "-c", "import torch"], cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    ) == 0
+    if not has_torch:
+        print(f"dev.py: installing {TORCH_PIN}", file=sys.stderr)
+        _run(pip + [TORCH_PIN])
+    print("dev.py: installing plait (editable) with its dev extra", file=sys.stderr)
+    _run(pip + ["-e", ".[dev]"])
+    STAMP.write_text(_wanted_stamp())
+    return python
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] not in ("demo", "test"):
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 2
+    command, rest = args[0], args[1:]
+    python = ensure_venv()
+    if command == "demo":
+        return subprocess.call([str(_bin("plait")), "demo", *rest], cwd=ROOT)
+    return subprocess.call([str(python), "-m", "pytest", "-q", *rest], cwd=ROOT)
+
+
+if __name__ == "__main__":
+    if sys.version_info < (3, 10):
+        sys.exit(f"dev.py needs Python >= 3.10 (this is {sys.version.split()[0]})")
+    sys.exit(main())
