@@ -22,6 +22,11 @@ class Config:
     schedule: "gpipe" or "1f1b".
     seed: seeds the shuffle order, identical on every rank.
     timeout_s: longest any wait on another rank may take before the run fails with a report.
+    dp: data-parallel replicas of the pipeline; world size = dp x num_stages.
+    grad_reduction: "mean" -- gradients of the global batch's mean loss, exactly what one process
+        computes, even when the batch does not divide by dp -- or "sum": the sum over replicas of
+        each replica's own mean-loss gradients.
+    bucket_cap_mb: size of the gradient buckets all-reduced across replicas.
     """
 
     layers_per_proc: tuple[int, ...] | None = None
@@ -30,6 +35,9 @@ class Config:
     schedule: str = "1f1b"
     seed: int = 0
     timeout_s: float = 300.0
+    dp: int = 1
+    grad_reduction: str = "mean"
+    bucket_cap_mb: float = 25.0
 
     def __post_init__(self) -> None:
         if self.layers_per_proc is not None:
@@ -64,23 +72,37 @@ class Config:
             raise ConfigError(
                 f"schedule={self.schedule!r} is not known; choose one of {list(SCHEDULE_NAMES)}"
             )
+        if not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1:
+            raise ConfigError(f"dp must be a positive integer (data-parallel replicas), got {self.dp!r}")
+        if self.grad_reduction not in ("mean", "sum"):
+            raise ConfigError(
+                f"grad_reduction={self.grad_reduction!r} is not known; choose 'mean' or 'sum'"
+            )
+        if not (isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0):
+            raise ConfigError(f"bucket_cap_mb must be a positive number, got {self.bucket_cap_mb!r}")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
 
     def stages_for(self, world_size: int) -> int:
-        """The number of pipeline stages this config asks for on `world_size` ranks."""
+        """The number of pipeline stages on `world_size` ranks; world size must be dp x stages."""
         if self.layers_per_proc is not None:
-            stages = len(self.layers_per_proc)
-        elif self.num_stages is not None:
-            stages = self.num_stages
+            stages: int | None = len(self.layers_per_proc)
         else:
-            stages = world_size
-        if stages != world_size:
+            stages = self.num_stages
+        if stages is None:
+            if world_size % self.dp:
+                raise ConfigError(
+                    f"world size {world_size} does not divide by dp={self.dp}; launch a multiple "
+                    f"of {self.dp} ranks, or set dp to a factor of {world_size}"
+                )
+            return world_size // self.dp
+        if stages * self.dp != world_size:
+            lpp = None if self.layers_per_proc is None else list(self.layers_per_proc)
             raise ConfigError(
-                f"the config asks for {stages} pipeline stages (layers_per_proc="
-                f"{None if self.layers_per_proc is None else list(self.layers_per_proc)}, "
-                f"num_stages={self.num_stages}) but the world size is {world_size}; "
-                f"launch {stages} ranks (plait run -n {stages} ...) or change the config"
+                f"the config asks for {stages} pipeline stages x dp={self.dp} replicas = "
+                f"{stages * self.dp} ranks (layers_per_proc={lpp}, num_stages={self.num_stages}, "
+                f"dp={self.dp}) but the world size is {world_size}; launch "
+                f"{stages * self.dp} ranks (plait run -n {stages * self.dp} ...) or change the config"
             )
         return stages
 

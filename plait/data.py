@@ -16,6 +16,7 @@ __all__ = [
     "num_rows",
     "take",
     "microbatch_bounds",
+    "shard_bounds",
     "slice_rows",
     "to_device",
     "index_batches",
@@ -62,6 +63,21 @@ def slice_rows(x: Any, start: int, stop: int) -> Any:
     )
 
 
+def shard_bounds(rows: int, dp: int) -> list[tuple[int, int]]:
+    """Row ranges of each data-parallel replica's share of a global batch.
+
+    Contiguous, in replica order, sizes differ by at most one (larger first); when the batch has
+    fewer rows than replicas, the last replicas get none. Every row goes to exactly one replica.
+    """
+    base, extra = divmod(rows, dp)
+    bounds, start = [], 0
+    for r in range(dp):
+        stop = start + base + (1 if r < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
 def microbatch_bounds(rows: int, num_microbatches: int) -> list[tuple[int, int]]:
     """Row ranges of the micro-batches: sizes differ by at most one, the larger ones first.
 
@@ -74,13 +90,7 @@ def microbatch_bounds(rows: int, num_microbatches: int) -> list[tuple[int, int]]
             stacklevel=3,
         )
         num_microbatches = rows
-    base, extra = divmod(rows, num_microbatches)
-    bounds, start = [], 0
-    for i in range(num_microbatches):
-        stop = start + base + (1 if i < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+    return shard_bounds(rows, num_microbatches)
 
 
 def index_batches(rows: int, batch_size: int, shuffle: bool, seed: int) -> list[torch.Tensor]:

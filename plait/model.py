@@ -17,7 +17,7 @@ from plait.errors import ConfigError, PlaitError
 from plait.metrics import METRICS, check_metrics
 from plait.pipeline import Pipeline, build_pipeline
 from plait.plan import Plan
-from plait.runtime.collectives import broadcast_floats, broadcast_state, gather_state_dict, local_device
+from plait.runtime.collectives import broadcast_state, gather_state_dict, local_device, sum_floats
 from plait.runtime.interpreter import MicroBatch
 from plait.runtime.process_group import init_process_group
 
@@ -112,20 +112,33 @@ class Model:
     # -- one global batch ------------------------------------------------------------------------
 
     def _microbatches(self, pipe: Pipeline, x: Any, y: Any) -> list[MicroBatch]:
+        """This replica's shard of a global batch, cut into micro-batches.
+
+        Each micro-batch's loss is scaled so the summed gradients are those of the global mean
+        loss ("mean"), or of this replica's own mean loss ("sum").
+        """
         rows = batching.num_rows(x)
-        out = []
+        start, stop = batching.shard_bounds(rows, self.config.dp)[pipe.replica]
+        if stop == start:
+            return []
+        denominator = rows if self.config.grad_reduction == "mean" else stop - start
         x, y = batching.to_device(x, self.device), batching.to_device(y, self.device)
-        for start, stop in batching.microbatch_bounds(rows, self.config.num_microbatches):
-            xs = batching.slice_rows(x, start, stop)
+        out = []
+        for a, b in batching.microbatch_bounds(stop - start, self.config.num_microbatches):
+            xs = batching.slice_rows(x, start + a, start + b)
             args, kwargs = batching.as_call(xs)
             inputs = pipe.captured.bind(args, kwargs)
             key = tuple(tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor))
-            target = None if y is None else batching.slice_rows(y, start, stop)
-            out.append(MicroBatch(inputs, target, (stop - start) / rows, key))
+            target = None if y is None else batching.slice_rows(y, start + a, start + b)
+            out.append(MicroBatch(inputs, target, (b - a) / denominator, key))
         return out
 
     def _run(self, x: Any, y: Any, train: bool, keep_outputs: bool) -> tuple[list[float], Any]:
-        """Run one global batch; returns [loss, metric counts...] on every rank, and outputs."""
+        """Run one global batch on every replica.
+
+        Returns, on every rank, [sum of loss x rows, then (correct, counted) per metric] over the
+        whole global batch, and this rank's last-stage outputs (a list per micro-batch) or None.
+        """
         pipe = self._pipeline(x, train)
         if train and (self.loss is None or self.optimizer is None):
             missing = "loss" if self.loss is None else "optimizer"
@@ -137,10 +150,15 @@ class Model:
             if train:
                 for p in pipe.local_parameters:
                     p.grad = None
+                if pipe.sync is not None:
+                    pipe.sync.prepare(len(mbs))
             pipe.executor.reset()
-            pipe.interpreter.run(pipe.program(len(mbs), train), mbs, train,
-                                 keep_outputs=keep_outputs or bool(self.metrics))
+            if mbs:
+                pipe.interpreter.run(pipe.program(len(mbs), train), mbs, train,
+                                     keep_outputs=keep_outputs or bool(self.metrics))
             if train:
+                if pipe.sync is not None:
+                    pipe.sync.finish()
                 if pipe.ties is not None:
                     pipe.ties.sum()
                 assert self.optimizer is not None
@@ -151,17 +169,18 @@ class Model:
         outputs = None
         if pipe.is_last:
             ex = pipe.executor
-            stats[0] = sum(ex.losses.values())
             for k, mb in enumerate(mbs):
+                if mb.target is None:
+                    continue
+                stats[0] += ex.losses.get(k, 0.0) * batching.num_rows(mb.target)
                 for i, name in enumerate(self.metrics):
-                    if mb.target is not None:
-                        c, n = METRICS[name](ex.outputs[k], mb.target)
-                        stats[1 + 2 * i] += c
-                        stats[2 + 2 * i] += n
+                    c, n = METRICS[name](ex.outputs[k], mb.target)
+                    stats[1 + 2 * i] += c
+                    stats[2 + 2 * i] += n
             if keep_outputs:
                 outputs = [ex.outputs[k] for k in range(len(mbs))]
             ex.outputs.clear()
-        return broadcast_floats(stats, pipe.last_rank, len(stats)), outputs
+        return sum_floats(stats), outputs
 
     def _logs(self, sums: list[float], rows: float) -> dict[str, float]:
         logs = {"loss": sums[0] / rows}
@@ -172,7 +191,7 @@ class Model:
     def train_on_batch(self, x: Any, y: Any) -> float:
         """One optimizer step on one global batch; returns its mean loss (same on every rank)."""
         stats, _ = self._run(x, y, train=True, keep_outputs=False)
-        return stats[0]
+        return stats[0] / batching.num_rows(x)
 
     # -- whole data sets -----------------------------------------------------------------------
 
@@ -207,7 +226,7 @@ class Model:
                     printed_plan = True
                 rows = batching.num_rows(xb)
                 rows_seen += rows
-                totals = [t + (s * rows if i == 0 else s) for i, (t, s) in enumerate(zip(totals, stats))]
+                totals = [t + s for t, s in zip(totals, stats)]
                 for cb in cbs:
                     _call(cb, "on_batch_end", step, self._logs(totals, rows_seen))
             logs = self._logs(totals, max(rows_seen, 1))
@@ -255,34 +274,35 @@ class Model:
             a, b = int(index[0]), int(index[-1]) + 1
             stats, _ = self._run(batching.slice_rows(x, a, b), batching.slice_rows(y, a, b),
                                  train=False, keep_outputs=False)
-            totals = [t + (s * (b - a) if i == 0 else s) for i, (t, s) in enumerate(zip(totals, stats))]
+            totals = [t + s for t, s in zip(totals, stats)]
         return self._logs(totals, rows)
 
     def predict(self, x: Any, batch_size: int | None = None) -> Any:
         """The model's outputs for all of x, on every rank (tensor leaves joined along dim 0)."""
         rows = batching.num_rows(x)
-        parts: list[Any] = []
+        parts: list[list[Any]] = []  # flat output leaves of each batch, in row order
         for index in batching.index_batches(rows, batch_size or rows, False, 0):
             a, b = int(index[0]), int(index[-1]) + 1
             _, outputs = self._run(batching.slice_rows(x, a, b), None, train=False, keep_outputs=True)
-            if outputs is not None:
-                parts.extend(outputs)
-        pipe = self._pipeline(x, train=False)
-        leaves: list[Any] | None = None
-        if pipe.is_last:
-            flat = [flatten_output(p)[0] for p in parts]
-            leaves = [
-                torch.cat([f[i] for f in flat]) if isinstance(flat[0][i], torch.Tensor)
-                and flat[0][i].dim() > 0 else flat[0][i]
-                for i in range(len(flat[0]))
-            ]
-        leaves = pipe.share_from_last(leaves, ("predict", rows))
-        return unflatten_output(leaves, pipe.output_spec)
+            pipe = self._pipeline(x, train=False)
+            local = _join([flatten_output(o)[0] for o in outputs]) if outputs else None
+            shard_rows = [hi - lo for lo, hi in batching.shard_bounds(b - a, self.config.dp)]
+            parts.append(_join(pipe.gather_outputs(local, shard_rows, ("predict", a, b))))
+        return unflatten_output(_join(parts), self._pipeline(x, train=False).output_spec)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsplit state dict (keys, shapes and dtypes of net.state_dict()) on every rank."""
         owners = self._train.owner_of if self._train is not None else {}
         return gather_state_dict(self.net, owners)
+
+
+def _join(flats: list[list[Any]]) -> list[Any]:
+    """Join lists of output leaves along the batch dimension (other leaves: the first one)."""
+    return [
+        torch.cat([f[i] for f in flats])
+        if isinstance(flats[0][i], torch.Tensor) and flats[0][i].dim() > 0 else flats[0][i]
+        for i in range(len(flats[0]))
+    ]
 
 
 def _call(cb: Any, hook: str, *args: Any) -> None:

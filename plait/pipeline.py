@@ -20,7 +20,8 @@ from plait.capture.trace import CapturedGraph, capture
 from plait.config import Config
 from plait.errors import PartitionError
 from plait.plan import Plan, balance, check_partition
-from plait.runtime.collectives import TiedGradients
+from plait.runtime.collectives import TiedGradients, make_group
+from plait.runtime.grad_sync import GradientBuckets
 from plait.runtime.executor import StageExecutor
 from plait.runtime.interpreter import Interpreter
 from plait.runtime.wire import Wire
@@ -46,6 +47,8 @@ class Pipeline:
     owner_of: dict[int, int]  # id(tensor) -> rank that trains it
     output_spec: OutputSpec
     layer_stage: list[int]
+    sync: GradientBuckets | None  # data-parallel gradient buckets (dp > 1)
+    config: Config
     _programs: dict[tuple[int, bool], Program] = field(default_factory=dict)
 
     @property
@@ -53,8 +56,8 @@ class Pipeline:
         return self.executor.stage.is_last
 
     @property
-    def last_rank(self) -> int:
-        return self.plan.stage_to_rank[-1]
+    def replica(self) -> int:
+        return self.plan.position_of(self.rank)[1]
 
     def program(self, num_microbatches: int, train: bool) -> Program:
         """This step's per-rank programs (generated and validated once per micro-batch count)."""
@@ -62,7 +65,7 @@ class Pipeline:
         if key not in self._programs:
             self._programs[key] = generate(
                 self.plan.schedule, self.plan.num_stages, num_microbatches,
-                forward_only=not train, stage_to_rank=dict(enumerate(self.plan.stage_to_rank)),
+                forward_only=not train, stage_to_rank=dict(enumerate(self.interpreter.stage_to_rank)),
             )
         return self._programs[key]
 
@@ -82,24 +85,38 @@ class Pipeline:
             current = by_name.get(name, current)
             layer_stage.append(current)
         return _assemble(captured, layer_stage, self.plan, self.rank, loss, self.interpreter.wire,
-                         ties=None, output_spec=self.output_spec)
+                         ties=None, output_spec=self.output_spec, config=self.config)
 
-    def share_from_last(self, leaves: list[Any] | None, key: Any) -> list[Any]:
-        """Send the last stage's output leaves to every other rank (p2p, described once)."""
-        wire = self.interpreter.wire
-        if self.plan.world_size == 1:
+    def gather_outputs(self, leaves: list[Any] | None, shard_rows: Sequence[int], key: Any) -> list[list[Any]]:
+        """Every replica's last-stage output leaves, on every rank, in replica order.
+
+        The last stage of each replica with rows sends its leaves to every other rank (isend,
+        described once per peer); replicas without rows send nothing.
+        """
+        plan, wire = self.plan, self.interpreter.wire
+        last = plan.num_stages - 1
+        if plan.world_size == 1:
             assert leaves is not None
-            return leaves
+            return [leaves]
         tag = 1 << 20
-        if self.rank == self.last_rank:
-            assert leaves is not None
-            for r in range(self.plan.world_size):
-                if r != self.rank:
-                    wire.send(list(leaves), r, key, tag)
-            wire.drain()
-            return leaves
-        values, _ = wire.recv(self.last_rank, key, tag)
-        return values
+        for r, rows in enumerate(shard_rows):
+            if rows and plan.rank_of(last, r) == self.rank:
+                assert leaves is not None
+                for peer in range(plan.world_size):
+                    if peer != self.rank:
+                        wire.send(list(leaves), peer, (key, r), tag + r)
+        out = []
+        for r, rows in enumerate(shard_rows):
+            if not rows:
+                continue
+            src = plan.rank_of(last, r)
+            if src == self.rank:
+                assert leaves is not None
+                out.append(leaves)
+            else:
+                out.append(wire.recv(src, (key, r), tag + r)[0])
+        wire.drain()
+        return out
 
 
 def _sample(x: Any) -> Any:
@@ -159,10 +176,12 @@ def build_pipeline(
         world_size=world_size,
         capture_method=captured.method,
         uncuttable=regions,
+        dp=config.dp,
     )
     layer_stage = stage_of_layers(plan.layers_per_stage)
     wire = Wire(config.timeout_s, device)
-    return _assemble(captured, layer_stage, plan, rank, loss, wire, ties="make", output_spec=output_spec)
+    return _assemble(captured, layer_stage, plan, rank, loss, wire, ties="make",
+                     output_spec=output_spec, config=config)
 
 
 def _layer_params(net: nn.Module, layer_name: str) -> float:
@@ -183,6 +202,7 @@ def _assemble(
     wire: Wire,
     ties: Any,
     output_spec: OutputSpec,
+    config: Config,
 ) -> Pipeline:
     stages = split(captured, layer_stage)
     # Which stages hold each parameter/buffer: more than one means a tied (reused) parameter.
@@ -193,26 +213,39 @@ def _assemble(
             if st.stage_index not in holders.setdefault(id(t), []):
                 holders[id(t)].append(st.stage_index)
             tensors[id(t)] = t
-    owner_of = {i: plan.stage_to_rank[min(s)] for i, s in holders.items()}
+    owner_of = {i: plan.rank_of(min(s), 0) for i, s in holders.items()}
     params = {i: t for i, t in tensors.items() if isinstance(t, nn.Parameter)}
-    my_stage = plan.stage_to_rank.index(rank)
+    my_stage, replica = plan.position_of(rank)
     local = [p for p in stages[my_stage].module.parameters()]
+    sync = None
     if ties == "make":
         names = {id(p): n for n, p in captured.root.named_parameters()}
-        tied: list[tuple[nn.Parameter, list[int]]] = [
-            (params[i], [plan.stage_to_rank[s] for s in ss])
-            for i, ss in holders.items()
-            if len(ss) > 1 and i in params
-        ]
-        tied.sort(key=lambda item: names.get(id(item[0]), ""))
+        tied = sorted(
+            ((params[i], ss) for i, ss in holders.items() if len(ss) > 1 and i in params),
+            key=lambda item: names.get(id(item[0]), ""),
+        )
         plan = Plan(**{**plan.__dict__, "tied_parameters": tuple(
-            (_user_name(names.get(id(p), "?")), tuple(r for r in ranks)) for p, ranks in tied
+            (_user_name(names.get(id(p), "?")), tuple(ss)) for p, ss in tied
         )})
-        ties = TiedGradients(tied, rank) if tied and plan.world_size > 1 else None
+        ties = None
+        if plan.world_size > 1:
+            # One all-reduce over every stage and every replica holding a tied parameter
+            # sums both the tie (layer reuse) and the data-parallel contributions.
+            ties = TiedGradients(
+                [(p, [plan.rank_of(s, r) for s in ss for r in range(plan.dp)]) for p, ss in tied], rank
+            )
+        if plan.dp > 1:
+            groups = [  # every rank makes every group, in the same order
+                make_group([plan.rank_of(s, r) for r in range(plan.dp)]) for s in range(plan.num_stages)
+            ]
+            tied_ids = {id(p) for p, _ in tied}
+            sync = GradientBuckets([p for p in local if id(p) not in tied_ids], groups[my_stage],
+                                   int(config.bucket_cap_mb * 2**20), config.timeout_s)
     executor = StageExecutor(stages[my_stage], captured.finish, loss)
-    interpreter = Interpreter(rank, {my_stage: executor}, plan.stage_to_rank, wire)
+    stage_to_rank = [plan.rank_of(s, replica) for s in range(plan.num_stages)]
+    interpreter = Interpreter(rank, {my_stage: executor}, stage_to_rank, wire)
     return Pipeline(captured, stages, plan, rank, executor, interpreter, ties, local, owner_of,
-                    output_spec, layer_stage)
+                    output_spec, layer_stage, sync, config)
 
 
 def _user_name(name: str) -> str:

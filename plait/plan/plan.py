@@ -23,7 +23,8 @@ class Plan:
     capture_method: str
     uncuttable: tuple[tuple[int, int], ...] = ()
     tied_parameters: tuple[tuple[str, tuple[int, ...]], ...] = ()  # name -> stages holding it
-    stage_to_rank: tuple[int, ...] = field(default=())
+    stage_to_rank: tuple[int, ...] = field(default=())  # replica 0's ranks
+    dp: int = 1
 
     def __post_init__(self) -> None:
         if sum(self.layers_per_stage) != len(self.layer_names):
@@ -37,6 +38,22 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return len(self.layers_per_stage)
+
+    def rank_of(self, stage_index: int, replica: int) -> int:
+        """The rank that runs `stage_index` of pipeline replica `replica`.
+
+        Layout: rank = replica * num_stages + stage_index. A pipeline's stages are consecutive
+        ranks, so neighbours (which exchange activations every micro-batch) share a node
+        whenever a node holds a whole pipeline; replicas of a stage (which all-reduce once a
+        step) are num_stages ranks apart. 2 stages x 3 replicas:
+
+            replica 0: ranks 0 1 | replica 1: ranks 2 3 | replica 2: ranks 4 5
+        """
+        return replica * self.num_stages + stage_index
+
+    def position_of(self, rank: int) -> tuple[int, int]:
+        """(stage_index, replica) of a rank."""
+        return rank % self.num_stages, rank // self.num_stages
 
     def stage_layers(self, stage_index: int) -> tuple[str, ...]:
         """Names of the layers on one stage."""
@@ -62,13 +79,15 @@ class Plan:
                     (str(n), tuple(s)) for n, s in data.get("tied_parameters", ())
                 ),
                 stage_to_rank=tuple(data.get("stage_to_rank", ())),
+                dp=int(data.get("dp", 1)),
             )
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"not a plait plan ({type(e).__name__}: {e}); expected Plan.to_json() output") from e
 
     def __str__(self) -> str:
         lines = [
-            f"plait plan: {self.num_stages} stage(s) on {self.world_size} rank(s), schedule "
+            f"plait plan: {self.num_stages} stage(s) x {self.dp} replica(s) on {self.world_size} "
+            f"rank(s), schedule "
             f"{self.schedule}, {self.num_microbatches} micro-batch(es), captured with "
             f"{self.capture_method}, {len(self.layer_names)} layers"
         ]
@@ -77,7 +96,9 @@ class Plan:
             shown = ", ".join(names) if len(names) <= 8 else (
                 ", ".join(names[:3]) + f", ... ({len(names) - 6} more) ..., " + ", ".join(names[-3:])
             )
-            lines.append(f"  stage {s} (rank {self.stage_to_rank[s]}): {len(names)} layers: {shown}")
+            ranks = ", ".join(str(self.rank_of(s, r)) for r in range(self.dp))
+            where = f"rank {ranks}" if self.dp == 1 else f"ranks {ranks}"
+            lines.append(f"  stage {s} ({where}): {len(names)} layers: {shown}")
         for name, stages in self.tied_parameters:
             lines.append(f"  tied parameter {name}: replicated on stages {list(stages)}, gradients summed")
         return "\n".join(lines)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["local_device", "broadcast_state", "TiedGradients", "gather_state_dict", "broadcast_floats"]
+__all__ = ["local_device", "make_group", "sum_floats", "broadcast_state", "TiedGradients", "gather_state_dict"]
 
 
 def local_device() -> torch.device:
@@ -16,6 +16,11 @@ def local_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def make_group(ranks: Sequence[int]) -> Any:
+    """A process group of `ranks`; every rank must make every group, in the same order."""
+    return dist.new_group(sorted(set(ranks)))
 
 
 def broadcast_state(net: nn.Module, src: int = 0) -> None:
@@ -38,7 +43,7 @@ class TiedGradients:
     def __init__(self, tied: Sequence[tuple[nn.Parameter, Sequence[int]]], rank: int):
         self._mine: list[tuple[nn.Parameter, Any]] = []
         for param, ranks in tied:
-            group = dist.new_group(sorted(set(ranks)))
+            group = make_group(ranks)
             if rank in ranks:
                 self._mine.append((param, group))
 
@@ -67,11 +72,10 @@ def gather_state_dict(net: nn.Module, owner_of: dict[int, int]) -> dict[str, tor
     return out
 
 
-def broadcast_floats(values: list[float], src: int, count: int) -> list[float]:
-    """Broadcast `count` float64 numbers from rank `src` (others pass anything)."""
+def sum_floats(values: list[float]) -> list[float]:
+    """Element-wise sum of every rank's `values` (float64), returned on every rank."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return list(values)
-    t = torch.tensor(values if dist.get_rank() == src else [0.0] * count, dtype=torch.float64,
-                     device=local_device())
-    dist.broadcast(t, src)
+    t = torch.tensor(values, dtype=torch.float64, device=local_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()

@@ -40,7 +40,7 @@ class StageExecutor:
         self._inputs: dict[int, list[torch.Tensor]] = {}
         self._outputs: dict[int, list[torch.Tensor]] = {}
         self._losses: dict[int, torch.Tensor] = {}
-        self.losses: dict[int, float] = {}  # micro-batch -> its scaled loss, this step
+        self.losses: dict[int, float] = {}  # micro-batch -> its (unscaled) mean loss, this step
         self.outputs: dict[int, Any] = {}  # micro-batch -> model output (last stage)
 
     def forward(
@@ -75,7 +75,7 @@ class StageExecutor:
                         f"the loss returned {shape}, not a scalar tensor; plait needs a scalar "
                         "mean loss per batch (for torch.nn losses use reduction='mean')"
                     )
-                self.losses[microbatch_index] = float(loss.detach()) * scale
+                self.losses[microbatch_index] = float(loss.detach())
                 if train:
                     self._inputs[microbatch_index] = grad_leaves(received)
                     self._losses[microbatch_index] = loss * scale

@@ -126,7 +126,9 @@ class Interpreter:
         peer = self._peer(action) if action else None
         peer_text = f", peer rank {peer}" if peer is not None else ""
         self.wire.abandon()
-        positions = gather_positions(self.runs, self.rank, position)
+        # Peers stuck behind the same fault time out within about one timeout of us.
+        wait_s = min(max(5.0, self.wire.timeout.total_seconds()), 30.0)
+        positions = gather_positions(self.runs, self.rank, position, wait_s)
         silent = sorted(set(self.stage_to_rank) - set(positions))
         grid = format_grid(program, positions)
         return PipelineError(

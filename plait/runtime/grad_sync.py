@@ -1,0 +1,104 @@
+"""Data-parallel gradient synchronisation: buckets all-reduced as soon as their gradients are final.
+
+A stage's parameter gets one gradient contribution per micro-batch; it is final after the last
+micro-batch's backward. A hook counts the contributions, and when every parameter of a bucket is
+final the bucket is flattened and all-reduced asynchronously over the stage's replica group,
+while the backward pass of the rest of the stage (and of later micro-batches of other stages)
+goes on. Buckets are launched strictly in index order so every replica issues the same
+collectives in the same order::
+
+    backward of the last micro-batch:  layer 8 .. layer 5 | layer 4 .. layer 1
+    buckets (reverse layer order):     [ bucket 0 ]--all-reduce--> [ bucket 1 ]--all-reduce-->
+    finish(): wait for every bucket, copy the sums back into .grad
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["GradientBuckets"]
+
+
+class GradientBuckets:
+    """All-reduces (SUM) the gradients of `params` over `group`, overlapping the backward pass."""
+
+    def __init__(self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int,
+                 timeout_s: float):
+        self.group = group
+        self.timeout = timedelta(seconds=timeout_s)
+        # Backward runs roughly in reverse order of the forward: fill buckets from the end.
+        ordered = list(params)[::-1]
+        self.buckets: list[list[nn.Parameter]] = []
+        size = 0
+        for p in ordered:
+            nbytes = p.numel() * p.element_size()
+            if not self.buckets or (size + nbytes > bucket_bytes and self.buckets[-1]):
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += nbytes
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._counts: dict[int, int] = {}
+        self._pending = [0] * len(self.buckets)
+        self._expected = 0
+        self._next = 0  # the next bucket to launch
+        self._works: list[tuple[int, Any, torch.Tensor]] = []
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in ordered]
+
+    def prepare(self, num_microbatches: int) -> None:
+        """Start a step whose stage runs `num_microbatches` backward passes."""
+        self._expected = num_microbatches
+        self._counts.clear()
+        self._pending = [len(b) for b in self.buckets]
+        self._next = 0
+        self._works.clear()
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if self._expected == 0:
+            return  # not a data-parallel step (evaluation, or a backward outside fit)
+        count = self._counts.get(id(param), 0) + 1
+        self._counts[id(param)] = count
+        if count == self._expected:
+            self._pending[self._bucket_of[id(param)]] -= 1
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, index: int) -> None:
+        grads = []
+        for p in self.buckets[index]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad.reshape(-1))
+        flat = torch.cat(grads)
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._works.append((index, work, flat))
+
+    def finish(self) -> None:
+        """Launch what is left (parameters without a gradient count as zero), wait, write back."""
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+            self._next += 1
+        for index, work, flat in self._works:
+            work.wait(self.timeout)
+            offset = 0
+            for p in self.buckets[index]:
+                assert p.grad is not None
+                n = p.numel()
+                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                offset += n
+        self._works.clear()
+        self._expected = 0
+
+    def remove(self) -> None:
+        """Detach the hooks from the parameters."""
+        for h in self._handles:
+            h.remove()
