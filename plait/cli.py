@@ -23,10 +23,12 @@ def _add_launch_options(parser: argparse.ArgumentParser, default_nproc: int) -> 
                         help="restart all ranks up to K times after a failure (default: 0)")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default: 1)")
     parser.add_argument("--node-rank", type=int, default=0, help="this node's rank (default: 0)")
-    parser.add_argument("--master-addr", default=launch.LOCALHOST,
-                        help=f"address of node 0 (default: {launch.LOCALHOST})")
-    parser.add_argument("--master-port", type=int, default=None,
-                        help="port on node 0; needed with --nnodes > 1 (default: a free port)")
+    parser.add_argument("--master-addr", default=None, metavar="HOST",
+                        help="address of node 0, the same on every node; needed with --nnodes > 1 "
+                             f"(one node listens on {launch.LOCALHOST} only)")
+    parser.add_argument("--master-port", type=int, default=None, metavar="PORT",
+                        help="a free port on node 0, the same on every node; needed with --nnodes > 1 "
+                             "(default on one node: any free port)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run", help="run a training script on N ranks",
         description="Run `python script.py args...` on N ranks through torch's elastic launcher. "
-                    "Everything after the script goes to the script.")
+                    "Everything after the script goes to the script. On several nodes, run the same "
+                    "command on each with its own --node-rank.")
     _add_launch_options(run, default_nproc=1)
     run.add_argument("-m", "--module", action="store_true",
                      help="the target is a module name, run as `python -m module`")

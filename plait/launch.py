@@ -1,21 +1,26 @@
-"""Starting N local ranks through torch's elastic launcher."""
+"""Starting N local ranks through torch's elastic launcher, on one node or several."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import logging
 import os
 import signal
 import socket
 import uuid
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-__all__ = ["LaunchSpec", "build_args", "run", "run_module", "free_port"]
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+
+__all__ = ["LaunchSpec", "build_args", "run", "run_module", "free_port", "LOOPBACK_RENDEZVOUS"]
 
 log = logging.getLogger("plait")
 
 LOCALHOST = "127.0.0.1"
+LOOPBACK_RENDEZVOUS = "plait-loopback"  # the rendezvous backend of a one-node job (see below)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +34,8 @@ class LaunchSpec:
     max_restarts: int = 0
     nnodes: int = 1
     node_rank: int = 0
-    master_addr: str = LOCALHOST
-    master_port: int | None = None  # None: a free port on one node; required on several
+    master_addr: str | None = None  # node 0's address; required on several nodes, unused on one
+    master_port: int | None = None  # node 0's port; required on several nodes; on one, None: any free
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -43,12 +48,15 @@ class LaunchSpec:
             raise ValueError(
                 f"node_rank must be in 0..{self.nnodes - 1} (node_rank: {self.node_rank}, nnodes: {self.nnodes})"
             )
-        if self.master_port is not None and not 0 < self.master_port < 65536:
-            raise ValueError(f"master_port must be in 1..65535 (master_port: {self.master_port})")
-        if self.nnodes > 1 and self.master_port is None:
+        if self.master_port is not None and not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port must be in 1..65535, or 0 for any free port on one node "
+                             f"(master_port: {self.master_port})")
+        if self.nnodes > 1 and (self.master_addr is None or not self.master_port):
+            missing = [name for name, value in (("--master-addr", self.master_addr),
+                                                ("--master-port", self.master_port)) if not value]
             raise ValueError(
                 f"with nnodes={self.nnodes}, every node needs the same --master-addr and --master-port "
-                f"(the address and port of node 0); master_port is missing"
+                f"(node 0's address and a free port on it); missing: {', '.join(missing)}"
             )
 
 
@@ -62,19 +70,21 @@ def free_port(host: str = LOCALHOST) -> int:
 def build_args(spec: LaunchSpec, port: int | None = None) -> list[str]:
     """The `torch.distributed.run` (torchrun) command line for `spec`.
 
-    One node rendezvouses through a c10d store at master_addr:port (`port` defaults to
-    spec.master_port, else a free port): no fixed port to collide with. Several nodes use the
-    static rendezvous, where each node is told its rank and node 0's address.
+    One node rendezvouses through plait's loopback backend: its stores listen on 127.0.0.1 only,
+    on `port` (default spec.master_port, else 0: a port the OS picks, so none to collide with).
+    Several nodes use torch's static rendezvous: each node is told its rank and node 0's address,
+    and node 0's store listens on every interface.
     """
     args = [f"--nproc-per-node={spec.nproc}", f"--max-restarts={spec.max_restarts}"]
     if spec.nnodes == 1:
         if port is None:
-            port = spec.master_port if spec.master_port is not None else free_port(spec.master_addr)
+            port = spec.master_port if spec.master_port is not None else 0
         args += [
             "--nnodes=1",
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={spec.master_addr}:{port}",
+            f"--rdzv-endpoint={LOCALHOST}:{port}",
             f"--rdzv-id={uuid.uuid4().hex}",
+            f"--local-addr={LOCALHOST}",  # the address the ranks are told for the store (MASTER_ADDR)
         ]
     else:
         args += [
@@ -88,6 +98,47 @@ def build_args(spec: LaunchSpec, port: int | None = None) -> list[str]:
     return args + [spec.target, *spec.target_args]
 
 
+# A one-node job's rendezvous. torch's c10d backend would do, except that its two TCP stores (the
+# rendezvous' own, and the one the ranks bootstrap their process group from) listen on every
+# interface whatever address they are given. This backend is torch's dynamic rendezvous on the
+# c10d backend with both stores made by plait.runtime.process_group.create_store, which hands
+# torch a socket bound to 127.0.0.1.
+#
+#   plait run (agent) ── rendezvous store 127.0.0.1:P ── (only this agent joins)
+#        └── bootstrap store 127.0.0.1:Q  <── rank 0 .. rank N-1 (MASTER_ADDR=127.0.0.1, MASTER_PORT=Q)
+
+
+def _create_loopback_handler(params: RendezvousParameters) -> RendezvousHandler:
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    from plait.runtime.process_group import create_store
+
+    class LoopbackBackend(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:  # the registry checks that the handler reports the name it was asked for
+            return LOOPBACK_RENDEZVOUS
+
+    _, port = parse_rendezvous_endpoint(params.endpoint, default_port=0)
+    read_timeout = datetime.timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
+    store = create_store(LOCALHOST, port, True, read_timeout)
+    handler = create_handler(store, LoopbackBackend(store, params.run_id), params)
+    # The handler makes the ranks' bootstrap store with this method (torch >= 2.4); ours binds
+    # loopback. tests/test_launch.py checks every listening address of a `plait run` job.
+    assert hasattr(handler, "_create_tcp_store_server"), "torch's DynamicRendezvousHandler changed"
+    handler._create_tcp_store_server = (  # type: ignore[method-assign]
+        lambda master_addr, master_port: create_store(LOCALHOST, master_port, True, datetime.timedelta(seconds=300))
+    )
+    return handler
+
+
+def _register_loopback_rendezvous() -> None:
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, _create_loopback_handler)  # idempotent
+
+
 def _threads_per_rank(nproc: int) -> int:
     try:
         cores = len(os.sched_getaffinity(0))  # the cores this process may use
@@ -97,16 +148,23 @@ def _threads_per_rank(nproc: int) -> int:
 
 
 @contextlib.contextmanager
-def _omp_threads(nproc: int) -> Iterator[None]:
-    """Set OMP_NUM_THREADS for the children (unless the user did), and restore it afterwards."""
-    if "OMP_NUM_THREADS" in os.environ:
-        yield
-        return
-    os.environ["OMP_NUM_THREADS"] = str(_threads_per_rank(nproc))
+def _child_env(spec: LaunchSpec) -> Iterator[None]:
+    """Set the ranks' environment (unless the user did), and restore ours afterwards.
+
+    OMP_NUM_THREADS shares the cores among the local ranks; on one node, GLOO_SOCKET_IFNAME and
+    NCCL_SOCKET_IFNAME make the ranks' own sockets listen on the loopback interface too.
+    """
+    from plait.runtime.process_group import loopback_interface_env
+
+    wanted = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(_threads_per_rank(spec.nproc))}
+    if spec.nnodes == 1:
+        wanted.update(loopback_interface_env())
+    os.environ.update(wanted)
     try:
         yield
     finally:
-        os.environ.pop("OMP_NUM_THREADS", None)
+        for name in wanted:
+            os.environ.pop(name, None)
 
 
 def _exit_code(code: int) -> int:
@@ -126,9 +184,14 @@ def _launch(spec: LaunchSpec) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    if spec.nnodes == 1:
+        _register_loopback_rendezvous()
+        if spec.master_addr is not None and spec.master_addr != LOCALHOST:
+            log.warning("plait run: one node listens on %s only; --master-addr %s is for --nnodes > 1",
+                        LOCALHOST, spec.master_addr)
     parsed = torchrun.parse_args(build_args(spec))  # type: ignore[no-untyped-call]  # torch's
     try:
-        with _omp_threads(spec.nproc):
+        with _child_env(spec):
             torchrun.run(parsed)  # type: ignore[no-untyped-call]
     except ChildFailedError as err:
         first_rank, first = err.get_first_failure()
@@ -157,7 +220,7 @@ def run(
     max_restarts: int = 0,
     nnodes: int = 1,
     node_rank: int = 0,
-    master_addr: str = LOCALHOST,
+    master_addr: str | None = None,
     master_port: int | None = None,
 ) -> int:
     """Run `python script *script_args` on `nproc` local ranks; 0, or the failing rank's exit code."""
@@ -172,7 +235,7 @@ def run_module(
     max_restarts: int = 0,
     nnodes: int = 1,
     node_rank: int = 0,
-    master_addr: str = LOCALHOST,
+    master_addr: str | None = None,
     master_port: int | None = None,
 ) -> int:
     """Run `python -m module *module_args` on `nproc` local ranks; like `run`."""

@@ -48,6 +48,7 @@ class GradientBuckets:
         self._expected = 0
         self._next = 0  # the next bucket to launch
         self._works: list[tuple[int, Any, torch.Tensor]] = []
+        self.launched_during_backward = 0  # buckets of the last step launched from the hooks
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in ordered]
 
     def prepare(self, num_microbatches: int) -> None:
@@ -57,6 +58,7 @@ class GradientBuckets:
         self._pending = [len(b) for b in self.buckets]
         self._next = 0
         self._works.clear()
+        self.launched_during_backward = 0
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if self._expected == 0:
@@ -65,7 +67,9 @@ class GradientBuckets:
         self._counts[id(param)] = count
         if count == self._expected:
             self._pending[self._bucket_of[id(param)]] -= 1
+            before = self._next
             self._launch_ready()
+            self.launched_during_backward += self._next - before
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self._pending[self._next] == 0:

@@ -3,32 +3,32 @@
 from __future__ import annotations
 
 import datetime
+import errno
+import importlib.util
 import logging
 import os
+import socket
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_process_group", "choose_backend"]
+from plait.errors import ConfigError
+from plait.runtime.ranks import RankInfo, is_loopback, resolve_ranks
+
+__all__ = ["init_process_group", "choose_backend", "resolve_ranks", "RankInfo", "create_store",
+           "loopback_interface_env"]
 
 log = logging.getLogger("plait")
 
-LAUNCH_HINT = "start every rank with `plait run -n N script.py` (or torchrun)"
 
+def choose_backend(local_world_size: int | None = None) -> str:
+    """"nccl" when every local rank can have a CUDA device of its own, else "gloo".
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer; {LAUNCH_HINT}") from None
-
-
-def choose_backend() -> str:
-    """"nccl" when every local rank can have a CUDA device of its own, else "gloo"."""
-    local_world_size = _env_int("LOCAL_WORLD_SIZE") or 1
+    `local_world_size` defaults to LOCAL_WORLD_SIZE from the environment, else 1.
+    """
+    if local_world_size is None:
+        value = os.environ.get("LOCAL_WORLD_SIZE", "")
+        local_world_size = int(value) if value.isdigit() else 1
     if torch.cuda.is_available():
         devices = torch.cuda.device_count()
         if devices >= local_world_size:
@@ -41,40 +41,124 @@ def choose_backend() -> str:
     return "gloo"
 
 
-def init_process_group(timeout_s: float) -> tuple[int, int]:
+def loopback_interface_env() -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME naming the loopback interface, unless already set.
+
+    Gloo (and NCCL's bootstrap) otherwise listen on the address the host name resolves to, which
+    on most machines is reachable from the network.
+    """
+    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    loopback = next((n for n in ("lo", "lo0") if n in names), None)
+    if loopback is None:
+        return {}
+    return {var: loopback for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if var not in os.environ}
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(512)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def create_store(host: str, port: int, is_master: bool, timeout: datetime.timedelta,
+                 world_size: int | None = None) -> dist.TCPStore:
+    """A TCPStore at host:port; the master listens only on `host` when it is a loopback address.
+
+    torch's TCPStore server listens on every interface whatever host it is given; handed a socket
+    already bound to 127.0.0.1 (master_listen_fd, libuv backend) it listens only there.
+    """
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    if not is_loopback(host):
+        # Several nodes: the others must reach this store, so it listens on every interface.
+        return dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False)
+    try:
+        sock = _listen(host, port)
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {host} is already in use: set MASTER_PORT to a free port "
+                              f"(the same on every rank)") from None
+        raise
+    # The store owns the descriptor from here on and closes it with the server.
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(host, sock_port(fd), world_size, True, timeout, wait_for_workers=False,
+                             master_listen_fd=fd, use_libuv=True)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def sock_port(fd: int) -> int:
+    """The port a listening descriptor is bound to (port 0 asks the OS for a free one)."""
+    with socket.socket(fileno=os.dup(fd)) as s:
+        return int(s.getsockname()[1])
+
+
+def _mpi4py_agree() -> tuple[str, int]:
+    """Rank 0's host name and a free port on it, broadcast to every rank through MPI (no pickle)."""
+    from mpi4py import MPI  # an optional dependency; imported (MPI_Init) only when needed
+
+    comm = MPI.COMM_WORLD
+    buf = bytearray(256)
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        buf[:] = f"{socket.getfqdn()} {port}".encode().ljust(256)
+    comm.Bcast([buf, MPI.BYTE], root=0)
+    host, port_text = buf.decode().split()
+    return host, int(port_text)
+
+
+def init_process_group(
+    timeout_s: float,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    local_rank: int | None = None,
+) -> tuple[int, int]:
     """Return (rank, world_size), joining the job's process group if there is one.
 
     - a group already initialised (by the user or a framework) is used as it is;
-    - else a launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as set by
-      torchrun and `plait run`) with WORLD_SIZE > 1 creates the group with env://;
-    - else this is a single process: (0, 1), and no group is created.
+    - else the first launcher found by `resolve_ranks` (explicit arguments, torchrun/elastic,
+      Slurm, Open MPI, MPICH/PMI; see plait.runtime.ranks) says this rank, the world size and
+      where rank 0 hosts the job's store; a world of one process creates no group.
+    A job whose master is a loopback address has every listening socket on 127.0.0.1.
     """
     if dist.is_initialized():
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+        existing = dist.get_rank(), dist.get_world_size()
         log.info("plait: rank %d of %d from the existing process group (backend %s)",
-                 rank, world_size, dist.get_backend())
-        return rank, world_size
+                 *existing, dist.get_backend())
+        return existing
 
-    env_world_size = _env_int("WORLD_SIZE")
-    if env_world_size is None or env_world_size <= 1:
-        log.info("plait: single process (WORLD_SIZE %s): no process group",
-                 "unset" if env_world_size is None else env_world_size)
+    agree = _mpi4py_agree if importlib.util.find_spec("mpi4py") is not None else None
+    info = resolve_ranks(os.environ, rank=rank, world_size=world_size, local_rank=local_rank,
+                         master_addr=master_addr, master_port=master_port, agree=agree)
+    if info.world_size == 1:
+        log.info("plait: single process (%s): no process group", info.describe())
         return 0, 1
-    world_size = env_world_size
 
-    env_rank = _env_int("RANK")
-    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
-    if env_rank is None or missing:
-        raise ValueError(f"WORLD_SIZE={world_size} is set but {', '.join(missing)} is not; {LAUNCH_HINT}")
-    rank = env_rank
-    if not 0 <= rank < world_size:
-        raise ValueError(f"RANK={rank} is outside 0..{world_size - 1} (WORLD_SIZE={world_size}); {LAUNCH_HINT}")
-
-    backend = choose_backend()
+    backend = choose_backend(info.local_world_size)
     if backend == "nccl":
-        torch.cuda.set_device(_env_int("LOCAL_RANK") or 0)  # one device per local rank
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    log.info("plait: rank %d of %d from the launcher's environment (RANK/WORLD_SIZE), backend %s",
-             rank, world_size, backend)
-    return rank, world_size
+        torch.cuda.set_device(info.local_rank)  # one device per local rank
+    if info.loopback:
+        os.environ.update(loopback_interface_env())  # read by gloo/NCCL when the group is made
+    log.info("plait: %s, backend %s", info.describe(), backend)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    assert info.master_addr is not None and info.master_port is not None
+    # Under torchrun (and `plait run`) the launcher hosts the store and every rank is a client.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and info.source == "torchrun"
+    store = create_store(info.master_addr, info.master_port, info.rank == 0 and not agent_store, timeout,
+                         world_size=None if agent_store else info.world_size)
+    dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout)
+    return info.rank, info.world_size

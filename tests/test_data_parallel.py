@@ -1,0 +1,136 @@
+"""Pipeline x data parallel equals one process: dp in {1..4} x pp in {1, 2}, uneven shards included.
+
+Global batches of 10, 10 and 3 rows: 10 does not divide by 3 or 4, and with dp=4 the last batch
+leaves one replica without rows, which must still take part in the gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import plait
+from tests.harness import run_ranks
+from tests.models import make
+
+BATCH = 10
+LAYOUTS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 3: [(3, 1)], 4: [(4, 1), (2, 2)], 6: [(3, 2)], 8: [(4, 2)]}
+
+
+def _call(net, x):
+    return net(*x) if isinstance(x, tuple) else net(x)
+
+
+def reference_fit(ref, x, y, loss_fn, epochs):
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    rows = y.shape[0]
+    for _ in range(epochs):
+        for a in range(0, rows, BATCH):
+            xb = tuple(t[a:a + BATCH] for t in x) if isinstance(x, tuple) else x[a:a + BATCH]
+            opt.zero_grad()
+            loss_fn(_call(ref, xb), y[a:a + BATCH]).backward()
+            opt.step()
+
+
+def compare(rank, world, name, dp, pp):
+    net, x, y, loss_fn = make(name)
+    ref = copy.deepcopy(net)
+    torch.manual_seed(1000 + rank)  # replicas must agree whatever their own seeds
+    model = plait.Model(net, plait.Config(dp=dp, num_stages=pp, num_microbatches=3, bucket_cap_mb=0.01),
+                        optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), loss=loss_fn)
+    model.fit(x, y, epochs=2, batch_size=BATCH, shuffle=False, verbose=0)
+    reference_fit(ref, x, y, loss_fn, epochs=2)
+    problems = []
+    state = model.state_dict()
+    for k, v in ref.state_dict().items():
+        try:
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+        except AssertionError as e:
+            problems.append(f"param {k}: {e}")
+    ref.eval()
+    with torch.no_grad():
+        want = _call(ref, x)
+        want_loss = float(loss_fn(want, y))
+    got = model.predict(x, batch_size=7)  # 23 rows: batches of 7, 7, 7, 2 over dp replicas
+    try:
+        got_t = got.logits if hasattr(got, "logits") else got
+        want_t = want.logits if hasattr(want, "logits") else want
+        torch.testing.assert_close(got_t, want_t, rtol=1e-5, atol=1e-5)
+    except AssertionError as e:
+        problems.append(f"predict: {e}")
+    result = model.evaluate(x, y, batch_size=7)
+    if abs(result["loss"] - want_loss) > 1e-5 * abs(want_loss):
+        problems.append(f"evaluate loss {result['loss']} != {want_loss}")
+    if model.plan.dp != dp or model.plan.num_stages != pp:
+        problems.append(f"plan has dp={model.plan.dp}, stages={model.plan.num_stages}")
+    return problems
+
+
+def layouts(rank, world):
+    return {(name, dp, pp): compare(rank, world, name, dp, pp)
+            for dp, pp in LAYOUTS[world] for name in ["mlp", "cnn", "gpt"]}
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+@pytest.mark.timeout(300)
+def test_data_parallel_equals_one_process(world):
+    results = run_ranks(world, layouts, timeout=280)
+    failures = {f"rank {r} {case}": p for r, rep in enumerate(results) for case, p in rep.items() if p}
+    assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())
+
+
+def sum_reduction(rank, world):
+    """grad_reduction="sum": the gradient is the sum of each replica's own mean-loss gradient."""
+    net, x, y, loss_fn = make("mlp")
+    ref = copy.deepcopy(net)
+    model = plait.Model(net, plait.Config(dp=2, num_microbatches=2, grad_reduction="sum"),
+                        optimizer=torch.optim.SGD(net.parameters(), lr=0.1), loss=loss_fn)
+    model.train_on_batch(x[:10], y[:10])
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt.zero_grad()
+    (loss_fn(ref(x[:5]), y[:5]) + loss_fn(ref(x[5:10]), y[5:10])).backward()
+    opt.step()
+    state = model.state_dict()
+    return max(float((state[k] - v).abs().max()) for k, v in ref.state_dict().items())
+
+
+@pytest.mark.timeout(120)
+def test_sum_reduction():
+    assert all(diff < 1e-6 for diff in run_ranks(2, sum_reduction, timeout=110))
+
+
+def test_world_size_that_is_not_dp_times_pp():
+    with pytest.raises(plait.ConfigError) as info:
+        plait.Config(dp=2, num_stages=3).stages_for(4)
+    message = str(info.value)
+    assert "3 pipeline stages x dp=2 replicas = 6 ranks" in message and "world size is 4" in message
+    with pytest.raises(plait.ConfigError, match="world size 5 does not divide by dp=2"):
+        plait.Config(dp=2).stages_for(5)
+    assert plait.Config(dp=2).stages_for(6) == 3
+
+
+def test_layout_keeps_pipeline_neighbours_adjacent():
+    plan = plait.Plan(layer_names=("a", "b"), layers_per_stage=(1, 1), num_microbatches=1,
+                      schedule="1f1b", world_size=6, capture_method="torch.fx", dp=3)
+    assert [plan.rank_of(s, 1) for s in range(2)] == [2, 3]
+    assert [plan.rank_of(0, r) for r in range(3)] == [0, 2, 4]
+    assert plan.position_of(5) == (1, 2)
+    assert "stage 1 (ranks 1, 3, 5)" in str(plan)
+
+
+def overlap(rank, world):
+    net, x, y, loss_fn = make("mlp")
+    model = plait.Model(net, plait.Config(dp=2, num_microbatches=3, bucket_cap_mb=0.001),
+                        optimizer=torch.optim.SGD(net.parameters(), lr=0.1), loss=loss_fn)
+    model.train_on_batch(x[:10], y[:10])
+    sync = model._train.sync
+    return len(sync.buckets), sync.launched_during_backward
+
+
+@pytest.mark.timeout(120)
+def test_buckets_are_launched_during_the_backward_pass():
+    for buckets, early in run_ranks(2, overlap, timeout=110):
+        assert buckets > 1  # a 1 KB cap puts the MLP's layers in several buckets
+        assert early == buckets  # every bucket started before the step's backward finished
