@@ -81,7 +81,7 @@ def build_args(spec: LaunchSpec, port: int | None = None) -> list[str]:
             port = spec.master_port if spec.master_port is not None else 0
         args += [
             "--nnodes=1",
-            "--rdzv-backend=c10d",
+            f"--rdzv-backend={LOOPBACK_RENDEZVOUS}",
             f"--rdzv-endpoint={LOCALHOST}:{port}",
             f"--rdzv-id={uuid.uuid4().hex}",
             f"--local-addr={LOCALHOST}",  # the address the ranks are told for the store (MASTER_ADDR)
@@ -124,7 +124,7 @@ def _create_loopback_handler(params: RendezvousParameters) -> RendezvousHandler:
     read_timeout = datetime.timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
     store = create_store(LOCALHOST, port, True, read_timeout)
     handler = create_handler(store, LoopbackBackend(store, params.run_id), params)
-    # The handler makes the ranks' bootstrap store with this method (torch >= 2.4); ours binds
+    # The handler makes the ranks' bootstrap store with this private method of torch's; ours binds
     # loopback. tests/test_launch.py checks every listening address of a `plait run` job.
     assert hasattr(handler, "_create_tcp_store_server"), "torch's DynamicRendezvousHandler changed"
     handler._create_tcp_store_server = (  # type: ignore[method-assign]

@@ -2,39 +2,37 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from plait import launch
 from plait.cli import build_parser
+from tests.launching import PROC, clean_env, listening_addresses
 
 
 def plait_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """Run the `plait` command in a fresh interpreter, as a user would."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
-    return subprocess.run([sys.executable, "-m", "plait.cli", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "plait.cli", *args], cwd=cwd, env=clean_env(),
                           capture_output=True, text=True, timeout=90)
 
 
-def test_build_args_single_node() -> None:
+def test_build_args_single_node_uses_the_loopback_rendezvous() -> None:
     spec = launch.LaunchSpec("train.py", ("--lr", "0.1"), nproc=2, max_restarts=1)
     args = launch.build_args(spec, port=12345)
     assert args[:5] == ["--nproc-per-node=2", "--max-restarts=1", "--nnodes=1",
-                        "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:12345"]
+                        "--rdzv-backend=plait-loopback", "--rdzv-endpoint=127.0.0.1:12345"]
     assert args[5].startswith("--rdzv-id=")
-    assert args[6:] == ["train.py", "--lr", "0.1"]
+    assert args[6:] == ["--local-addr=127.0.0.1", "train.py", "--lr", "0.1"]
 
 
-def test_build_args_module_and_free_port() -> None:
+def test_build_args_module_and_any_free_port() -> None:
     args = launch.build_args(launch.LaunchSpec("plait.demo", ("--epochs", "1"), nproc=3, module=True))
-    endpoint = next(a for a in args if a.startswith("--rdzv-endpoint="))
-    host, port = endpoint.split("=")[1].split(":")
-    assert host == "127.0.0.1" and 0 < int(port) < 65536
+    assert "--rdzv-endpoint=127.0.0.1:0" in args  # port 0: the OS picks a free one when binding
     assert args[-4:] == ["--module", "plait.demo", "--epochs", "1"]
 
 
@@ -53,7 +51,9 @@ def test_build_args_several_nodes_use_static_rendezvous() -> None:
         ({"nproc": 0}, r"nproc must be at least 1 \(nproc: 0\)"),
         ({"max_restarts": -1}, r"max_restarts: -1"),
         ({"nnodes": 2, "node_rank": 2, "master_port": 1}, r"node_rank must be in 0\.\.1"),
-        ({"nnodes": 2}, "master_port is missing"),
+        ({"nnodes": 2}, "missing: --master-addr, --master-port"),
+        ({"nnodes": 2, "master_port": 29400}, "missing: --master-addr$"),
+        ({"master_port": 70000}, r"master_port must be in 1\.\.65535, or 0 .* \(master_port: 70000\)"),
     ],
 )
 def test_launch_spec_rejects_bad_values(kwargs: dict[str, int], message: str) -> None:
@@ -68,6 +68,13 @@ def test_cli_run_passes_everything_after_the_script() -> None:
     assert args.script_args == ["-n", "5", "--x"]
 
 
+def test_cli_several_nodes() -> None:
+    args = build_parser().parse_args(["run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "node0",
+                                      "--master-port", "29400", "-n", "4", "t.py"])
+    assert (args.nnodes, args.node_rank, args.master_addr, args.master_port, args.nproc) == (2, 1, "node0", 29400, 4)
+
+
+@pytest.mark.timeout(100)
 def test_plait_run_two_ranks(tmp_path: Path) -> None:
     script = tmp_path / "ranks.py"
     script.write_text(textwrap.dedent("""
@@ -84,6 +91,7 @@ def test_plait_run_two_ranks(tmp_path: Path) -> None:
     assert (rank, world_size) == ("1", "2") and int(threads) >= 1
 
 
+@pytest.mark.timeout(100)
 def test_plait_run_reports_the_failing_rank(tmp_path: Path) -> None:
     script = tmp_path / "fail.py"
     script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
@@ -92,7 +100,64 @@ def test_plait_run_reports_the_failing_rank(tmp_path: Path) -> None:
     assert "rank 1 (local rank 1" in result.stderr and "failed with exit code 3" in result.stderr
 
 
+@pytest.mark.timeout(60)
 def test_plait_run_bad_option_is_a_usage_error(tmp_path: Path) -> None:
     result = plait_cli("run", "-n", "0", "x.py", cwd=tmp_path)
     assert result.returncode == 2
     assert "nproc must be at least 1 (nproc: 0)" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_plait_run_several_nodes_without_master_is_a_usage_error(tmp_path: Path) -> None:
+    result = plait_cli("run", "--nnodes", "2", "--node-rank", "1", "x.py", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "missing: --master-addr, --master-port" in result.stderr
+
+
+HOLD_SCRIPT = """
+import os, sys, time
+import torch, torch.distributed as dist
+from plait.runtime.process_group import init_process_group
+
+out = sys.argv[1]
+rank, world_size = init_process_group(timeout_s=60)
+total = torch.ones(1)
+dist.all_reduce(total)  # every gloo connection is up
+open(os.path.join(out, "ready%d" % rank), "w").write(str(int(total.item())))
+deadline = time.monotonic() + 60
+while not os.path.exists(os.path.join(out, "go")) and time.monotonic() < deadline:
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not (PROC / "net" / "tcp").exists(), reason="reads listening sockets from Linux's /proc")
+@pytest.mark.timeout(100)
+def test_plait_run_listens_on_loopback_only(tmp_path: Path) -> None:
+    """Every socket a one-node job listens on, the launcher's stores and each rank's gloo, is on 127.0.0.1.
+
+    torch's own c10d rendezvous would listen on every interface (`*:port`) even with a
+    127.0.0.1 endpoint; plait's loopback rendezvous hands torch sockets bound to 127.0.0.1.
+    """
+    script = tmp_path / "hold.py"
+    script.write_text(HOLD_SCRIPT)
+    proc = subprocess.Popen([sys.executable, "-m", "plait.cli", "run", "-n", "2", str(script), str(tmp_path)],
+                            cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 80
+        while len(list(tmp_path.glob("ready*"))) < 2:
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the ranks did not come up"
+            time.sleep(0.1)
+        listening = listening_addresses(proc.pid)
+    finally:
+        (tmp_path / "go").touch()
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert [(tmp_path / f"ready{r}").read_text() for r in (0, 1)] == ["2", "2"]
+    # the launcher's two stores (rendezvous, and the ranks' bootstrap) and one gloo socket per rank
+    assert sum(len(found) for found in listening.values()) >= 4, listening
+    assert len(listening) == 3 and len(listening[proc.pid]) == 2, listening
+    exposed = {pid: found for pid, found in listening.items() if any(addr != "127.0.0.1" for addr, _ in found)}
+    assert not exposed, f"listening beyond 127.0.0.1: {exposed}"

@@ -49,7 +49,10 @@ class GradientBuckets:
         self._next = 0  # the next bucket to launch
         self._works: list[tuple[int, Any, torch.Tensor]] = []
         self.launched_during_backward = 0  # buckets of the last step launched from the hooks
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in ordered]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+            for p in ordered
+        ]
 
     def prepare(self, num_microbatches: int) -> None:
         """Start a step whose stage runs `num_microbatches` backward passes."""

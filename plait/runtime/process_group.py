@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import importlib.util
@@ -11,6 +12,7 @@ import socket
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported without __all__
 
 from plait.errors import ConfigError
 from plait.runtime.ranks import RankInfo, is_loopback, resolve_ranks
@@ -68,43 +70,44 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def create_store(host: str, port: int, is_master: bool, timeout: datetime.timedelta,
-                 world_size: int | None = None) -> dist.TCPStore:
+                 world_size: int | None = None) -> TCPStore:
     """A TCPStore at host:port; the master listens only on `host` when it is a loopback address.
 
     torch's TCPStore server listens on every interface whatever host it is given; handed a socket
     already bound to 127.0.0.1 (master_listen_fd, libuv backend) it listens only there.
     """
     if not is_master:
-        return dist.TCPStore(host, port, world_size, False, timeout)
+        return TCPStore(host, port, world_size, False, timeout)
+    in_use = ConfigError(f"port {port} is already in use on this machine, where rank 0 hosts the job's "
+                         f"store: set MASTER_PORT to a free port (the same on every rank)")
     if not is_loopback(host):
         # Several nodes: the others must reach this store, so it listens on every interface.
-        return dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False)
+        try:
+            return TCPStore(host, port, world_size, True, timeout, wait_for_workers=False)
+        except RuntimeError as err:
+            if "EADDRINUSE" in str(err):
+                raise in_use from None
+            raise
     try:
         sock = _listen(host, port)
     except OSError as err:
         if err.errno == errno.EADDRINUSE:
-            raise ConfigError(f"port {port} on {host} is already in use: set MASTER_PORT to a free port "
-                              f"(the same on every rank)") from None
+            raise in_use from None
         raise
-    # The store owns the descriptor from here on and closes it with the server.
-    fd = sock.detach()
+    bound_port = int(sock.getsockname()[1])  # the OS's choice when port is 0
+    fd = sock.detach()  # the store owns the descriptor from here on, and closes it with the server
     try:
-        return dist.TCPStore(host, sock_port(fd), world_size, True, timeout, wait_for_workers=False,
-                             master_listen_fd=fd, use_libuv=True)
+        return TCPStore(host, bound_port, world_size, True, timeout, wait_for_workers=False,
+                        master_listen_fd=fd, use_libuv=True)
     except BaseException:
-        os.close(fd)
+        with contextlib.suppress(OSError):  # the store may have closed it already
+            os.close(fd)
         raise
-
-
-def sock_port(fd: int) -> int:
-    """The port a listening descriptor is bound to (port 0 asks the OS for a free one)."""
-    with socket.socket(fileno=os.dup(fd)) as s:
-        return int(s.getsockname()[1])
 
 
 def _mpi4py_agree() -> tuple[str, int]:
     """Rank 0's host name and a free port on it, broadcast to every rank through MPI (no pickle)."""
-    from mpi4py import MPI  # an optional dependency; imported (MPI_Init) only when needed
+    MPI = importlib.import_module("mpi4py.MPI")  # optional; importing it runs MPI_Init
 
     comm = MPI.COMM_WORLD
     buf = bytearray(256)
@@ -112,7 +115,9 @@ def _mpi4py_agree() -> tuple[str, int]:
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        buf[:] = f"{socket.getfqdn()} {port}".encode().ljust(256)
+        # The host name as other nodes know it; getfqdn() can answer "localhost" where /etc/hosts
+        # maps the host name to a loopback address, as Debian's does.
+        buf[:] = f"{socket.gethostname()} {port}".encode().ljust(256)
     comm.Bcast([buf, MPI.BYTE], root=0)
     host, port_text = buf.decode().split()
     return host, int(port_text)

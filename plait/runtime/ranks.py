@@ -4,44 +4,36 @@
 neither opens sockets nor imports torch.distributed, so every launcher is tested with a fake
 environment. The first source that is present wins:
 
-    source      | read from                                        | master address : port
-    ------------|--------------------------------------------------|-----------------------------
-    arguments   | init_process_group(rank=, world_size=, ...)      | master_addr / MASTER_ADDR /
-                |                                                  | 127.0.0.1 : master_port / MASTER_PORT
-    torchrun    | RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE   | MASTER_ADDR : MASTER_PORT
-    slurm       | SLURM_PROCID, SLURM_STEP_NUM_TASKS | SLURM_NTASKS,| one node: 127.0.0.1, else the first
-                | SLURM_LOCALID (only inside an srun step)         | host of the node list : a port from
-                |                                                  | the job and step ids
-    openmpi     | OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}| one node: 127.0.0.1, else
-    mpich       | PMI_RANK, PMI_SIZE, MPI_LOCALRANKID |            | MASTER_ADDR (or mpi4py) : a port
-                | PMI_LOCAL_RANK, MPI_LOCALNRANKS | PMI_LOCAL_SIZE | from the MPI job id
-    single      | nothing of the above                             | none: one process, no group
+    source     rank, world size, local rank        master address : port
+    ---------  ----------------------------------  ------------------------------------------------
+    arguments  rank=, world_size=, local_rank=     master_addr= or MASTER_ADDR or 127.0.0.1 :
+                                                   master_port= or MASTER_PORT
+    torchrun   RANK, WORLD_SIZE, LOCAL_RANK        MASTER_ADDR : MASTER_PORT
+    slurm      SLURM_PROCID, SLURM_STEP_NUM_TASKS  one node: 127.0.0.1, else the step's first host :
+               (or SLURM_NTASKS), SLURM_LOCALID;   a port from the job and step ids
+               only inside an srun step
+    openmpi    OMPI_COMM_WORLD_RANK, _SIZE,        one node (LOCAL_SIZE == SIZE): 127.0.0.1, else
+               _LOCAL_RANK                         MASTER_ADDR or mpi4py : a port from the job id
+    mpich      PMI_RANK, PMI_SIZE, MPI_LOCALRANKID like openmpi, with MPI_LOCALNRANKS or
+               (or PMI_LOCAL_RANK)                 PMI_LOCAL_SIZE, and PMI_JOBID
+    single     nothing of the above                none: one process, no group
 
 MASTER_ADDR and MASTER_PORT, when set, override the derived address and port for every source.
-A derived port lies in 20000..29999, below Linux's ephemeral range (32768..60999), so no
-outgoing connection can be holding it.
+A derived port lies in 20000..29999, below Linux's default ephemeral range (32768..60999), so
+no outgoing connection can be holding it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import itertools
-import re
 import zlib
 from typing import Callable, Mapping
 
 from plait.errors import ConfigError
+from plait.runtime.hostlist import expand_nodelist, expand_tasks_per_node
 
-__all__ = [
-    "RankInfo",
-    "resolve_ranks",
-    "expand_nodelist",
-    "expand_tasks_per_node",
-    "derived_port",
-    "is_loopback",
-    "SOURCES",
-]
+__all__ = ["RankInfo", "resolve_ranks", "derived_port", "is_loopback", "SOURCES"]
 
 SOURCES = ("arguments", "torchrun", "slurm", "openmpi", "mpich", "single")
 SOURCE_NAMES = {
@@ -115,73 +107,6 @@ def is_loopback(host: str) -> bool:
 def derived_port(key: str) -> int:
     """A port every rank computes alike from a job's id (CRC-32, so stable across processes)."""
     return PORT_BASE + zlib.crc32(key.encode()) % PORT_SPAN
-
-
-# -- Slurm's compact lists --------------------------------------------------------------------
-
-_BRACKET = re.compile(r"\[([^\[\]]*)\]")
-
-
-def _split_top_level(text: str) -> list[str]:
-    """Split at commas outside brackets: "a[1,2],b" -> ["a[1,2]", "b"]."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += {"[": 1, "]": -1}.get(ch, 0)
-        if depth not in (0, 1):
-            raise ConfigError(f"Slurm node list {text!r} has nested or unbalanced brackets")
-        if ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    if depth:
-        raise ConfigError(f"Slurm node list {text!r} has an unclosed '['")
-    return parts + [text[start:]]
-
-
-def _expand_range(spec: str, nodelist: str) -> list[str]:
-    """"01-03,7" -> ["01", "02", "03", "7"]; the width of the first bound is kept (zero padding)."""
-    out = []
-    for item in spec.split(","):
-        low, sep, high = item.partition("-")
-        if not low.isdigit() or (sep and not high.isdigit()):
-            raise ConfigError(f"Slurm node list {nodelist!r}: {item!r} is not a number or a range a-b")
-        if not sep:
-            out.append(low)
-            continue
-        if int(high) < int(low):
-            raise ConfigError(f"Slurm node list {nodelist!r}: range {item!r} runs backwards")
-        out += [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
-    return out
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Slurm's host list syntax, expanded in order.
-
-    >>> expand_nodelist("gpu[01-03,07],login1")
-    ['gpu01', 'gpu02', 'gpu03', 'gpu07', 'login1']
-    >>> expand_nodelist("rack[1-2]-n[0-1]")
-    ['rack1-n0', 'rack1-n1', 'rack2-n0', 'rack2-n1']
-    """
-    hosts: list[str] = []
-    for part in _split_top_level(nodelist.strip()):
-        if not part:
-            raise ConfigError(f"Slurm node list {nodelist!r} has an empty entry")
-        pieces = _BRACKET.split(part)  # text, range, text, range, ..., text
-        if "[" in "".join(pieces[::2]) or "]" in "".join(pieces[::2]):
-            raise ConfigError(f"Slurm node list {nodelist!r} has unbalanced brackets")
-        choices = [[p] if i % 2 == 0 else _expand_range(p, nodelist) for i, p in enumerate(pieces)]
-        hosts += ["".join(combo) for combo in itertools.product(*choices)]
-    return hosts
-
-
-def expand_tasks_per_node(spec: str) -> list[int]:
-    """Slurm's SLURM_TASKS_PER_NODE form: "2(x3),1" -> [2, 2, 2, 1]."""
-    out = []
-    for item in spec.split(","):
-        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
-        if not match:
-            raise ConfigError(f"tasks per node {spec!r}: {item!r} is not N or N(xM)")
-        out += [int(match.group(1))] * int(match.group(2) or 1)
-    return out
 
 
 # -- reading the environment ------------------------------------------------------------------
@@ -290,7 +215,7 @@ def _from_slurm(env: _Env) -> RankInfo:
     addr, port, notes = _master(env)
     origin = []
     if addr is None:
-        if nodes == 1:
+        if nodes == 1 or (nodes is None and local_size == world_size):
             addr = LOOPBACK
             origin.append("one node")
         else:
@@ -305,7 +230,9 @@ def _from_slurm(env: _Env) -> RankInfo:
     if port is None:
         job = env.text("SLURM_JOB_ID", "SLURM_JOBID")
         if job is None:
-            raise ConfigError("Slurm sets no SLURM_JOB_ID to derive a port from: set MASTER_PORT (the same on every task)")
+            raise ConfigError(
+                "Slurm sets no SLURM_JOB_ID to derive a port from: set MASTER_PORT (the same on every task)"
+            )
         step = env.text("SLURM_STEP_ID", "SLURM_STEPID") or "0"
         port = derived_port(f"slurm:{job}.{step}")
         origin.append(f"port from job {job} step {step}")
@@ -354,9 +281,10 @@ def _from_mpi(env: _Env, source: str, agree: Agree | None) -> RankInfo:
         origin.append(f"port from job id {job_key}")
     if (addr is None or port is None) and agree is not None:
         agreed_addr, agreed_port = agree()
+        asked = (["rank 0's host name"] if addr is None else []) + (["a free port"] if port is None else [])
         addr = addr or agreed_addr
         port = port if port is not None else agreed_port
-        origin.append("rank 0's address and a free port, broadcast with mpi4py")
+        origin.append(f"{' and '.join(asked)} through mpi4py")
     if addr is None:
         where = f"{local_size_vars[0]}={local_size}" if local_size is not None else f"no {local_size_vars[0]}"
         raise ConfigError(
