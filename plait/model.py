@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch

@@ -17,7 +17,7 @@ it sends on (or, on the last stage, the model's output).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch.fx as fx
 from torch import nn
