@@ -75,6 +75,10 @@ class Model:
                                          self.rank, self.world_size, self.loss, train=True,
                                          device=self.device)
             self._make_optimizer()
+            mine = {id(p) for p in self._train.local_parameters}
+            for p in self.net.parameters():  # stale gradients elsewhere would make the
+                if id(p) not in mine:        # optimizer step parameters this rank does not train
+                    p.grad = None
         if train:
             return self._train
         if self._eval is None:

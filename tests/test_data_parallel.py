@@ -34,8 +34,11 @@ def reference_fit(ref, x, y, loss_fn, epochs):
             opt.step()
 
 
-def compare(rank, world, name, dp, pp):
-    net, x, y, loss_fn = make(name)
+def compare(rank, world, name, dp, pp, made):
+    net, x, y, loss_fn = made
+    net.load_state_dict(made_initial[id(net)])  # one module per model, reset: one capture each
+    for p in net.parameters():
+        p.grad = None
     ref = copy.deepcopy(net)
     torch.manual_seed(1000 + rank)  # replicas must agree whatever their own seeds
     model = plait.Model(net, plait.Config(dp=dp, num_stages=pp, num_microbatches=3, bucket_cap_mb=0.01),
@@ -68,9 +71,15 @@ def compare(rank, world, name, dp, pp):
     return problems
 
 
+made_initial: dict[int, dict] = {}
+
+
 def layouts(rank, world):
-    return {(name, dp, pp): compare(rank, world, name, dp, pp)
-            for dp, pp in LAYOUTS[world] for name in ["mlp", "cnn", "gpt"]}
+    made = {name: make(name) for name in ["mlp", "cnn", "gpt"]}
+    for net, *_ in made.values():
+        made_initial[id(net)] = copy.deepcopy(net.state_dict())
+    return {(name, dp, pp): compare(rank, world, name, dp, pp, made[name])
+            for dp, pp in LAYOUTS[world] for name in made}
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))

@@ -44,8 +44,12 @@ def _optimizer(kind, params):
     return torch.optim.Adam(params, lr=1e-2, eps=1e-4)
 
 
-def check_case(rank, world, name, schedule, microbatches, opt_kind, check_outputs=True):
-    net, x, y, loss_fn = make(name)
+def check_case(rank, world, name, schedule, microbatches, opt_kind, check_outputs=True, made=None):
+    net, x, y, loss_fn = made or make(name)
+    if made is not None:  # the same module for every case: reset it (plait reuses its capture)
+        net.load_state_dict(made_initial[id(net)])
+        for p in net.parameters():
+            p.grad = None
     ref = copy.deepcopy(net)
     ref_opt = _optimizer(opt_kind, ref.parameters())
     model = plait.Model(net, config=plait.Config(num_stages=world, num_microbatches=microbatches,
@@ -93,13 +97,19 @@ def _tensors(out):
     return vars(out) if dataclasses.is_dataclass(out) else out
 
 
+made_initial: dict[int, dict] = {}
+
+
 def all_cases(rank, world, models):
     report = {}
+    made = {name: make(name) for name in models}
+    for net, *_ in made.values():
+        made_initial[id(net)] = copy.deepcopy(net.state_dict())
     combos = itertools.product(models, ["gpipe", "1f1b"], [1, 3, 8])
     for i, (name, schedule, m) in enumerate(combos):
         opt_kind = "sgd" if i % 2 == 0 else "adam"
         report[(name, schedule, m, opt_kind)] = check_case(rank, world, name, schedule, m, opt_kind,
-                                                                check_outputs=m == 3)
+                                                           check_outputs=m == 3, made=made[name])
     return report
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -52,13 +53,46 @@ def is_local(node: fx.Node) -> bool:
     return False
 
 
+# Captures of live modules, so a second Model of the same module does not trace it again.
+_CACHE: "weakref.WeakKeyDictionary[nn.Module, dict[Any, CapturedGraph]]" = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What a capture depends on besides the code: mode, module tree, flags, tensors, input kinds."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    inputs = tuple(
+        (x.dtype, tuple(x.shape[1:]), x.dim()) if isinstance(x, torch.Tensor) else repr(x) for x in leaves
+    )
+    modules = tuple(
+        (name, type(m), m.training, tuple(sorted(
+            (k, v) for k, v in vars(m).items() if isinstance(v, (bool, int, float, str, type(None)))
+        )))
+        for name, m in net.named_modules(remove_duplicate=False)
+    )
+    tensors = tuple(
+        (name, id(t), tuple(t.shape), t.dtype)
+        for name, t in list(net.named_parameters(remove_duplicate=False))
+        + list(net.named_buffers(remove_duplicate=False))
+    )
+    return (str(spec), inputs, modules, tensors)
+
+
 def capture(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CapturedGraph:
     """Trace `net` on one sample call, in its current train/eval mode.
 
     torch.export(strict=False) handles most real models (transformers with RoPE, masks, output
     dataclasses); torch.fx.symbolic_trace is the fallback. Both failing raises CaptureError with
-    the construct each tracer stopped at.
+    the construct each tracer stopped at. A module captured before with the same fingerprint
+    (mode, module tree and flags, parameter objects, input kinds) reuses that capture.
     """
+    key = _fingerprint(net, args, kwargs)
+    known = _CACHE.setdefault(net, {})
+    if key not in known:
+        known[key] = _capture(net, args, kwargs)
+    return known[key]
+
+
+def _capture(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CapturedGraph:
     try:
         return _capture_export(net, args, kwargs)
     except Exception as export_error:  # noqa: BLE001 - every tracer failure leads to the fallback
