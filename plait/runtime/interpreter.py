@@ -10,6 +10,7 @@ rank x step grid with this rank's position marked.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
@@ -67,9 +68,17 @@ class Interpreter:
         grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}
         grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
         sent_like: dict[tuple[int, int], list[torch.Tensor]] = {}  # what SF sent, for RB shapes
+        # Receives posted ahead (see wire.py): at most `window` at a time, so a 1F1B stage holds
+        # no more incoming buffers than it holds micro-batches in flight.
+        receives = [i for i, a in enumerate(actions) if a.op in (Op.RECV_F, Op.RECV_B)]
+        window, posted = self.num_stages + 1, 0
         for position, action in enumerate(actions):
             s, k, op = action.stage_index, action.microbatch_index, action.op
             mb = microbatches[k]
+            done = bisect.bisect_left(receives, position)  # receives already taken
+            while posted < len(receives) and posted - done < window:
+                self._post(actions[receives[posted]], microbatches, train)
+                posted += 1
             try:
                 if op is Op.RECV_F:
                     peer = self.stage_to_rank[s - 1]
@@ -108,6 +117,15 @@ class Interpreter:
             self.wire.drain()
         except Exception as e:  # noqa: BLE001
             raise self._failure(program, len(actions), None, e) from e
+
+    def _post(self, action: Action, microbatches: Sequence[MicroBatch], train: bool) -> None:
+        """Post one receive ahead, if its message's shapes are known (from the second step on)."""
+        s, k = action.stage_index, action.microbatch_index
+        key = microbatches[k].key
+        if action.op is Op.RECV_F:
+            self.wire.post_recv(self.stage_to_rank[s - 1], ("F", s - 1, train, key), 2 * k)
+        else:
+            self.wire.post_recv_grads(self.stage_to_rank[s + 1], ("F", s, train, key), 2 * k + 1)
 
     def _peer(self, action: Action) -> int | None:
         s = action.stage_index

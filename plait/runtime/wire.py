@@ -11,6 +11,14 @@ starts with a description, so the receiver can allocate buffers; later ones carr
 
 Sends are `isend` and never block the schedule (blocking sends deadlock 1F1B on gloo); a send's
 buffers are kept until `drain` waits for them. Every wait has a timeout.
+
+gloo moves a message only once both sides have posted it: the sender announces it, the receiver
+answers when its receive is posted, then the data flows. A receive posted only when its action
+comes up therefore puts a round trip on the critical path; `post_recv` posts it ahead, so the
+data flows the moment the peer sends it::
+
+    posted late:   rank 0 isend --ready--> rank 1 (busy) ... irecv --ready--> rank 0 --data--> rank 1
+    posted ahead:  rank 1 irecv --ready--> rank 0 ... isend --data--> rank 1 (already there)
 """
 
 from __future__ import annotations
@@ -98,6 +106,7 @@ class Wire:
         self._pending: list[tuple[Any, Any]] = []  # (work, buffer kept alive)
         self._sent: dict[Hashable, Description] = {}
         self._received: dict[Hashable, Description] = {}
+        self._posted: dict[tuple[int, int], tuple[list[torch.Tensor], list[Any]]] = {}  # (peer, tag)
 
     # -- sending -------------------------------------------------------------------------------
 
@@ -153,8 +162,9 @@ class Wire:
             self._wait(work)
 
     def abandon(self) -> None:
-        """Forget unfinished sends after a failure (their peer may be gone)."""
+        """Forget unfinished sends and posted receives after a failure (their peer may be gone)."""
         self._pending.clear()
+        self._posted.clear()
 
     # -- receiving -----------------------------------------------------------------------------
 
@@ -171,23 +181,63 @@ class Wire:
         except RuntimeError as e:
             raise WireTimeout(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
 
+    def post_recv(self, peer: int, key: Hashable, tag: int) -> None:
+        """Post now the receives of message `key`, if its description is known (else nothing)."""
+        desc = self._received.get((peer, key))
+        if desc is not None and (peer, tag) not in self._posted:
+            self._post(self._buffers(desc), peer, tag)
+
+    def post_recv_grads(self, peer: int, key: Hashable, tag: int) -> None:
+        """Post now the receives of the gradients `peer` returns for message `key` sent to it."""
+        desc = self._sent.get((peer, key))
+        if desc is not None and (peer, tag) not in self._posted:
+            self._post([torch.empty(shape, dtype=dtype, device=self.device)
+                        for kind, dtype, shape, grad in
+                        zip(desc.kinds, desc.dtypes, desc.shapes, desc.requires_grad)
+                        if kind == _TENSOR and grad], peer, tag)
+
+    def _post(self, buffers: list[torch.Tensor], peer: int, tag: int) -> None:
+        works = [dist.irecv(b, peer, group=self.group, tag=tag) for b in buffers]
+        self._posted[(peer, tag)] = (buffers, works)
+
+    def _take(self, peer: int, tag: int) -> list[torch.Tensor] | None:
+        """The filled buffers of the receives posted ahead for (peer, tag), or None."""
+        posted = self._posted.pop((peer, tag), None)
+        if posted is None:
+            return None
+        for work in posted[1]:
+            self._wait(work)
+        return posted[0]
+
+    def _buffers(self, desc: Description) -> list[torch.Tensor]:
+        """One buffer per tensor leaf, then one float64 buffer of the numbers (if any)."""
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device)
+                   for kind, dtype, shape in zip(desc.kinds, desc.dtypes, desc.shapes) if kind == _TENSOR]
+        count = sum(k in _NUMBERS for k in desc.kinds)
+        if count:
+            buffers.append(self._empty(count, torch.float64))
+        return buffers
+
     def recv(self, peer: int, key: Hashable, tag: int) -> tuple[list[Any], Description]:
         """Receive one message from `peer`; tensors that required grad there require grad here."""
         desc = self._received.get((peer, key))
         if desc is None:
             desc = self._recv_description(peer, tag)
             self._received[(peer, key)] = desc
+        buffers = self._take(peer, tag)
+        if buffers is None:
+            buffers = [self._recv(b, peer, tag) for b in self._buffers(desc)]
+        filled = iter(buffers)
         leaves: list[Any] = []
-        for kind, dtype, shape, grad in zip(desc.kinds, desc.dtypes, desc.shapes, desc.requires_grad):
+        for kind, grad in zip(desc.kinds, desc.requires_grad):
             if kind == _TENSOR:
-                assert dtype is not None
-                t = self._recv(torch.empty(shape, dtype=dtype, device=self.device), peer, tag)
+                t = next(filled)
                 leaves.append(t.requires_grad_() if grad else t)
             else:
                 leaves.append(None)
         count = sum(k in _NUMBERS for k in desc.kinds)
         if count:
-            numbers = iter(self._recv(self._empty(count, torch.float64), peer, tag).tolist())
+            numbers = iter(next(filled).tolist())
             leaves = [
                 _CAST[k](next(numbers)) if k in _NUMBERS else x for x, k in zip(leaves, desc.kinds)
             ]
@@ -213,6 +263,9 @@ class Wire:
 
     def recv_tensors(self, like: list[torch.Tensor], peer: int, tag: int) -> list[torch.Tensor]:
         """Receive tensors shaped like `like` (gradients of what this rank sent)."""
+        posted = self._take(peer, tag)
+        if posted is not None:
+            return posted
         return [self._recv(torch.empty_like(t, requires_grad=False), peer, tag) for t in like]
 
 
