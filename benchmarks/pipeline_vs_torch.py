@@ -1,0 +1,389 @@
+"""Step time of plait against torch.distributed.pipelining on the same model, split and schedule.
+
+One job, spawned here: 2 gloo ranks on 127.0.0.1, one CPU thread each. Both pipelines train
+their own copy of the same model (an nn.Sequential of `--layers` x (Linear(width, width), ReLU),
+cut in the middle), on the same global batch cut into the same micro-batches, with the same
+loss (mean-reduced MSE on the last stage) and the same optimizer: the SGD step (and clearing the
+gradients) is inside the timed step for both. The peer is used the simplest fair way: the
+Sequential split by hand into two `PipelineStage`s driven by `Schedule1F1B` / `ScheduleGPipe`.
+
+Each round runs, for every schedule: the one-process reference steps (rank 0 alone, the other
+rank waiting), a plait step and a peer step, plait first on even rounds and the peer first on odd
+ones. Every timed step starts after a barrier, and its time is the slowest rank's (all_reduce
+MAX); CPU time is summed over the ranks. Medians over the rounds are reported against two targets:
+
+    peer / plait                                              (target >= 1.4)
+    ideal = T1 / p * (m + p - 1) / m                          (GPipe bubble, Huang et al. 2019)
+    plait / ideal                                             (target <= 1.25)
+
+where T1 is the median step (forward, backward, SGD step) of one process running the whole model
+on the whole batch, p the number of stages and m the number of micro-batches. Tm is the same
+process stepping through the m micro-batches one after another (gradients accumulated): the
+arithmetic a pipeline does, without the pipeline. On a CPU a micro-batch of a few rows runs its
+GEMMs far less efficiently than the whole batch, so Tm is well above T1, and ideal_m (the ideal
+from Tm) is the bound a pipeline runtime can actually approach. "paired" is the median of the
+per-round peer / plait ratios: on a shared machine it is steadier than the ratio of the medians.
+
+Before timing, a correctness check trains fresh copies for a few steps with each schedule and
+compares every parameter of this rank's stage with the one-process reference
+(fp32: rtol 1e-5, atol 1e-6).
+
+    python benchmarks/pipeline_vs_torch.py [--rounds 40] [--schedules 1f1b,gpipe] [--batch 64]
+                                           [--microbatches 8] [--width 512] [--layers 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+try:
+    import plait
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import plait
+
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+__all__ = ["main"]
+
+NUM_STAGES = 2  # ranks, one pipeline stage each
+LR = 1e-3  # small: over a run the weights, and so the work per step, barely change
+SEED = 1234
+WARMUP_STEPS = 5  # per pipeline and schedule, untimed (shape inference, first descriptions)
+CHECK_STEPS = 3  # correctness check: steps from the same init
+TARGET_RATIO = 1.4  # peer / plait, at least
+TARGET_IDEAL = 1.25  # plait / ideal, at most
+PEER_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One benchmark setting, the same on every rank."""
+
+    rounds: int
+    schedules: tuple[str, ...]
+    batch: int
+    microbatches: int
+    width: int
+    layers: int
+    warmup: int
+
+
+# -- the model and the data ----------------------------------------------------------------------
+
+
+def make_net(width: int, layers: int) -> nn.Sequential:
+    """layers x (Linear(width, width), ReLU), identical on every rank (fixed seed)."""
+    torch.manual_seed(SEED)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*blocks)
+
+
+def make_batch(setting: Setting, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch (x, y) of `step`, identical on every rank."""
+    g = torch.Generator().manual_seed(SEED + 1 + step)
+    x = torch.randn(setting.batch, setting.width, generator=g)  # (B, width)
+    y = torch.randn(setting.batch, setting.width, generator=g)  # (B, width)
+    return x, y
+
+
+def stage_slice(setting: Setting, stage_index: int) -> slice:
+    """The Sequential's children on `stage_index`: the blocks split evenly, Linear+ReLU kept together."""
+    blocks = [setting.layers // NUM_STAGES + (1 if s < setting.layers % NUM_STAGES else 0)
+              for s in range(NUM_STAGES)]
+    start = 2 * sum(blocks[:stage_index])
+    return slice(start, start + 2 * blocks[stage_index])
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target)  # mean over the micro-batch
+
+
+# -- the three steps -----------------------------------------------------------------------------
+
+
+class Runner(Protocol):
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None: ...
+
+    def stage_parameters(self) -> list[torch.Tensor]: ...
+
+
+class PlaitRunner:
+    """plait's public API as a user writes it (the optimizer gets all of net's parameters; those
+    of the other stage never get a gradient, and SGD skips them)."""
+
+    def __init__(self, net: nn.Sequential, setting: Setting, schedule: str, rank: int):
+        self.net = net
+        config = plait.Config(layers_per_proc=_layers_per_proc(setting),
+                              num_microbatches=setting.microbatches, schedule=schedule)
+        self.model = plait.Model(net, config=config,
+                                 optimizer=torch.optim.SGD(net.parameters(), lr=LR), loss=loss_fn)
+        self.local = stage_slice(setting, rank)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.model.train_on_batch(x, y)
+
+    def stage_parameters(self) -> list[torch.Tensor]:
+        return [p.detach() for p in self.net[self.local].parameters()]
+
+
+def _layers_per_proc(setting: Setting) -> tuple[int, ...]:
+    # plait captures each Linear and each ReLU as one layer; cut where the peer is cut.
+    return tuple(len(range(*stage_slice(setting, s).indices(2 * setting.layers)))
+                 for s in range(NUM_STAGES))
+
+
+class PeerRunner:
+    """torch.distributed.pipelining: the Sequential cut by hand, one PipelineStage per rank."""
+
+    def __init__(self, net: nn.Sequential, setting: Setting, schedule: str, rank: int):
+        self.module = net[stage_slice(setting, rank)]  # shares the parameters of `net`
+        self.rank = rank
+        stage = PipelineStage(self.module, rank, NUM_STAGES, torch.device("cpu"))
+        self.schedule = PEER_SCHEDULES[schedule](stage, setting.microbatches, loss_fn=loss_fn)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=LR)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.rank == 0:
+            self.schedule.step(x, return_outputs=False)
+        elif self.rank == NUM_STAGES - 1:
+            self.schedule.step(target=y, losses=[], return_outputs=False)
+        else:
+            self.schedule.step(return_outputs=False)
+        self.optimizer.step()
+
+    def stage_parameters(self) -> list[torch.Tensor]:
+        return [p.detach() for p in self.module.parameters()]
+
+
+class ReferenceRunner:
+    """One process, the whole model: forward, backward, SGD step.
+
+    With microbatches=1 the whole batch goes through at once (T1); with m > 1 it goes through
+    as m micro-batches whose gradients accumulate (Tm): the same arithmetic as a pipeline's,
+    with no pipeline.
+    """
+
+    def __init__(self, net: nn.Sequential, setting: Setting, rank: int, microbatches: int = 1):
+        self.net = net
+        self.optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+        self.local = stage_slice(setting, rank)
+        self.microbatches = microbatches
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.microbatches == 1:
+            loss_fn(self.net(x), y).backward()
+        else:
+            for xs, ys in zip(x.chunk(self.microbatches), y.chunk(self.microbatches)):
+                (loss_fn(self.net(xs), ys) / self.microbatches).backward()
+        self.optimizer.step()
+
+    def stage_parameters(self) -> list[torch.Tensor]:
+        return [p.detach() for p in self.net[self.local].parameters()]
+
+
+# -- measuring -----------------------------------------------------------------------------------
+
+
+Timing = tuple[float, float]  # (wall seconds of the slowest rank, CPU seconds summed over ranks)
+
+
+def timed(step: Callable[[], None], only_rank: int | None = None) -> Timing:
+    """Time one step after a barrier; with `only_rank` that rank runs it and the others wait."""
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()  # process time counts gloo's threads too
+    if only_rank is None or dist.get_rank() == only_rank:
+        step()
+    wall_t = torch.tensor([time.perf_counter() - wall], dtype=torch.float64)
+    cpu_t = torch.tensor([time.process_time() - cpu], dtype=torch.float64)
+    dist.all_reduce(wall_t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu_t, op=dist.ReduceOp.SUM)
+    return float(wall_t), float(cpu_t)
+
+
+def check(setting: Setting, schedule: str, rank: int) -> bool:
+    """After CHECK_STEPS steps from one init, do plait's and the peer's parameters of this rank's
+    stage equal the one-process reference's? Printed on rank 0; every rank gets the verdict."""
+    net = make_net(setting.width, setting.layers)
+    ref = ReferenceRunner(copy.deepcopy(net), setting, rank)
+    runners: list[Runner] = [PlaitRunner(copy.deepcopy(net), setting, schedule, rank),
+                             PeerRunner(copy.deepcopy(net), setting, schedule, rank)]
+    for step in range(CHECK_STEPS):
+        x, y = make_batch(setting, step)
+        ref.step(x, y)
+        for runner in runners:
+            runner.step(x, y)
+    worst = torch.zeros(len(runners), dtype=torch.float64)
+    passed = torch.ones(len(runners), dtype=torch.float64)
+    for i, runner in enumerate(runners):
+        for got, want in zip(runner.stage_parameters(), ref.stage_parameters()):
+            worst[i] = max(float(worst[i]), float((got - want).abs().max()))
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+                passed[i] = 0.0
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    dist.all_reduce(passed, op=dist.ReduceOp.MIN)
+    if rank == 0:
+        for name, w, ok in zip(("plait", "peer"), worst.tolist(), passed.tolist()):
+            print(f"check {schedule:5s} {name:5s}: after {CHECK_STEPS} steps max |param - "
+                  f"one-process param| = {w:.1e}: {'ok' if ok else 'MISMATCH'} "
+                  f"(rtol 1e-5, atol 1e-6)", flush=True)
+    return bool(passed.min() > 0)
+
+
+def measure(setting: Setting, rank: int) -> dict[str, dict[str, list[Timing]]]:
+    """Per schedule, the step timings of "plait", "peer", "T1" and "Tm" (one process, rank 0)."""
+    net = make_net(setting.width, setting.layers)
+    references = {"T1": ReferenceRunner(copy.deepcopy(net), setting, rank),
+                  "Tm": ReferenceRunner(copy.deepcopy(net), setting, rank, setting.microbatches)}
+    runners: dict[str, dict[str, Runner]] = {
+        schedule: {"plait": PlaitRunner(copy.deepcopy(net), setting, schedule, rank),
+                   "peer": PeerRunner(copy.deepcopy(net), setting, schedule, rank)}
+        for schedule in setting.schedules
+    }
+    x, y = make_batch(setting, 0)
+    for _ in range(setting.warmup):
+        for ref in references.values():
+            ref.step(x, y)
+        for pair in runners.values():
+            for runner in pair.values():
+                runner.step(x, y)
+    times: dict[str, dict[str, list[Timing]]] = {
+        s: {name: [] for name in ("plait", "peer", *references)} for s in setting.schedules
+    }
+    for r in range(setting.rounds):
+        for schedule, pair in runners.items():
+            for name, ref in references.items():
+                times[schedule][name].append(timed(functools.partial(ref.step, x, y), only_rank=0))
+            for name in (["plait", "peer"] if r % 2 == 0 else ["peer", "plait"]):
+                times[schedule][name].append(timed(functools.partial(pair[name].step, x, y)))
+    return times
+
+
+def report(setting: Setting, times: dict[str, dict[str, list[Timing]]], correct: bool) -> bool:
+    """Print the table and the verdicts; True if every schedule meets both targets."""
+    m, p = setting.microbatches, NUM_STAGES
+    bubble = (m + p - 1) / (p * m)  # a stage's share of the work, stretched by the bubble
+    print(f"\n{setting.layers} x (Linear({setting.width}, {setting.width}) + ReLU), batch "
+          f"{setting.batch} in {m} micro-batches, {p} stages x 1 thread, SGD step included, "
+          f"medians of {setting.rounds} rounds, ms (slowest rank)")
+    columns = ["schedule", "plait", "peer", "peer/plait", "paired", "T1", "ideal", "plait/ideal",
+               "Tm", "ideal_m", "plait/ideal_m"]
+    print(" ".join(f"{c:>13s}" if i else f"{c:9s}" for i, c in enumerate(columns)))
+    verdicts = []
+    for schedule in setting.schedules:
+        t = {k: statistics.median(w for w, _ in v) * 1e3 for k, v in times[schedule].items()}
+        ideal, ideal_m = t["T1"] * bubble, t["Tm"] * bubble
+        ratio, over = t["peer"] / t["plait"], t["plait"] / ideal
+        # the same ratio round by round: the two steps of a round ran seconds apart
+        paired = statistics.median(
+            peer[0] / mine[0] for peer, mine in zip(times[schedule]["peer"], times[schedule]["plait"])
+        )
+        row = [t["plait"], t["peer"], ratio, paired, t["T1"], ideal, over, t["Tm"], ideal_m,
+               t["plait"] / ideal_m]
+        print(f"{schedule:9s} " + " ".join(f"{v:13.2f}" for v in row))
+        verdicts.append((schedule, ratio >= TARGET_RATIO and over <= TARGET_IDEAL and correct,
+                         ratio, over))
+    print("CPU ms per step, summed over ranks (medians): " + "; ".join(
+        f"{s} " + ", ".join(f"{k} {statistics.median(c for _, c in v) * 1e3:.1f}"
+                            for k, v in times[s].items())
+        for s in setting.schedules))
+    print("spread of the walls (ms, interquartile range): " + "; ".join(
+        f"{s} " + ", ".join(f"{k} {_iqr([w for w, _ in v]):.1f}" for k, v in times[s].items())
+        for s in setting.schedules))
+    print("peer/plait: ratio of the medians; paired: median of the per-round ratios. "
+          "ideal = T1 / p * (m + p - 1) / m;\nideal_m: the same from Tm, one process stepping "
+          "through the m micro-batches (the arithmetic a pipeline does)")
+    for schedule, ok, ratio, over in verdicts:
+        print(f"{schedule}: {'PASS' if ok else 'FAIL'} (peer/plait {ratio:.2f}, target >= "
+              f"{TARGET_RATIO}; plait/ideal {over:.2f}, target <= {TARGET_IDEAL}; parameters "
+              f"{'match' if correct else 'DO NOT match'})", flush=True)
+    return all(ok for _, ok, _, _ in verdicts)
+
+
+def _iqr(values: list[float]) -> float:
+    q = statistics.quantiles(values, n=4)
+    return (q[2] - q[0]) * 1e3
+
+
+# -- the job -------------------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, port: int, setting: Setting, result_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(NUM_STAGES))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=NUM_STAGES)
+    try:
+        correct = all([check(setting, s, rank) for s in setting.schedules])
+        times = measure(setting, rank)
+        if rank == 0:
+            passed = report(setting, times, correct)
+            Path(result_path).write_text("pass" if passed else "fail")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def parse_args(argv: list[str] | None = None) -> Setting:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=40, help="timed rounds (default: 40)")
+    parser.add_argument("--schedules", default="1f1b,gpipe",
+                        help="comma-separated, of 1f1b, gpipe (default: 1f1b,gpipe)")
+    parser.add_argument("--batch", type=int, default=64, help="global batch rows (default: 64)")
+    parser.add_argument("--microbatches", type=int, default=8, help="micro-batches (default: 8)")
+    parser.add_argument("--width", type=int, default=512, help="Linear width (default: 512)")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="Linear+ReLU blocks, split evenly over the 2 stages (default: 8)")
+    parser.add_argument("--warmup", type=int, default=WARMUP_STEPS,
+                        help=f"untimed steps per pipeline first (default: {WARMUP_STEPS})")
+    args = parser.parse_args(argv)
+    schedules = tuple(s.strip().lower() for s in args.schedules.split(",") if s.strip())
+    unknown = [s for s in schedules if s not in PEER_SCHEDULES]
+    if unknown or not schedules:
+        parser.error(f"--schedules {args.schedules!r}: unknown {unknown}; choose from "
+                     f"{', '.join(PEER_SCHEDULES)}")
+    if args.batch % args.microbatches:
+        parser.error(f"--batch {args.batch} is not a multiple of --microbatches "
+                     f"{args.microbatches}; the peer needs equal micro-batches")
+    if args.layers < NUM_STAGES or args.rounds < 2:
+        parser.error(f"need --layers >= {NUM_STAGES} and --rounds >= 2, got {args.layers}, {args.rounds}")
+    return Setting(args.rounds, schedules, args.batch, args.microbatches, args.width,
+                   args.layers, args.warmup)
+
+
+def main(argv: list[str] | None = None) -> int:
+    setting = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "verdict"
+        mp.start_processes(_rank_main, args=(_free_port(), setting, str(result)),
+                           nprocs=NUM_STAGES, join=True, start_method="spawn")
+        return 0 if result.read_text() == "pass" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
