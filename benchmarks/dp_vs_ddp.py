@@ -62,6 +62,7 @@ __all__ = ["main"]
 
 WORLD_SIZE = 2  # ranks = data-parallel replicas, one stage each
 LR = 1e-3  # small: over a run the weights, and so the work per step, barely change
+CHECK_LR = 0.5  # large: the check's few steps move every weight well past the tolerance
 SEED = 1234
 WARMUP_STEPS = 5  # per runner, untimed (capture, DDP's bucket rebuild after its first step)
 CHECK_STEPS = 3  # correctness check: steps from the same init
@@ -81,6 +82,7 @@ class Setting:
     layers: int
     warmup: int
     profile: str | None
+    bucket_mb: float | None  # plait's Config.bucket_cap_mb (None: plait's default)
 
 
 # -- the model and the data ----------------------------------------------------------------------
@@ -136,10 +138,11 @@ def local_rows(setting: Setting, rank: int) -> slice:
 class PlaitRunner:
     """plait's public API as a user writes it: the global batch in, plait shards it."""
 
-    def __init__(self, net: nn.Module, setting: Setting, rank: int):
-        config = plait.Config(num_stages=1, dp=WORLD_SIZE, num_microbatches=1)
+    def __init__(self, net: nn.Module, setting: Setting, rank: int, lr: float = LR):
+        buckets = {} if setting.bucket_mb is None else {"bucket_cap_mb": setting.bucket_mb}
+        config = plait.Config(num_stages=1, dp=WORLD_SIZE, num_microbatches=1, **buckets)
         self.model = plait.Model(net, config=config,
-                                 optimizer=lambda params: torch.optim.SGD(params, lr=LR),
+                                 optimizer=lambda params: torch.optim.SGD(params, lr=lr),
                                  loss=make_loss(setting))
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -152,9 +155,10 @@ class PlaitRunner:
 class DDPRunner:
     """torch's DistributedDataParallel with its defaults; each rank is given its own half."""
 
-    def __init__(self, net: nn.Module, setting: Setting, rank: int, communicate: bool = True):
+    def __init__(self, net: nn.Module, setting: Setting, rank: int, communicate: bool = True,
+                 lr: float = LR):
         self.module = DistributedDataParallel(net) if communicate else net
-        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=LR)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=lr)
         self.loss = make_loss(setting)
         self.rows = local_rows(setting, rank)
 
@@ -185,7 +189,8 @@ def check(setting: Setting, rank: int) -> bool:
     """After CHECK_STEPS steps from one init on the same data, does plait's state_dict equal
     DDP's module state? Printed on rank 0; every rank gets the verdict."""
     net = make_net(setting)
-    mine, theirs = PlaitRunner(copy.deepcopy(net), setting, rank), DDPRunner(copy.deepcopy(net), setting, rank)
+    mine = PlaitRunner(copy.deepcopy(net), setting, rank, lr=CHECK_LR)
+    theirs = DDPRunner(copy.deepcopy(net), setting, rank, lr=CHECK_LR)
     for step in range(CHECK_STEPS):
         x, y = make_batch(setting, step)
         mine.step(x, y)
@@ -199,7 +204,7 @@ def check(setting: Setting, rank: int) -> bool:
     verdict = torch.tensor([worst, 1.0 if passed else 0.0], dtype=torch.float64)
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN)  # passed only if on every rank
     if rank == 0:
-        print(f"check: after {CHECK_STEPS} SGD steps from one init, {len(want)} tensors: max |plait "
+        print(f"check: after {CHECK_STEPS} SGD steps (lr {CHECK_LR}) from one init, {len(want)} tensors: max |plait "
               f"state_dict - DDP module state| = {worst:.1e} (largest change from init {moved:.1e}): "
               f"{'ok' if passed else 'MISMATCH'} (rtol 1e-5, atol 1e-6)", flush=True)
     return bool(verdict[1] > 0)
@@ -308,6 +313,9 @@ def parse_args(argv: list[str] | None = None) -> Setting:
     parser.add_argument("--layers", type=int, default=8, help="mlp: Linear+ReLU blocks (default: 8)")
     parser.add_argument("--warmup", type=int, default=WARMUP_STEPS,
                         help=f"untimed steps per runner first (default: {WARMUP_STEPS})")
+    parser.add_argument("--bucket-mb", type=float, default=None,
+                        help="plait's Config.bucket_cap_mb (default: plait's own default); DDP keeps its "
+                             "defaults")
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help=f"after timing, profile {PROFILE_STEPS} plait steps per rank with cProfile "
                              "into DIR/plait_rank{r}.prof")
@@ -319,7 +327,7 @@ def parse_args(argv: list[str] | None = None) -> Setting:
         parser.error(f"need --rounds >= 2, --layers >= 1, --width >= 1, got {args.rounds}, "
                      f"{args.layers}, {args.width}")
     return Setting(args.model, args.rounds, args.batch, args.width, args.layers, args.warmup,
-                   args.profile)
+                   args.profile, args.bucket_mb)
 
 
 def main(argv: list[str] | None = None) -> int:
