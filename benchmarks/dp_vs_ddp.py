@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import dataclasses
 import functools
 import io
 import os
@@ -139,8 +140,9 @@ class PlaitRunner:
     """plait's public API as a user writes it: the global batch in, plait shards it."""
 
     def __init__(self, net: nn.Module, setting: Setting, rank: int, lr: float = LR):
-        buckets = {} if setting.bucket_mb is None else {"bucket_cap_mb": setting.bucket_mb}
-        config = plait.Config(num_stages=1, dp=WORLD_SIZE, num_microbatches=1, **buckets)
+        config = plait.Config(num_stages=1, dp=WORLD_SIZE, num_microbatches=1)
+        if setting.bucket_mb is not None:
+            config = dataclasses.replace(config, bucket_cap_mb=setting.bucket_mb)
         self.model = plait.Model(net, config=config,
                                  optimizer=lambda params: torch.optim.SGD(params, lr=lr),
                                  loss=make_loss(setting))
@@ -213,7 +215,7 @@ def check(setting: Setting, rank: int) -> bool:
 def measure(setting: Setting, rank: int) -> dict[str, list[float]]:
     """Step times of "plait", "ddp" and "local", round by round."""
     net = make_net(setting)
-    runners = {"plait": PlaitRunner(copy.deepcopy(net), setting, rank),
+    runners: dict[str, PlaitRunner | DDPRunner] = {"plait": PlaitRunner(copy.deepcopy(net), setting, rank),
                "ddp": DDPRunner(copy.deepcopy(net), setting, rank),
                "local": DDPRunner(copy.deepcopy(net), setting, rank, communicate=False)}
     x, y = make_batch(setting, 0)

@@ -244,16 +244,23 @@ def plot(rows: dict[tuple[int, int], dict[str, float]], path: Path, title: str) 
         color = colors.get(pp, None)
         label = f"{pp} partition{'s' if pp > 1 else ''}"
         if base:
-            ours = [base / rows[(pp, dp)]["train_s"] for dp in dps]
-            ax_s.plot(dps, ours, "o-", color=color, lw=2, label=f"ours, {label}")
-            for dp, value in zip(dps, ours):
-                ax_s.annotate(f"{value:.2f}", (dp, value), textcoords="offset points",
-                              xytext=(5, -12), fontsize=7, color=color)
+            ax_s.plot(dps, [base / rows[(pp, dp)]["train_s"] for dp in dps], "o-", color=color,
+                      lw=2, label=f"ours, {label}")
         paper = [dp for dp in DP_GROUPS if (dp, pp) in PAPER_SPEEDUP]
         ax_s.plot(paper, [PAPER_SPEEDUP[(dp, pp)] for dp in paper], "s--", color=color, alpha=0.45,
                   label=f"paper, {label}")
         ax_a.plot(dps, [100 * rows[(pp, dp)]["test_accuracy"] for dp in dps], "o-", color=color,
                   lw=2, label=label)
+    if base:  # our speedups as numbers, in the table's layout, under the legend (left of the lines)
+        pps = sorted({pp for pp, _ in rows})
+        lines = ["ours    " + " ".join(f"{pp}part" for pp in pps)] + [
+            f"{dp} DP   " + " ".join(f"{base / rows[(pp, dp)]['train_s']:5.2f}" if (pp, dp) in rows
+                                     else f"{'-':>5s}" for pp in pps)
+            for dp in sorted({dp for _, dp in rows})
+        ]
+        ax_s.text(0.03, 0.69, "\n".join(lines), transform=ax_s.transAxes, ha="left", va="top",
+                  family="monospace", fontsize=7.5,
+                  bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "0.8"})
     ax_s.plot(DP_GROUPS, DP_GROUPS, ":", color="grey", label="linear in DP groups")
     ax_s.axhline(cores, color="red", lw=1, label=f"this machine's {cores} cores")
     ax_s.set(xlabel="data-parallel groups", ylabel="speedup over 1 partition x 1 group",
