@@ -16,7 +16,7 @@ from plait.errors import ConfigError, PlaitError
 from plait.metrics import METRICS, check_metrics
 from plait.pipeline import Pipeline, build_pipeline
 from plait.plan import Plan
-from plait.runtime.collectives import broadcast_state, gather_state_dict, local_device, sum_floats
+from plait.runtime.collectives import broadcast_state, gather_state_dict, local_device, start_sum_floats
 from plait.runtime.interpreter import MicroBatch
 from plait.runtime.process_group import init_process_group
 
@@ -159,6 +159,9 @@ class Model:
             if mbs:
                 pipe.interpreter.run(pipe.program(len(mbs), train), mbs, train,
                                      keep_outputs=keep_outputs or bool(self.metrics))
+            # The loss and metric sums travel while the gradients are still being all-reduced.
+            stats, outputs = self._local_stats(pipe, mbs, keep_outputs)
+            total = start_sum_floats(stats)
             if train:
                 if pipe.sync is not None:
                     pipe.sync.finish()
@@ -168,6 +171,10 @@ class Model:
                 self.optimizer.step()
         finally:
             self.net.train(was_training)
+        return total(), outputs
+
+    def _local_stats(self, pipe: Pipeline, mbs: list[MicroBatch], keep_outputs: bool) -> tuple[list[float], Any]:
+        """This rank's [sum of loss x rows, (correct, counted) per metric] and kept outputs."""
         stats = [0.0] * (1 + 2 * len(self.metrics))
         outputs = None
         if pipe.is_last:
@@ -183,7 +190,7 @@ class Model:
             if keep_outputs:
                 outputs = [ex.outputs[k] for k in range(len(mbs))]
             ex.outputs.clear()
-        return sum_floats(stats), outputs
+        return stats, outputs
 
     def _logs(self, sums: list[float], rows: float) -> dict[str, float]:
         logs = {"loss": sums[0] / rows}

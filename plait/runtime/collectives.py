@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["local_device", "make_group", "sum_floats", "broadcast_state", "TiedGradients", "gather_state_dict"]
+__all__ = ["local_device", "make_group", "sum_floats", "start_sum_floats", "broadcast_state", "TiedGradients", "gather_state_dict"]
 
 
 def local_device() -> torch.device:
@@ -79,3 +79,17 @@ def sum_floats(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=local_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
+
+
+def start_sum_floats(values: list[float]) -> Callable[[], list[float]]:
+    """`sum_floats` started now (all_reduce async_op) and finished by calling the result."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return lambda: list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=local_device())
+    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)
+
+    def finish() -> list[float]:
+        work.wait()
+        return t.tolist()
+
+    return finish

@@ -9,7 +9,10 @@ collectives in the same order::
 
     backward of the last micro-batch:  layer 8 .. layer 5 | layer 4 .. layer 1
     buckets (reverse layer order):     [ bucket 0 ]--all-reduce--> [ bucket 1 ]--all-reduce-->
-    finish(): wait for every bucket, copy the sums back into .grad
+    finish(): wait for every bucket (each .grad is a view of its bucket: nothing to copy back)
+
+The first bucket is small (FIRST_BUCKET_BYTES, as DistributedDataParallel does) so that an
+all-reduce starts early in the backward pass whatever the cap.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["GradientBuckets"]
+
+FIRST_BUCKET_BYTES = 2**20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
 
 
 class GradientBuckets:
@@ -37,17 +42,25 @@ class GradientBuckets:
         size = 0
         for p in ordered:
             nbytes = p.numel() * p.element_size()
-            if not self.buckets or (size + nbytes > bucket_bytes and self.buckets[-1]):
+            cap = min(bucket_bytes, FIRST_BUCKET_BYTES) if len(self.buckets) == 1 else bucket_bytes
+            new_dtype = bool(self.buckets and self.buckets[-1]) and self.buckets[-1][-1].dtype != p.dtype
+            if not self.buckets or new_dtype or (size + nbytes > cap and self.buckets[-1]):
                 self.buckets.append([])
                 size = 0
             self.buckets[-1].append(p)
             size += nbytes
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        # One flat buffer per bucket (a bucket holds one dtype); each parameter's .grad is a view into it, so
+        # autograd accumulates straight into the buffer that is all-reduced in place.
+        self._flats = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
+                       for b in self.buckets]
+        self._views = [[flat[o - p.numel() : o].view_as(p) for p, o in zip(b, _ends(b))]
+                       for b, flat in zip(self.buckets, self._flats)]
         self._counts: dict[int, int] = {}
         self._pending = [0] * len(self.buckets)
         self._expected = 0
         self._next = 0  # the next bucket to launch
-        self._works: list[tuple[int, Any, torch.Tensor]] = []
+        self._works: list[tuple[int, Any]] = []
         self.launched_during_backward = 0  # buckets of the last step launched from the hooks
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
@@ -62,6 +75,10 @@ class GradientBuckets:
         self._next = 0
         self._works.clear()
         self.launched_during_backward = 0
+        for b, flat, views in zip(self.buckets, self._flats, self._views):
+            flat.zero_()
+            for p, v in zip(b, views):
+                p.grad = v
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if self._expected == 0:
@@ -80,28 +97,21 @@ class GradientBuckets:
             self._next += 1
 
     def _launch(self, index: int) -> None:
-        grads = []
-        for p in self.buckets[index]:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad.reshape(-1))
-        flat = torch.cat(grads)
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        self._works.append((index, work, flat))
+        for p, v in zip(self.buckets[index], self._views[index]):
+            if p.grad is not v:  # replaced behind our back (set_to_none, an assignment): copy it in
+                if p.grad is not None:
+                    v.copy_(p.grad)
+                p.grad = v
+        work = dist.all_reduce(self._flats[index], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._works.append((index, work))
 
     def finish(self) -> None:
         """Launch what is left (parameters without a gradient count as zero), wait, write back."""
         while self._next < len(self.buckets):
             self._launch(self._next)
             self._next += 1
-        for index, work, flat in self._works:
+        for _, work in self._works:
             work.wait(self.timeout)
-            offset = 0
-            for p in self.buckets[index]:
-                assert p.grad is not None
-                n = p.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                offset += n
         self._works.clear()
         self._expected = 0
 
@@ -109,3 +119,12 @@ class GradientBuckets:
         """Detach the hooks from the parameters."""
         for h in self._handles:
             h.remove()
+
+
+def _ends(params: Sequence[nn.Parameter]) -> list[int]:
+    """Where each parameter's gradient ends in its bucket's flat buffer."""
+    ends, end = [], 0
+    for p in params:
+        end += p.numel()
+        ends.append(end)
+    return ends
