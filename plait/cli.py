@@ -1,11 +1,13 @@
-"""The `plait` command: `plait run` starts a script on N ranks, `plait demo` runs the MNIST CNN demo."""
+"""The `plait` command: `run` a script on N ranks, the `demo`, and `timeline`/`simulate` charts."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from plait import launch
+from plait.errors import PlaitError
 
 __all__ = ["main", "build_parser"]
 
@@ -13,6 +15,12 @@ DEMO_EPILOG = (
     "Any other option goes to every rank's plait.demo: --data DIR (MNIST IDX files; default: "
     "sklearn's 8x8 digits), --epochs, --batch-size, --microbatches, --lr, --seed. "
     "See `python -m plait.demo --help`."
+)
+TIMELINE_DESCRIPTION = (
+    "Draw one training step of a run traced with plait.Config(trace_dir=TRACE_DIR) as two Gantt "
+    "charts on one time axis: planned (the schedule simulated with the forward, backward and "
+    "weight-gradient times measured in that step) above measured, each with its bubble fraction. "
+    "TRACE_DIR/rank<r>.json also open in https://ui.perfetto.dev."
 )
 
 
@@ -31,10 +39,93 @@ def _add_launch_options(parser: argparse.ArgumentParser, default_nproc: int) -> 
                              "(default on one node: any free port)")
 
 
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def _duration(text: str) -> float:
+    """An argparse type: a time in ms, >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a time in ms >= 0, such as 1.5, got {text!r}")
+    return value
+
+
+def _add_chart_commands(commands: Any) -> None:
+    timeline = commands.add_parser(
+        "timeline", help="draw planned vs measured Gantt charts of a traced step",
+        description=TIMELINE_DESCRIPTION)
+    timeline.add_argument("trace_dir", metavar="TRACE_DIR", help="the run's Config.trace_dir")
+    timeline.add_argument("-o", "--output", required=True, metavar="OUT.png", help="the picture")
+    timeline.add_argument("--step", type=int, default=None, metavar="K",
+                          help="the training step to draw (default: the last complete one; the "
+                               "first includes warm-up)")
+
+    simulate = commands.add_parser(
+        "simulate", help="time a schedule on paper: step time, bubble, peak activations",
+        description="Simulate one training step of a pipeline schedule with fixed times per "
+                    "micro-batch and stage; print its step time, bubble fraction and peak "
+                    "activations per rank, and with -o draw it as a Gantt chart.")
+    simulate.add_argument("--schedule", default="1f1b", help="schedule name (default: 1f1b)")
+    simulate.add_argument("--stages", type=_count, required=True, metavar="P",
+                          help="pipeline stages")
+    simulate.add_argument("--microbatches", type=_count, required=True, metavar="M",
+                          help="micro-batches per step")
+    simulate.add_argument("--virtual-stages", type=_count, default=1, metavar="V",
+                          help="stages per rank, for interleaved schedules (default: 1)")
+    for flag, what, default in (("--t-f", "a forward", None), ("--t-b", "a backward", None),
+                                ("--t-w", "a weight-gradient step", 0.0),
+                                ("--t-comm", "a send between ranks", 0.0)):
+        simulate.add_argument(flag, type=_duration, required=default is None, default=default,
+                              metavar="MS", help=f"time of {what} of one micro-batch on one "
+                              f"stage, ms" + ("" if default is None else " (default: 0)"))
+    simulate.add_argument("-o", "--output", default=None, metavar="OUT.png",
+                          help="also draw the step as a Gantt chart")
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    from plait import timeline  # imported here: only these commands need it, and matplotlib
+
+    trace = timeline.load(args.trace_dir)
+    step = trace.resolve_step(args.step)
+    out = timeline.draw_measured(trace, args.output, step)
+    print(f"step {step}: measured bubble {timeline.bubble_fraction(trace, step):.1%}; "
+          f"wrote {out}")
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from plait.schedule import simulate
+
+    sim = simulate(args.schedule, args.stages, args.microbatches, args.t_f, args.t_b,
+                   t_w=args.t_w, t_comm=args.t_comm, num_virtual_stages=args.virtual_stages)
+    peaks = ", ".join(f"{p:g}" for p in sim.peak_activations)
+    print(f"{args.schedule}: {args.stages} stages, {args.microbatches} micro-batches, "
+          f"{args.virtual_stages} virtual stage(s) per rank\n"
+          f"step time         {sim.step_time:g} ms\n"
+          f"bubble fraction   {sim.bubble_fraction:.1%}\n"
+          f"peak activations  {peaks} (per rank)")
+    if args.output is not None:
+        from plait import timeline
+
+        print(f"wrote {timeline.draw_simulation(sim, args.output, schedule=args.schedule)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="plait", description="Train an unmodified PyTorch model as a pipeline over several processes.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,demo}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,demo,timeline,simulate}")
 
     run = commands.add_parser(
         "run", help="run a training script on N ranks",
@@ -52,12 +143,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the paper's MNIST CNN as a 2-stage pipeline on --nproc local ranks.",
         epilog=DEMO_EPILOG, allow_abbrev=False)
     _add_launch_options(demo, default_nproc=2)
+    _add_chart_commands(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if args.command in ("timeline", "simulate"):
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        try:
+            return _timeline(args) if args.command == "timeline" else _simulate(args)
+        except (PlaitError, ValueError, OSError, ImportError) as err:
+            print(f"plait {args.command}: error: {err}", file=sys.stderr)
+            return 1
     if args.command == "run":
         if rest:
             parser.error(f"unrecognized arguments before the script: {' '.join(rest)}")

@@ -1,0 +1,329 @@
+"""Pipeline timelines: load a trace directory, measure a step's bubble, draw Gantt charts."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from plait.runtime.trace import FORMAT_VERSION
+
+__all__ = ["Span", "Trace", "load", "bubble_fraction", "stage_times", "plan", "draw_measured",
+           "draw_simulation"]
+
+COMPUTE_OPS = ("F", "B", "W")  # what a simulation plans; the optimizer is compute it does not
+_RANK_FILE = re.compile(r"rank(\d+)\.json")
+
+
+@dataclass(frozen=True)
+class Span:
+    """One measured span of a rank; times in ms since the earliest span of any rank."""
+
+    rank: int
+    stream: str
+    name: str
+    start: float
+    end: float
+    args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def op(self) -> str | None:
+        return self.args.get("op")
+
+    @property
+    def step(self) -> int | None:
+        return self.args.get("step")
+
+
+@dataclass(frozen=True)
+class Trace:
+    """The spans of every rank of one run (`spans[rank]`, by start) and the runtime's meta."""
+
+    trace_dir: Path
+    meta: dict[str, Any]
+    spans: dict[int, list[Span]]
+
+    @cached_property
+    def _by_step(self) -> dict[int, dict[int, list[Span]]]:
+        """step -> rank -> the rank's compute spans of that step (one pass over the trace)."""
+        steps: dict[int, dict[int, list[Span]]] = {}
+        for rank, spans in self.spans.items():
+            for s in spans:
+                if s.stream == "compute" and s.step is not None:
+                    steps.setdefault(s.step, {r: [] for r in self.spans})[rank].append(s)
+        return dict(sorted(steps.items()))
+
+    def compute(self, step: int, ops: tuple[str, ...] = COMPUTE_OPS) -> dict[int, list[Span]]:
+        """Each rank's compute spans of `step` whose op is in `ops`."""
+        ranks = self._by_step.get(step, {r: [] for r in self.spans})
+        return {rank: [s for s in spans if s.op in ops] for rank, spans in ranks.items()}
+
+    def complete_steps(self) -> list[int]:
+        """Training steps every rank finished: each F has its B, and the optimizer ran if traced."""
+        with_optimizer = {r for r, spans in self.spans.items() if any(s.op == "opt" for s in spans)}
+
+        def finished(rank: int, spans: list[Span]) -> bool:
+            f, b = ({(s.args.get("stage"), s.args.get("mb")) for s in spans if s.op == op}
+                    for op in ("F", "B"))
+            return bool(f) and f == b and (rank not in with_optimizer
+                                           or any(s.op == "opt" for s in spans))
+
+        return [k for k, ranks in self._by_step.items()
+                if all(finished(rank, spans) for rank, spans in ranks.items())]
+
+    def resolve_step(self, step: int | None) -> int:
+        """`step`, checked, or (None) the last complete step: the first one includes warm-up."""
+        complete = self.complete_steps()
+        if step is None and complete:
+            return complete[-1]
+        if step is None or step not in complete:
+            raise ValueError(f"{'no' if step is None else f'step {step} is not a'} complete "
+                             f"training step in the trace {self.trace_dir}; complete steps: "
+                             f"{complete or 'none (trace at least one whole step)'}")
+        return step
+
+    def window(self, step: int) -> tuple[float, float]:
+        """From the step's first F/B/W start to its last F/B/W end, over all ranks (ms)."""
+        spans = [s for spans in self.compute(step).values() for s in spans]
+        return min(s.start for s in spans), max(s.end for s in spans)
+
+
+def load(trace_dir: str | Path) -> Trace:
+    """Read every `rank{r}.json` that `Config(trace_dir=...)` wrote into `trace_dir`."""
+    trace_dir = Path(trace_dir)
+    fix = (f"point at the directory given as plait.Config(trace_dir=...), where each rank "
+           f"writes rank<r>.json")
+    if not trace_dir.is_dir():
+        raise FileNotFoundError(f"trace directory {trace_dir} does not exist; {fix}")
+    files = sorted((int(m.group(1)), p) for p in trace_dir.iterdir()
+                   if (m := _RANK_FILE.fullmatch(p.name)))
+    if not files:
+        raise ValueError(f"no rank<r>.json files in {trace_dir}; {fix}")
+    documents: dict[int, dict[str, Any]] = {}
+    for rank, path in files:
+        try:
+            document = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}); was the run cut short while "
+                             f"writing it? Trace the run again") from None
+        if not isinstance(document, dict) or "plait" not in document:
+            raise ValueError(f"{path} is not a plait trace (no 'plait' metadata); {fix}")
+        if document["plait"].get("format", 0) > FORMAT_VERSION:
+            raise ValueError(f"{path} has trace format {document['plait'].get('format')}, newer "
+                             f"than this plait reads ({FORMAT_VERSION}); upgrade plait")
+        documents[rank] = document
+    events = {rank: [e for e in d.get("traceEvents", []) if e.get("ph") == "X"]
+              for rank, d in documents.items()}
+    origin = min((e["ts"] for es in events.values() for e in es), default=0.0)
+    spans: dict[int, list[Span]] = {}
+    for rank, es in events.items():
+        spans[rank] = sorted((Span(rank, e.get("cat", "compute"), e["name"],
+                                   (e["ts"] - origin) / 1000, (e["ts"] + e["dur"] - origin) / 1000,
+                                   e.get("args", {})) for e in es), key=lambda s: s.start)
+    meta = {k: v for k, v in documents[files[0][0]]["plait"].items() if k != "rank"}
+    return Trace(trace_dir, meta, spans)
+
+
+def _idle_share(rows: list[list[tuple[float, float]]]) -> float:
+    """Idle share of all rows between the first start and the last end of any interval."""
+    intervals = [iv for row in rows for iv in row]
+    if not intervals:
+        return 0.0
+    t0, t1 = min(a for a, _ in intervals), max(b for _, b in intervals)
+    busy = 0.0
+    for row in rows:  # the union per row, in case spans of one rank overlap
+        end = t0
+        for a, b in sorted(row):
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+    return 1.0 - busy / (len(rows) * (t1 - t0)) if t1 > t0 else 0.0
+
+
+def bubble_fraction(trace: Trace, step: int | None = None) -> float:
+    """Idle share of all ranks in `step`'s window (its first F/B/W start to its last end).
+
+    Only F, B and W count as work, so the figure compares with a planned one (which has no
+    optimizer); a rank with no work in the step counts as idle throughout.
+    """
+    step = trace.resolve_step(step)
+    return _idle_share([[(s.start, s.end) for s in spans]
+                        for spans in trace.compute(step).values()])
+
+
+def stage_times(trace: Trace, step: int | None = None) -> dict[str, list[float]]:
+    """Mean duration (ms) of each op per stage in `step`: {"F": [stage 0, ...], "B": ..., "W": ...}.
+
+    Averaged over micro-batches and data-parallel replicas; 0.0 where a stage has no such op.
+    """
+    step = trace.resolve_step(step)
+    durations: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for spans in trace.compute(step).values():
+        for s in spans:
+            durations[(str(s.op), int(s.args.get("stage", 0)))].append(s.end - s.start)
+    num_stages = trace.meta.get("num_stages") or 1 + max(stage for _, stage in durations)
+    return {op: [sum(d) / len(d) if (d := durations.get((op, stage))) else 0.0
+                 for stage in range(num_stages)] for op in COMPUTE_OPS}
+
+
+def plan(trace: Trace, step: int | None = None) -> Any:
+    """`plait.schedule.simulate` of the trace's schedule with the op times measured in `step`."""
+    from plait.schedule import simulate
+
+    step = trace.resolve_step(step)
+    times = {op: [t for t in per_stage if t > 0] for op, per_stage in stage_times(trace, step).items()}
+    mean = {op: sum(ts) / len(ts) if ts else 0.0 for op, ts in times.items()}
+    microbatches = {s.args.get("mb") for spans in trace.compute(step, ("F",)).values()
+                    for s in spans}
+    meta = trace.meta
+    if "schedule" not in meta or "num_stages" not in meta:
+        raise ValueError(f"the trace {trace.trace_dir} names no schedule and num_stages in its "
+                         f"'plait' metadata, so there is no plan; trace with this plait version")
+    return simulate(meta["schedule"], meta["num_stages"], len(microbatches), mean["F"],
+                    mean["B"], t_w=mean["W"], num_virtual_stages=meta.get("num_virtual_stages", 1))
+
+
+# ---- drawing -----------------------------------------------------------------------------------
+#
+# One row per rank. Measured rows hold the compute boxes on top and a thin lane per other stream
+# below them; the grey band behind the boxes is the step's window, so the bubble is the grey left:
+#
+#   rank 0 |[0][1][2][3]        [0] [4] [1] ...   compute (F blue, B orange, W purple, opt grey)
+#          |  -   -   -    ---    -              recv / send / wait / allreduce lanes
+
+_COLOURS = {"F": "#3b6ea8", "B": "#e8822a", "W": "#8e5ea2", "opt": "#7f7f7f"}
+_NAMES = {"F": "forward", "B": "backward", "W": "weight grad", "opt": "optimizer"}
+_LANES = {"recv": "#2ca02c", "send": "#17becf", "wait": "#d62728", "allreduce": "#8c564b"}
+_IDLE = "#e6e6e6"
+
+
+@dataclass
+class _Panel:
+    title: str
+    rows: list[str]
+    boxes: list[tuple[int, float, float, str, int, int]]  # row, a, b, op, stage (-1: none), mb
+    idle: float  # the grey band behind every row: [0, idle] ms
+    lanes: list[tuple[int, float, float, str]] = field(default_factory=list)  # row, a, b, stream
+
+
+def _shade(colour: str, microbatch: int) -> tuple[float, ...]:
+    """Odd micro-batches a lighter tint of the op's colour, so neighbours stand apart."""
+    mix = 0.4 if microbatch % 2 else 0.0
+    return tuple(c + (1 - c) * mix for c in (int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5)))
+
+
+def _sim_panel(sim: Any, schedule: str | None, label: str = "") -> _Panel:
+    events = list(sim.timeline)
+    ranks = sorted({e.rank for e in events})
+    v = max(1, len({e.stage_index for e in events}) // max(1, len(ranks)))
+    boxes = [(ranks.index(e.rank), e.start, e.end, str(getattr(e.op, "value", e.op)),
+              e.stage_index, e.microbatch_index) for e in events]
+    peaks = ", ".join(f"{a:g}" for a in getattr(sim, "peak_activations", []))
+    title = (f"{label}{schedule or 'schedule'}: p={len(ranks)}, "
+             f"m={len({e.microbatch_index for e in events})}, v={v}   step {sim.step_time:.4g} ms"
+             f"   bubble {sim.bubble_fraction:.1%}" + (f"   peak activations per rank: {peaks}"
+                                                       if peaks else ""))
+    return _Panel(title, [f"rank {r}" for r in ranks], boxes, max(b[2] for b in boxes))
+
+
+def _measured_panel(trace: Trace, step: int) -> _Panel:
+    t0, t1 = trace.window(step)
+    work = trace.compute(step, (*COMPUTE_OPS, "opt"))
+    stop = max(s.end for spans in work.values() for s in spans)
+    panel = _Panel("", [], [], t1 - t0)
+    for row, rank in enumerate(sorted(trace.spans)):
+        stages = sorted({s.args["stage"] for s in work[rank] if "stage" in s.args})
+        panel.rows.append(f"rank {rank}" + (f"\nstage{'s' * (len(stages) > 1)} "
+                                            f"{', '.join(map(str, stages))}" if stages else ""))
+        panel.boxes += [(row, s.start - t0, s.end - t0, str(s.op), s.args.get("stage", -1),
+                         s.args.get("mb", 0)) for s in work[rank]]
+        panel.lanes += [(row, max(s.start, t0) - t0, min(s.end, stop) - t0, s.stream)
+                        for s in trace.spans[rank]
+                        if s.stream in _LANES and s.end > t0 and s.start < stop]
+    meta, m = trace.meta, len({b[5] for b in panel.boxes if b[3] == "F"})
+    panel.title = (f"measured: {meta.get('schedule', '?')}, p={meta.get('pp', '?')}, m={m}, "
+                   f"v={meta.get('num_virtual_stages', 1)}, {len(panel.rows)} ranks, step {step}"
+                   f"   step {stop - t0:.4g} ms   bubble {bubble_fraction(trace, step):.1%}")
+    return panel
+
+
+def _render(panels: list[_Panel], out_png: str | Path) -> Path:
+    """Draw the panels one above the other on one time axis and save a PNG."""
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError as err:
+        raise ImportError("drawing a timeline needs matplotlib, which is not installed: "
+                          "pip install matplotlib (or pip install 'plait[plot]')") from err
+    lanes_used = [s for s in _LANES if any(lane[3] == s for p in panels for lane in p.lanes)]
+    heights = [len(p.rows) * (0.45 + 0.13 * len(lanes_used) * bool(p.lanes)) + 0.6 for p in panels]
+    fig = Figure(figsize=(14, sum(heights) + 0.6), dpi=130, layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True, height_ratios=heights, squeeze=False)[:, 0]
+    end = 1.005 * max([b[2] for p in panels for b in p.boxes] + [p.idle for p in panels])
+    tops = [0.9 - 0.3 * bool(p.lanes) for p in panels]  # compute boxes: y in [r+0.1, r+top]
+    for ax, panel, top in zip(axes, panels, tops):
+        box = {"height": top - 0.1, "align": "edge"}
+        ax.barh([r + 0.1 for r in range(len(panel.rows))], panel.idle, color=_IDLE, **box)
+        stages_on: dict[int, set[int]] = defaultdict(set)
+        for row, _, _, _, stage, _ in panel.boxes:
+            stages_on[row] |= {stage} if stage >= 0 else set()
+        for row, a, b, op, stage, mb in panel.boxes:
+            # hatched: the 2nd, 4th, ... stage of a rank that holds several (virtual stages)
+            chunk = sorted(stages_on[row]).index(stage) if stage >= 0 else 0
+            ax.barh(row + 0.1, b - a, left=a, hatch="///" if chunk % 2 else None,
+                    color=_shade(_COLOURS.get(op, "#000000"), mb), edgecolor="white", lw=0.8, **box)
+        lane_height = (0.95 - top) / max(1, len(lanes_used))
+        for row, a, b, stream in panel.lanes:  # at least a sliver wide, so a short one shows
+            ax.barh(row + top + 0.02 + lanes_used.index(stream) * lane_height,
+                    max(b - a, end * 4e-4), left=a, height=lane_height * 0.8, align="edge",
+                    color=_LANES[stream])
+        ax.set_ylim(len(panel.rows), 0)
+        ax.set_yticks([r + (0.1 + top) / 2 for r in range(len(panel.rows))], panel.rows)
+        ax.set_title(panel.title, loc="left", fontsize=10)
+        ax.grid(axis="x", color="#cccccc", lw=0.5)
+        ax.set(axisbelow=True, xlim=(0, end), xlabel="time (ms)" + (
+            " since the step's first compute" if panel.lanes else ""))
+        ax.tick_params(labelbottom=True)
+    fig.draw_without_rendering()  # lays the axes out, so box widths in pixels are known
+    for ax, panel, top in zip(axes, panels, tops):
+        px_per_ms = ax.get_window_extent().width / end
+        for row, a, b, op, _, mb in panel.boxes:
+            text = "opt" if op == "opt" else str(mb)
+            size = min(8.0, (b - a) * px_per_ms / (0.65 * len(text)) * 72 / fig.dpi)  # pt
+            if size >= 5.5:  # else the box is too narrow to read a number in
+                dark = op in ("F", "W", "opt") and mb % 2 == 0
+                ax.text((a + b) / 2, row + (0.1 + top) / 2, text, ha="center", va="center",
+                        fontsize=size, color="white" if dark else "black", clip_on=True)
+    ops_used = {b[3] for p in panels for b in p.boxes}
+    handles = [Patch(color=_COLOURS[op], label=_NAMES[op]) for op in _COLOURS if op in ops_used]
+    handles += [Patch(color=_IDLE, label="idle (bubble)")]
+    handles += [Patch(color=_LANES[s], label=s) for s in lanes_used]
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False,
+               fontsize=9, title="number in a box: micro-batch; lighter: odd micro-batch",
+               title_fontsize=8)
+    Path(out_png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png)
+    return Path(out_png)
+
+
+def draw_simulation(sim: Any, out_png: str | Path, schedule: str | None = None) -> Path:
+    """Gantt chart of a `plait.schedule.simulate` result, one row per rank; returns the PNG path."""
+    return _render([_sim_panel(sim, schedule or getattr(sim, "schedule", None))], out_png)
+
+
+def draw_measured(trace: Trace, out_png: str | Path, step: int | None = None,
+                  planned: bool = True) -> Path:
+    """Gantt chart of `step` (default: the last complete one) as measured on every rank.
+
+    With `planned`, the schedule simulated with the step's mean F/B/W times is drawn above it,
+    on the same time axis (what `plait timeline` draws).
+    """
+    step = trace.resolve_step(step)
+    panels = [_measured_panel(trace, step)]
+    if planned:
+        panels.insert(0, _sim_panel(plan(trace, step), trace.meta.get("schedule"), "planned: "))
+        panels[0].title += f"   (mean F/B/W of step {step}, no communication)"
+    return _render(panels, out_png)

@@ -1,0 +1,269 @@
+"""Trace directories load, a step's bubble is measured exactly, and the charts come out as PNGs."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import plait.schedule
+from plait import cli, timeline
+from plait.runtime.trace import Tracer
+
+pytestmark = pytest.mark.timeout(120)
+
+EPOCH_US = 1.7e15  # any wall-clock origin: the loader measures from the earliest span
+META = {"schedule": "1f1b", "num_stages": 2, "num_virtual_stages": 1, "pp": 2,
+        "stage_to_rank": [0, 1], "world_size": 2}
+
+
+def write_rank(trace_dir: Path, rank: int, spans: list[tuple[Any, ...]],
+               meta: dict[str, Any] = META) -> None:
+    """Write rank{rank}.json by hand: spans are (stream, name, start_ms, end_ms, args)."""
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    events = [{"ph": "X", "name": name, "cat": stream, "pid": rank, "tid": 0,
+               "ts": EPOCH_US + a * 1000, "dur": (b - a) * 1000, "args": args}
+              for stream, name, a, b, args in spans]
+    document = {"traceEvents": events, "displayTimeUnit": "ms",
+                "plait": {"format": 1, "rank": rank, **meta}}
+    (trace_dir / f"rank{rank}.json").write_text(json.dumps(document))
+
+
+def op(step: int, stage: int, name: str, mb: int, a: float, b: float) -> tuple[Any, ...]:
+    return ("compute", f"{stage}{name}{mb}", a, b,
+            {"step": step, "stage": stage, "op": name, "mb": mb})
+
+
+def opt(step: int, a: float, b: float) -> tuple[Any, ...]:
+    return ("compute", "optimizer", a, b, {"step": step, "op": "opt"})
+
+
+@pytest.fixture
+def small_trace(tmp_path: Path) -> Path:
+    """Two ranks, one micro-batch; step 1 has a known bubble, step 2 was cut short.
+
+        ms      0    1    2    3    4    5    6     (step 1 starts at 10 ms)
+        rank 0  [F0 ]                [ B0    ][opt]
+        rank 1       [F0 ][ B0         ]      [opt]
+
+    Step 1's window is 10-15 ms (F/B only, the optimizer is not pipeline work); rank 0 works
+    1 + 2 ms of it and rank 1 1 + 2 ms: bubble = 1 - 6 / (2 * 5) = 0.4.
+    """
+    trace_dir = tmp_path / "trace"
+    rank0, rank1 = [], []
+    for step, t in ((0, 0.0), (1, 10.0)):
+        rank0 += [op(step, 0, "F", 0, t, t + 1), op(step, 0, "B", 0, t + 3, t + 5),
+                  opt(step, t + 5, t + 6)]
+        rank1 += [op(step, 1, "F", 0, t + 1, t + 2), op(step, 1, "B", 0, t + 2, t + 4),
+                  opt(step, t + 5, t + 6)]
+    rank0 += [("recv", "0RB0", 10.5, 13.0, {"step": 1}), ("wait", "0RB0", 11.0, 13.0, {"step": 1}),
+              ("send", "0SF0", 11.0, 11.1, {"step": 1}), op(2, 0, "F", 0, 20, 21)]
+    rank1 += [("recv", "1RF0", 10.2, 11.0, {"step": 1}), ("send", "1SB0", 14.0, 14.2, {"step": 1})]
+    write_rank(trace_dir, 0, rank0)
+    write_rank(trace_dir, 1, rank1)
+    return trace_dir
+
+
+def test_load_and_bubble_fraction_of_a_known_trace(small_trace: Path) -> None:
+    trace = timeline.load(small_trace)
+    assert trace.meta == {"format": 1, **META}
+    assert sorted(trace.spans) == [0, 1]
+    assert trace.spans[0][0].start == 0.0 and trace.spans[1][0].start == 1.0  # ms, one origin
+    assert trace.complete_steps() == [0, 1]  # step 2 has no backward: not complete
+    assert trace.resolve_step(None) == 1
+    assert trace.window(1) == (10.0, 15.0)
+    assert timeline.bubble_fraction(trace, 1) == pytest.approx(0.4)
+    assert timeline.bubble_fraction(trace) == pytest.approx(0.4)
+    assert timeline.stage_times(trace, 1) == {"F": [1.0, 1.0], "B": [2.0, 2.0], "W": [0.0, 0.0]}
+    with pytest.raises(ValueError, match=r"step 2 is not a complete .* complete steps: \[0, 1\]"):
+        timeline.bubble_fraction(trace, 2)
+
+
+def test_a_tracer_file_loads_back(tmp_path: Path) -> None:
+    for rank in range(2):
+        tracer = Tracer(rank, META)
+        tracer.add("compute", f"{rank}F0", 1_000_000, 3_000_000, step=0, stage=rank, op="F", mb=0)
+        tracer.add("compute", f"{rank}B0", 3_000_000, 7_000_000, step=0, stage=rank, op="B", mb=0)
+        tracer.add("allreduce", "bucket 0", 5_000_000, 8_000_000, step=0)
+        tracer.write(tmp_path)
+    trace = timeline.load(tmp_path)
+    spans = trace.spans[1]
+    assert [(s.stream, s.name, s.op) for s in spans] == [
+        ("compute", "1F0", "F"), ("compute", "1B0", "B"), ("allreduce", "bucket 0", None)]
+    assert [s.end - s.start for s in spans] == pytest.approx([2.0, 4.0, 3.0])
+    assert timeline.stage_times(trace)["B"] == pytest.approx([4.0, 4.0])
+
+
+def test_load_errors_name_the_directory_and_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"nowhere does not exist; point at .*trace_dir"):
+        timeline.load(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=r"no rank<r>.json files in .*empty; point at"):
+        timeline.load(tmp_path / "empty" if (tmp_path / "empty").mkdir() is None else "")
+    (tmp_path / "chrome").mkdir()
+    (tmp_path / "chrome" / "rank0.json").write_text('{"traceEvents": []}')
+    with pytest.raises(ValueError, match=r"rank0.json is not a plait trace"):
+        timeline.load(tmp_path / "chrome")
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "rank0.json").write_text('{"traceEvents": [')
+    with pytest.raises(ValueError, match=r"rank0.json is not valid JSON"):
+        timeline.load(tmp_path / "cut")
+    write_rank(tmp_path / "eval", 0, [op(0, 0, "F", 0, 0, 1)])
+    with pytest.raises(ValueError, match=r"no complete training step in the trace .*eval"):
+        timeline.bubble_fraction(timeline.load(tmp_path / "eval"))
+
+
+# ---- charts --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Event:
+    rank: int
+    stage_index: int
+    op: str
+    microbatch_index: int
+    start: float
+    end: float
+
+
+@dataclass
+class Simulation:
+    step_time: float
+    bubble_fraction: float
+    peak_activations: list[float]
+    timeline: list[Event]
+
+
+def fake_simulate(schedule: str, num_stages: int, num_microbatches: int, t_f: float, t_b: float,
+                  t_w: float = 0.0, t_comm: float = 0.0, num_virtual_stages: int = 1) -> Any:
+    """A stand-in of plait.schedule.simulate's result for GPipe and 1F1B, one stage per rank."""
+    p, m = num_stages, num_microbatches
+    orders = {}
+    for s in range(p):
+        warmup = m if schedule == "gpipe" else min(p - s - 1, m)
+        order = [("F", k) for k in range(warmup)]
+        for k in range(warmup, m):
+            order += [("F", k), ("B", k - warmup)]
+        orders[s] = order + [("B", k) for k in range(m - warmup, m)]
+    done: dict[tuple[str, int, int], float] = {}
+    free, events = [0.0] * p, []
+    while len(events) < 2 * p * m:
+        for s in range(p):
+            while orders[s]:
+                name, k = orders[s][0]
+                needs = [("F", s - 1, k)] if name == "F" and s else []
+                needs += [("F", s, k)] + ([("B", s + 1, k)] if s < p - 1 else []) if name == "B" else []
+                if any(n not in done for n in needs):
+                    break
+                start = max([free[s]] + [done[n] + t_comm * (n[1] != s) for n in needs])
+                free[s] = done[(name, s, k)] = start + (t_f if name == "F" else t_b)
+                events.append(Event(s, s, name, k, start, free[s]))
+                orders[s].pop(0)
+    step = max(e.end for e in events)
+    return Simulation(step, 1 - p * m * (t_f + t_b) / (p * step), [0.0] * p, events)
+
+
+@pytest.fixture
+def simulate(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The real plait.schedule.simulate once it exists, else the stand-in."""
+    if not hasattr(plait.schedule, "simulate"):
+        monkeypatch.setattr(plait.schedule, "simulate", fake_simulate, raising=False)
+    return plait.schedule.simulate
+
+
+def measured_trace(trace_dir: Path, schedule: str, p: int, m: int, seed: int = 0) -> Path:
+    """A made-up run of two steps shaped like the runtime's: jittered op times, a receive and a
+    wait before each op fed by a neighbour, a send after, and the optimizer at the end."""
+    rng = random.Random(seed)
+    spans: dict[int, list[tuple[Any, ...]]] = {r: [] for r in range(p)}
+    t0 = 0.0
+    for step in range(2):
+        sim = fake_simulate(schedule, p, m, 1.0, 2.0, t_comm=0.3)
+        for e in sim.timeline:
+            jitter = rng.uniform(0.9, 1.2) * (1.6 if step == 0 else 1.0)  # warm-up is slower
+            a, b = t0 + e.start, t0 + e.start + (e.end - e.start) * jitter
+            fed = e.stage_index > 0 if e.op == "F" else e.stage_index < p - 1
+            if fed:
+                spans[e.rank].append(("recv", "recv", a - 0.6, a - 0.05, {"step": step}))
+                spans[e.rank].append(("wait", "wait", a - 0.3, a - 0.05, {"step": step}))
+            spans[e.rank].append(op(step, e.stage_index, e.op, e.microbatch_index, a, b))
+            if (e.op == "F" and e.stage_index < p - 1) or (e.op == "B" and e.stage_index > 0):
+                spans[e.rank].append(("send", "send", b, b + 0.08, {"step": step}))
+        end = max(s[3] for r in spans for s in spans[r])
+        for r in range(p):
+            spans[r].append(opt(step, end, end + 0.8))
+        t0 = end + 3
+    meta = {**META, "schedule": schedule, "num_stages": p, "pp": p,
+            "stage_to_rank": list(range(p)), "world_size": p}
+    for r in range(p):
+        write_rank(trace_dir, r, spans[r], meta)
+    return trace_dir
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 20_000, len(data)  # boxes, labels and a legend, not a blank canvas
+
+
+def test_draw_measured_and_simulation(tmp_path: Path, small_trace: Path, simulate: Any) -> None:
+    assert_png(timeline.draw_measured(timeline.load(small_trace), tmp_path / "small.png", planned=False))
+    trace = timeline.load(measured_trace(tmp_path / "run", "1f1b", 4, 8))
+    assert_png(timeline.draw_measured(trace, tmp_path / "measured.png", step=0, planned=False))
+    sim = simulate("gpipe", 4, 8, 1.0, 2.0)
+    assert_png(timeline.draw_simulation(sim, tmp_path / "sub" / "gpipe.png", schedule="gpipe"))
+
+
+def test_cli_timeline_end_to_end(tmp_path: Path, simulate: Any,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    trace_dir = measured_trace(tmp_path / "run", "1f1b", 4, 8)
+    out = tmp_path / "timeline.png"
+    assert cli.main(["timeline", str(trace_dir), "-o", str(out)]) == 0
+    bubble = timeline.bubble_fraction(timeline.load(trace_dir), 1)
+    assert capsys.readouterr().out == f"step 1: measured bubble {bubble:.1%}; wrote {out}\n"
+    assert_png(out)
+    assert cli.main(["timeline", str(trace_dir), "-o", str(out), "--step", "5"]) == 1
+    assert "step 5 is not a complete training step" in capsys.readouterr().err
+    assert cli.main(["timeline", str(tmp_path / "none"), "-o", str(out)]) == 1
+    assert "none does not exist; point at" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not hasattr(plait.schedule, "simulate"), reason="plait.schedule.simulate "
+                    "not there yet")
+def test_cli_simulate_prints_and_draws(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.png"
+    assert cli.main(["simulate", "--schedule", "gpipe", "--stages", "4", "--microbatches", "8",
+                     "--t-f", "1", "--t-b", "2", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "step time         33 ms" in printed and "bubble fraction   27.3%" in printed
+    assert_png(out)
+    assert cli.main(["simulate", "--schedule", "nope", "--stages", "4", "--microbatches", "8",
+                     "--t-f", "1", "--t-b", "2"]) == 1
+    assert "nope" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stages", "0"], "argument --stages: must be a whole number >= 1, got '0'"),
+    (["--t-f", "-1"], "argument --t-f: must be a time in ms >= 0, such as 1.5, got '-1'"),
+    (["--t-b", "fast"], "argument --t-b: must be a time in ms >= 0, such as 1.5, got 'fast'"),
+])
+def test_cli_simulate_rejects_bad_numbers(args: list[str], message: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    base = {"--stages": "4", "--microbatches": "8", "--t-f": "1", "--t-b": "2"}
+    base.update(zip(args[::2], args[1::2]))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["simulate", *[x for kv in base.items() for x in kv]])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_drawing_without_matplotlib_says_how_to_install(
+        small_trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if absent
+    with pytest.raises(ImportError, match=r"needs matplotlib.*pip install 'plait\[plot\]'"):
+        timeline.draw_measured(timeline.load(small_trace), tmp_path / "x.png", planned=False)
+    assert not (tmp_path / "x.png").exists()
