@@ -20,7 +20,8 @@ TIMELINE_DESCRIPTION = (
     "Draw one training step of a run traced with plait.Config(trace_dir=TRACE_DIR) as two Gantt "
     "charts on one time axis: planned (the schedule simulated with the forward, backward and "
     "weight-gradient times measured in that step) above measured, each with its bubble fraction. "
-    "TRACE_DIR/rank<r>.json also open in https://ui.perfetto.dev."
+    "Each TRACE_DIR/rank<r>.json also opens in https://ui.perfetto.dev (all ranks at once: "
+    "--perfetto)."
 )
 
 
@@ -70,6 +71,9 @@ def _add_chart_commands(commands: Any) -> None:
     timeline.add_argument("--step", type=int, default=None, metavar="K",
                           help="the training step to draw (default: the last complete one; the "
                                "first includes warm-up)")
+    timeline.add_argument("--perfetto", default=None, metavar="OUT.json",
+                          help="also write every rank's spans into one Chrome trace file, to see "
+                               "all ranks at once in https://ui.perfetto.dev")
 
     simulate = commands.add_parser(
         "simulate", help="time a schedule on paper: step time, bubble, peak activations",
@@ -101,6 +105,8 @@ def _timeline(args: argparse.Namespace) -> int:
     out = timeline.draw_measured(trace, args.output, step)
     print(f"step {step}: measured bubble {timeline.bubble_fraction(trace, step):.1%}; "
           f"wrote {out}")
+    if args.perfetto is not None:
+        print(f"wrote {timeline.merge(args.trace_dir, args.perfetto)}")
     return 0
 
 

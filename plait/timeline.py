@@ -1,4 +1,4 @@
-"""Pipeline timelines: load a trace directory, measure a step's bubble, draw Gantt charts."""
+"""Timelines of pipeline steps: read a trace directory, measure the bubble, draw the steps."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from plait.gantt import LANES, Panel, render
 from plait.runtime.trace import FORMAT_VERSION
 
-__all__ = ["Span", "Trace", "load", "bubble_fraction", "stage_times", "plan", "draw_measured",
-           "draw_simulation"]
+__all__ = ["Span", "Trace", "load", "merge", "bubble_fraction", "stage_times", "plan",
+           "draw_measured", "draw_simulation"]
 
 COMPUTE_OPS = ("F", "B", "W")  # what a simulation plans; the optimizer is compute it does not
-_RANK_FILE = re.compile(r"rank(\d+)\.json")
 
 
 @dataclass(frozen=True)
@@ -28,15 +28,10 @@ class Span:
     name: str
     start: float
     end: float
-    args: dict[str, Any] = field(default_factory=dict)
+    args: dict[str, Any] = field(default_factory=dict)  # compute: step, stage, op, mb
 
-    @property
-    def op(self) -> str | None:
-        return self.args.get("op")
-
-    @property
-    def step(self) -> int | None:
-        return self.args.get("step")
+    op = property(lambda self: self.args.get("op"))  # "F", "B", "W", "opt" or None
+    step = property(lambda self: self.args.get("step"))
 
 
 @dataclass(frozen=True)
@@ -92,21 +87,19 @@ class Trace:
         return min(s.start for s in spans), max(s.end for s in spans)
 
 
-def load(trace_dir: str | Path) -> Trace:
-    """Read every `rank{r}.json` that `Config(trace_dir=...)` wrote into `trace_dir`."""
-    trace_dir = Path(trace_dir)
-    fix = (f"point at the directory given as plait.Config(trace_dir=...), where each rank "
-           f"writes rank<r>.json")
+def _documents(trace_dir: Path) -> dict[int, dict[str, Any]]:
+    """rank -> its parsed `rank{r}.json`, each checked to be a plait trace this version reads."""
+    fix = "point at the directory given as plait.Config(trace_dir=...): each rank writes one"
     if not trace_dir.is_dir():
         raise FileNotFoundError(f"trace directory {trace_dir} does not exist; {fix}")
     files = sorted((int(m.group(1)), p) for p in trace_dir.iterdir()
-                   if (m := _RANK_FILE.fullmatch(p.name)))
+                   if (m := re.fullmatch(r"rank(\d+)\.json", p.name)))
     if not files:
         raise ValueError(f"no rank<r>.json files in {trace_dir}; {fix}")
-    documents: dict[int, dict[str, Any]] = {}
+    documents = {}
     for rank, path in files:
         try:
-            document = json.loads(path.read_text())
+            documents[rank] = document = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} is not valid JSON ({err}); was the run cut short while "
                              f"writing it? Trace the run again") from None
@@ -115,17 +108,30 @@ def load(trace_dir: str | Path) -> Trace:
         if document["plait"].get("format", 0) > FORMAT_VERSION:
             raise ValueError(f"{path} has trace format {document['plait'].get('format')}, newer "
                              f"than this plait reads ({FORMAT_VERSION}); upgrade plait")
-        documents[rank] = document
+    return documents
+
+
+def load(trace_dir: str | Path) -> Trace:
+    """Read every `rank{r}.json` that `Config(trace_dir=...)` wrote into `trace_dir`."""
+    documents = _documents(Path(trace_dir))
     events = {rank: [e for e in d.get("traceEvents", []) if e.get("ph") == "X"]
               for rank, d in documents.items()}
     origin = min((e["ts"] for es in events.values() for e in es), default=0.0)
-    spans: dict[int, list[Span]] = {}
-    for rank, es in events.items():
-        spans[rank] = sorted((Span(rank, e.get("cat", "compute"), e["name"],
-                                   (e["ts"] - origin) / 1000, (e["ts"] + e["dur"] - origin) / 1000,
-                                   e.get("args", {})) for e in es), key=lambda s: s.start)
-    meta = {k: v for k, v in documents[files[0][0]]["plait"].items() if k != "rank"}
-    return Trace(trace_dir, meta, spans)
+    spans = {rank: sorted((Span(rank, e.get("cat", "compute"), e["name"],
+                                (e["ts"] - origin) / 1000, (e["ts"] + e["dur"] - origin) / 1000,
+                                e.get("args", {})) for e in es), key=lambda s: s.start)
+             for rank, es in events.items()}
+    meta = {k: v for k, v in documents[min(documents)]["plait"].items() if k != "rank"}
+    return Trace(Path(trace_dir), meta, spans)
+
+
+def merge(trace_dir: str | Path, out_json: str | Path) -> Path:
+    """All ranks' events in one Chrome trace, so that Perfetto shows every rank at once."""
+    documents = _documents(Path(trace_dir))
+    merged = {"traceEvents": [e for d in documents.values() for e in d["traceEvents"]],
+              "displayTimeUnit": "ms", "plait": documents[min(documents)]["plait"]}
+    Path(out_json).write_text(json.dumps(merged, separators=(",", ":")))
+    return Path(out_json)
 
 
 def _idle_share(rows: list[list[tuple[float, float]]]) -> float:
@@ -186,36 +192,7 @@ def plan(trace: Trace, step: int | None = None) -> Any:
                     mean["B"], t_w=mean["W"], num_virtual_stages=meta.get("num_virtual_stages", 1))
 
 
-# ---- drawing -----------------------------------------------------------------------------------
-#
-# One row per rank. Measured rows hold the compute boxes on top and a thin lane per other stream
-# below them; the grey band behind the boxes is the step's window, so the bubble is the grey left:
-#
-#   rank 0 |[0][1][2][3]        [0] [4] [1] ...   compute (F blue, B orange, W purple, opt grey)
-#          |  -   -   -    ---    -              recv / send / wait / allreduce lanes
-
-_COLOURS = {"F": "#3b6ea8", "B": "#e8822a", "W": "#8e5ea2", "opt": "#7f7f7f"}
-_NAMES = {"F": "forward", "B": "backward", "W": "weight grad", "opt": "optimizer"}
-_LANES = {"recv": "#2ca02c", "send": "#17becf", "wait": "#d62728", "allreduce": "#8c564b"}
-_IDLE = "#e6e6e6"
-
-
-@dataclass
-class _Panel:
-    title: str
-    rows: list[str]
-    boxes: list[tuple[int, float, float, str, int, int]]  # row, a, b, op, stage (-1: none), mb
-    idle: float  # the grey band behind every row: [0, idle] ms
-    lanes: list[tuple[int, float, float, str]] = field(default_factory=list)  # row, a, b, stream
-
-
-def _shade(colour: str, microbatch: int) -> tuple[float, ...]:
-    """Odd micro-batches a lighter tint of the op's colour, so neighbours stand apart."""
-    mix = 0.4 if microbatch % 2 else 0.0
-    return tuple(c + (1 - c) * mix for c in (int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5)))
-
-
-def _sim_panel(sim: Any, schedule: str | None, label: str = "") -> _Panel:
+def _sim_panel(sim: Any, schedule: str | None, label: str = "") -> Panel:
     events = list(sim.timeline)
     ranks = sorted({e.rank for e in events})
     v = max(1, len({e.stage_index for e in events}) // max(1, len(ranks)))
@@ -226,14 +203,14 @@ def _sim_panel(sim: Any, schedule: str | None, label: str = "") -> _Panel:
              f"m={len({e.microbatch_index for e in events})}, v={v}   step {sim.step_time:.4g} ms"
              f"   bubble {sim.bubble_fraction:.1%}" + (f"   peak activations per rank: {peaks}"
                                                        if peaks else ""))
-    return _Panel(title, [f"rank {r}" for r in ranks], boxes, max(b[2] for b in boxes))
+    return Panel(title, [f"rank {r}" for r in ranks], boxes, max(b[2] for b in boxes))
 
 
-def _measured_panel(trace: Trace, step: int) -> _Panel:
+def _measured_panel(trace: Trace, step: int) -> Panel:
     t0, t1 = trace.window(step)
     work = trace.compute(step, (*COMPUTE_OPS, "opt"))
     stop = max(s.end for spans in work.values() for s in spans)
-    panel = _Panel("", [], [], t1 - t0)
+    panel = Panel("", [], [], t1 - t0)
     for row, rank in enumerate(sorted(trace.spans)):
         stages = sorted({s.args["stage"] for s in work[rank] if "stage" in s.args})
         panel.rows.append(f"rank {rank}" + (f"\nstage{'s' * (len(stages) > 1)} "
@@ -242,7 +219,7 @@ def _measured_panel(trace: Trace, step: int) -> _Panel:
                          s.args.get("mb", 0)) for s in work[rank]]
         panel.lanes += [(row, max(s.start, t0) - t0, min(s.end, stop) - t0, s.stream)
                         for s in trace.spans[rank]
-                        if s.stream in _LANES and s.end > t0 and s.start < stop]
+                        if s.stream in LANES and s.end > t0 and s.start < stop]
     meta, m = trace.meta, len({b[5] for b in panel.boxes if b[3] == "F"})
     panel.title = (f"measured: {meta.get('schedule', '?')}, p={meta.get('pp', '?')}, m={m}, "
                    f"v={meta.get('num_virtual_stages', 1)}, {len(panel.rows)} ranks, step {step}"
@@ -250,68 +227,9 @@ def _measured_panel(trace: Trace, step: int) -> _Panel:
     return panel
 
 
-def _render(panels: list[_Panel], out_png: str | Path) -> Path:
-    """Draw the panels one above the other on one time axis and save a PNG."""
-    try:
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
-    except ImportError as err:
-        raise ImportError("drawing a timeline needs matplotlib, which is not installed: "
-                          "pip install matplotlib (or pip install 'plait[plot]')") from err
-    lanes_used = [s for s in _LANES if any(lane[3] == s for p in panels for lane in p.lanes)]
-    heights = [len(p.rows) * (0.45 + 0.13 * len(lanes_used) * bool(p.lanes)) + 0.6 for p in panels]
-    fig = Figure(figsize=(14, sum(heights) + 0.6), dpi=130, layout="constrained")
-    axes = fig.subplots(len(panels), 1, sharex=True, height_ratios=heights, squeeze=False)[:, 0]
-    end = 1.005 * max([b[2] for p in panels for b in p.boxes] + [p.idle for p in panels])
-    tops = [0.9 - 0.3 * bool(p.lanes) for p in panels]  # compute boxes: y in [r+0.1, r+top]
-    for ax, panel, top in zip(axes, panels, tops):
-        box = {"height": top - 0.1, "align": "edge"}
-        ax.barh([r + 0.1 for r in range(len(panel.rows))], panel.idle, color=_IDLE, **box)
-        stages_on: dict[int, set[int]] = defaultdict(set)
-        for row, _, _, _, stage, _ in panel.boxes:
-            stages_on[row] |= {stage} if stage >= 0 else set()
-        for row, a, b, op, stage, mb in panel.boxes:
-            # hatched: the 2nd, 4th, ... stage of a rank that holds several (virtual stages)
-            chunk = sorted(stages_on[row]).index(stage) if stage >= 0 else 0
-            ax.barh(row + 0.1, b - a, left=a, hatch="///" if chunk % 2 else None,
-                    color=_shade(_COLOURS.get(op, "#000000"), mb), edgecolor="white", lw=0.8, **box)
-        lane_height = (0.95 - top) / max(1, len(lanes_used))
-        for row, a, b, stream in panel.lanes:  # at least a sliver wide, so a short one shows
-            ax.barh(row + top + 0.02 + lanes_used.index(stream) * lane_height,
-                    max(b - a, end * 4e-4), left=a, height=lane_height * 0.8, align="edge",
-                    color=_LANES[stream])
-        ax.set_ylim(len(panel.rows), 0)
-        ax.set_yticks([r + (0.1 + top) / 2 for r in range(len(panel.rows))], panel.rows)
-        ax.set_title(panel.title, loc="left", fontsize=10)
-        ax.grid(axis="x", color="#cccccc", lw=0.5)
-        ax.set(axisbelow=True, xlim=(0, end), xlabel="time (ms)" + (
-            " since the step's first compute" if panel.lanes else ""))
-        ax.tick_params(labelbottom=True)
-    fig.draw_without_rendering()  # lays the axes out, so box widths in pixels are known
-    for ax, panel, top in zip(axes, panels, tops):
-        px_per_ms = ax.get_window_extent().width / end
-        for row, a, b, op, _, mb in panel.boxes:
-            text = "opt" if op == "opt" else str(mb)
-            size = min(8.0, (b - a) * px_per_ms / (0.65 * len(text)) * 72 / fig.dpi)  # pt
-            if size >= 5.5:  # else the box is too narrow to read a number in
-                dark = op in ("F", "W", "opt") and mb % 2 == 0
-                ax.text((a + b) / 2, row + (0.1 + top) / 2, text, ha="center", va="center",
-                        fontsize=size, color="white" if dark else "black", clip_on=True)
-    ops_used = {b[3] for p in panels for b in p.boxes}
-    handles = [Patch(color=_COLOURS[op], label=_NAMES[op]) for op in _COLOURS if op in ops_used]
-    handles += [Patch(color=_IDLE, label="idle (bubble)")]
-    handles += [Patch(color=_LANES[s], label=s) for s in lanes_used]
-    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False,
-               fontsize=9, title="number in a box: micro-batch; lighter: odd micro-batch",
-               title_fontsize=8)
-    Path(out_png).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png)
-    return Path(out_png)
-
-
 def draw_simulation(sim: Any, out_png: str | Path, schedule: str | None = None) -> Path:
     """Gantt chart of a `plait.schedule.simulate` result, one row per rank; returns the PNG path."""
-    return _render([_sim_panel(sim, schedule or getattr(sim, "schedule", None))], out_png)
+    return render([_sim_panel(sim, schedule or getattr(sim, "schedule", None))], out_png)
 
 
 def draw_measured(trace: Trace, out_png: str | Path, step: int | None = None,
@@ -326,4 +244,4 @@ def draw_measured(trace: Trace, out_png: str | Path, step: int | None = None,
     if planned:
         panels.insert(0, _sim_panel(plan(trace, step), trace.meta.get("schedule"), "planned: "))
         panels[0].title += f"   (mean F/B/W of step {step}, no communication)"
-    return _render(panels, out_png)
+    return render(panels, out_png)

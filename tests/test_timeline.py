@@ -80,7 +80,7 @@ def test_load_and_bubble_fraction_of_a_known_trace(small_trace: Path) -> None:
     assert timeline.bubble_fraction(trace, 1) == pytest.approx(0.4)
     assert timeline.bubble_fraction(trace) == pytest.approx(0.4)
     assert timeline.stage_times(trace, 1) == {"F": [1.0, 1.0], "B": [2.0, 2.0], "W": [0.0, 0.0]}
-    with pytest.raises(ValueError, match=r"step 2 is not a complete .* complete steps: \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"step 2 is not a complete .*; complete steps: \[0, 1\]"):
         timeline.bubble_fraction(trace, 2)
 
 
@@ -102,8 +102,9 @@ def test_a_tracer_file_loads_back(tmp_path: Path) -> None:
 def test_load_errors_name_the_directory_and_the_fix(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"nowhere does not exist; point at .*trace_dir"):
         timeline.load(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"no rank<r>.json files in .*empty; point at"):
-        timeline.load(tmp_path / "empty" if (tmp_path / "empty").mkdir() is None else "")
+        timeline.load(tmp_path / "empty")
     (tmp_path / "chrome").mkdir()
     (tmp_path / "chrome" / "rank0.json").write_text('{"traceEvents": []}')
     with pytest.raises(ValueError, match=r"rank0.json is not a plait trace"):
@@ -113,7 +114,8 @@ def test_load_errors_name_the_directory_and_the_fix(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"rank0.json is not valid JSON"):
         timeline.load(tmp_path / "cut")
     write_rank(tmp_path / "eval", 0, [op(0, 0, "F", 0, 0, 1)])
-    with pytest.raises(ValueError, match=r"no complete training step in the trace .*eval"):
+    with pytest.raises(ValueError, match=r"no complete training step in the trace .*eval; "
+                                         r"complete steps: none \(trace at least one whole"):
         timeline.bubble_fraction(timeline.load(tmp_path / "eval"))
 
 
@@ -221,11 +223,16 @@ def test_draw_measured_and_simulation(tmp_path: Path, small_trace: Path, simulat
 def test_cli_timeline_end_to_end(tmp_path: Path, simulate: Any,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     trace_dir = measured_trace(tmp_path / "run", "1f1b", 4, 8)
-    out = tmp_path / "timeline.png"
-    assert cli.main(["timeline", str(trace_dir), "-o", str(out)]) == 0
+    out, merged = tmp_path / "timeline.png", tmp_path / "all.json"
+    assert cli.main(["timeline", str(trace_dir), "-o", str(out), "--perfetto", str(merged)]) == 0
     bubble = timeline.bubble_fraction(timeline.load(trace_dir), 1)
-    assert capsys.readouterr().out == f"step 1: measured bubble {bubble:.1%}; wrote {out}\n"
+    assert capsys.readouterr().out == (f"step 1: measured bubble {bubble:.1%}; wrote {out}\n"
+                                       f"wrote {merged}\n")
     assert_png(out)
+    events = json.loads(merged.read_text())["traceEvents"]  # every rank in one file
+    assert len(events) == sum(len(json.loads(f.read_text())["traceEvents"])
+                              for f in trace_dir.iterdir())
+    assert {e["pid"] for e in events} == {0, 1, 2, 3}
     assert cli.main(["timeline", str(trace_dir), "-o", str(out), "--step", "5"]) == 1
     assert "step 5 is not a complete training step" in capsys.readouterr().err
     assert cli.main(["timeline", str(tmp_path / "none"), "-o", str(out)]) == 1
