@@ -9,7 +9,9 @@ from typing import TypeAlias
 
 from plait.errors import ScheduleError
 
-__all__ = ["Op", "Action", "Program", "parse_action", "format_program", "format_grid"]
+__all__ = [
+    "Op", "Action", "Program", "COMPUTE_OPS", "parse_action", "format_program", "format_grid",
+]
 
 
 class Op(str, Enum):
@@ -18,10 +20,16 @@ class Op(str, Enum):
     Direction words follow the activations: `SEND_F` ships stage s's output of micro-batch k to
     stage s+1 (`RECV_F` of stage s+1 takes it); `SEND_B` ships the gradient of stage s's input to
     stage s-1 (`RECV_B` of stage s-1 takes it).
+
+    Zero-bubble schedules split the backward (Qi et al. 2023): there `BACKWARD` computes only the
+    gradient of the stage's input (what `SEND_B` ships upstream at once) and `WEIGHT` computes
+    the gradients of the stage's parameters for the same micro-batch, later, on the same rank.
+    In a program without `WEIGHT` actions, `BACKWARD` is the whole backward.
     """
 
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT = "W"
     SEND_F = "SF"
     RECV_F = "RF"
     SEND_B = "SB"
@@ -32,7 +40,7 @@ class Op(str, Enum):
 
 
 # Two-letter ops first, so that "SF" is never read as stage digits followed by "F".
-_ACTION_RE = re.compile(r"(\d+)(SF|RF|SB|RB|F|B)(\d+)")
+_ACTION_RE = re.compile(r"(\d+)(SF|RF|SB|RB|F|B|W)(\d+)")
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,9 @@ class Action:
 
 Program: TypeAlias = dict[int, list[Action]]
 """rank -> the actions that rank executes, in order."""
+
+COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
+"""The ops that compute; the others move a value between ranks."""
 
 
 def parse_action(text: str) -> Action:

@@ -9,14 +9,15 @@ rank 0 to stage 1 on rank 1 after lowering:
     rank 1 (stage 1):       1RF0  1F0  ...  1B0  1SB0 ----'
 
 so RF sits just before the F that consumes it and SF just after the F that produces it (and
-likewise RB / SB around B). When both stages live on one rank nothing is inserted: the runtime
-hands the value over in memory.
+likewise RB / SB around B; W, the weight-gradient half of a split backward, talks to no one).
+When both stages live on one rank nothing is inserted: the runtime hands the value over in
+memory.
 """
 
 from __future__ import annotations
 
 from plait.errors import ScheduleError
-from plait.schedule.action import Action, Op, Program
+from plait.schedule.action import COMPUTE_OPS, Action, Op, Program
 from plait.schedule.timing import clock_cycles
 
 __all__ = ["lower_communication", "place_stages", "check_sizes", "resolve_stage_to_rank"]
@@ -30,7 +31,7 @@ def check_sizes(num_stages: int, num_microbatches: int) -> None:
 
 
 def resolve_stage_to_rank(num_stages: int, stage_to_rank: dict[int, int] | None) -> dict[int, int]:
-    """`stage_to_rank` checked to map exactly the stages 0..p-1 to ranks >= 0 (None: stage s
+    """`stage_to_rank` checked to map exactly the stages 0..S-1 to ranks >= 0 (None: stage s
     on rank s)."""
     if stage_to_rank is None:
         return {s: s for s in range(num_stages)}
@@ -54,28 +55,40 @@ def resolve_stage_to_rank(num_stages: int, stage_to_rank: dict[int, int] | None)
 def place_stages(
     program: Program, num_stages: int, stage_to_rank: dict[int, int] | None = None
 ) -> Program:
-    """Move each stage's actions from rank s (as generators emit them) to `stage_to_rank[s]`.
+    """Move each stage's actions from where the generator put them to `stage_to_rank[s]`.
 
-    A rank that receives several stages runs their actions in the order of their start cycles
-    when every stage had a rank of its own (`clock_cycles`; ties go to the lower stage).
-    A dependency always starts strictly earlier than what needs it, so the merged order keeps
-    every dependency ahead of its consumer and adds no deadlock.
+    Generators key their program by pipeline position: stage s at position s (GPipe, 1F1B,
+    ZB-H1), or several stages at one position (interleaved: stage s at s % p); each stage sits
+    at exactly one position. A rank keeps the order its actions had. A rank that receives the
+    actions of several positions runs them in the order of their start cycles in the
+    generator's program (`clock_cycles`; ties go to the lower stage). A dependency always
+    starts strictly earlier than what needs it, so the merged order keeps every dependency
+    ahead of its consumer and adds no deadlock.
     """
     check_sizes(num_stages, 1)
     ranks = resolve_stage_to_rank(num_stages, stage_to_rank)
-    for rank, actions in program.items():
+    position_of: dict[int, int] = {}
+    for position, actions in sorted(program.items()):
         for step, action in enumerate(actions):
-            if action.stage_index != rank or rank >= num_stages:
+            s = action.stage_index
+            if action.op not in COMPUTE_OPS or s >= num_stages:
                 raise ScheduleError(
-                    f"place_stages takes a program with stage s on rank s and {num_stages} "
-                    f"stages, but rank {rank} step {step} holds {action}; pass the program a "
-                    f"generator returned"
+                    f"place_stages takes a compute-only program of {num_stages} stages, but "
+                    f"rank {position} step {step} holds {action}; pass the program a generator "
+                    f"returned"
+                )
+            if position_of.setdefault(s, position) != position:
+                raise ScheduleError(
+                    f"stage {s} has actions on ranks {position_of[s]} and {position} (rank "
+                    f"{position} step {step}: {action}); a generator keeps each stage on one rank"
                 )
     placed: Program = {r: [] for r in sorted(set(ranks.values()))}
-    for stage in sorted(program):
-        if stage < num_stages:  # a higher rank holds nothing, as checked above
-            placed[ranks[stage]].extend(program[stage])
-    if len(placed) < num_stages:  # some rank holds several stages: merge by clock cycle
+    sources: dict[int, set[int]] = {r: set() for r in placed}
+    for position, actions in sorted(program.items()):
+        for action in actions:
+            placed[ranks[action.stage_index]].append(action)
+            sources[ranks[action.stage_index]].add(position)
+    if any(len(positions) > 1 for positions in sources.values()):
         start = clock_cycles(program, num_stages)
         for actions in placed.values():
             actions.sort(key=lambda a: (start[a], a.stage_index))
@@ -87,8 +100,8 @@ def lower_communication(
 ) -> Program:
     """Insert RF / SF around each F and RB / SB around each B whose peer stage is on another rank.
 
-    Takes a compute-only program (F and B, each on the rank `stage_to_rank` gives its stage)
-    and returns a new program; the input is not changed.
+    Takes a compute-only program (F, B and W, each on the rank `stage_to_rank` gives its stage)
+    and returns a new program; the input is not changed. W needs nothing from another rank.
     """
     check_sizes(num_stages, 1)
     ranks = resolve_stage_to_rank(num_stages, stage_to_rank)
@@ -97,9 +110,9 @@ def lower_communication(
         out: list[Action] = []
         for step, action in enumerate(actions):
             s, k = action.stage_index, action.microbatch_index
-            if action.op not in (Op.FORWARD, Op.BACKWARD):
+            if action.op not in COMPUTE_OPS:
                 raise ScheduleError(
-                    f"lower_communication takes a compute-only program (F and B), but rank "
+                    f"lower_communication takes a compute-only program (F, B, W), but rank "
                     f"{rank} step {step} holds {action}; lower a program only once"
                 )
             if s >= num_stages:
@@ -114,7 +127,9 @@ def lower_communication(
                 )
             previous_remote = s > 0 and ranks[s - 1] != rank
             next_remote = s < num_stages - 1 and ranks[s + 1] != rank
-            if action.op is Op.FORWARD:
+            if action.op is Op.WEIGHT:
+                out.append(action)
+            elif action.op is Op.FORWARD:
                 if previous_remote:
                     out.append(Action(s, Op.RECV_F, k))
                 out.append(action)

@@ -1,47 +1,58 @@
-"""Unit-cost clock cycles of a compute-only program, used to merge stages and to draw schedules."""
+"""The one timing model of compute-only programs: start and end of every F, B and W action."""
 
 from __future__ import annotations
 
-from plait.errors import ScheduleError
-from plait.schedule.action import Action, Op, Program
+from collections.abc import Callable
+from fractions import Fraction
 
-__all__ = ["clock_cycles", "format_timeline"]
+from plait.errors import ScheduleError
+from plait.schedule.action import COMPUTE_OPS, Action, Op, Program
+
+__all__ = ["compute_needs", "time_actions", "clock_cycles", "format_timeline"]
 
 
 def compute_needs(action: Action, num_stages: int) -> list[Action]:
-    """The compute actions whose results `action` (an F or a B) consumes.
+    """The compute actions whose results `action` (an F, B or W) consumes.
 
     F(s, k) reads the output of F(s-1, k); B(s, k) reads its own F(s, k) (saved activations)
-    and the gradient produced by B(s+1, k).
+    and the gradient produced by B(s+1, k); W(s, k) reads what B(s, k) left behind (the
+    gradient of the stage's output), so it runs after B(s, k) on the same rank.
     """
     s, k = action.stage_index, action.microbatch_index
     if action.op is Op.FORWARD:
         return [Action(s - 1, Op.FORWARD, k)] if s > 0 else []
+    if action.op is Op.WEIGHT:
+        return [Action(s, Op.BACKWARD, k)]
     needs = [Action(s, Op.FORWARD, k)]
     if s < num_stages - 1:
         needs.append(Action(s + 1, Op.BACKWARD, k))
     return needs
 
 
-def clock_cycles(program: Program, num_stages: int) -> dict[Action, int]:
-    """The clock cycle at which each action starts when every F and B takes one cycle.
+def time_actions(
+    program: Program,
+    num_stages: int,
+    duration: Callable[[Action], Fraction],
+    transfer: Fraction = Fraction(0),
+) -> dict[Action, tuple[Fraction, Fraction]]:
+    """(start, end) of each action of a compute-only program: an event simulation.
 
     Each rank runs its list in order, one action at a time, and starts an action as soon as the
-    rank is free and every action it needs has finished (communication is free). With one
-    stage per rank GPipe and 1F1B both finish in 2(m + p - 1) cycles, of which 2(p - 1) are
-    bubble on every stage: the (p-1)/(m+p-1) bubble fraction of GPipe (Huang et al. 2019) and
-    PipeDream-Flush (Narayanan et al. 2021).
+    rank is free and every action it needs has finished, plus `transfer` when that action ran
+    on another rank (the hand-over of an activation or a gradient). Times are exact fractions.
+    Both `clock_cycles` and `plait.schedule.simulate` are this function with their own costs.
     """
     for rank, actions in program.items():
         for action in actions:
-            if action.op not in (Op.FORWARD, Op.BACKWARD):
+            if action.op not in COMPUTE_OPS:
                 raise ScheduleError(
-                    f"clock_cycles takes a compute-only program (F and B), but rank {rank} "
-                    f"holds {action}; time the program before lower_communication"
+                    f"timing takes a compute-only program (F, B and W), but rank {rank} holds "
+                    f"{action}; time the program before lower_communication"
                 )
-    start: dict[Action, int] = {}
+    times: dict[Action, tuple[Fraction, Fraction]] = {}
+    rank_of: dict[Action, int] = {}
     positions = {rank: 0 for rank in program}
-    free_at = {rank: 0 for rank in program}
+    free_at = {rank: Fraction(0) for rank in program}
     progressed = True
     while progressed:
         progressed = False
@@ -49,11 +60,14 @@ def clock_cycles(program: Program, num_stages: int) -> dict[Action, int]:
             while positions[rank] < len(actions):
                 action = actions[positions[rank]]
                 needs = compute_needs(action, num_stages)
-                if any(need not in start for need in needs):
+                if any(need not in times for need in needs):
                     break
-                begin = max([free_at[rank]] + [start[need] + 1 for need in needs])
-                start[action] = begin
-                free_at[rank] = begin + 1
+                begin = max([free_at[rank]] + [
+                    times[need][1] + (transfer if rank_of[need] != rank else 0) for need in needs
+                ])
+                times[action] = (begin, begin + duration(action))
+                rank_of[action] = rank
+                free_at[rank] = times[action][1]
                 positions[rank] += 1
                 progressed = True
     stuck = {r: str(a[positions[r]]) for r, a in program.items() if positions[r] < len(a)}
@@ -62,7 +76,19 @@ def clock_cycles(program: Program, num_stages: int) -> dict[Action, int]:
             f"cannot time the program: ranks wait forever at {stuck}; run validate() on it "
             f"to see which action each one waits for"
         )
-    return start
+    return times
+
+
+def clock_cycles(program: Program, num_stages: int) -> dict[Action, int]:
+    """The clock cycle at which each action starts when every F, B and W takes one cycle.
+
+    `time_actions` with unit costs and free communication. With one stage per rank GPipe and
+    1F1B both finish in 2(m + p - 1) cycles, of which 2(p - 1) are bubble on every stage: the
+    (p-1)/(m+p-1) bubble fraction of GPipe (Huang et al. 2019) and PipeDream-Flush (Narayanan
+    et al. 2021).
+    """
+    times = time_actions(program, num_stages, lambda action: Fraction(1))
+    return {action: int(start) for action, (start, _) in times.items()}
 
 
 def format_timeline(program: Program, num_stages: int) -> str:

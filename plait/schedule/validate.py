@@ -3,19 +3,19 @@
 The dry run models the runtime's rules: a rank executes its list in order; a send never
 blocks; a receive completes only after the peer rank has executed the matching send; F and B
 wait for the values they consume (a receive on this rank, or the producing F/B of a stage on
-the same rank).
+the same rank); W waits for the B of its stage and micro-batch, on its own rank.
 """
 
 from __future__ import annotations
 
 from plait.errors import ScheduleError
-from plait.schedule.action import Action, Op, Program, format_grid
+from plait.schedule.action import COMPUTE_OPS, Action, Op, Program, format_grid
 from plait.schedule.lower import check_sizes, resolve_stage_to_rank
 
 __all__ = ["validate", "needs"]
 
 _MAX_LISTED = 12  # problems listed in one error; the rest are counted
-_BACKWARD_OPS = (Op.BACKWARD, Op.SEND_B, Op.RECV_B)
+_BACKWARD_OPS = (Op.BACKWARD, Op.WEIGHT, Op.SEND_B, Op.RECV_B)
 
 
 def needs(action: Action, stage_to_rank: dict[int, int], num_stages: int) -> list[Action]:
@@ -33,6 +33,8 @@ def needs(action: Action, stage_to_rank: dict[int, int], num_stages: int) -> lis
             local = stage_to_rank[s + 1] == stage_to_rank[s]
             out.append(Action(s + 1, Op.BACKWARD, k) if local else Action(s, Op.RECV_B, k))
         return out
+    if op is Op.WEIGHT:
+        return [Action(s, Op.BACKWARD, k)]
     if op is Op.SEND_F:
         return [Action(s, Op.FORWARD, k)]
     if op is Op.SEND_B:
@@ -84,7 +86,7 @@ def _check_placement(
                 problems.append(f"{where} belongs to stage {s} on rank {ranks[s]}; move it there")
             elif forward_only and a.op in _BACKWARD_OPS:
                 problems.append(f"{where} is a backward action in a forward-only program")
-            elif a.op not in (Op.FORWARD, Op.BACKWARD):
+            elif a.op not in COMPUTE_OPS:
                 peer = s + 1 if a.op in (Op.SEND_F, Op.RECV_B) else s - 1
                 if not 0 <= peer < num_stages:
                     problems.append(f"{where} talks to stage {peer}, which does not exist")
@@ -118,8 +120,16 @@ def _check_complete(
     where: dict[Action, tuple[int, int]], ranks: dict[int, int], num_stages: int,
     num_microbatches: int, forward_only: bool,
 ) -> None:
-    """Every (stage, micro-batch) has its F, and its B unless forward-only."""
-    ops = (Op.FORWARD,) if forward_only else (Op.FORWARD, Op.BACKWARD)
+    """Every (stage, micro-batch) has its F, its B unless forward-only, and its W if any W exists.
+
+    A program either splits every backward into B and W, or none.
+    """
+    ops: tuple[Op, ...] = (Op.FORWARD,)
+    passes = "forward"
+    if any(a.op is Op.WEIGHT for a in where):
+        ops, passes = COMPUTE_OPS, "forward, input-gradient (B) and weight-gradient (W) backward"
+    elif not forward_only:
+        ops, passes = (Op.FORWARD, Op.BACKWARD), "forward and backward"
     missing = [
         f"{a} on rank {ranks[s]}"
         for s in range(num_stages) for k in range(num_microbatches) for op in ops
@@ -128,8 +138,8 @@ def _check_complete(
     _raise_if(
         missing,
         f"missing compute actions (each of the {num_stages} stages runs each of the "
-        f"{num_microbatches} micro-batches {'forward' if forward_only else 'forward and backward'}"
-        f" exactly once; generate the program with a schedule generator):",
+        f"{num_microbatches} micro-batches {passes} exactly once; generate the program with a "
+        f"schedule generator):",
     )
 
 
@@ -142,7 +152,7 @@ def _check_order(
     for rank, actions in sorted(program.items()):
         for step, a in enumerate(actions):
             here = f"rank {rank} step {step}: {a}"
-            if a.op not in (Op.FORWARD, Op.BACKWARD):
+            if a.op not in COMPUTE_OPS:
                 other = _counterpart(a)
                 if other not in where:
                     kind = "receive" if a.op in (Op.SEND_F, Op.SEND_B) else "send"
@@ -224,12 +234,13 @@ def validate(
     *,
     forward_only: bool = False,
 ) -> None:
-    """Raise ScheduleError unless `program` runs every F (and B) exactly once without deadlock.
+    """Raise ScheduleError unless `program` runs every F (and B, W) exactly once without deadlock.
 
     Checks, in order: actions name existing stages and micro-batches and sit on their stage's
     rank; no action occurs twice; every (stage, micro-batch) has one F and, unless
-    `forward_only`, one B; every send has its receive on the peer rank and vice versa; every
-    action's inputs exist and the local ones come earlier (F before B); then the dry run.
+    `forward_only`, one B, and one W too if the program splits the backward; every send has its receive on the peer rank and vice versa; every
+    action's inputs exist and the local ones come earlier (F before B before W); then the dry
+    run.
     """
     check_sizes(num_stages, num_microbatches)
     ranks = resolve_stage_to_rank(num_stages, stage_to_rank)

@@ -12,7 +12,8 @@ def test_text_form_of_each_op() -> None:
     assert str(Action(2, Op.FORWARD, 0)) == "2F0"
     assert str(Action(1, Op.SEND_F, 3)) == "1SF3"
     assert str(Action(0, Op.RECV_B, 2)) == "0RB2"
-    assert [op.value for op in Op] == ["F", "B", "SF", "RF", "SB", "RB"]
+    assert str(Action(0, Op.WEIGHT, 3)) == "0W3"
+    assert [op.value for op in Op] == ["F", "B", "W", "SF", "RF", "SB", "RB"]
 
 
 @pytest.mark.parametrize("op", list(Op))
@@ -27,7 +28,9 @@ def test_parse_ignores_surrounding_whitespace() -> None:
     assert parse_action(" 2B1\n") == Action(2, Op.BACKWARD, 1)
 
 
-@pytest.mark.parametrize("text", ["", "F0", "0F", "0X0", "-1F0", "0 F 0", "0FF0", "0f0", "1SFB2"])
+@pytest.mark.parametrize(
+    "text", ["", "F0", "0F", "0X0", "-1F0", "0 F 0", "0FF0", "0f0", "1SFB2", "0WB1", "0w0", "0SW0"]
+)
 def test_parse_rejects_garbage(text: str) -> None:
     with pytest.raises(ScheduleError) as info:
         parse_action(text)
@@ -41,9 +44,15 @@ def test_action_checks_its_fields() -> None:
         Action(-1, Op.FORWARD, 0)
     with pytest.raises(ScheduleError, match="microbatch_index must be an int >= 0, got 1.5"):
         Action(0, Op.FORWARD, 1.5)  # type: ignore[arg-type]
-    with pytest.raises(ScheduleError, match="op must be one of F, B, SF, RF, SB, RB, got 'X'"):
+    with pytest.raises(ScheduleError, match="op must be one of F, B, W, SF, RF, SB, RB, got 'X'"):
         Action(0, "X", 0)  # type: ignore[arg-type]
     assert Action(0, "SB", 1).op is Op.SEND_B  # type: ignore[arg-type]
+
+
+def test_parse_weight_action() -> None:
+    # the weight-gradient half of a split backward: stage 0, micro-batch 3
+    assert parse_action("0W3") == Action(0, Op.WEIGHT, 3)
+    assert parse_action("12W345").op is Op.WEIGHT
 
 
 def test_actions_are_hashable_values() -> None:

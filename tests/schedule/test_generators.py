@@ -1,4 +1,4 @@
-"""Tests of the schedule generators and `generate`: exact per-rank orders and peak memory."""
+"""Tests of the one-stage-per-rank generators: exact per-rank orders, peak memory, pictures."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import pytest
 
 from plait.errors import ScheduleError
 from plait.schedule import (
-    SCHEDULES, Op, Program, format_program, forward_only, generate, gpipe, one_f_one_b,
+    Action, Op, Program, format_program, forward_only, generate, gpipe, one_f_one_b, zbh1,
 )
 from plait.schedule import generators
+from plait.schedule.generators import order_1f1b
 from plait.schedule.timing import format_timeline
 
 
@@ -47,20 +48,56 @@ def test_one_f_one_b_exact() -> None:
     assert lines(one_f_one_b(1, 3)) == ["rank 0: 0F0 0B0 0F1 0B1 0F2 0B2"]
 
 
+def test_zbh1_exact() -> None:
+    # 1F1B's F and B order; stage s puts W(k) right after B(k + s), the rest at the end
+    assert lines(zbh1(3, 4)) == [
+        "rank 0: 0F0 0F1 0F2 0B0 0W0 0F3 0B1 0W1 0B2 0W2 0B3 0W3",
+        "rank 1: 1F0 1F1 1B0 1F2 1B1 1W0 1F3 1B2 1W1 1B3 1W2 1W3",
+        "rank 2: 2F0 2B0 2F1 2B1 2F2 2B2 2W0 2F3 2B3 2W1 2W2 2W3",
+    ]
+    # Qi et al. 2023, Fig. 3 (ZB-H1, p = 4, m = 8), last worker: W1 follows B4, 1-based
+    assert lines(zbh1(4, 8))[3] == (
+        "rank 3: 3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3W0 3F4 3B4 3W1 3F5 3B5 3W2 3F6 3B6 3W3 "
+        "3F7 3B7 3W4 3W5 3W6 3W7"
+    )
+    assert lines(zbh1(1, 2)) == ["rank 0: 0F0 0B0 0W0 0F1 0B1 0W1"]
+    # m < p: stages past m have no B to hang a W on before the end
+    assert lines(zbh1(3, 1)) == ["rank 0: 0F0 0B0 0W0", "rank 1: 1F0 1B0 1W0",
+                                 "rank 2: 2F0 2B0 2W0"]
+
+
+@pytest.mark.parametrize("p", range(1, 7))
+@pytest.mark.parametrize("m", range(1, 17))
+def test_zbh1_is_1f1b_with_split_backward(p: int, m: int) -> None:
+    split = zbh1(p, m)
+    assert {s: [a for a in split[s] if a.op is not Op.WEIGHT] for s in split} == one_f_one_b(p, m)
+    for s, actions in split.items():
+        weights = [a.microbatch_index for a in actions if a.op is Op.WEIGHT]
+        assert weights == list(range(m))  # each W once, in micro-batch order
+        for k in range(m):  # and after its own B
+            assert actions.index(Action(s, Op.WEIGHT, k)) > actions.index(Action(s, Op.BACKWARD, k))
+
+
+def test_order_1f1b() -> None:
+    f = [Action(0, Op.FORWARD, k) for k in range(3)]
+    b = [Action(0, Op.BACKWARD, k) for k in range(3)]
+    assert [str(a) for a in order_1f1b(f, b, 1)] == ["0F0", "0F1", "0B0", "0F2", "0B1", "0B2"]
+    assert order_1f1b(f, b, 3) == f + b
+    assert order_1f1b(f, b, 0) == [f[0], b[0], f[1], b[1], f[2], b[2]]
+
+
 def test_forward_only_exact() -> None:
     assert lines(forward_only(3, 2)) == ["rank 0: 0F0 0F1", "rank 1: 1F0 1F1", "rank 2: 2F0 2F1"]
     assert lines(forward_only(1, 1)) == ["rank 0: 0F0"]
 
 
-def test_schedules_registry() -> None:
-    assert SCHEDULES == {"gpipe": gpipe, "1f1b": one_f_one_b}
-
-
 def peak_in_flight(program: Program, rank: int) -> int:
-    """Most activations held at once: forwards done minus backwards done, maximised."""
+    """Most activations held at once: forwards done minus backwards done (W when the backward
+    is split), maximised."""
+    release = Op.WEIGHT if any(a.op is Op.WEIGHT for a in program[rank]) else Op.BACKWARD
     held, peak = 0, 0
     for action in program[rank]:
-        held += {Op.FORWARD: 1, Op.BACKWARD: -1}.get(action.op, 0)
+        held += {Op.FORWARD: 1, release: -1}.get(action.op, 0)
         peak = max(peak, held)
     return peak
 
@@ -74,9 +111,13 @@ def test_peak_activations_on_stage_0(p: int, m: int) -> None:
     assert peak_in_flight(generate("1f1b", p, m), 0) == min(p, m)
     for s in range(p):  # stage s of 1F1B holds min(p - s, m)
         assert peak_in_flight(one_f_one_b(p, m), s) == min(p - s, m)
+    # ZB-H1 keeps 1F1B's peak, p on stage 0 (a micro-batch is held until its W); every stage
+    # holds as much, since stage s delays its W passes by s
+    for s in range(p):
+        assert peak_in_flight(zbh1(p, m), s) == min(p, m)
 
 
-@pytest.mark.parametrize("make", [gpipe, one_f_one_b, forward_only])
+@pytest.mark.parametrize("make", [gpipe, one_f_one_b, zbh1, forward_only])
 @pytest.mark.parametrize("p, m, name, value", [
     (0, 1, "num_stages", "0"), (2, 0, "num_microbatches", "0"),
     (-1, 1, "num_stages", "-1"), (2, True, "num_microbatches", "True"),
@@ -88,44 +129,9 @@ def test_generators_reject_bad_sizes(
         make(p, m)
 
 
-def test_generate_lowers_and_validates() -> None:
-    assert lines(generate("1f1b", 2, 2)) == [
-        "rank 0: 0F0 0SF0 0F1 0SF1 0RB0 0B0 0RB1 0B1",
-        "rank 1: 1RF0 1F0 1B0 1SB0 1RF1 1F1 1B1 1SB1",
-    ]
-    assert lines(generate("gpipe", 2, 2, forward_only=True)) == [
-        "rank 0: 0F0 0SF0 0F1 0SF1", "rank 1: 1RF0 1F0 1RF1 1F1",
-    ]
-    assert lines(generate("gpipe", 1, 2)) == ["rank 0: 0F0 0F1 0B0 0B1"]
-
-
-def test_generate_unknown_name_lists_known_ones() -> None:
-    with pytest.raises(ScheduleError, match=r"unknown schedule 'zb'; known schedules: 1f1b, gpipe"):
-        generate("zb", 2, 2)
-    with pytest.raises(ScheduleError, match="unknown schedule 'zb'"):
-        generate("zb", 2, 2, forward_only=True)
-
-
-def test_generate_with_two_stages_on_one_rank() -> None:
-    # stages 0 and 1 on rank 0, merged in clock-cycle order; only the 1 -> 2 boundary talks
-    program = generate("gpipe", 3, 2, stage_to_rank={0: 0, 1: 0, 2: 1})
-    assert lines(program) == [
-        "rank 0: 0F0 0F1 1F0 1SF0 1F1 1SF1 1RB0 1B0 0B0 1RB1 1B1 0B1",
-        "rank 1: 2RF0 2F0 2RF1 2F1 2B0 2SB0 2B1 2SB1",
-    ]
-
-
-def test_generate_with_permuted_ranks() -> None:
-    program = generate("1f1b", 2, 2, stage_to_rank={0: 1, 1: 0})
-    assert lines(program) == [
-        "rank 0: 1RF0 1F0 1B0 1SB0 1RF1 1F1 1B1 1SB1",
-        "rank 1: 0F0 0SF0 0F1 0SF1 0RB0 0B0 0RB1 0B1",
-    ]
-
-
 def test_module_pictures_match_the_code() -> None:
     doc = generators.__doc__
     assert doc is not None
-    for make in (gpipe, one_f_one_b):
+    for make in (gpipe, one_f_one_b, zbh1):
         for line in format_timeline(make(3, 4), 3).splitlines():
             assert f"    {line}\n" in doc

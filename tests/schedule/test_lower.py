@@ -67,9 +67,17 @@ def test_lower_rejects_misuse() -> None:
         lower_communication({0: [parse_action("3F0")]}, 2)
 
 
-def test_place_stages_rejects_placed_program() -> None:
-    with pytest.raises(ScheduleError, match="stage s on rank s .* rank 0 step 0 holds 1F0"):
-        place_stages({0: [parse_action("1F0")]}, 2, {0: 0, 1: 0})
+def test_place_stages_rejects_lowered_or_split_programs() -> None:
+    lowered = lower_communication(gpipe(2, 1), 2)
+    with pytest.raises(ScheduleError, match="compute-only program of 2 stages, but rank 0 step 1 "
+                       "holds 0SF0; pass the program a generator returned"):
+        place_stages(lowered, 2, {0: 0, 1: 0})
+    with pytest.raises(ScheduleError, match="compute-only program of 2 stages, but rank 0 step 0 "
+                       "holds 2F0"):
+        place_stages({0: [parse_action("2F0")]}, 2)
+    with pytest.raises(ScheduleError, match=r"stage 0 has actions on ranks 0 and 1 \(rank 1 step "
+                       r"0: 0F1\); a generator keeps each stage on one rank"):
+        place_stages({0: [parse_action("0F0")], 1: [parse_action("0F1")]}, 1)
 
 
 def test_resolve_stage_to_rank() -> None:
