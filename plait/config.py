@@ -9,7 +9,7 @@ from plait.errors import ConfigError
 
 __all__ = ["Config", "SCHEDULE_NAMES"]
 
-SCHEDULE_NAMES = ("gpipe", "1f1b")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zbh1")
 
 
 @dataclass(frozen=True)
@@ -17,9 +17,19 @@ class Config:
     """How to split and run the model.
 
     layers_per_proc: captured layers on each pipeline stage, in order (None: balanced automatically).
-    num_stages: pipeline stages (None: the length of `layers_per_proc`, else the world size).
+        With num_virtual_stages = v > 1 it lists every model chunk, num_stages x v entries.
+    num_stages: pipeline stages, i.e. ranks per pipeline (None: the length of `layers_per_proc`
+        divided by v, else the world size / dp).
     num_microbatches: micro-batches each global batch is cut into (clamped to the batch size).
-    schedule: "gpipe" or "1f1b".
+    schedule: "gpipe", "1f1b", "interleaved" (Megatron's interleaved 1F1B: each rank holds
+        num_virtual_stages non-adjacent model chunks) or "zbh1" (zero bubble ZB-H1: the backward
+        split into input gradients, sent at once, and weight gradients, run in the bubbles).
+    num_virtual_stages: model chunks per rank for schedule="interleaved" (1 otherwise).
+    recompute: activation recomputation: True (every stage), False, "auto" (the stages that
+        hold activations of more than one micro-batch at once under the schedule, where it
+        saves memory) or a list of stage indices. A recomputed stage keeps only its inputs and
+        runs its forward again during the backward.
+    trace_dir: write each rank's measured timeline there as Chrome trace JSON (None: no trace).
     seed: seeds the shuffle order, identical on every rank.
     timeout_s: longest any wait on another rank may take before the run fails with a report.
     dp: data-parallel replicas of the pipeline; world size = dp x num_stages.
@@ -33,6 +43,9 @@ class Config:
     num_stages: int | None = None
     num_microbatches: int = 1
     schedule: str = "1f1b"
+    num_virtual_stages: int = 1
+    recompute: bool | str | tuple[int, ...] = False
+    trace_dir: str | None = None
     seed: int = 0
     timeout_s: float = 300.0
     dp: int = 1
@@ -55,7 +68,20 @@ class Config:
                     f"(bad entries: {bad}); every stage needs at least one layer"
                 )
             object.__setattr__(self, "layers_per_proc", counts)
-            if self.num_stages is not None and self.num_stages != len(counts):
+            v = self.num_virtual_stages if isinstance(self.num_virtual_stages, int) else 1
+            if v > 1 and len(counts) % v:
+                raise ConfigError(
+                    f"layers_per_proc={list(counts)} has {len(counts)} entries, not a multiple of "
+                    f"num_virtual_stages={v}; with interleaving it lists every model chunk "
+                    f"(num_stages x {v} entries)"
+                )
+            if v > 1 and self.num_stages is not None and self.num_stages * v != len(counts):
+                raise ConfigError(
+                    f"num_stages={self.num_stages} x num_virtual_stages={v} = "
+                    f"{self.num_stages * v} chunks but layers_per_proc={list(counts)} has "
+                    f"{len(counts)} entries; make them agree"
+                )
+            if v == 1 and self.num_stages is not None and self.num_stages != len(counts):
                 raise ConfigError(
                     f"num_stages={self.num_stages} but layers_per_proc={list(counts)} has "
                     f"{len(counts)} entries; give one of them, or make them agree"
@@ -72,6 +98,20 @@ class Config:
             raise ConfigError(
                 f"schedule={self.schedule!r} is not known; choose one of {list(SCHEDULE_NAMES)}"
             )
+        v = self.num_virtual_stages
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"num_virtual_stages must be a positive integer, got {v!r}")
+        if v > 1 and self.schedule != "interleaved":
+            raise ConfigError(
+                f"num_virtual_stages={v} needs schedule='interleaved', got schedule={self.schedule!r}"
+            )
+        self._check_recompute()
+        if self.trace_dir is not None and not isinstance(self.trace_dir, (str, bytes)) and not hasattr(
+            self.trace_dir, "__fspath__"
+        ):
+            raise ConfigError(f"trace_dir must be a directory path or None, got {self.trace_dir!r}")
+        if self.trace_dir is not None:
+            object.__setattr__(self, "trace_dir", str(self.trace_dir))
         if not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1:
             raise ConfigError(f"dp must be a positive integer (data-parallel replicas), got {self.dp!r}")
         if self.grad_reduction not in ("mean", "sum"):
@@ -83,10 +123,26 @@ class Config:
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
 
+    def _check_recompute(self) -> None:
+        r = self.recompute
+        if isinstance(r, bool) or r == "auto":
+            return
+        if isinstance(r, (str, bytes)) or not hasattr(r, "__iter__"):
+            raise ConfigError(
+                f"recompute={r!r} is not known; use True, False, 'auto' or a list of stage indices"
+            )
+        stages = tuple(r)
+        bad = [s for s in stages if not isinstance(s, int) or isinstance(s, bool) or s < 0]
+        if bad:
+            raise ConfigError(
+                f"recompute={list(stages)} must list stage indices >= 0 (bad entries: {bad})"
+            )
+        object.__setattr__(self, "recompute", stages)
+
     def stages_for(self, world_size: int) -> int:
-        """The number of pipeline stages on `world_size` ranks; world size must be dp x stages."""
+        """Pipeline stages (ranks per pipeline) on `world_size` ranks; world size must be dp x stages."""
         if self.layers_per_proc is not None:
-            stages: int | None = len(self.layers_per_proc)
+            stages: int | None = len(self.layers_per_proc) // self.num_virtual_stages
         else:
             stages = self.num_stages
         if stages is None:
@@ -111,4 +167,6 @@ class Config:
         d = asdict(self)
         if d["layers_per_proc"] is not None:
             d["layers_per_proc"] = list(d["layers_per_proc"])
+        if isinstance(d["recompute"], tuple):
+            d["recompute"] = list(d["recompute"])
         return d

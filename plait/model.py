@@ -155,7 +155,8 @@ class Model:
                     p.grad = None
                 if pipe.sync is not None:
                     pipe.sync.prepare(len(mbs))
-            pipe.executor.reset()
+            for ex in pipe.executors.values():
+                ex.reset()
             if mbs:
                 pipe.interpreter.run(pipe.program(len(mbs), train), mbs, train,
                                      keep_outputs=keep_outputs or bool(self.metrics))
@@ -163,12 +164,15 @@ class Model:
             stats, outputs = self._local_stats(pipe, mbs, keep_outputs)
             total = start_sum_floats(stats)
             if train:
-                if pipe.sync is not None:
-                    pipe.sync.finish()
-                if pipe.ties is not None:
-                    pipe.ties.sum()
+                tracer, step = pipe.interpreter.tracer, pipe.interpreter.runs
+                with tracer.span("allreduce", "gradients", step=step):
+                    if pipe.sync is not None:
+                        pipe.sync.finish()
+                    if pipe.ties is not None:
+                        pipe.ties.sum()
                 assert self.optimizer is not None
-                self.optimizer.step()
+                with tracer.span("compute", "optimizer", step=step, op="opt"):
+                    self.optimizer.step()
         finally:
             self.net.train(was_training)
         return total(), outputs
@@ -178,7 +182,7 @@ class Model:
         stats = [0.0] * (1 + 2 * len(self.metrics))
         outputs = None
         if pipe.is_last:
-            ex = pipe.executor
+            ex = pipe.last_executor
             for k, mb in enumerate(mbs):
                 if mb.target is None:
                     continue
@@ -242,7 +246,17 @@ class Model:
             logs = self._logs(totals, max(rows_seen, 1))
             for cb in cbs:
                 _call(cb, "on_epoch_end", epoch, logs)
+        self.write_trace()
         return history
+
+    def write_trace(self) -> str | None:
+        """Write this rank's timeline to `Config.trace_dir` (fit does it at its end); returns the path.
+
+        After a loop of train_on_batch calls, call this once. Without trace_dir it does nothing.
+        """
+        if self.config.trace_dir is None or self._train is None:
+            return None
+        return str(self._train.interpreter.tracer.write(self.config.trace_dir))
 
     def _count_batches(self, x: Any, batch_size: int | None) -> int:
         if isinstance(x, torch.utils.data.DataLoader):

@@ -18,12 +18,13 @@ from plait.capture.output import OutputSpec, flatten_output
 from plait.capture.split import StageModule, split, stage_of_layers
 from plait.capture.trace import CapturedGraph, capture
 from plait.config import Config
-from plait.errors import PartitionError
+from plait.errors import ConfigError, PartitionError
 from plait.plan import Plan, balance, check_partition
 from plait.runtime.collectives import TiedGradients, make_group
 from plait.runtime.grad_sync import GradientBuckets
 from plait.runtime.executor import StageExecutor
 from plait.runtime.interpreter import Interpreter
+from plait.runtime.trace import NULL_TRACER, NullTracer, Tracer
 from plait.runtime.wire import Wire
 from plait.schedule import Program, generate
 
@@ -40,7 +41,7 @@ class Pipeline:
     stages: list[StageModule]
     plan: Plan
     rank: int
-    executor: StageExecutor
+    executors: dict[int, StageExecutor]  # stage index -> executor, for the stages of this rank
     interpreter: Interpreter
     ties: TiedGradients | None
     local_parameters: list[nn.Parameter]
@@ -53,7 +54,12 @@ class Pipeline:
 
     @property
     def is_last(self) -> bool:
-        return self.executor.stage.is_last
+        """Whether this rank runs the model's last stage (it computes the loss)."""
+        return self.plan.num_stages - 1 in self.executors
+
+    @property
+    def last_executor(self) -> StageExecutor:
+        return self.executors[self.plan.num_stages - 1]
 
     @property
     def replica(self) -> int:
@@ -66,6 +72,7 @@ class Pipeline:
             self._programs[key] = generate(
                 self.plan.schedule, self.plan.num_stages, num_microbatches,
                 forward_only=not train, stage_to_rank=dict(enumerate(self.interpreter.stage_to_rank)),
+                num_virtual_stages=self.plan.num_virtual_stages,
             )
         return self._programs[key]
 
@@ -85,7 +92,8 @@ class Pipeline:
             current = by_name.get(name, current)
             layer_stage.append(current)
         return _assemble(captured, layer_stage, self.plan, self.rank, loss, self.interpreter.wire,
-                         ties=None, output_spec=self.output_spec, config=self.config)
+                         ties=None, output_spec=self.output_spec, config=self.config,
+                         tracer=self.interpreter.tracer)
 
     def gather_outputs(self, leaves: list[Any] | None, shard_rows: Sequence[int], key: Any) -> list[list[Any]]:
         """Every replica's last-stage output leaves, on every rank, in replica order.
@@ -139,7 +147,13 @@ def build_pipeline(
     train: bool,
     device: torch.device,
 ) -> Pipeline:
-    """Capture `net` on a sample of `x`, partition it and make this rank's executor."""
+    """Capture `net` on a sample of `x`, partition it and make this rank's executors.
+
+    `num_stages` is the number of ranks per pipeline; with config.num_virtual_stages = v the
+    model is cut into num_stages x v stages, v per rank.
+    """
+    virtual = config.num_virtual_stages if world_size > 1 else 1
+    num_stages *= virtual
     sample = _sample(x)
     args, kwargs = batching.as_call(sample)
     was_training = net.training
@@ -160,8 +174,9 @@ def build_pipeline(
     regions = captured.layers.uncuttable
     if num_stages > len(names):
         raise PartitionError(
-            f"{num_stages} stages but the model has only {len(names)} layers "
-            f"({', '.join(names)}); use at most {len(names)} ranks"
+            f"{num_stages} stages ({num_stages // virtual} ranks x num_virtual_stages={virtual}) "
+            f"but the model has only {len(names)} layers ({', '.join(names)}); use at most "
+            f"{len(names) // virtual} ranks per pipeline or fewer virtual stages"
         )
     if layers_per_stage is None:
         costs = [1.0 + _layer_params(net, name) for name in names]
@@ -177,11 +192,50 @@ def build_pipeline(
         capture_method=captured.method,
         uncuttable=regions,
         dp=config.dp,
+        num_virtual_stages=virtual,
+        recompute=recomputed_stages(config, num_stages, virtual),
     )
     layer_stage = stage_of_layers(plan.layers_per_stage)
     wire = Wire(config.timeout_s, device)
+    tracer: Tracer | NullTracer = NULL_TRACER
+    if config.trace_dir is not None:
+        tracer = Tracer(rank, {
+            "schedule": plan.schedule, "num_stages": plan.num_stages, "pp": plan.pp,
+            "num_virtual_stages": plan.num_virtual_stages, "dp": plan.dp,
+            "world_size": plan.world_size, "num_microbatches": plan.num_microbatches,
+            "stage_to_rank": list(plan.stage_to_rank), "recompute": list(plan.recompute),
+        })
     return _assemble(captured, layer_stage, plan, rank, loss, wire, ties="make",
-                     output_spec=output_spec, config=config)
+                     output_spec=output_spec, config=config, tracer=tracer)
+
+
+def recomputed_stages(config: Config, num_stages: int, num_virtual_stages: int) -> tuple[int, ...]:
+    """The stages that recompute their forward, from `config.recompute` (see Config).
+
+    "auto" picks the stages whose rank holds activations of more than one micro-batch at once
+    under the schedule (the simulator's peak, with unit costs): there recomputation saves
+    memory; on a stage that holds one micro-batch at a time it would only cost a forward.
+    """
+    r = config.recompute
+    if r is False:
+        return ()
+    if r is True:
+        return tuple(range(num_stages))
+    if r == "auto":
+        from plait.schedule import simulate
+
+        pp = num_stages // num_virtual_stages
+        sim = simulate(config.schedule, pp, config.num_microbatches, t_f=1.0, t_b=1.0,
+                       num_virtual_stages=num_virtual_stages)
+        return tuple(s for s in range(num_stages) if sim.peak_activations[s % pp] > 1)
+    assert isinstance(r, tuple)
+    unknown = [s for s in r if s >= num_stages]
+    if unknown:
+        raise ConfigError(
+            f"recompute={list(r)} names stages {unknown}, but the model has {num_stages} stages "
+            f"(0..{num_stages - 1}); list existing stages or use recompute=True / 'auto'"
+        )
+    return tuple(sorted(set(r)))
 
 
 def _layer_params(net: nn.Module, layer_name: str) -> float:
@@ -203,6 +257,7 @@ def _assemble(
     ties: Any,
     output_spec: OutputSpec,
     config: Config,
+    tracer: Tracer | NullTracer,
 ) -> Pipeline:
     stages = split(captured, layer_stage)
     # Which stages hold each parameter/buffer: more than one means a tied (reused) parameter.
@@ -215,8 +270,9 @@ def _assemble(
             tensors[id(t)] = t
     owner_of = {i: plan.rank_of(min(s), 0) for i, s in holders.items()}
     params = {i: t for i, t in tensors.items() if isinstance(t, nn.Parameter)}
-    my_stage, replica = plan.position_of(rank)
-    local = [p for p in stages[my_stage].module.parameters()]
+    position, replica = plan.position_of(rank)
+    mine = plan.stages_of(rank)
+    local = list({id(p): p for s in mine for p in stages[s].module.parameters()}.values())
     sync = None
     if ties == "make":
         names = {id(p): n for n, p in captured.root.named_parameters()}
@@ -231,20 +287,23 @@ def _assemble(
         if plan.world_size > 1:
             # One all-reduce over every stage and every replica holding a tied parameter
             # sums both the tie (layer reuse) and the data-parallel contributions.
-            ties = TiedGradients(
-                [(p, [plan.rank_of(s, r) for s in ss for r in range(plan.dp)]) for p, ss in tied], rank
-            )
+            ties = TiedGradients([
+                (p, list(dict.fromkeys(plan.rank_of(s, r) for s in ss for r in range(plan.dp))))
+                for p, ss in tied
+            ], rank)
         if plan.dp > 1:
             groups = [  # every rank makes every group, in the same order
-                make_group([plan.rank_of(s, r) for r in range(plan.dp)]) for s in range(plan.num_stages)
+                make_group([plan.rank_of(s, r) for r in range(plan.dp)]) for s in range(plan.pp)
             ]
             tied_ids = {id(p) for p, _ in tied}
-            sync = GradientBuckets([p for p in local if id(p) not in tied_ids], groups[my_stage],
+            sync = GradientBuckets([p for p in local if id(p) not in tied_ids], groups[position],
                                    int(config.bucket_cap_mb * 2**20), config.timeout_s)
-    executor = StageExecutor(stages[my_stage], captured.finish, loss)
+    executors = {
+        s: StageExecutor(stages[s], captured.finish, loss, recompute=s in plan.recompute) for s in mine
+    }
     stage_to_rank = [plan.rank_of(s, replica) for s in range(plan.num_stages)]
-    interpreter = Interpreter(rank, {my_stage: executor}, stage_to_rank, wire)
-    return Pipeline(captured, stages, plan, rank, executor, interpreter, ties, local, owner_of,
+    interpreter = Interpreter(rank, executors, stage_to_rank, wire, tracer)
+    return Pipeline(captured, stages, plan, rank, executors, interpreter, ties, local, owner_of,
                     output_spec, layer_stage, sync, config)
 
 

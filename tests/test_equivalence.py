@@ -44,7 +44,8 @@ def _optimizer(kind, params):
     return torch.optim.Adam(params, lr=1e-2, eps=1e-4)
 
 
-def check_case(rank, world, name, schedule, microbatches, opt_kind, check_outputs=True, made=None):
+def check_case(rank, world, name, schedule, microbatches, opt_kind, check_outputs=True, made=None,
+               **config):
     net, x, y, loss_fn = made or make(name)
     if made is not None:  # the same module for every case: reset it (plait reuses its capture)
         net.load_state_dict(made_initial[id(net)])
@@ -53,7 +54,7 @@ def check_case(rank, world, name, schedule, microbatches, opt_kind, check_output
     ref = copy.deepcopy(net)
     ref_opt = _optimizer(opt_kind, ref.parameters())
     model = plait.Model(net, config=plait.Config(num_stages=world, num_microbatches=microbatches,
-                                                 schedule=schedule),
+                                                 schedule=schedule, **config),
                         optimizer=_optimizer(opt_kind, net.parameters()), loss=loss_fn)
     problems = []
     rows = y.shape[0]
@@ -125,3 +126,51 @@ def test_pipeline_equals_single_process(world):
     }
     assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())
     assert len(results[0]) == len(MODELS) * 6
+
+
+# Schedules beyond 1F1B, and recomputation: micro-batch counts that do not divide by the
+# number of stages (3, 5), and the interleaved schedule with two chunks per rank.
+MORE_SCHEDULES = [
+    ("zbh1", 3, {}),
+    ("zbh1", 5, {"recompute": True}),
+    ("interleaved", 3, {"num_virtual_stages": 2}),
+    ("interleaved", 5, {"num_virtual_stages": 2, "recompute": "auto"}),
+    ("1f1b", 5, {"recompute": True}),
+    ("gpipe", 3, {"recompute": [0]}),
+]
+
+
+LAYERS = {"mlp": 11, "cnn": 7, "skip": 6, "tupledict": 4, "gpt": 16}  # captured layers of each
+
+
+def more_cases(rank, world, models):
+    report = {}
+    made = {name: make(name) for name in models}
+    for net, *_ in made.values():
+        made_initial[id(net)] = copy.deepcopy(net.state_dict())
+    for i, (name, (schedule, m, config)) in enumerate(itertools.product(models, MORE_SCHEDULES)):
+        if LAYERS[name] < world * config.get("num_virtual_stages", 1):
+            continue  # fewer layers than stages
+        opt_kind = "sgd" if i % 2 == 0 else "adam"
+        fresh = make(name) if config.get("num_virtual_stages", 1) > 1 else made[name]
+        if fresh is not made[name]:  # another split of the same module: capture it anew
+            made_initial[id(fresh[0])] = copy.deepcopy(fresh[0].state_dict())
+        report[(name, schedule, m, str(config))] = check_case(
+            rank, world, name, schedule, m, opt_kind, check_outputs=m == 3, made=fresh, **config)
+    return report
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.timeout(900)
+def test_more_schedules_equal_single_process(world):
+    results = run_ranks(world, more_cases, MODELS, timeout=880)
+    failures = {
+        f"rank {r} {case}": problems
+        for r, report in enumerate(results)
+        for case, problems in report.items()
+        if problems
+    }
+    assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())
+    interleaved = sum(1 for *_, c in MORE_SCHEDULES if c.get("num_virtual_stages", 1) > 1)
+    too_small = sum(1 for name in MODELS if LAYERS[name] < 2 * world)
+    assert len(results[0]) == len(MODELS) * len(MORE_SCHEDULES) - too_small * interleaved

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -109,7 +110,14 @@ def test_loss_that_is_not_a_scalar():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"num_microbatches": 0}, "num_microbatches must be a positive integer, got 0"),
-    ({"schedule": "zigzag"}, r"schedule='zigzag' is not known; choose one of \['gpipe', '1f1b'\]"),
+    ({"schedule": "zigzag"},
+     r"schedule='zigzag' is not known; choose one of \['gpipe', '1f1b', 'interleaved', 'zbh1'\]"),
+    ({"num_virtual_stages": 2}, "num_virtual_stages=2 needs schedule='interleaved', got schedule='1f1b'"),
+    ({"num_virtual_stages": 0, "schedule": "interleaved"}, "num_virtual_stages must be a positive integer"),
+    ({"schedule": "interleaved", "num_virtual_stages": 2, "layers_per_proc": [1, 2, 3]},
+     r"has 3 entries, not a multiple of num_virtual_stages=2"),
+    ({"recompute": "sometimes"}, r"recompute='sometimes' is not known; use True, False, 'auto'"),
+    ({"recompute": [0, -1]}, r"bad entries: \[-1\]"),
     ({"layers_per_proc": [2, 0]}, r"bad entries: \[0\]"),
     ({"layers_per_proc": [2, 2], "num_stages": 3}, "num_stages=3 but layers_per_proc=\\[2, 2\\]"),
     ({"timeout_s": -1}, "timeout_s must be a positive number"),
@@ -197,3 +205,28 @@ def test_a_stalled_peer_gives_a_report_not_a_hang():
     for message in (first, second):
         assert "[0RB0]" in message and "[1RB0]" in message  # both positions are marked
         assert "no report from ranks [2]" in message
+
+
+def stall_zero_bubble(rank, world):
+    """ZB-H1 on 2 ranks, rank 1 never runs: rank 0's wait ends in a report, not a hang."""
+    x, y = data()
+    model = plait.Model(mlp(), plait.Config(num_microbatches=3, timeout_s=3, schedule="zbh1"),
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
+    if rank == 1:
+        model.build(x)
+        time.sleep(12)
+        return "slept"
+    try:
+        model.train_on_batch(x, y)
+    except plait.PipelineError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+def test_watchdog_reports_a_stalled_zero_bubble_peer():
+    report, slept = run_ranks(2, stall_zero_bubble, timeout=80)
+    assert slept == "slept"
+    assert "rank 0 failed at action 0RB0" in report and "peer rank 1" in report, report
+    assert "[0RB0]" in report and "no report from ranks [1]" in report, report
+    assert "0W0" in report  # the grid shows the split backward's W actions

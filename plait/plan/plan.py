@@ -25,6 +25,8 @@ class Plan:
     tied_parameters: tuple[tuple[str, tuple[int, ...]], ...] = ()  # name -> stages holding it
     stage_to_rank: tuple[int, ...] = field(default=())  # replica 0's ranks
     dp: int = 1
+    num_virtual_stages: int = 1  # model chunks per rank (interleaved schedule)
+    recompute: tuple[int, ...] = ()  # stages that recompute their forward during the backward
 
     def __post_init__(self) -> None:
         if sum(self.layers_per_stage) != len(self.layer_names):
@@ -32,28 +34,46 @@ class Plan:
                 f"plan has layers_per_stage={list(self.layers_per_stage)} for "
                 f"{len(self.layer_names)} layers"
             )
+        if self.num_stages % self.num_virtual_stages:
+            raise ConfigError(
+                f"plan has {self.num_stages} stages, not a multiple of num_virtual_stages="
+                f"{self.num_virtual_stages}; every rank holds the same number of chunks"
+            )
         if not self.stage_to_rank:
-            object.__setattr__(self, "stage_to_rank", tuple(range(self.num_stages)))
+            object.__setattr__(self, "stage_to_rank", tuple(self.rank_of(s, 0) for s in range(self.num_stages)))
 
     @property
     def num_stages(self) -> int:
+        """Model stages (chunks), num_virtual_stages per rank of a pipeline."""
         return len(self.layers_per_stage)
+
+    @property
+    def pp(self) -> int:
+        """Ranks per pipeline replica."""
+        return self.num_stages // self.num_virtual_stages
 
     def rank_of(self, stage_index: int, replica: int) -> int:
         """The rank that runs `stage_index` of pipeline replica `replica`.
 
-        Layout: rank = replica * num_stages + stage_index. A pipeline's stages are consecutive
+        Layout: rank = replica * pp + stage_index % pp. A pipeline's stages are consecutive
         ranks, so neighbours (which exchange activations every micro-batch) share a node
         whenever a node holds a whole pipeline; replicas of a stage (which all-reduce once a
-        step) are num_stages ranks apart. 2 stages x 3 replicas:
+        step) are pp ranks apart. 2 stages x 3 replicas:
 
             replica 0: ranks 0 1 | replica 1: ranks 2 3 | replica 2: ranks 4 5
+
+        With v chunks per rank (interleaved), rank r of a replica holds stages r, r + pp, ...
         """
-        return replica * self.num_stages + stage_index
+        return replica * self.pp + stage_index % self.pp
 
     def position_of(self, rank: int) -> tuple[int, int]:
-        """(stage_index, replica) of a rank."""
-        return rank % self.num_stages, rank // self.num_stages
+        """(position in the pipeline, replica) of a rank; the position is its first stage."""
+        return rank % self.pp, rank // self.pp
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages a rank runs, in model order."""
+        position = rank % self.pp
+        return tuple(range(position, self.num_stages, self.pp))
 
     def stage_layers(self, stage_index: int) -> tuple[str, ...]:
         """Names of the layers on one stage."""
@@ -80,14 +100,17 @@ class Plan:
                 ),
                 stage_to_rank=tuple(data.get("stage_to_rank", ())),
                 dp=int(data.get("dp", 1)),
+                num_virtual_stages=int(data.get("num_virtual_stages", 1)),
+                recompute=tuple(int(s) for s in data.get("recompute", ())),
             )
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"not a plait plan ({type(e).__name__}: {e}); expected Plan.to_json() output") from e
 
     def __str__(self) -> str:
         lines = [
-            f"plait plan: {self.num_stages} stage(s) x {self.dp} replica(s) on {self.world_size} "
-            f"rank(s), schedule "
+            f"plait plan: {self.num_stages} stage(s)"
+            f"{f' ({self.num_virtual_stages} per rank)' if self.num_virtual_stages > 1 else ''}"
+            f" x {self.dp} replica(s) on {self.world_size} rank(s), schedule "
             f"{self.schedule}, {self.num_microbatches} micro-batch(es), captured with "
             f"{self.capture_method}, {len(self.layer_names)} layers"
         ]
@@ -98,7 +121,8 @@ class Plan:
             )
             ranks = ", ".join(str(self.rank_of(s, r)) for r in range(self.dp))
             where = f"rank {ranks}" if self.dp == 1 else f"ranks {ranks}"
-            lines.append(f"  stage {s} ({where}): {len(names)} layers: {shown}")
+            again = ", recomputed" if s in self.recompute else ""
+            lines.append(f"  stage {s} ({where}{again}): {len(names)} layers: {shown}")
         for name, stages in self.tied_parameters:
             lines.append(f"  tied parameter {name}: replicated on stages {list(stages)}, gradients summed")
         return "\n".join(lines)

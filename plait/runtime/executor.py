@@ -4,6 +4,10 @@ The received activations become leaves that require grad -- the nkflow "gradient
 forward pass it is the identity, in the backward pass its `.grad` is dL/d(input), which is sent
 upstream. Scaling each micro-batch's loss by its share of the batch makes the accumulated
 gradients those of the whole batch's mean loss.
+
+With `recompute=True` the stage keeps only its inputs: the forward runs under
+`torch.utils.checkpoint` (non-reentrant, RNG state restored, so dropout draws the same mask)
+and is run again when the backward needs its activations.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
+from torch.utils.checkpoint import checkpoint
 
 from plait.capture.split import StageModule
 from plait.errors import LossError
+from plait.runtime.backward_split import WeightGradients, backward_input
 
 __all__ = ["StageExecutor", "grad_leaves"]
 
@@ -33,8 +39,11 @@ class StageExecutor:
         stage: StageModule,
         finish: Callable[[Any], Any],
         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        recompute: bool = False,
     ):
         self.stage = stage
+        self.recompute = recompute
+        self._weights: dict[int, WeightGradients] = {}
         self.finish = finish
         self.loss_fn = loss_fn
         self._inputs: dict[int, list[torch.Tensor]] = {}
@@ -55,7 +64,10 @@ class StageExecutor:
     ) -> list[Any]:
         """Run the stage; return what goes to the next stage (empty on the last stage)."""
         with torch.set_grad_enabled(train):
-            out = self.stage.module(*received, *inputs)
+            if train and self.recompute:
+                out = checkpoint(self.stage.module, *received, *inputs, use_reentrant=False)
+            else:
+                out = self.stage.module(*received, *inputs)
             if not self.stage.is_last:
                 values = list(out)
                 if train:
@@ -92,10 +104,31 @@ class StageExecutor:
                 torch.autograd.backward(outputs, grads)
         return [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
 
+    def backward_input(self, microbatch_index: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """B of a split backward: return dL/d(received tensors) now, keep the weight part for W."""
+        inputs = self._inputs.pop(microbatch_index)
+        if self.stage.is_last:
+            outputs: list[torch.Tensor] = [self._losses.pop(microbatch_index)]
+            out_grads: list[torch.Tensor | None] = [None]
+        else:
+            outputs, out_grads = self._outputs.pop(microbatch_index), list(grads)
+        if not outputs:
+            return [torch.zeros_like(x) for x in inputs]
+        params = [p for p in self.stage.module.parameters() if p.requires_grad]
+        input_grads, self._weights[microbatch_index] = backward_input(outputs, out_grads, inputs, params)
+        return input_grads
+
+    def backward_weight(self, microbatch_index: int) -> None:
+        """W of a split backward: accumulate this micro-batch's weight gradients."""
+        weights = self._weights.pop(microbatch_index, None)
+        if weights is not None:
+            weights.run()
+
     def reset(self) -> None:
         """Forget everything of the previous step."""
         self._inputs.clear()
         self._outputs.clear()
         self._losses.clear()
+        self._weights.clear()
         self.losses.clear()
         self.outputs.clear()

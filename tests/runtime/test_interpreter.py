@@ -1,0 +1,53 @@
+"""The interpreter records what it runs: with trace_dir every action of every step is in the trace."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import plait
+from plait.schedule import generate
+from tests.harness import run_ranks
+from tests.models import mlp
+
+
+def traced_fit(rank, world, trace_dir, schedule, extra):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(24, 8, generator=g), torch.randint(0, 4, (24,), generator=g)
+    config = plait.Config(num_microbatches=4, schedule=schedule, trace_dir=trace_dir, dp=extra.get("dp", 1),
+                          num_virtual_stages=extra.get("v", 1))
+    model = plait.Model(mlp(), config, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                        loss=nn.CrossEntropyLoss())
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)  # 3 steps; fit writes the trace at its end
+    return list(model.plan.stage_to_rank)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule, extra", [("1f1b", {}), ("zbh1", {}), ("interleaved", {"v": 2}),
+                                             ("gpipe", {"dp": 2})])
+def test_trace_holds_every_action_of_every_step(tmp_path, schedule, extra):
+    world = 2 * extra.get("dp", 1) if extra.get("dp", 1) > 1 else 2
+    run_ranks(world, traced_fit, str(tmp_path), schedule, extra, timeout=110)
+    v = extra.get("v", 1)
+    program = generate(schedule, 2 * v, 4, num_virtual_stages=v)
+    for rank in range(world):
+        doc = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        events = doc["traceEvents"]
+        assert doc["plait"]["schedule"] == schedule and doc["plait"]["rank"] == rank
+        assert {e["pid"] for e in events} == {rank}  # one process per rank
+        names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+        assert {"compute", "send", "recv", "wait"} <= names
+        spans = [e for e in events if e["ph"] == "X"]
+        steps = sorted({e["args"]["step"] for e in spans if "step" in e["args"]})
+        assert len(steps) == 3
+        for step in steps:
+            got = [e["name"] for e in sorted(spans, key=lambda e: e["ts"])
+                   if e["args"].get("step") == step and e["cat"] in ("compute", "send", "recv")]
+            want = [str(a) for a in program[rank % 2]] + ["optimizer"]
+            assert got == want, (rank, step)
+        if extra.get("dp", 1) > 1:
+            assert any(e["cat"] == "allreduce" for e in spans)
+        assert all(e["dur"] >= 0 for e in spans)
