@@ -82,17 +82,19 @@ def _add_chart_commands(commands: Any) -> None:
                     "activations per rank, and with -o draw it as a Gantt chart.")
     simulate.add_argument("--schedule", default="1f1b", help="schedule name (default: 1f1b)")
     simulate.add_argument("--stages", type=_count, required=True, metavar="P",
-                          help="pipeline stages")
+                          help="pipeline stages, one rank each")
     simulate.add_argument("--microbatches", type=_count, required=True, metavar="M",
                           help="micro-batches per step")
     simulate.add_argument("--virtual-stages", type=_count, default=1, metavar="V",
-                          help="stages per rank, for interleaved schedules (default: 1)")
-    for flag, what, default in (("--t-f", "a forward", None), ("--t-b", "a backward", None),
-                                ("--t-w", "a weight-gradient step", 0.0),
+                          help="model chunks per rank, for --schedule interleaved (default: 1)")
+    for flag, what, default in (("--t-f", "a forward", None),
+                                ("--t-b", "a backward (the input gradient, when split)", None),
+                                ("--t-w", "a weight gradient (split backward only)", 0.0),
                                 ("--t-comm", "a send between ranks", 0.0)):
         simulate.add_argument(flag, type=_duration, required=default is None, default=default,
                               metavar="MS", help=f"time of {what} of one micro-batch on one "
-                              f"stage, ms" + ("" if default is None else " (default: 0)"))
+                              f"stage (with V: on all its chunks), ms"
+                              + ("" if default is None else " (default: 0)"))
     simulate.add_argument("-o", "--output", default=None, metavar="OUT.png",
                           help="also draw the step as a Gantt chart")
 
@@ -116,11 +118,11 @@ def _simulate(args: argparse.Namespace) -> int:
     sim = simulate(args.schedule, args.stages, args.microbatches, args.t_f, args.t_b,
                    t_w=args.t_w, t_comm=args.t_comm, num_virtual_stages=args.virtual_stages)
     peaks = ", ".join(f"{p:g}" for p in sim.peak_activations)
-    print(f"{args.schedule}: {args.stages} stages, {args.microbatches} micro-batches, "
-          f"{args.virtual_stages} virtual stage(s) per rank\n"
+    print(f"{args.schedule}: p={args.stages} stages, m={args.microbatches} micro-batches, "
+          f"v={args.virtual_stages} chunk(s) per rank\n"
           f"step time         {sim.step_time:g} ms\n"
           f"bubble fraction   {sim.bubble_fraction:.1%}\n"
-          f"peak activations  {peaks} (per rank)")
+          f"peak activations  {peaks} (micro-batches held at once, per rank)")
     if args.output is not None:
         from plait import timeline
 

@@ -51,6 +51,7 @@ def render(panels: list[Panel], out_png: str | Path) -> Path:
     axes = fig.subplots(len(panels), 1, sharex=True, height_ratios=heights, squeeze=False)[:, 0]
     end = 1.005 * max([b[2] for p in panels for b in p.boxes] + [p.idle for p in panels])
     tops = [0.9 - 0.3 * bool(p.lanes) for p in panels]  # compute boxes: y in [r+0.1, r+top]
+    hatched = False
     for ax, panel, top in zip(axes, panels, tops):
         box = {"height": top - 0.1, "align": "edge"}
         ax.barh([r + 0.1 for r in range(len(panel.rows))], panel.idle, color=_IDLE, **box)
@@ -60,6 +61,7 @@ def render(panels: list[Panel], out_png: str | Path) -> Path:
         for row, a, b, op, stage, mb in panel.boxes:
             # hatched: the 2nd, 4th, ... stage of a rank that holds several (virtual stages)
             chunk = sorted(stages_on[row]).index(stage) if stage >= 0 else 0
+            hatched |= chunk % 2 == 1
             ax.barh(row + 0.1, b - a, left=a, hatch="///" if chunk % 2 else None,
                     color=_shade(_COLOURS.get(op, "#000000"), mb), edgecolor="white", lw=0.8, **box)
         lane_height = (0.95 - top) / max(1, len(lanes_used))
@@ -87,6 +89,9 @@ def render(panels: list[Panel], out_png: str | Path) -> Path:
     ops_used = {b[3] for p in panels for b in p.boxes}
     handles = [Patch(color=_COLOURS[op], label=_NAMES[op]) for op in _COLOURS if op in ops_used]
     handles += [Patch(color=_IDLE, label="idle (bubble)")]
+    if hatched:
+        handles += [Patch(facecolor="white", edgecolor="#555555", hatch="///",
+                          label="2nd, 4th, ... chunk of a rank")]
     handles += [Patch(color=LANES[s], label=s) for s in lanes_used]
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False,
                fontsize=9, title="number in a box: micro-batch; lighter: odd micro-batch",

@@ -161,35 +161,49 @@ def bubble_fraction(trace: Trace, step: int | None = None) -> float:
 
 
 def stage_times(trace: Trace, step: int | None = None) -> dict[str, list[float]]:
-    """Mean duration (ms) of each op per stage in `step`: {"F": [stage 0, ...], "B": ..., "W": ...}.
+    """Mean time (ms) of each op per stage in `step`: {"F": [stage 0, 1, ...], "B": ..., "W": ...}.
 
-    Averaged over micro-batches and data-parallel replicas; 0.0 where a stage has no such op.
+    Averaged over micro-batches and data-parallel replicas; 0.0 where a stage has no such op
+    (W, unless the schedule splits the backward: then B is the whole backward).
     """
     step = trace.resolve_step(step)
     durations: dict[tuple[str, int], list[float]] = defaultdict(list)
     for spans in trace.compute(step).values():
         for s in spans:
             durations[(str(s.op), int(s.args.get("stage", 0)))].append(s.end - s.start)
-    num_stages = trace.meta.get("num_stages") or 1 + max(stage for _, stage in durations)
+    num_stages = 1 + max(stage for _, stage in durations)  # a complete step runs every stage
     return {op: [sum(d) / len(d) if (d := durations.get((op, stage))) else 0.0
                  for stage in range(num_stages)] for op in COMPUTE_OPS}
 
 
 def plan(trace: Trace, step: int | None = None) -> Any:
-    """`plait.schedule.simulate` of the trace's schedule with the op times measured in `step`."""
+    """`plait.schedule.simulate` of the trace's schedule with the per-stage op times of `step`.
+
+    No communication time: the plan is the schedule's own shape at the measured compute speed,
+    so its gap to the measurement is what sends, receives and waits cost.
+    """
     from plait.schedule import simulate
 
     step = trace.resolve_step(step)
-    times = {op: [t for t in per_stage if t > 0] for op, per_stage in stage_times(trace, step).items()}
-    mean = {op: sum(ts) / len(ts) if ts else 0.0 for op, ts in times.items()}
-    microbatches = {s.args.get("mb") for spans in trace.compute(step, ("F",)).values()
-                    for s in spans}
     meta = trace.meta
     if "schedule" not in meta or "num_stages" not in meta:
         raise ValueError(f"the trace {trace.trace_dir} names no schedule and num_stages in its "
                          f"'plait' metadata, so there is no plan; trace with this plait version")
-    return simulate(meta["schedule"], meta["num_stages"], len(microbatches), mean["F"],
-                    mean["B"], t_w=mean["W"], num_virtual_stages=meta.get("num_virtual_stages", 1))
+    v = meta.get("num_virtual_stages", 1)
+    times = stage_times(trace, step)  # one time per stage, in stage order: what simulate takes
+    microbatches = {s.args.get("mb") for spans in trace.compute(step, ("F",)).values()
+                    for s in spans}
+    return simulate(meta["schedule"], meta.get("pp") or meta["num_stages"] // v,
+                    len(microbatches), times["F"], times["B"], t_w=times["W"],
+                    num_virtual_stages=v)
+
+
+def _row_label(rank: int, stages: set[int], always: bool = False, replica: str = "") -> str:
+    """`rank 1`, and under it the stages it runs when there are several (or `always`)."""
+    if not stages or (len(stages) == 1 and not always):
+        return f"rank {rank}"
+    names = ", ".join(map(str, sorted(stages)))
+    return f"rank {rank}\nstage{'s' * (len(stages) > 1)} {names}{replica}"
 
 
 def _sim_panel(sim: Any, schedule: str | None, label: str = "") -> Panel:
@@ -203,7 +217,8 @@ def _sim_panel(sim: Any, schedule: str | None, label: str = "") -> Panel:
              f"m={len({e.microbatch_index for e in events})}, v={v}   step {sim.step_time:.4g} ms"
              f"   bubble {sim.bubble_fraction:.1%}" + (f"   peak activations per rank: {peaks}"
                                                        if peaks else ""))
-    return Panel(title, [f"rank {r}" for r in ranks], boxes, max(b[2] for b in boxes))
+    return Panel(title, [_row_label(r, {e.stage_index for e in events if e.rank == r})
+                         for r in ranks], boxes, max(b[2] for b in boxes))
 
 
 def _measured_panel(trace: Trace, step: int) -> Panel:
@@ -211,16 +226,17 @@ def _measured_panel(trace: Trace, step: int) -> Panel:
     work = trace.compute(step, (*COMPUTE_OPS, "opt"))
     stop = max(s.end for spans in work.values() for s in spans)
     panel = Panel("", [], [], t1 - t0)
+    meta, pp = trace.meta, trace.meta.get("pp")  # rank = replica x pp + stage position
     for row, rank in enumerate(sorted(trace.spans)):
-        stages = sorted({s.args["stage"] for s in work[rank] if "stage" in s.args})
-        panel.rows.append(f"rank {rank}" + (f"\nstage{'s' * (len(stages) > 1)} "
-                                            f"{', '.join(map(str, stages))}" if stages else ""))
+        replica = f", replica {rank // pp}" if meta.get("dp", 1) > 1 and pp else ""
+        panel.rows.append(_row_label(rank, {s.args["stage"] for s in work[rank]
+                                            if "stage" in s.args}, True, replica))
         panel.boxes += [(row, s.start - t0, s.end - t0, str(s.op), s.args.get("stage", -1),
                          s.args.get("mb", 0)) for s in work[rank]]
         panel.lanes += [(row, max(s.start, t0) - t0, min(s.end, stop) - t0, s.stream)
                         for s in trace.spans[rank]
                         if s.stream in LANES and s.end > t0 and s.start < stop]
-    meta, m = trace.meta, len({b[5] for b in panel.boxes if b[3] == "F"})
+    m = len({b[5] for b in panel.boxes if b[3] == "F"})
     panel.title = (f"measured: {meta.get('schedule', '?')}, p={meta.get('pp', '?')}, m={m}, "
                    f"v={meta.get('num_virtual_stages', 1)}, {len(panel.rows)} ranks, step {step}"
                    f"   step {stop - t0:.4g} ms   bubble {bubble_fraction(trace, step):.1%}")

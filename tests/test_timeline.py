@@ -239,8 +239,32 @@ def test_cli_timeline_end_to_end(tmp_path: Path, simulate: Any,
     assert "none does not exist; point at" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not hasattr(plait.schedule, "simulate"), reason="plait.schedule.simulate "
-                    "not there yet")
+needs_simulate = pytest.mark.skipif(not hasattr(plait.schedule, "simulate"),
+                                    reason="plait.schedule.simulate not there yet")
+
+
+@needs_simulate
+@pytest.mark.parametrize("schedule, v, t_w", [("gpipe", 1, 0), ("1f1b", 1, 0),
+                                              ("interleaved", 2, 0), ("zbh1", 1, 1)])
+def test_a_trace_that_follows_its_plan_measures_the_planned_bubble(
+        tmp_path: Path, schedule: str, v: int, t_w: float) -> None:
+    # Replaying a simulated step as a trace must give back the same step: the per-stage times
+    # (p * v of them, chunk c of rank r being stage c * p + r), the plan and the bubble.
+    sim = plait.schedule.simulate(schedule, 2, 4, 1.0, 2.0, t_w=t_w, num_virtual_stages=v)
+    meta = {"schedule": schedule, "num_stages": 2 * v, "num_virtual_stages": v, "pp": 2}
+    for rank in range(2):
+        write_rank(tmp_path, rank, [op(7, e.stage_index, e.op, e.microbatch_index, e.start, e.end)
+                                    for e in sim.timeline if e.rank == rank], meta)
+    trace = timeline.load(tmp_path)
+    assert timeline.stage_times(trace)["F"] == pytest.approx([1.0 / v] * 2 * v)
+    assert timeline.stage_times(trace)["W"] == pytest.approx([t_w] * 2 * v)
+    planned = timeline.plan(trace)
+    assert planned.step_time == pytest.approx(sim.step_time)
+    assert timeline.bubble_fraction(trace) == pytest.approx(sim.bubble_fraction)
+    assert_png(timeline.draw_measured(trace, tmp_path / "t.png"))
+
+
+@needs_simulate
 def test_cli_simulate_prints_and_draws(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.png"
     assert cli.main(["simulate", "--schedule", "gpipe", "--stages", "4", "--microbatches", "8",
