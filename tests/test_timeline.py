@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-import plait.schedule
 from plait import cli, timeline
+from plait.schedule import simulate
 from plait.runtime.trace import Tracer
 
 pytestmark = pytest.mark.timeout(120)
@@ -122,61 +122,6 @@ def test_load_errors_name_the_directory_and_the_fix(tmp_path: Path) -> None:
 # ---- charts --------------------------------------------------------------------------------------
 
 
-@dataclass
-class Event:
-    rank: int
-    stage_index: int
-    op: str
-    microbatch_index: int
-    start: float
-    end: float
-
-
-@dataclass
-class Simulation:
-    step_time: float
-    bubble_fraction: float
-    peak_activations: list[float]
-    timeline: list[Event]
-
-
-def fake_simulate(schedule: str, num_stages: int, num_microbatches: int, t_f: float, t_b: float,
-                  t_w: float = 0.0, t_comm: float = 0.0, num_virtual_stages: int = 1) -> Any:
-    """A stand-in of plait.schedule.simulate's result for GPipe and 1F1B, one stage per rank."""
-    p, m = num_stages, num_microbatches
-    orders = {}
-    for s in range(p):
-        warmup = m if schedule == "gpipe" else min(p - s - 1, m)
-        order = [("F", k) for k in range(warmup)]
-        for k in range(warmup, m):
-            order += [("F", k), ("B", k - warmup)]
-        orders[s] = order + [("B", k) for k in range(m - warmup, m)]
-    done: dict[tuple[str, int, int], float] = {}
-    free, events = [0.0] * p, []
-    while len(events) < 2 * p * m:
-        for s in range(p):
-            while orders[s]:
-                name, k = orders[s][0]
-                needs = [("F", s - 1, k)] if name == "F" and s else []
-                needs += [("F", s, k)] + ([("B", s + 1, k)] if s < p - 1 else []) if name == "B" else []
-                if any(n not in done for n in needs):
-                    break
-                start = max([free[s]] + [done[n] + t_comm * (n[1] != s) for n in needs])
-                free[s] = done[(name, s, k)] = start + (t_f if name == "F" else t_b)
-                events.append(Event(s, s, name, k, start, free[s]))
-                orders[s].pop(0)
-    step = max(e.end for e in events)
-    return Simulation(step, 1 - p * m * (t_f + t_b) / (p * step), [0.0] * p, events)
-
-
-@pytest.fixture
-def simulate(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The real plait.schedule.simulate once it exists, else the stand-in."""
-    if not hasattr(plait.schedule, "simulate"):
-        monkeypatch.setattr(plait.schedule, "simulate", fake_simulate, raising=False)
-    return plait.schedule.simulate
-
-
 def measured_trace(trace_dir: Path, schedule: str, p: int, m: int, seed: int = 0) -> Path:
     """A made-up run of two steps shaped like the runtime's: jittered op times, a receive and a
     wait before each op fed by a neighbour, a send after, and the optimizer at the end."""
@@ -184,7 +129,7 @@ def measured_trace(trace_dir: Path, schedule: str, p: int, m: int, seed: int = 0
     spans: dict[int, list[tuple[Any, ...]]] = {r: [] for r in range(p)}
     t0 = 0.0
     for step in range(2):
-        sim = fake_simulate(schedule, p, m, 1.0, 2.0, t_comm=0.3)
+        sim = simulate(schedule, p, m, 1.0, 2.0, t_comm=0.3)
         for e in sim.timeline:
             jitter = rng.uniform(0.9, 1.2) * (1.6 if step == 0 else 1.0)  # warm-up is slower
             a, b = t0 + e.start, t0 + e.start + (e.end - e.start) * jitter
@@ -212,7 +157,7 @@ def assert_png(path: Path) -> None:
     assert len(data) > 20_000, len(data)  # boxes, labels and a legend, not a blank canvas
 
 
-def test_draw_measured_and_simulation(tmp_path: Path, small_trace: Path, simulate: Any) -> None:
+def test_draw_measured_and_simulation(tmp_path: Path, small_trace: Path) -> None:
     assert_png(timeline.draw_measured(timeline.load(small_trace), tmp_path / "small.png", planned=False))
     trace = timeline.load(measured_trace(tmp_path / "run", "1f1b", 4, 8))
     assert_png(timeline.draw_measured(trace, tmp_path / "measured.png", step=0, planned=False))
@@ -220,8 +165,7 @@ def test_draw_measured_and_simulation(tmp_path: Path, small_trace: Path, simulat
     assert_png(timeline.draw_simulation(sim, tmp_path / "sub" / "gpipe.png", schedule="gpipe"))
 
 
-def test_cli_timeline_end_to_end(tmp_path: Path, simulate: Any,
-                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_timeline_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace_dir = measured_trace(tmp_path / "run", "1f1b", 4, 8)
     out, merged = tmp_path / "timeline.png", tmp_path / "all.json"
     assert cli.main(["timeline", str(trace_dir), "-o", str(out), "--perfetto", str(merged)]) == 0
@@ -239,18 +183,13 @@ def test_cli_timeline_end_to_end(tmp_path: Path, simulate: Any,
     assert "none does not exist; point at" in capsys.readouterr().err
 
 
-needs_simulate = pytest.mark.skipif(not hasattr(plait.schedule, "simulate"),
-                                    reason="plait.schedule.simulate not there yet")
-
-
-@needs_simulate
 @pytest.mark.parametrize("schedule, v, t_w", [("gpipe", 1, 0), ("1f1b", 1, 0),
                                               ("interleaved", 2, 0), ("zbh1", 1, 1)])
 def test_a_trace_that_follows_its_plan_measures_the_planned_bubble(
         tmp_path: Path, schedule: str, v: int, t_w: float) -> None:
     # Replaying a simulated step as a trace must give back the same step: the per-stage times
     # (p * v of them, chunk c of rank r being stage c * p + r), the plan and the bubble.
-    sim = plait.schedule.simulate(schedule, 2, 4, 1.0, 2.0, t_w=t_w, num_virtual_stages=v)
+    sim = simulate(schedule, 2, 4, 1.0, 2.0, t_w=t_w, num_virtual_stages=v)
     meta = {"schedule": schedule, "num_stages": 2 * v, "num_virtual_stages": v, "pp": 2}
     for rank in range(2):
         write_rank(tmp_path, rank, [op(7, e.stage_index, e.op, e.microbatch_index, e.start, e.end)
@@ -264,17 +203,23 @@ def test_a_trace_that_follows_its_plan_measures_the_planned_bubble(
     assert_png(timeline.draw_measured(trace, tmp_path / "t.png"))
 
 
-@needs_simulate
 def test_cli_simulate_prints_and_draws(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.png"
-    assert cli.main(["simulate", "--schedule", "gpipe", "--stages", "4", "--microbatches", "8",
-                     "--t-f", "1", "--t-b", "2", "-o", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "step time         33 ms" in printed and "bubble fraction   27.3%" in printed
+    result = subprocess.run(  # a fresh interpreter, as a user runs it
+        [sys.executable, "-m", "plait.cli", "simulate", "--schedule", "gpipe", "--stages", "4",
+         "--microbatches", "8", "--t-f", "1", "--t-b", "2", "-o", str(out)],
+        capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ("gpipe: p=4 stages, m=8 micro-batches, v=1 chunk(s) per rank\n"
+                             "step time         33 ms\n"
+                             "bubble fraction   27.3%\n"
+                             "peak activations  8, 8, 8, 8 (micro-batches held at once, per rank)\n"
+                             f"wrote {out}\n")
     assert_png(out)
     assert cli.main(["simulate", "--schedule", "nope", "--stages", "4", "--microbatches", "8",
                      "--t-f", "1", "--t-b", "2"]) == 1
-    assert "nope" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith(
+        "plait simulate: error: unknown schedule 'nope'; known schedules: 1f1b, gpipe")
 
 
 @pytest.mark.parametrize("args, message", [
