@@ -18,17 +18,17 @@ chunk's F and B take one cycle (a test keeps these pictures in step with the cod
 
 With m a multiple of p this is Megatron's order: the bubble is (p - 1)(t_f + t_b) / v, a v-th
 of 1F1B's (above: 2 idle cycles per rank in 18, where 1F1B on 2 ranks, each F and B of a
-whole rank taking 2 cycles, idles 4 in 20), and rank 0 holds at most p(1 + (p - 1)/(p v)) micro-batches'
-worth of activations when m >= 2p (a chunk's activations count 1/v).
+whole rank taking 2 cycles, idles 4 in 20), and once m >= 2p rank 0 holds at most
+p(1 + (p - 1)/(p v)) micro-batches' worth of activations (a chunk's activations count 1/v).
 
-Megatron requires m to be a multiple of p; here any m >= 1 works. The last group takes the
-m mod p micro-batches left over (`group_sizes`: 11 on 4 ranks -> [4, 7]; m < p: one group of
-m), and the warmup grows to 2(p - r - 1) + (v - 1)G for the largest group size G: the last
-rank must run a micro-batch's last-chunk forward, (v - 1)G table entries after its first
-chunk, before that micro-batch's first backward. (A short last group after full ones instead
-would deadlock: rank 0 would wait on a chunk hand-over from rank p - 1 while rank p - 1 waits
-on rank 0's gradient.) The dry run finds every such program valid (tests sweep p, v and m).
-For p = 2, v = 2, m = 3 (one group of 3):
+Megatron requires m to be a multiple of p; here any m >= 1 works. The last full group also
+takes the m mod p micro-batches left over (`group_sizes`: 11 on 4 ranks -> [4, 7]; m < p: one
+group of m), and the warmup grows to 2(p - r - 1) + (v - 1)G for the largest group size G:
+the backward table puts a micro-batch's last-chunk B where its chunk-0 F is, and the last
+rank must have run that micro-batch's last-chunk F, (v - 1)G entries later, by then. (A short
+last group after full ones instead deadlocks: rank 0 waits on a chunk hand-over from rank
+p - 1 while rank p - 1 waits on rank 0's gradient; a test keeps that story.) The dry run finds
+every such program valid (tests sweep p, v and m). For p = 2, v = 2, m = 3 (one group of 3):
 
     clock  |  0    1    2    3    4    5    6    7    8    9    10   11   12   13
     rank 0 | 0F0  0F1  0F2  2F0  2F1  2F2  2B0       2B1       2B2  0B0  0B1  0B2
@@ -53,7 +53,9 @@ def group_sizes(num_microbatches: int, num_ranks: int) -> list[int]:
     return sizes
 
 
-def microbatch_table(num_microbatches: int, num_ranks: int, num_chunks: int) -> list[tuple[int, int]]:
+def microbatch_table(
+    num_microbatches: int, num_ranks: int, num_chunks: int
+) -> list[tuple[int, int]]:
     """The (micro-batch, chunk) pairs in the order every rank runs their forwards.
 
     Groups of micro-batches (`group_sizes`), each run through chunk 0, 1, ..., v-1.

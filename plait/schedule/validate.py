@@ -238,9 +238,9 @@ def validate(
 
     Checks, in order: actions name existing stages and micro-batches and sit on their stage's
     rank; no action occurs twice; every (stage, micro-batch) has one F and, unless
-    `forward_only`, one B, and one W too if the program splits the backward; every send has its receive on the peer rank and vice versa; every
-    action's inputs exist and the local ones come earlier (F before B before W); then the dry
-    run.
+    `forward_only`, one B, and one W too if the program splits the backward; every send has
+    its receive on the peer rank and vice versa; every action's inputs exist and the local
+    ones come earlier (F before B before W); then the dry run.
     """
     check_sizes(num_stages, num_microbatches)
     ranks = resolve_stage_to_rank(num_stages, stage_to_rank)

@@ -8,8 +8,8 @@ import pytest
 
 from plait.errors import ScheduleError
 from plait.schedule import (
-    Program, format_program, forward_only, gpipe, lower_communication, one_f_one_b,
-    parse_action, validate,
+    Program, format_program, forward_only, gpipe, interleaved, lower_communication, one_f_one_b,
+    parse_action, validate, zbh1,
 )
 from plait.schedule.lower import place_stages, resolve_stage_to_rank
 
@@ -26,6 +26,36 @@ def test_lower_exact_small_case() -> None:
     ]
     assert lines(lower_communication(forward_only(2, 1), 2)) == ["rank 0: 0F0 0SF0", "rank 1: 1RF0 1F0"]
     assert lines(lower_communication(gpipe(1, 2), 1)) == ["rank 0: 0F0 0F1 0B0 0B1"]
+
+
+def test_weight_passes_need_no_communication() -> None:
+    assert lines(lower_communication(zbh1(2, 1), 2)) == [
+        "rank 0: 0F0 0SF0 0RB0 0B0 0W0",
+        "rank 1: 1RF0 1F0 1B0 1SB0 1W0",
+    ]
+
+
+def test_place_interleaved_positions_on_global_ranks() -> None:
+    # interleaved keys its program by position r = s % p; a replica offset moves each position
+    # whole, keeping its order, and non-adjacent stages of one rank still talk across ranks
+    program = interleaved(4, 4, 2)
+    offset = {s: 10 + s % 2 for s in range(4)}
+    placed = place_stages(program, 4, offset)
+    assert placed == {10: program[0], 11: program[1]}
+    lowered = lower_communication(placed, 4, offset)
+    assert [str(a) for a in lowered[10][:4]] == ["0F0", "0SF0", "0F1", "0SF1"]
+    assert "1SF0" in [str(a) for a in lowered[11]] and "2RF0" in [str(a) for a in lowered[10]]
+    validate(lowered, 4, 4, offset)
+
+
+def test_place_splits_a_position_over_ranks() -> None:
+    # stage s on rank s for an interleaved program: each rank keeps its stage's actions in the
+    # order they had, which only drops ordering constraints and so stays deadlock-free
+    program = interleaved(4, 4, 2)
+    identity = {s: s for s in range(4)}
+    placed = place_stages(program, 4, identity)
+    assert placed[2] == [a for a in program[0] if a.stage_index == 2]
+    validate(lower_communication(placed, 4, identity), 4, 4, identity)
 
 
 def test_lower_is_pure() -> None:

@@ -63,7 +63,9 @@ def test_generate_zbh1_lowers_w_without_communication() -> None:
         "rank 0: 0F0 0SF0 0F1 0SF1 0RB0 0B0 0W0 0RB1 0B1 0W1",
         "rank 1: 1RF0 1F0 1B0 1SB0 1RF1 1F1 1B1 1SB1 1W0 1W1",
     ]
-    assert lines(generate("zbh1", 2, 1, forward_only=True)) == ["rank 0: 0F0 0SF0", "rank 1: 1RF0 1F0"]
+    assert lines(generate("zbh1", 2, 1, forward_only=True)) == [
+        "rank 0: 0F0 0SF0", "rank 1: 1RF0 1F0",
+    ]
 
 
 def test_generate_interleaved_places_stage_s_on_rank_s_mod_p() -> None:

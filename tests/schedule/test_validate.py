@@ -7,7 +7,7 @@ import pytest
 from plait.errors import ScheduleError
 from plait.schedule import (
     SCHEDULES, Program, forward_only, generate, gpipe, lower_communication, parse_action,
-    validate,
+    validate, zbh1,
 )
 
 
@@ -27,6 +27,50 @@ def test_accepts_every_generated_program(p: int, m: int) -> None:
     validate(generate("1f1b", p, m, stage_to_rank=one_rank), p, m, one_rank)
     pairs = {s: s // 2 for s in range(p)}
     validate(generate("gpipe", p, m, stage_to_rank=pairs), p, m, pairs)
+
+
+@pytest.mark.parametrize("p, v", [(1, 2), (2, 2), (3, 3), (4, 2)])
+@pytest.mark.parametrize("m", range(1, 10))
+def test_accepts_interleaved_programs(p: int, v: int, m: int) -> None:
+    ranks = {s: s % p for s in range(p * v)}
+    validate(generate("interleaved", p * v, m, num_virtual_stages=v), p * v, m, ranks)
+    with pytest.raises(ScheduleError, match="belongs to stage"):  # the placement matters
+        validate(generate("interleaved", p * v, m, num_virtual_stages=v), p * v, m)
+
+
+def test_weight_pass_needs_its_backward_first() -> None:
+    with pytest.raises(ScheduleError, match=r"rank 0 step 1: 0W0 comes before 0B0 \(step 2\), "
+                       r"which it needs; move 0W0 after 0B0"):
+        validate(program_of(r0="0F0 0W0 0B0"), 1, 1)
+    validate(program_of(r0="0F0 0B0 0W0"), 1, 1)
+
+
+def test_split_program_needs_every_weight_pass() -> None:
+    # a program with any W splits every backward: a B without its W is an error
+    with pytest.raises(ScheduleError) as info:
+        validate(program_of(r0="0F0 0F1 0B0 0W0 0B1"), 1, 2)
+    message = str(info.value)
+    assert ("missing compute actions (each of the 1 stages runs each of the 2 micro-batches "
+            "forward, input-gradient (B) and weight-gradient (W) backward exactly once") in message
+    assert "  0W1 on rank 0" in message
+    with pytest.raises(ScheduleError, match="0W0 occurs twice"):
+        validate(program_of(r0="0F0 0B0 0W0 0W0"), 1, 1)
+    with pytest.raises(ScheduleError, match="0W0 is a backward action in a forward-only program"):
+        validate(program_of(r0="0F0 0W0"), 1, 1, forward_only=True)
+
+
+def test_dry_run_with_weight_passes() -> None:
+    program = lower_communication(zbh1(2, 2), 2)
+    validate(program, 2, 2)
+    # rank 1 postpones its first B behind a W that needs it: a local order error
+    program[1] = [parse_action(t) for t in "1RF0 1F0 1W0 1B0 1SB0 1RF1 1F1 1B1 1SB1 1W1".split()]
+    with pytest.raises(ScheduleError, match="1W0 comes before 1B0"):
+        validate(program, 2, 2)
+    # rank 0 waits for micro-batch 1's gradient before sending micro-batch 1's activation
+    program = lower_communication(zbh1(2, 2), 2)
+    program[0] = [parse_action(t) for t in "0F0 0SF0 0F1 0RB1 0SF1 0RB0 0B0 0W0 0B1 0W1".split()]
+    with pytest.raises(ScheduleError, match="deadlock: no rank can progress"):
+        validate(program, 2, 2)
 
 
 def test_deadlock_when_both_ranks_receive_first() -> None:
