@@ -34,14 +34,15 @@ def reference_fit(ref, x, y, loss_fn, epochs):
             opt.step()
 
 
-def compare(rank, world, name, dp, pp, made):
+def compare(rank, world, name, dp, pp, made, **extra):
     net, x, y, loss_fn = made
     net.load_state_dict(made_initial[id(net)])  # one module per model, reset: one capture each
     for p in net.parameters():
         p.grad = None
     ref = copy.deepcopy(net)
     torch.manual_seed(1000 + rank)  # replicas must agree whatever their own seeds
-    model = plait.Model(net, plait.Config(dp=dp, num_stages=pp, num_microbatches=3, bucket_cap_mb=0.01),
+    model = plait.Model(net, plait.Config(dp=dp, num_stages=pp, num_microbatches=3, bucket_cap_mb=0.01,
+                                          **extra),
                         optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), loss=loss_fn)
     model.fit(x, y, epochs=2, batch_size=BATCH, shuffle=False, verbose=0)
     reference_fit(ref, x, y, loss_fn, epochs=2)
@@ -66,7 +67,7 @@ def compare(rank, world, name, dp, pp, made):
     result = model.evaluate(x, y, batch_size=7)
     if abs(result["loss"] - want_loss) > 1e-5 * abs(want_loss):
         problems.append(f"evaluate loss {result['loss']} != {want_loss}")
-    if model.plan.dp != dp or model.plan.num_stages != pp:
+    if model.plan.dp != dp or model.plan.pp != pp:
         problems.append(f"plan has dp={model.plan.dp}, stages={model.plan.num_stages}")
     return problems
 
@@ -143,3 +144,23 @@ def test_buckets_are_launched_during_the_backward_pass():
     for buckets, early in run_ranks(2, overlap, timeout=110):
         assert buckets > 1  # a 1 KB cap puts the MLP's layers in several buckets
         assert early == buckets  # every bucket started before the step's backward finished
+
+
+def other_schedules(rank, world):
+    made = {name: make(name) for name in ["mlp", "gpt"]}
+    for net, *_ in made.values():
+        made_initial[id(net)] = copy.deepcopy(net.state_dict())
+    extras = [{"schedule": "zbh1"}, {"schedule": "interleaved", "num_virtual_stages": 2},
+              {"schedule": "zbh1", "recompute": True}]
+    return {(name, str(extra)): compare(rank, world, name, 2, 2, made[name], **extra)
+            for extra in extras for name in made}
+
+
+@pytest.mark.timeout(400)
+def test_data_parallel_with_zero_bubble_interleaving_and_recompute():
+    """Gradients accumulated in W (post-accumulate hooks fire there) and buckets over several
+    stages of one rank still all-reduce to one process's result."""
+    results = run_ranks(4, other_schedules, timeout=380)
+    failures = {f"rank {r} {case}": p for r, rep in enumerate(results) for case, p in rep.items() if p}
+    assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())
+    assert len(results[0]) == 6
