@@ -7,8 +7,9 @@ the schedules one after another (the order rotated each round), every step after
 time the slowest rank's.
 
 Prediction: for each schedule, the trace of its own run gives each stage's mean F, B and W time
-(a send's posting time counted in the F or B that made it; the optimizer step added at the end),
-and `plait.schedule.simulate` turns those costs into a step time. The check is on ratios between
+(a send's posting time counted in the F or B that made it), the hand-over time t_comm (from the
+end of a send to the end of the receive that waited for it) and the optimizer step, and
+`plait.schedule.simulate` turns those costs into a step time (plus the optimizer). The check is on ratios between
 schedules, as the issue asks: (measured s / measured 1F1B) / (predicted s / predicted 1F1B) must
 be within 1 +- 0.15.
 
@@ -45,6 +46,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import plait
+from plait import timeline
 from plait.schedule import simulate
 
 SEED = 1234
@@ -154,43 +156,35 @@ def _rank_main(rank: int, port: int, setting: Setting, result_path: str) -> None
         dist.destroy_process_group()
 
 
-def profiled_costs(trace_dir: Path, first_step: int) -> tuple[dict[str, list[float]], float]:
-    """Mean per-stage F, B, W time (ms; sends folded in) over the timed steps, and the optimizer's."""
-    per: dict[tuple[str, int], list[float]] = defaultdict(list)
-    stages, optimizer = set(), []
-    for path in sorted(trace_dir.glob("rank*.json")):
-        doc = json.loads(path.read_text())
-        for e in doc["traceEvents"]:
-            args = e.get("args", {})
-            if e["ph"] != "X" or args.get("step", -1) < first_step:
-                continue
-            op = args.get("op")
-            if op in ("F", "B", "W", "SF", "SB"):
-                stage = args["stage"]
-                stages.add(stage)
-                per[({"SF": "F", "SB": "B"}.get(op, op) + ("send" if op in ("SF", "SB") else ""),
-                     stage)].append(e["dur"] / 1e3)
-            elif op == "opt":
-                optimizer.append(e["dur"] / 1e3)
-    count = {s: len(per[("F", s)]) for s in stages}
-
-    def mean(kind: str, s: int) -> float:
-        return sum(per[(kind, s)]) / count[s] if count[s] else 0.0
-
-    costs = {k: [mean(k, s) + mean(k + "send", s) for s in sorted(stages)] for k in ("F", "B")}
-    costs["W"] = [mean("W", s) for s in sorted(stages)]
-    return costs, statistics.median(optimizer) if optimizer else 0.0
+def profiled_costs(trace_dir: Path, first_step: int) -> tuple[dict[str, list[float]], float, float]:
+    """Per-stage F, B, W time (ms; a send's posting time folded into the F or B that made it),
+    the hand-over time and the optimizer's, each the median over the timed steps' means."""
+    trace = timeline.load(trace_dir)
+    steps = [k for k in trace.complete_steps() if k >= first_step]
+    per_step = []
+    for step in steps:
+        compute, sends = timeline.stage_times(trace, step), timeline.send_times(trace, step)
+        per_step.append({"F": [c + x for c, x in zip(compute["F"], sends["F"])],
+                         "B": [c + x for c, x in zip(compute["B"], sends["B"])],
+                         "W": compute["W"]})
+    costs = {op: [statistics.median(c[op][i] for c in per_step) for i in range(len(per_step[0][op]))]
+             for op in ("F", "B", "W")}
+    comm = statistics.median(timeline.transfer_time(trace, step) for step in steps)
+    optimizer = [s.end - s.start for spans in trace.spans.values() for s in spans
+                 if s.op == "opt" and (s.step or 0) >= first_step]
+    return costs, comm, statistics.median(optimizer) if optimizer else 0.0
 
 
 def report(setting: Setting, result: dict[str, Any]) -> bool:
     p, m = setting.ranks, setting.microbatches
     measured = {name: statistics.median(w) * 1e3 for name, w in result["walls"].items()}
-    predicted = {}
+    predicted, profiles = {}, {}
     for name, extra in SCHEDULES.items():
-        costs, opt = profiled_costs(Path(setting.trace_dir) / name, result["first_timed"][name])
-        sim = simulate(name, p, m, t_f=costs["F"], t_b=costs["B"], t_w=costs["W"],
+        costs, comm, opt = profiled_costs(Path(setting.trace_dir) / name, result["first_timed"][name])
+        sim = simulate(name, p, m, t_f=costs["F"], t_b=costs["B"], t_w=costs["W"], t_comm=comm,
                        num_virtual_stages=extra.get("num_virtual_stages", 1))
         predicted[name] = sim.step_time + opt
+        profiles[name] = (costs, comm, opt)
     print(f"\n{setting.layers} x (Linear({setting.width}) + ReLU), batch {setting.batch} in {m} "
           f"micro-batches, {p} ranks x 1 thread; medians of {setting.rounds} rounds, ms")
     print(f"{'schedule':12s} {'measured':>9s} {'predicted':>9s} {'meas/1f1b':>9s} {'pred/1f1b':>9s} "
@@ -201,6 +195,10 @@ def report(setting: Setting, result: dict[str, Any]) -> bool:
         agree = mr / pr
         ok &= abs(agree - 1) <= TOLERANCE
         print(f"{name:12s} {measured[name]:9.2f} {predicted[name]:9.2f} {mr:9.3f} {pr:9.3f} {agree:9.3f}")
+    print("profiled per stage (ms): F, B, W with sends folded in; t_comm; optimizer")
+    for name, (costs, comm, opt) in profiles.items():
+        print(f"{name:12s} F {_fmt(costs['F'])}  B {_fmt(costs['B'])}  W {_fmt(costs['W'])}  "
+              f"t_comm {comm:.2f}  opt {opt:.2f}")
     peaks = result["peaks"]
     print("\nactivation bytes saved for backward, peak per rank (MB):")
     for name in SCHEDULES:
@@ -213,6 +211,10 @@ def report(setting: Setting, result: dict[str, Any]) -> bool:
     print(f"schedule ratios within +-{TOLERANCE:.0%} of the simulator: {'PASS' if ok else 'FAIL'}")
     print(f"traces: {setting.trace_dir}/<schedule>/rank*.json (plait timeline DIR -o out.png)")
     return ok and mem_ok
+
+
+def _fmt(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
 
 
 def _free_port() -> int:

@@ -13,8 +13,8 @@ from typing import Any
 from plait.gantt import LANES, Panel, render
 from plait.runtime.trace import FORMAT_VERSION
 
-__all__ = ["Span", "Trace", "load", "merge", "bubble_fraction", "stage_times", "plan",
-           "draw_measured", "draw_simulation"]
+__all__ = ["Span", "Trace", "load", "merge", "bubble_fraction", "stage_times", "send_times",
+           "transfer_time", "plan", "draw_measured", "draw_simulation"]
 
 COMPUTE_OPS = ("F", "B", "W")  # what a simulation plans; the optimizer is compute it does not
 
@@ -174,6 +174,58 @@ def stage_times(trace: Trace, step: int | None = None) -> dict[str, list[float]]
     num_stages = 1 + max(stage for _, stage in durations)  # a complete step runs every stage
     return {op: [sum(d) / len(d) if (d := durations.get((op, stage))) else 0.0
                  for stage in range(num_stages)] for op in COMPUTE_OPS}
+
+
+def send_times(trace: Trace, step: int | None = None) -> dict[str, list[float]]:
+    """Mean time (ms) a stage spends per micro-batch on posting its sends and receives.
+
+    "F": SF (activations to the next stage) and posting the RF that brings its input; "B": SB
+    (gradients to the previous stage) and posting the RB. 0.0 where a stage has none. They never
+    block the schedule, but they occupy the rank as compute does.
+    """
+    step = trace.resolve_step(step)
+    totals: dict[tuple[str, int], float] = defaultdict(float)
+    for spans in trace.spans.values():
+        for s in spans:
+            if s.step == step and s.op in ("SF", "SB", "PRF", "PRB"):
+                totals[(str(s.op)[-1], int(s.args["stage"]))] += s.end - s.start
+    per_stage = defaultdict(int)
+    for spans in trace.compute(step, ("F",)).values():
+        for s in spans:
+            per_stage[int(s.args["stage"])] += 1
+    num_stages = len(stage_times(trace, step)["F"])
+    return {op: [totals.get((op, stage), 0.0) / max(per_stage[stage], 1)
+                 for stage in range(num_stages)] for op in ("F", "B")}
+
+
+def transfer_time(trace: Trace, step: int | None = None) -> float:
+    """Median time (ms) from the end of a send to the end of the receive that was waiting for it.
+
+    Only receives that started before their send ended count: there the receiver's wait shows
+    when the message arrived. 0.0 when no receive waited (ranks on one host, one clock).
+    """
+    step = trace.resolve_step(step)
+    pp = int(trace.meta.get("pp") or trace.meta.get("num_stages", 1))
+    sends: dict[tuple[int, str, int, int], Span] = {}
+    receives: list[Span] = []
+    for spans in trace.spans.values():
+        for s in spans:
+            if s.step != step:
+                continue
+            if s.stream == "send" and s.op in ("SF", "SB"):
+                sends[(s.rank, str(s.op), int(s.args["stage"]), int(s.args["mb"]))] = s
+            elif s.stream == "recv" and s.op in ("RF", "RB"):
+                receives.append(s)
+    waits = []
+    for r in receives:
+        stage, mb = int(r.args["stage"]), int(r.args["mb"])
+        sender = stage - 1 if r.op == "RF" else stage + 1
+        peer = r.rank // pp * pp + sender % pp
+        sent = sends.get((peer, "SF" if r.op == "RF" else "SB", sender, mb))
+        if sent is not None and r.start < sent.end:
+            waits.append(max(0.0, r.end - sent.end))
+    waits.sort()
+    return waits[len(waits) // 2] if waits else 0.0
 
 
 def plan(trace: Trace, step: int | None = None) -> Any:

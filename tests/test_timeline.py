@@ -243,3 +243,35 @@ def test_drawing_without_matplotlib_says_how_to_install(
     with pytest.raises(ImportError, match=r"needs matplotlib.*pip install 'plait\[plot\]'"):
         timeline.draw_measured(timeline.load(small_trace), tmp_path / "x.png", planned=False)
     assert not (tmp_path / "x.png").exists()
+
+
+def test_send_times_and_transfer_time_of_a_known_trace(tmp_path: Path) -> None:
+    """Two micro-batches over two ranks; every hand-over below is drawn to the millisecond.
+
+        ms      0    1    2    3    4    5    6    7    8    9   10   11
+        rank 0  F0 SF0 F1 SF1 |-- RB0 waits --|B0 |-RB1-|B1
+        rank 1  |RF0 waits |F0 B0 SB0 |RF1|F1 B1 SB1
+
+    SF0 ends at 1.5, rank 1's RF0 (waiting since 0) ends at 2.5: 1 ms in flight. SB0 ends at
+    5.5 and RB0 (waiting since 4) ends at 6.5: 1 ms. RF1 started after SF1 ended, so it tells
+    nothing; RB1 started at 7.5, before SB1 ended at 8.5, and ended at 9.5: 1 ms again.
+    """
+    def io(step: int, stage: int, name: str, mb: int, a: float, b: float, stream: str) -> tuple[Any, ...]:
+        return (stream, f"{stage}{name}{mb}", a, b, {"step": step, "stage": stage, "op": name, "mb": mb})
+
+    rank0 = [op(0, 0, "F", 0, 0, 1), io(0, 0, "SF", 0, 1, 1.5, "send"),
+             io(0, 0, "PRB", 0, 1.5, 1.75, "recv"),
+             op(0, 0, "F", 1, 2, 3), io(0, 0, "SF", 1, 3, 3.5, "send"),
+             io(0, 0, "RB", 0, 4, 6.5, "recv"), op(0, 0, "B", 0, 6.5, 7.5),
+             io(0, 0, "RB", 1, 7.5, 9.5, "recv"), op(0, 0, "B", 1, 9.5, 10.5)]
+    rank1 = [io(0, 1, "RF", 0, 0, 2.5, "recv"), op(0, 1, "F", 0, 2.5, 3.5),
+             op(0, 1, "B", 0, 3.5, 5), io(0, 1, "SB", 0, 5, 5.5, "send"),
+             io(0, 1, "RF", 1, 5.5, 5.6, "recv"), op(0, 1, "F", 1, 5.6, 6.5),
+             op(0, 1, "B", 1, 6.5, 8), io(0, 1, "SB", 1, 8, 8.5, "send")]
+    write_rank(tmp_path, 0, rank0)
+    write_rank(tmp_path, 1, rank1)
+    trace = timeline.load(tmp_path)
+    assert timeline.transfer_time(trace, 0) == pytest.approx(1.0)
+    sends = timeline.send_times(trace, 0)
+    assert sends["F"] == pytest.approx([0.5, 0.0])  # two SF of 0.5 ms over two micro-batches
+    assert sends["B"] == pytest.approx([0.125, 0.5])  # one posted RB of 0.25 ms; SB 0.5 each

@@ -91,7 +91,10 @@ class Interpreter:
             mb = microbatches[k]
             done = bisect.bisect_left(receives, position)  # receives already taken
             while posted < len(receives) and posted - done < window:
-                self._post(actions[receives[posted]], microbatches, train)
+                ahead = actions[receives[posted]]
+                with tracer.span("recv", f"post {ahead}", step=step, stage=ahead.stage_index,
+                                 op="P" + ahead.op.value, mb=ahead.microbatch_index):
+                    self._post(ahead, microbatches, train)
                 posted += 1
             try:
                 with tracer.span(_STREAM[op], str(action), step=step, stage=s, op=op.value, mb=k):
