@@ -105,7 +105,13 @@ class StageExecutor:
         return [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
 
     def backward_input(self, microbatch_index: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """B of a split backward: return dL/d(received tensors) now, keep the weight part for W."""
+        """B of a split backward: return dL/d(received tensors) now, keep the weight part for W.
+
+        A recomputed stage runs its whole backward here (its W is empty): W runs one autograd
+        call per group of weights, and each would recompute the checkpointed forward again.
+        """
+        if self.recompute:
+            return self.backward(microbatch_index, grads)
         inputs = self._inputs.pop(microbatch_index)
         if self.stage.is_last:
             outputs: list[torch.Tensor] = [self._losses.pop(microbatch_index)]
