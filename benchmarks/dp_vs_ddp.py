@@ -37,10 +37,8 @@ import functools
 import io
 import os
 import pstats
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +46,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -57,6 +54,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import plait
+from job import join_job, mlp, run_job
 from plait.demo import PaperCNN
 
 __all__ = ["main"]
@@ -104,10 +102,7 @@ def make_net(setting: Setting) -> nn.Module:
             if isinstance(layer, nn.Dropout):
                 net[i] = nn.Identity()
         return net
-    blocks: list[nn.Module] = []
-    for _ in range(setting.layers):
-        blocks += [nn.Linear(setting.width, setting.width), nn.ReLU()]
-    return nn.Sequential(*blocks)
+    return mlp(setting.width, setting.layers, SEED)
 
 
 def make_batch(setting: Setting, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,10 +277,7 @@ def _iqr(values: list[float]) -> float:
 
 
 def _rank_main(rank: int, port: int, setting: Setting, result_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD_SIZE))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    join_job(rank, WORLD_SIZE, port)
     try:
         correct = check(setting, rank)
         times = measure(setting, rank)
@@ -296,12 +288,6 @@ def _rank_main(rank: int, port: int, setting: Setting, result_path: str) -> None
             profile(setting, rank, Path(setting.profile))
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def parse_args(argv: list[str] | None = None) -> Setting:
@@ -334,11 +320,7 @@ def parse_args(argv: list[str] | None = None) -> Setting:
 
 def main(argv: list[str] | None = None) -> int:
     setting = parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "verdict"
-        mp.start_processes(_rank_main, args=(_free_port(), setting, str(result)),
-                           nprocs=WORLD_SIZE, join=True, start_method="spawn")
-        return 0 if result.read_text() == "pass" else 1
+    return 0 if run_job(_rank_main, WORLD_SIZE, setting) == "pass" else 1
 
 
 if __name__ == "__main__":

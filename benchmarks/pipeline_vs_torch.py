@@ -37,11 +37,8 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +46,6 @@ from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 try:
@@ -57,6 +53,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import plait
+from job import join_job, mlp, regression_batch, run_job
 
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -90,19 +87,12 @@ class Setting:
 
 def make_net(width: int, layers: int) -> nn.Sequential:
     """layers x (Linear(width, width), ReLU), identical on every rank (fixed seed)."""
-    torch.manual_seed(SEED)
-    blocks: list[nn.Module] = []
-    for _ in range(layers):
-        blocks += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*blocks)
+    return mlp(width, layers, SEED)
 
 
 def make_batch(setting: Setting, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch (x, y) of `step`, identical on every rank."""
-    g = torch.Generator().manual_seed(SEED + 1 + step)
-    x = torch.randn(setting.batch, setting.width, generator=g)  # (B, width)
-    y = torch.randn(setting.batch, setting.width, generator=g)  # (B, width)
-    return x, y
+    return regression_batch(setting.batch, setting.width, SEED + 1 + step)
 
 
 def stage_slice(setting: Setting, stage_index: int) -> slice:
@@ -329,10 +319,7 @@ def _iqr(values: list[float]) -> float:
 
 
 def _rank_main(rank: int, port: int, setting: Setting, result_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(NUM_STAGES))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=NUM_STAGES)
+    join_job(rank, NUM_STAGES, port)
     try:
         correct = all([check(setting, s, rank) for s in setting.schedules])
         times = measure(setting, rank)
@@ -341,12 +328,6 @@ def _rank_main(rank: int, port: int, setting: Setting, result_path: str) -> None
             Path(result_path).write_text("pass" if passed else "fail")
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def parse_args(argv: list[str] | None = None) -> Setting:
@@ -378,11 +359,7 @@ def parse_args(argv: list[str] | None = None) -> Setting:
 
 def main(argv: list[str] | None = None) -> int:
     setting = parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "verdict"
-        mp.start_processes(_rank_main, args=(_free_port(), setting, str(result)),
-                           nprocs=NUM_STAGES, join=True, start_method="spawn")
-        return 0 if result.read_text() == "pass" else 1
+    return 0 if run_job(_rank_main, NUM_STAGES, setting) == "pass" else 1
 
 
 if __name__ == "__main__":

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,7 +36,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 try:
@@ -46,6 +43,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import plait
+from job import join_job, mlp, regression_batch, run_job
 from plait import timeline
 from plait.schedule import simulate
 
@@ -68,17 +66,11 @@ class Setting:
 
 
 def make_net(setting: Setting) -> nn.Sequential:
-    torch.manual_seed(SEED)
-    blocks: list[nn.Module] = []
-    for _ in range(setting.layers):
-        blocks += [nn.Linear(setting.width, setting.width), nn.ReLU()]
-    return nn.Sequential(*blocks)
+    return mlp(setting.width, setting.layers, SEED)
 
 
 def make_batch(setting: Setting, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(SEED + 1 + step)
-    x = torch.randn(setting.batch, setting.width, generator=g)  # (B, width)
-    return x, torch.randn(setting.batch, setting.width, generator=g)
+    return regression_batch(setting.batch, setting.width, SEED + 1 + step)
 
 
 class SavedBytes:
@@ -118,10 +110,7 @@ def timed_step(model: plait.Model, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _rank_main(rank: int, port: int, setting: Setting, result_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(setting.ranks))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=setting.ranks)
+    join_job(rank, setting.ranks, port)
     try:
         models = {}
         for name, extra in SCHEDULES.items():
@@ -217,12 +206,6 @@ def _fmt(values: list[float]) -> str:
     return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def parse_args(argv: list[str] | None = None) -> Setting:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2, help="pipeline ranks, 2-4 (default: 2)")
@@ -244,11 +227,8 @@ def parse_args(argv: list[str] | None = None) -> Setting:
 
 def main(argv: list[str] | None = None) -> int:
     setting = parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        result_path = Path(tmp) / "result.json"
-        mp.start_processes(_rank_main, args=(_free_port(), setting, str(result_path)),
-                           nprocs=setting.ranks, join=True, start_method="spawn")
-        return 0 if report(setting, json.loads(result_path.read_text())) else 1
+    result = run_job(_rank_main, setting.ranks, setting)
+    return 0 if report(setting, json.loads(result)) else 1
 
 
 if __name__ == "__main__":

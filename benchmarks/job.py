@@ -1,0 +1,56 @@
+"""A benchmark's job: its ranks spawned on 127.0.0.1, one thread each, and the MLP workload they share."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+__all__ = ["mlp", "regression_batch", "run_job", "join_job"]
+
+
+def mlp(width: int, layers: int, seed: int) -> nn.Sequential:
+    """layers x (Linear(width, width), ReLU), identical on every rank (fixed seed)."""
+    torch.manual_seed(seed)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*blocks)
+
+
+def regression_batch(rows: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y), both (rows, width) standard normal, identical on every rank for one seed."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g)  # (B, width)
+    return x, torch.randn(rows, width, generator=g)  # (B, width)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def join_job(rank: int, world_size: int, port: int) -> None:
+    """In a spawned rank: one CPU thread, and the gloo process group on 127.0.0.1:port."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def run_job(rank_main: Callable[..., None], world_size: int, *args: Any) -> str:
+    """Spawn rank_main(rank, port, *args, result_path) on `world_size` ranks; return what rank 0
+    wrote to result_path (the ranks call join_job first and destroy the group at the end)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result"
+        mp.start_processes(rank_main, args=(_free_port(), *args, str(result)), nprocs=world_size,
+                           join=True, start_method="spawn")
+        return result.read_text()
