@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import json
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from plait.errors import ConfigError
 
-__all__ = ["Config", "SCHEDULE_NAMES"]
+__all__ = ["Config", "SCHEDULE_NAMES", "NONFINITE_ACTIONS"]
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zbh1")
+NONFINITE_ACTIONS = ("stop", "skip", "ignore")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,14 @@ class Config:
         computes, even when the batch does not divide by dp -- or "sum": the sum over replicas of
         each replica's own mean-loss gradients.
     bucket_cap_mb: size of the gradient buckets all-reduced across replicas.
+    checkpoint_dir: where `fit` saves checkpoints, and resumes from the latest one it finds
+        there (None: no checkpoints). Every rank must see the same directory.
+    checkpoint_every: training steps between checkpoints (None: at the end of every epoch).
+    checkpoint_keep: complete checkpoints kept; older ones are deleted after a new one is complete.
+    on_nonfinite: what a NaN or infinite loss or stage output in a training step does: "stop"
+        (raise NonFiniteError naming the step and the first stage where it appeared, on every
+        rank, before the optimizer step), "skip" (no optimizer step for that batch, on every
+        rank) or "ignore" (no check at all).
     """
 
     layers_per_proc: tuple[int, ...] | None = None
@@ -51,6 +61,10 @@ class Config:
     dp: int = 1
     grad_reduction: str = "mean"
     bucket_cap_mb: float = 25.0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    checkpoint_keep: int = 2
+    on_nonfinite: str = "stop"
 
     def __post_init__(self) -> None:
         if self.layers_per_proc is not None:
@@ -122,6 +136,26 @@ class Config:
             raise ConfigError(f"bucket_cap_mb must be a positive number, got {self.bucket_cap_mb!r}")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+        self._check_checkpoints()
+
+    def _check_checkpoints(self) -> None:
+        d = self.checkpoint_dir
+        if d is not None and not isinstance(d, str) and not hasattr(d, "__fspath__"):
+            raise ConfigError(f"checkpoint_dir must be a directory path or None, got {d!r}")
+        if d is not None:
+            object.__setattr__(self, "checkpoint_dir", str(d))
+        every = self.checkpoint_every
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+            raise ConfigError(
+                f"checkpoint_every must be a positive number of steps or None (every epoch), got {every!r}"
+            )
+        keep = self.checkpoint_keep
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise ConfigError(f"checkpoint_keep must be a positive integer (2 keeps a fallback), got {keep!r}")
+        if self.on_nonfinite not in NONFINITE_ACTIONS:
+            raise ConfigError(
+                f"on_nonfinite={self.on_nonfinite!r} is not known; choose one of {list(NONFINITE_ACTIONS)}"
+            )
 
     def _check_recompute(self) -> None:
         r = self.recompute
@@ -170,3 +204,36 @@ class Config:
         if isinstance(d["recompute"], tuple):
             d["recompute"] = list(d["recompute"])
         return d
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Config":
+        """The Config of `to_dict()` output (unknown names are an error; missing ones default)."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a Config is a JSON object of its fields, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in data if k not in known)
+        if unknown:
+            raise ConfigError(f"unknown Config fields {unknown}; known: {sorted(known)}")
+        values = dict(data)
+        for name in ("layers_per_proc", "recompute"):
+            if isinstance(values.get(name), list):
+                values[name] = tuple(values[name])
+        try:
+            return cls(**values)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, OverflowError) as e:  # a field of the wrong type deep inside a check
+            raise ConfigError(f"not a valid Config ({type(e).__name__}: {e}); expected Config.to_dict() output") from None
+
+    def to_json(self) -> str:
+        """The fields as a JSON object."""
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Config":
+        """The Config of `to_json()` output; anything else raises ConfigError."""
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise ConfigError(f"not a plait Config: not JSON ({type(e).__name__}: {e})") from None
+        return cls.from_dict(data)

@@ -10,6 +10,8 @@ __all__ = [
     "ScheduleError",
     "LossError",
     "PipelineError",
+    "CheckpointError",
+    "NonFiniteError",
 ]
 
 
@@ -39,3 +41,11 @@ class LossError(PlaitError, ValueError):
 
 class PipelineError(PlaitError, RuntimeError):
     """A rank failed while running its pipeline program (names rank, action and peer)."""
+
+
+class CheckpointError(PlaitError):
+    """A checkpoint is missing, incomplete, damaged, or does not fit the model (names what and why)."""
+
+
+class NonFiniteError(PlaitError, FloatingPointError):
+    """A training step produced a NaN or infinite value (names the step and the stage)."""

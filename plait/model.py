@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import logging
-from typing import Any, Callable, Iterable, Iterator, Sequence
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from plait import checkpoint, train_state
 from plait import data as batching
 from plait.callbacks import History, ProgressBar
 from plait.capture.output import flatten_output, unflatten_output
+from plait.checkpointer import Checkpointer
 from plait.config import Config
-from plait.errors import ConfigError, PlaitError
+from plait.errors import CheckpointError, ConfigError, NonFiniteError, PlaitError
 from plait.metrics import METRICS, check_metrics
+from plait.nonfinite import NonFiniteWatch, first_nonfinite
 from plait.pipeline import Pipeline, build_pipeline
 from plait.plan import Plan
+from plait.resume import ResumePoint, resume_point
 from plait.runtime.collectives import broadcast_state, gather_state_dict, local_device, start_sum_floats
 from plait.runtime.interpreter import MicroBatch
 from plait.runtime.process_group import init_process_group
+from plait.runtime.report import failure_error
 
 __all__ = ["Model"]
 
@@ -65,6 +74,11 @@ class Model:
             broadcast_state(net, 0)  # replicas start equal whatever each rank's seed
         self._train: Pipeline | None = None
         self._eval: Pipeline | None = None
+        self._watch: NonFiniteWatch | None = None
+        self.step = 0  # training steps (global batches) run, counted on from a loaded checkpoint
+        self._checkpointer = Checkpointer(self.rank, self.world_size, self.config.timeout_s)
+        self._pending: checkpoint.Checkpoint | None = None  # optimizer/RNG state awaiting the pipeline
+        self._saved_step: int | None = None
 
     # -- building ------------------------------------------------------------------------------
 
@@ -75,6 +89,8 @@ class Model:
                                          self.rank, self.world_size, self.loss, train=True,
                                          device=self.device)
             self._make_optimizer()
+            if self.config.on_nonfinite != "ignore":
+                self._watch = NonFiniteWatch(self._train)
             mine = {id(p) for p in self._train.local_parameters}
             for p in self.net.parameters():  # stale gradients elsewhere would make the
                 if id(p) not in mine:        # optimizer step parameters this rank does not train
@@ -136,19 +152,24 @@ class Model:
             out.append(MicroBatch(inputs, target, (b - a) / denominator, key))
         return out
 
-    def _run(self, x: Any, y: Any, train: bool, keep_outputs: bool) -> tuple[list[float], Any]:
+    def _run(self, x: Any, y: Any, train: bool, keep_outputs: bool) -> tuple[list[float], Any, bool]:
         """Run one global batch on every replica.
 
         Returns, on every rank, [sum of loss x rows, then (correct, counted) per metric] over the
-        whole global batch, and this rank's last-stage outputs (a list per micro-batch) or None.
+        whole global batch, this rank's last-stage outputs (a list per micro-batch) or None, and
+        whether the optimizer step was skipped (a non-finite value with on_nonfinite="skip").
         """
         pipe = self._pipeline(x, train)
         if train and (self.loss is None or self.optimizer is None):
             missing = "loss" if self.loss is None else "optimizer"
             raise ConfigError(f"training needs a {missing}: pass {missing}=... to plait.Model")
+        if train and self._pending is not None:
+            self._apply_pending(pipe)
         mbs = self._microbatches(pipe, x, y)
+        watch = self._watch if train else None
         was_training = self.net.training
         self.net.train(train)
+        skipped = False
         try:
             if train:
                 for p in pipe.local_parameters:
@@ -157,25 +178,74 @@ class Model:
                     pipe.sync.prepare(len(mbs))
             for ex in pipe.executors.values():
                 ex.reset()
+            if watch is not None:
+                watch.start()
             if mbs:
                 pipe.interpreter.run(pipe.program(len(mbs), train), mbs, train,
                                      keep_outputs=keep_outputs or bool(self.metrics))
             # The loss and metric sums travel while the gradients are still being all-reduced.
             stats, outputs = self._local_stats(pipe, mbs, keep_outputs)
-            total = start_sum_floats(stats)
+            flags = [] if watch is None else watch.finish(pipe.last_executor.losses if pipe.is_last else {})
+            total = start_sum_floats(stats + flags)
+            run = pipe.interpreter.runs  # a failure below follows this run of the program, all done
+            done = len(pipe.program(len(mbs), train).get(self.rank, [])) if mbs else 0
             if train:
-                tracer, step = pipe.interpreter.tracer, pipe.interpreter.runs
-                with tracer.span("allreduce", "gradients", step=step):
-                    if pipe.sync is not None:
-                        pipe.sync.finish()
-                    if pipe.ties is not None:
-                        pipe.ties.sum()
+                tracer = pipe.interpreter.tracer
+                with tracer.span("allreduce", "gradients", step=run):
+                    try:
+                        if pipe.sync is not None:
+                            pipe.sync.finish()
+                        if pipe.ties is not None:
+                            pipe.ties.sum()
+                    except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
+                        raise self._failure("the gradient all-reduce", e, run, done) from e
+            sums = self._finish(total, run, done)
+            if train:
+                if watch is not None:
+                    skipped = self._check_finite(pipe, sums[len(stats):])
                 assert self.optimizer is not None
-                with tracer.span("compute", "optimizer", step=step, op="opt"):
-                    self.optimizer.step()
+                if not skipped:
+                    with tracer.span("compute", "optimizer", step=run, op="opt"):
+                        self.optimizer.step()
+                self.step += 1
         finally:
             self.net.train(was_training)
-        return total(), outputs
+        return sums[: len(stats)], outputs, skipped
+
+    def _failure(self, what: str, error: BaseException, run: int = -1, position: int = -1) -> PlaitError:
+        """The error of a collective that failed: names this rank, the step and the silent ranks."""
+        return failure_error(f"{what} of step {self.step + 1}", self.rank, error, self.config.timeout_s,
+                             run, position)
+
+    def _finish(self, total: Callable[[], list[float]], run: int, position: int) -> list[float]:
+        """The step's summed statistics; a dead or stalled peer becomes a PipelineError naming it."""
+        try:
+            return total()
+        except Exception as e:  # noqa: BLE001
+            raise self._failure("the loss all-reduce", e, run, position) from e
+
+    def _check_finite(self, pipe: Pipeline, flags: list[float]) -> bool:
+        """True to skip the optimizer step: a stage output or the loss was NaN or infinite."""
+        first = first_nonfinite(flags)
+        if first is None:
+            return False
+        plan = pipe.plan
+        if first < plan.num_stages:
+            ranks = sorted({plan.rank_of(first, r) for r in range(plan.dp)})
+            where = f"the output of stage {first} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+        else:
+            last = plan.num_stages - 1
+            where = f"the loss (every stage output was finite; the loss is computed on stage {last})"
+        text = f"step {self.step + 1}: a NaN or infinite value first appeared in {where}"
+        if self.config.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"{text}. The optimizer step was not taken: the parameters are those after step "
+                f"{self.step}. Check the data and the learning rate, or pass "
+                f"Config(on_nonfinite='skip') to skip such steps ('ignore': no check)"
+            )
+        if self.rank == 0:
+            log.warning("plait: %s; optimizer step skipped (on_nonfinite='skip')", text)
+        return True
 
     def _local_stats(self, pipe: Pipeline, mbs: list[MicroBatch], keep_outputs: bool) -> tuple[list[float], Any]:
         """This rank's [sum of loss x rows, (correct, counted) per metric] and kept outputs."""
@@ -204,7 +274,7 @@ class Model:
 
     def train_on_batch(self, x: Any, y: Any) -> float:
         """One optimizer step on one global batch; returns its mean loss (same on every rank)."""
-        stats, _ = self._run(x, y, train=True, keep_outputs=False)
+        stats, _, _ = self._run(x, y, train=True, keep_outputs=False)
         return stats[0] / batching.num_rows(x)
 
     # -- whole data sets -----------------------------------------------------------------------
@@ -219,35 +289,68 @@ class Model:
         verbose: int = 1,
         callbacks: Sequence[Any] = (),
     ) -> History:
-        """Train for `epochs` epochs of global batches of `batch_size`; returns the History."""
+        """Train for `epochs` epochs of global batches of `batch_size`; returns the History.
+
+        With Config(checkpoint_dir=...), a model that has not trained yet first resumes from the
+        latest complete checkpoint there (parameters, optimizer, RNG, data position, history),
+        and checkpoints are saved every `checkpoint_every` steps and at the end.
+        """
         if not isinstance(epochs, int) or epochs < 0:
             raise ConfigError(f"epochs must be a non-negative integer, got {epochs!r}")
         history = History()
         batches_per_epoch = self._count_batches(x, batch_size)
+        order = self._data_order(x, batch_size, shuffle, batches_per_epoch)
+        start: ResumePoint | None = None
+        root = self.config.checkpoint_dir
+        if root is not None and self.step == 0 and self._pending is None:  # a fresh model resumes
+            found = self._checkpointer.choose(root)
+            if found is not None:
+                start = resume_point(found, order)
+                self._restore(found)
+                history.epoch, history.history = start.history_epochs, start.history
+                if self.rank == 0:
+                    log.info("plait: resumed from %s (step %d, epoch %d, batch %d)", found.path,
+                             found.step, start.epoch, start.batch)
         cbs: list[Any] = list(callbacks) + [history]
         if verbose:
             cbs.append(ProgressBar(batches_per_epoch, epochs, enabled=self.rank == 0))
         printed_plan = False
-        for epoch in range(epochs):
+        for epoch in range(start.epoch if start else 0, epochs):
             for cb in cbs:
                 _call(cb, "on_epoch_begin", epoch, {})
             totals = [0.0] * (1 + 2 * len(self.metrics))
-            rows_seen = 0
-            for step, (xb, yb) in enumerate(self._batches(x, y, batch_size, shuffle, epoch)):
-                stats, _ = self._run(xb, yb, train=True, keep_outputs=False)
+            rows_seen, skip = 0, 0
+            if start is not None and epoch == start.epoch and start.totals is not None:
+                totals, rows_seen, skip = list(start.totals), start.rows_seen, start.batch
+            for step, (xb, yb) in enumerate(self._batches(x, y, batch_size, shuffle, epoch, skip), start=skip):
+                stats, _, skipped = self._run(xb, yb, train=True, keep_outputs=False)
                 if verbose and not printed_plan and self.rank == 0:
                     print(self.plan, flush=True)
                     printed_plan = True
-                rows = batching.num_rows(xb)
-                rows_seen += rows
-                totals = [t + s for t, s in zip(totals, stats)]
+                if not skipped:  # a skipped step's NaN loss stays out of the epoch's logs
+                    rows_seen += batching.num_rows(xb)
+                    totals = [t + s for t, s in zip(totals, stats)]
                 for cb in cbs:
-                    _call(cb, "on_batch_end", step, self._logs(totals, rows_seen))
+                    _call(cb, "on_batch_end", step, self._logs(totals, max(rows_seen, 1)))
+                every = self.config.checkpoint_every
+                if root is not None and every is not None and self.step % every == 0:
+                    self._save(root, {**order, "epoch": epoch, "batch": step + 1, "totals": totals,
+                                      "rows_seen": rows_seen, "history_epochs": history.epoch,
+                                      "history": history.history})
             logs = self._logs(totals, max(rows_seen, 1))
             for cb in cbs:
                 _call(cb, "on_epoch_end", epoch, logs)
+            if root is not None and (self.config.checkpoint_every is None or epoch == epochs - 1):
+                self._save(root, {**order, "epoch": epoch + 1, "batch": 0, "totals": None, "rows_seen": 0,
+                                  "history_epochs": history.epoch, "history": history.history})
         self.write_trace()
         return history
+
+    def _data_order(self, x: Any, batch_size: int | None, shuffle: bool, batches_per_epoch: int) -> dict[str, Any]:
+        """What fixes the order of the batches: a resumed fit must be given the same."""
+        rows = None if isinstance(x, (torch.utils.data.Dataset, torch.utils.data.DataLoader)) else batching.num_rows(x)
+        return {"seed": self.config.seed, "shuffle": bool(shuffle), "batch_size": batch_size,
+                "rows": rows, "batches_per_epoch": batches_per_epoch}
 
     def write_trace(self) -> str | None:
         """Write this rank's timeline to `Config.trace_dir` (fit does it at its end); returns the path.
@@ -272,18 +375,19 @@ class Model:
         return -(-rows // size)
 
     def _batches(
-        self, x: Any, y: Any, batch_size: int | None, shuffle: bool, epoch: int
+        self, x: Any, y: Any, batch_size: int | None, shuffle: bool, epoch: int, skip: int = 0
     ) -> Iterator[tuple[Any, Any]]:
+        """The global batches of one epoch after the first `skip` (the order: Config.seed, epoch)."""
         seed = self.config.seed * 1_000_003 + epoch
         if isinstance(x, (torch.utils.data.Dataset, torch.utils.data.DataLoader)):
-            yield from batching.loader_batches(x, batch_size, shuffle, seed)
+            yield from itertools.islice(batching.loader_batches(x, batch_size, shuffle, seed), skip, None)
             return
         if y is None:
             raise ConfigError("fit(x, y): targets y are missing")
         rows = batching.num_rows(x)
         if batching.num_rows(y) != rows:
             raise ConfigError(f"x has {rows} rows but y has {batching.num_rows(y)}; give one target per row")
-        for index in batching.index_batches(rows, batch_size or rows, shuffle, seed):
+        for index in batching.index_batches(rows, batch_size or rows, shuffle, seed)[skip:]:
             if shuffle:
                 yield batching.take(x, index), batching.take(y, index)
             else:
@@ -296,7 +400,7 @@ class Model:
         totals = [0.0] * (1 + 2 * len(self.metrics))
         for index in batching.index_batches(rows, batch_size or rows, False, 0):
             a, b = int(index[0]), int(index[-1]) + 1
-            stats, _ = self._run(batching.slice_rows(x, a, b), batching.slice_rows(y, a, b),
+            stats, _, _ = self._run(batching.slice_rows(x, a, b), batching.slice_rows(y, a, b),
                                  train=False, keep_outputs=False)
             totals = [t + s for t, s in zip(totals, stats)]
         return self._logs(totals, rows)
@@ -307,7 +411,7 @@ class Model:
         parts: list[list[Any]] = []  # flat output leaves of each batch, in row order
         for index in batching.index_batches(rows, batch_size or rows, False, 0):
             a, b = int(index[0]), int(index[-1]) + 1
-            _, outputs = self._run(batching.slice_rows(x, a, b), None, train=False, keep_outputs=True)
+            _, outputs, _ = self._run(batching.slice_rows(x, a, b), None, train=False, keep_outputs=True)
             pipe = self._pipeline(x, train=False)
             local = _join([flatten_output(o)[0] for o in outputs]) if outputs else None
             shard_rows = [hi - lo for lo, hi in batching.shard_bounds(b - a, self.config.dp)]
@@ -319,6 +423,94 @@ class Model:
         owners = self._train.owner_of if self._train is not None else {}
         return gather_state_dict(self.net, owners)
 
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load a plain state dict (net.state_dict(), or `plait export` output) on every rank.
+
+        Shared (tied) tensors may appear under one of their names or all. Keys or shapes that do
+        not match the model raise CheckpointError listing them. Optimizer state is left as it is.
+        """
+        _, aliases, _ = train_state.model_index(self.net, {})
+        train_state.copy_into(self.net, state, aliases, "the state dict")
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike[str] | None = None) -> str:
+        """Save a checkpoint of this step under `directory` (default: Config.checkpoint_dir).
+
+        Call it on every rank: each writes its own shard, and the checkpoint becomes visible
+        (as `directory/step-NNNNNN`, named by `directory/latest`) once all are on disk.
+        """
+        root = directory if directory is not None else self.config.checkpoint_dir
+        if root is None:
+            raise ConfigError("model.save() needs a directory: model.save('ckpt') or Config(checkpoint_dir=...)")
+        return str(self._save(root, None))
+
+    def _save(self, root: str | os.PathLike[str], data: dict[str, Any] | None) -> Path:
+        pipe = self._train
+        keys, aliases, entries = train_state.model_index(self.net, pipe.owner_of if pipe else {})
+        tensors = train_state.owned_tensors(self.net, entries, self.rank)
+        owned = [n for n, e in entries.items() if e["shard"] == self.rank]
+        opt_tensors, opt_json = train_state.optimizer_state(self.optimizer, self.net, owned)
+        rng_tensors, rng_json = train_state.rng_state()
+        metadata = train_state.json_metadata(rank=self.rank, optimizer=opt_json, rng=rng_json)
+
+        def meta() -> dict[str, Any]:
+            plan = json.loads(pipe.plan.to_json()) if pipe is not None else None
+            return {"step": self.step, "world_size": self.world_size, "plan": plan,
+                    "config": self.config.to_dict(), "state_keys": keys, "aliases": aliases,
+                    "tensors": entries, "data": data, "torch": torch.__version__}
+
+        path = self._checkpointer.save(root, self.step, {**tensors, **opt_tensors, **rng_tensors}, metadata,
+                                       meta, self.config.checkpoint_keep)
+        self._saved_step = self.step
+        return path
+
+    def load(self, path: str | os.PathLike[str]) -> int:
+        """Load a checkpoint, or a plain state-dict file, on every rank; returns its step.
+
+        `path` is a checkpoint directory (its latest complete checkpoint, else the previous
+        one), one `step-NNNNNN` directory, or a file (`.safetensors`, or torch.save output read
+        with weights_only=True). A checkpoint restores the parameters, the optimizer state of
+        this rank's parameters (whatever layout saved it) and, with the same layout, the RNGs.
+        """
+        path = Path(path)
+        if path.is_file():
+            self.load_state_dict(checkpoint.read_plain(path))
+            return self.step
+        found = self._checkpointer.choose(path)
+        if found is None:
+            raise CheckpointError(f"{path} holds no complete plait checkpoint (no step-*/ with a valid meta.json)")
+        self._restore(found)
+        return found.step
+
+    def _restore(self, ckpt: checkpoint.Checkpoint) -> None:
+        values = checkpoint.read_parameters(ckpt)
+        train_state.copy_into(self.net, values, ckpt.meta["aliases"], f"checkpoint {ckpt.path}")
+        self.step = self._saved_step = ckpt.step
+        self._pending = ckpt
+        if self._train is not None:
+            self._apply_pending(self._train)
+
+    def _apply_pending(self, pipe: Pipeline) -> None:
+        """The optimizer state of this rank's parameters and, with the same layout, its RNG states."""
+        ckpt, self._pending = self._pending, None
+        assert ckpt is not None
+        entries = ckpt.meta["tensors"]
+        _, _, mine = train_state.model_index(self.net, {})
+        names = {id(t): n for n, t in self.net.state_dict(keep_vars=True).items() if n in mine}
+        wanted = {entries[names[id(p)]]["shard"] for p in pipe.local_parameters if names.get(id(p)) in entries}
+        same_layout = ckpt.meta.get("plan") is not None and ckpt.world_size == self.world_size and all(
+            ckpt.meta["plan"].get(k) == v for k, v in json.loads(pipe.plan.to_json()).items()
+            if k in ("layers_per_stage", "dp", "num_virtual_stages", "world_size"))
+        shards = {r: ckpt.read_shard(r) for r in sorted(wanted | ({self.rank} if same_layout else set()))}
+        if self.optimizer is not None:
+            train_state.restore_optimizer(self.optimizer, self.net, pipe.local_parameters,
+                                          {r: (t, part.get("optimizer", {})) for r, (t, part) in shards.items()})
+        if same_layout:
+            tensors, part = shards[self.rank]
+            train_state.restore_rng(tensors, part.get("rng", {}))
+        elif self.rank == 0:
+            log.info("plait: %s was saved with another layout: RNG states not restored", ckpt.path)
 
 def _join(flats: list[list[Any]]) -> list[Any]:
     """Join lists of output leaves along the batch dimension (other leaves: the first one)."""

@@ -24,7 +24,7 @@ import torch
 
 from plait.errors import PipelineError, PlaitError
 from plait.runtime.executor import StageExecutor, grad_leaves
-from plait.runtime.report import gather_positions
+from plait.runtime.report import gather_failures, report_wait
 from plait.runtime.trace import NULL_TRACER, NullTracer, Tracer
 from plait.runtime.wire import Wire
 from plait.schedule import Action, Op, Program, format_grid
@@ -170,14 +170,11 @@ class Interpreter:
         peer = self._peer(action) if action else None
         peer_text = f", peer rank {peer}" if peer is not None else ""
         self.wire.abandon()
-        # Peers stuck behind the same fault time out within about one timeout of us.
-        wait_s = min(max(5.0, self.wire.timeout.total_seconds()), 30.0)
-        positions = gather_positions(self.runs, self.rank, position, wait_s)
-        silent = sorted(set(self.stage_to_rank) - set(positions))
-        grid = format_grid(program, positions)
+        # Peers stuck behind the same fault fail within about one timeout of the first failure.
+        failures = gather_failures(self.runs, self.rank, position, report_wait(self.wire.timeout.total_seconds()))
+        grid = format_grid(program, failures.positions)
         return PipelineError(
             f"rank {self.rank} failed at {what}{peer_text}: {type(error).__name__}: {error}\n"
-            f"where each rank stood in the schedule (marked"
-            f"{'; no report from ranks ' + str(silent) if silent else ''}):\n{grid}"
+            f"{failures.describe()}\n"
+            f"where each rank stood in the schedule (marked):\n{grid}"
         )
-

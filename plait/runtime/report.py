@@ -1,35 +1,99 @@
 """Failure reports: every failing rank posts where it stood, and each report shows them all.
 
-When a rank's wait times out, its peers are usually stuck too and time out moments later. Each
-posts its schedule position to the job's key-value store and waits briefly for the others, so
-the grid in every report marks every rank that could answer. Used only on failure: a healthy
-step never touches the store.
+When a rank's wait fails (a timeout, or a peer whose connection closed), its peers are usually
+stuck too and fail moments later. Each posts "run position time" under its own key in the job's
+key-value store and waits for the others until the *first* failure's time + `wait_s` (one
+deadline for all, so a chain of failures does not add up its waits). A rank that posts nothing
+by then is dead or stuck: the report names it. Used only on failure: a healthy step never
+touches the store.
+
+    t0 rank 1 killed   t0+ rank 0: connection closed -> posts, waits    ... t0+wait_s every
+                       t0+timeout_s rank 2: its wait times out -> posts      report: "no report
+                                                                             from ranks [1]"
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-__all__ = ["gather_positions"]
+from plait.errors import PipelineError
+
+__all__ = ["Failures", "gather_failures", "gather_positions", "report_wait", "failure_error"]
+
+
+def report_wait(timeout_s: float) -> float:
+    """How long after the first failure the reports are collected: about one more timeout."""
+    return min(max(5.0, timeout_s + 2.0), 30.0)
+
+
+@dataclass
+class Failures:
+    """What the failing ranks posted: positions in this run, and every rank that answered."""
+
+    world_size: int
+    positions: dict[int, int]  # rank -> position in the same run (program) as ours
+    reported: set[int] = field(default_factory=set)  # ranks that posted, in any run
+    store_error: str | None = None  # why the store could not be used (its host may be dead)
+
+    @property
+    def silent(self) -> list[int]:
+        """Ranks that posted nothing: dead, or stuck where no timeout reaches them."""
+        return sorted(set(range(self.world_size)) - self.reported)
+
+    def describe(self) -> str:
+        """One line for an error message, naming the silent ranks (or why nobody could answer)."""
+        if self.store_error is not None:
+            return (f"the job's key-value store is unreachable ({self.store_error}): the process "
+                    f"hosting it (rank 0, or the launcher) has probably died")
+        if not self.silent:
+            return "every rank reported a failure"
+        return f"no report from ranks {self.silent} (dead, or stuck where no timeout reaches)"
+
+
+def gather_failures(run_id: int, rank: int, position: int, wait_s: float = 3.0) -> Failures:
+    """Post this rank's failure at `position` of run `run_id`; collect the others' (see above)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return Failures(1, {rank: position}, {rank})
+    world_size = dist.get_world_size()
+    failures = Failures(world_size, {rank: position}, {rank})
+    start = time.time()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"plait/failure/{rank}", f"{run_id} {position} {start:.3f}")
+        keys = {r: f"plait/failure/{r}" for r in range(world_size) if r != rank}
+        first = start
+        while True:
+            for r, key in list(keys.items()):
+                if store.check([key]):
+                    run, pos, when = store.get(key).decode().split()
+                    failures.reported.add(r)
+                    if int(run) == run_id:
+                        failures.positions[r] = int(pos)
+                    first = min(first, float(when))
+                    del keys[r]
+            if not keys or time.time() >= first + wait_s:
+                break
+            time.sleep(0.1)
+    except Exception as e:  # noqa: BLE001 - the store may be gone with a dead rank; report what we have
+        failures.store_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+    return failures
 
 
 def gather_positions(run_id: int, rank: int, position: int, wait_s: float = 3.0) -> dict[int, int]:
-    """Post this rank's position for run `run_id`; return every position posted within `wait_s`."""
-    positions = {rank: position}
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return positions
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"plait/position/{run_id}/{rank}", str(position))
-        keys = {r: f"plait/position/{run_id}/{r}" for r in range(dist.get_world_size())}
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and not store.check(list(keys.values())):
-            time.sleep(0.1)
-        for r, key in keys.items():
-            if r != rank and store.check([key]):
-                positions[r] = int(store.get(key))
-    except Exception:  # noqa: BLE001 - the store may be gone with a dead rank; report what we have
-        pass
-    return positions
+    """Post this rank's position for run `run_id`; return every position posted in time."""
+    return gather_failures(run_id, rank, position, wait_s).positions
+
+
+def failure_error(what: str, rank: int, error: BaseException, timeout_s: float,
+                  run_id: int = -1, position: int = -1) -> PipelineError:
+    """The PipelineError of a collective outside the schedule (an all-reduce, a checkpoint) that failed.
+
+    Posts this rank's failure like the interpreter does (at `position` of run `run_id`, when the
+    failure follows that run), so both kinds of report see each other, and names the silent ranks.
+    """
+    failures = gather_failures(run_id, rank, position, report_wait(timeout_s))
+    text = str(error).splitlines()[0] if str(error) else ""
+    return PipelineError(f"rank {rank} failed in {what}: {type(error).__name__}: {text}\n{failures.describe()}")

@@ -1,0 +1,306 @@
+"""Checkpoints on disk: a directory per step, a tensor file per rank, visible only once complete.
+
+    checkpoint_dir/
+      latest                      "step-000120\\n", replaced (temp file, fsync, rename) last of all
+      step-000100/                the previous complete checkpoint: the fallback
+      step-000120/
+        rank0.safetensors ...     one shard per rank: the tensors it owns, its optimizer state and
+                                  its RNG states (tensorfile.py: safetensors bytes, no pickle)
+        meta.json                 step, plan, config, data position, every shard's size and sha256
+      step-000140.tmp-<token>/    being written, or left by a crash: never read, pruned later
+
+Saving, on every rank:  write rank{r}.safetensors.part, fsync, rename, fsync the directory
+                        -> everyone reports (size, sha256) to rank 0 (a collective, in model.py)
+then on rank 0 only:    meta.json (temp, fsync, rename) -> rename step-K.tmp-<token> to step-K
+                        -> `latest` (temp, fsync, rename) -> prune all but the newest `keep`.
+A crash anywhere before `latest` moves leaves the previous checkpoint in charge; a checkpoint
+is read only after its meta.json parses and every shard has the recorded size and sha256.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from plait import tensorfile
+from plait.errors import CheckpointError
+
+__all__ = ["Checkpoint", "FORMAT", "step_name", "temp_dir", "write_shard", "commit", "open_checkpoint",
+           "find_resumable", "export", "read_parameters", "read_plain"]
+
+log = logging.getLogger("plait")
+
+FORMAT = "plait-checkpoint-1"
+_STEP = re.compile(r"step-(\d{6,})")
+_MAX_META = 64 * 2**20
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def temp_dir(root: str | os.PathLike[str], step: int, token: str) -> Path:
+    """Where the ranks write step `step` before rank 0 commits it (one name per job incarnation)."""
+    return Path(root) / f"{step_name(step)}.tmp-{token}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` by `data`: readers see the old bytes or the new ones, never a part."""
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+    _fsync_dir(path.parent)
+
+
+def write_shard(directory: Path, rank: int, tensors: Mapping[str, torch.Tensor],
+                metadata: Mapping[str, str]) -> tuple[int, str]:
+    """Write this rank's shard durably; return its (size in bytes, sha256)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"rank{rank}.safetensors"
+    part = final.with_name(final.name + ".part")
+    with open(part, "wb") as f:
+        digest = tensorfile.write_tensors(f, tensors, metadata)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, final)
+    _fsync_dir(directory)
+    return final.stat().st_size, digest
+
+
+def commit(root: str | os.PathLike[str], temp: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
+    """Rank 0, once every shard is durable: write meta.json, publish the step, move `latest`, prune."""
+    root = Path(root)
+    _write_atomic(temp / "meta.json", json.dumps({"format": FORMAT, **meta}, indent=1).encode())
+    final = root / step_name(step)
+    if final.exists():  # left by an attempt whose `latest` never moved: superseded by this one
+        aside = root / f"{final.name}.old-{temp.name.rsplit('-', 1)[-1]}"
+        os.replace(final, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    os.replace(temp, final)
+    _fsync_dir(root)
+    _write_atomic(root / "latest", f"{final.name}\n".encode())
+    _prune(root, step, keep)
+    return final
+
+
+def _steps(root: Path) -> list[int]:
+    out = []
+    for entry in root.iterdir() if root.is_dir() else []:
+        m = _STEP.fullmatch(entry.name)
+        if m and entry.is_dir():
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def _prune(root: Path, latest: int, keep: int) -> None:
+    """Keep `latest` and the keep-1 newest before it; drop the rest, newer orphans and temp dirs."""
+    older = [s for s in _steps(root) if s < latest]
+    doomed = [s for s in _steps(root) if s > latest] + older[: max(0, len(older) - (keep - 1))]
+    for s in doomed:
+        shutil.rmtree(root / step_name(s), ignore_errors=True)
+    for entry in root.iterdir():
+        m = re.fullmatch(r"step-(\d{6,})\.(tmp|old)-.*", entry.name)
+        if m and int(m.group(1)) <= latest and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint on disk: its directory and its checked meta.json."""
+
+    path: Path
+    meta: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+    @property
+    def world_size(self) -> int:
+        return len(self.meta["shards"])
+
+    def shard_path(self, rank: int) -> Path:
+        return self.path / self.meta["shards"][rank]["file"]
+
+    def read_shard(self, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(tensors, the JSON under __metadata__["plait"]) of one rank's shard, its sha256 checked."""
+        tensors, metadata = tensorfile.read_tensors(self.shard_path(rank), self.meta["shards"][rank]["sha256"])
+        try:
+            part = json.loads(metadata.get("plait", "{}"))
+        except (ValueError, RecursionError) as e:
+            raise CheckpointError(f"{self.shard_path(rank)}: its metadata is not JSON ({e})") from None
+        if not isinstance(part, dict):
+            raise CheckpointError(f"{self.shard_path(rank)}: its metadata is not a JSON object")
+        return tensors, part
+
+    def verify(self) -> None:
+        """Read every shard and check its size, sha256 and header: CheckpointError if any is off."""
+        for rank, shard in enumerate(self.meta["shards"]):
+            path = self.shard_path(rank)
+            try:
+                size = path.stat().st_size
+            except OSError:
+                raise CheckpointError(f"{self.path}: shard {shard['file']} is missing") from None
+            if size != shard["bytes"]:
+                raise CheckpointError(
+                    f"{path}: {size} bytes, meta.json recorded {shard['bytes']} (truncated or replaced)"
+                )
+            self.read_shard(rank)
+
+
+def _check_meta(meta: Any, where: Path) -> dict[str, Any]:
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{where}/meta.json: {what}; it is not a complete plait checkpoint")
+
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise bad(f"format is not {FORMAT!r}")
+    if type(meta.get("step")) is not int or meta["step"] < 0:
+        raise bad("no step number")
+    shards = meta.get("shards")
+    if not isinstance(shards, list) or not shards:
+        raise bad("no shards listed")
+    for rank, s in enumerate(shards):
+        if not (isinstance(s, dict) and s.get("file") == f"rank{rank}.safetensors"
+                and type(s.get("bytes")) is int and isinstance(s.get("sha256"), str)):
+            raise bad(f"shard {rank} is described as {s!r}"[:200])
+    tensors = meta.get("tensors")
+    if not isinstance(tensors, dict) or not all(
+            isinstance(v, dict) and type(v.get("shard")) is int and 0 <= v["shard"] < len(shards)
+            for v in tensors.values()):
+        raise bad("the tensor index is malformed")
+    for name in ("state_keys", "aliases"):
+        if not isinstance(meta.get(name), (list, dict)):
+            raise bad(f"{name} is missing")
+    if not all(isinstance(a, str) and isinstance(b, str) for a, b in meta["aliases"].items()):
+        raise bad("aliases must map names to names")
+    return meta
+
+
+def open_checkpoint(path: str | os.PathLike[str], verify: bool = False) -> Checkpoint:
+    """The checkpoint in step directory `path` (meta.json checked; with `verify`, every shard too)."""
+    path = Path(path)
+    try:
+        with open(path / "meta.json", "rb") as f:
+            raw = f.read(_MAX_META + 1)
+    except OSError as e:
+        raise CheckpointError(f"{path}: no readable meta.json ({e.strerror or e}); not a complete checkpoint") from None
+    if len(raw) > _MAX_META:
+        raise CheckpointError(f"{path}/meta.json is larger than {_MAX_META} bytes; not a plait checkpoint")
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}/meta.json is not JSON ({type(e).__name__}: {e}); the file is damaged") from None
+    ckpt = Checkpoint(path, _check_meta(meta, path))
+    if verify:
+        ckpt.verify()
+    return ckpt
+
+
+def find_resumable(root: str | os.PathLike[str]) -> Checkpoint | None:
+    """The checkpoint `latest` names, else (damaged or missing) the newest older complete one.
+
+    Every candidate is verified in full; each one passed over is logged with the reason.
+    None when `root` holds no complete checkpoint.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    candidates = _steps(root)[::-1]
+    pointer = root / "latest"
+    if pointer.exists():
+        try:
+            text = pointer.read_bytes()[:64].decode("ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            text = ""
+        m = _STEP.fullmatch(text)
+        if m:
+            named = int(m.group(1))  # newer directories are orphans of an abandoned attempt
+            candidates = [named] + [s for s in candidates if s < named]
+        else:
+            log.warning("plait: %s does not name a checkpoint (%r); looking for the newest complete one",
+                        pointer, text[:40])
+    for step in candidates:
+        try:
+            return open_checkpoint(root / step_name(step), verify=True)
+        except CheckpointError as e:
+            log.warning("plait: skipping checkpoint %s: %s", step_name(step), e)
+    return None
+
+
+def export(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Write the model's plain state dict (the names and order of net.state_dict()) to `out`.
+
+    `source` is a checkpoint directory (its latest complete checkpoint) or one step directory.
+    `out` ending in .safetensors is written in that format; anything else with torch.save,
+    which `net.load_state_dict(torch.load(out, weights_only=True))` accepts.
+    """
+    source = Path(source)
+    if (source / "meta.json").exists():
+        ckpt = open_checkpoint(source, verify=True)
+    else:
+        found = find_resumable(source)
+        if found is None:
+            raise CheckpointError(f"{source} holds no complete plait checkpoint (no step-*/ with a valid meta.json)")
+        ckpt = found
+    values = read_parameters(ckpt)
+    state = {name: values[ckpt.meta["aliases"].get(name, name)] for name in ckpt.meta["state_keys"]}
+    out = Path(out)
+    part = out.with_name(out.name + ".part")
+    with open(part, "wb") as f:
+        if out.suffix == ".safetensors":
+            tensorfile.write_tensors(f, state, {"format": "pt"})
+        else:
+            torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, out)
+    return out
+
+
+def read_parameters(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """Every model tensor (parameters and buffers, aliases not repeated) of a checkpoint by name."""
+    out: dict[str, torch.Tensor] = {}
+    for rank in sorted({int(v["shard"]) for v in ckpt.meta["tensors"].values()}):
+        tensors, _ = ckpt.read_shard(rank)
+        for name, entry in ckpt.meta["tensors"].items():
+            if entry["shard"] == rank:
+                if name not in tensors:
+                    raise CheckpointError(f"{ckpt.shard_path(rank)} lacks {name!r}, which meta.json places there")
+                out[name] = tensors[name]
+    return out
+
+
+def read_plain(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """A plain state dict from a .safetensors file or torch.save output (weights_only: no code runs)."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        return tensorfile.read_tensors(path)[0]
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any damage or refusal becomes one clear error
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise CheckpointError(f"{path}: not a state dict torch.load(weights_only=True) can read "
+                              f"({type(e).__name__}: {first})") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a dict of name -> tensor")
+    return state

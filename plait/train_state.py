@@ -1,0 +1,222 @@
+"""A rank's training state by name: the model tensors it owns, their optimizer state, its RNG states.
+
+Everything is keyed by the names of `net.state_dict()`, never by rank or stage, so a checkpoint
+saved by one layout loads into any other: a rank takes the names it needs from whichever shard
+holds them. Inside a shard:
+
+    "0.weight"                       a model tensor, saved once by the rank that trains it
+    "optimizer/0.weight/exp_avg"     a tensor of that parameter's optimizer state
+    "rng/torch", "rng/cuda/0"        this rank's torch generator states
+    __metadata__["plait"] (JSON)     non-tensor optimizer state, each param group's settings
+                                     and parameter names, Python's and NumPy's RNG states
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from plait.errors import CheckpointError
+
+__all__ = ["model_index", "owned_tensors", "optimizer_state", "restore_optimizer", "rng_state",
+           "restore_rng", "copy_into", "check_names", "json_metadata"]
+
+log = logging.getLogger("plait")
+
+_OPT, _RNG = "optimizer/", "rng/"
+_SIMPLE = (bool, int, float, str, type(None))
+
+
+def model_index(net: nn.Module, owner_of: Mapping[int, int]) -> tuple[list[str], dict[str, str], dict[str, dict[str, Any]]]:
+    """(state_dict names in order, alias -> first name of a shared tensor, first name -> entry).
+
+    An entry is {"shard": the rank that saves it, "shape", "dtype"}; tensors no stage uses
+    are saved by rank 0, as `gather_state_dict` takes them from there.
+    """
+    keys, aliases, entries, first = [], {}, {}, {}
+    for name, t in net.state_dict(keep_vars=True).items():
+        keys.append(name)
+        if id(t) in first:
+            aliases[name] = first[id(t)]
+            continue
+        first[id(t)] = name
+        entries[name] = {"shard": owner_of.get(id(t), 0), "shape": list(t.shape), "dtype": str(t.dtype)}
+    return keys, aliases, entries
+
+
+def owned_tensors(net: nn.Module, entries: Mapping[str, Mapping[str, Any]], rank: int) -> dict[str, torch.Tensor]:
+    """The model tensors this rank saves, by their first name."""
+    state = net.state_dict(keep_vars=True)
+    return {name: state[name].detach() for name, e in entries.items() if e["shard"] == rank}
+
+
+def _names(net: nn.Module) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for name, t in net.state_dict(keep_vars=True).items():
+        out.setdefault(id(t), name)
+    return out
+
+
+def _plain(value: Any, where: str) -> Any:
+    if isinstance(value, _SIMPLE):
+        return value
+    if isinstance(value, (tuple, list)) and all(isinstance(v, _SIMPLE) for v in value):
+        return list(value)
+    raise CheckpointError(
+        f"{where} is a {type(value).__name__}; plait saves optimizer settings and state made of "
+        f"tensors, numbers, strings and None (optimizers such as LBFGS that keep lists of tensors "
+        f"are not supported)"
+    )
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer | None, net: nn.Module, owned: Iterable[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, JSON) of the optimizer state of the parameters named in `owned`, by name."""
+    if optimizer is None:
+        return {}, {"class": None, "groups": [], "state": {}}
+    names, keep = _names(net), set(owned)
+    tensors: dict[str, torch.Tensor] = {}
+    values: dict[str, dict[str, Any]] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        settings = {k: _plain(v, f"param group setting {k!r}") for k, v in group.items()
+                    if k != "params" and not isinstance(v, torch.Tensor)}
+        settings.update({k: v.item() for k, v in group.items() if isinstance(v, torch.Tensor) and v.numel() == 1})
+        groups.append({"settings": settings, "params": [names.get(id(p), "") for p in group["params"]]})
+    for param, state in optimizer.state.items():
+        name = names.get(id(param))
+        if name is None or name not in keep:
+            continue
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{_OPT}{name}/{key}"] = value.detach()
+            else:
+                values.setdefault(name, {})[key] = _plain(value, f"optimizer state {key!r} of {name!r}")
+    kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    return tensors, {"class": kind, "groups": groups, "state": values}
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params: Iterable[nn.Parameter],
+                      shards: Mapping[int, tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]]) -> int:
+    """Set the state of `params` (this rank's) from the shards that hold it; return how many got one.
+
+    `shards` maps a rank to its (tensors, JSON optimizer part). Each parameter's group settings
+    come from the group that held it when saved, so a new layout keeps changed learning rates.
+    """
+    names = _names(net)
+    found: dict[str, dict[str, Any]] = {}
+    settings: dict[str, dict[str, Any]] = {}
+    kinds = {part.get("class") for _, part in shards.values()} - {None}
+    mine = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    if kinds and kinds != {mine}:
+        log.warning("plait: the checkpoint's optimizer is %s, this one is %s: optimizer state not restored",
+                    sorted(kinds), mine)
+        return 0
+    for tensors, part in shards.values():
+        for key, t in tensors.items():
+            if key.startswith(_OPT):
+                name, _, field = key[len(_OPT):].rpartition("/")
+                found.setdefault(name, {})[field] = t
+        for name, values in part.get("state", {}).items():
+            found.setdefault(name, {}).update(values)
+        for group in part.get("groups", []):
+            for name in group.get("params", []):
+                settings.setdefault(name, group.get("settings", {}))
+    wanted = {id(p) for p in params}
+    restored = 0
+    for group in optimizer.param_groups:
+        group_names = [names.get(id(p), "") for p in group["params"]]
+        saved = next((settings[n] for n in group_names if n in settings), None)
+        for key, value in (saved or {}).items():
+            if key in group and not isinstance(group[key], torch.Tensor):
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+            elif key in group:
+                group[key].fill_(value)
+        for p, name in zip(group["params"], group_names):
+            if id(p) in wanted and name in found:
+                optimizer.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) else v
+                                      for k, v in found[name].items()}
+                restored += 1
+    return restored
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, JSON) of this process's torch (CPU, CUDA), Python and NumPy generators."""
+    tensors = {f"{_RNG}torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"{_RNG}cuda/{i}"] = state
+    version, words, gauss = random.getstate()
+    out: dict[str, Any] = {"python": [version, list(words), gauss]}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+        out["numpy"] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    return tensors, out
+
+
+def restore_rng(tensors: Mapping[str, torch.Tensor], state: Mapping[str, Any]) -> None:
+    """Set this process's generators to a `rng_state()` taken earlier."""
+    try:
+        if f"{_RNG}torch" in tensors:
+            torch.set_rng_state(tensors[f"{_RNG}torch"])
+        cuda = sorted((int(k.rsplit("/", 1)[1]), t) for k, t in tensors.items() if k.startswith(f"{_RNG}cuda/"))
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([t for _, t in cuda][: torch.cuda.device_count()])
+        if "python" in state:
+            version, words, gauss = state["python"]
+            random.setstate((version, tuple(words), gauss))
+        if "numpy" in state:
+            import numpy as np
+
+            kind, keys, pos, has_gauss, cached = state["numpy"]
+            np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"the checkpoint's RNG state is malformed ({type(e).__name__}: {e})") from None
+
+
+def check_names(expected: Mapping[str, tuple[int, ...]], got: Mapping[str, tuple[int, ...]], where: str) -> None:
+    """CheckpointError listing missing and unexpected names and shape mismatches, if any."""
+    missing = [n for n in expected if n not in got]
+    unexpected = [n for n in got if n not in expected]
+    shapes = [f"{n}: model {list(expected[n])}, {where} {list(got[n])}"
+              for n in expected if n in got and tuple(expected[n]) != tuple(got[n])]
+    if not (missing or unexpected or shapes):
+        return
+    parts = []
+    for label, items in (("missing from " + where, missing), ("unexpected in " + where, unexpected),
+                         ("shape mismatch", shapes)):
+        if items:
+            shown = ", ".join(items[:20]) + (f", ... ({len(items) - 20} more)" if len(items) > 20 else "")
+            parts.append(f"{label} ({len(items)}): {shown}")
+    raise CheckpointError(
+        f"{where} does not fit the model: " + "; ".join(parts)
+        + ". Load it into the model it was saved from (the same architecture and sizes)"
+    )
+
+
+def copy_into(net: nn.Module, values: Mapping[str, torch.Tensor], aliases: Mapping[str, str], where: str) -> None:
+    """Copy `values` (names of net.state_dict(), shared tensors once or under every name) into `net`."""
+    state = net.state_dict(keep_vars=True)
+    resolved = {name: values.get(name, values.get(aliases.get(name, name))) for name in state}
+    expected = {n: tuple(t.shape) for n, t in state.items()}
+    got = {n: tuple(v.shape) for n, v in resolved.items() if v is not None}
+    got.update({n: tuple(v.shape) for n, v in values.items() if n not in state})
+    check_names(expected, got, where)
+    with torch.no_grad():
+        for name, t in state.items():
+            value = resolved[name]
+            assert value is not None
+            t.copy_(value)
+
+
+def json_metadata(**parts: Any) -> dict[str, str]:
+    """The shard's __metadata__: one JSON string under "plait"."""
+    return {"plait": json.dumps(parts)}
