@@ -1,12 +1,26 @@
-"""Choosing contiguous layer ranges per stage, and checking a user's choice."""
+"""Choosing contiguous layer ranges per stage (balanced, or optimal for a step time), and checking a user's choice."""
 
 from __future__ import annotations
 
+import itertools
+import math
+from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
+import numpy.typing as npt
 
 from plait.errors import PartitionError
 
-__all__ = ["balance", "check_partition"]
+__all__ = [
+    "balance",
+    "check_partition",
+    "PartitionProblem",
+    "PartitionResult",
+    "optimal_partition",
+    "least_memory",
+    "brute_force_partition",
+]
 
 
 def _cuts_allowed(num_layers: int, uncuttable: Sequence[tuple[int, int]]) -> list[bool]:
@@ -90,3 +104,256 @@ def check_partition(
                     f"({region}) reuse a module and must stay on one stage. Move the cut before "
                     f"layer {a} or after layer {b}"
                 )
+
+
+# -- the exact partition for a pipeline's step time ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartitionProblem:
+    """Cut n layers into `num_stages` contiguous ranges minimising a pipeline's latency
+
+        T = sum_s fill(s) + sum_cuts cut_time + bottleneck_count * max_s time(s)
+
+    (Alpa §5, eq. 2: T = sum_i t_i + (B - 1) max_i t_i, with the fill term, the hand-overs at
+    the cuts and the bottleneck count made per schedule by the cost model), subject to every
+    stage's memory <= memory_limit:
+
+        memory(s, layers j..i-1) = fixed[j:i] + once[j:i] + held[s] * (per_held[j:i] + entry[j])
+
+    fixed: parameters, gradients, optimizer state; held[s]: micro-batches whose activations
+    stage s holds at once under the schedule; per_held: activation bytes of one micro-batch;
+    entry[j]: bytes of one micro-batch entering layer j (kept instead under recomputation,
+    when `once` is the one micro-batch recomputed). Sums over a range are of per-layer values;
+    `last_fill` is added to the fill of the last stage only.
+    """
+
+    time: Sequence[float]
+    fill: Sequence[float]
+    cut_time: Sequence[float]  # n - 1: the objective's cost of a cut after layer k
+    bottleneck_count: float
+    num_stages: int
+    fixed: Sequence[float]
+    per_held: Sequence[float]
+    held: Sequence[float]  # one per stage
+    memory_limit: float = math.inf
+    once: Sequence[float] = ()  # () = zeros
+    entry: Sequence[float] = ()  # () = zeros
+    last_fill: Sequence[float] = ()  # () = zeros
+    uncuttable: Sequence[tuple[int, int]] = ()
+    names: Sequence[str] = ()  # for messages only
+
+    def __post_init__(self) -> None:
+        n = len(self.time)
+        sizes = {"fill": len(self.fill), "fixed": len(self.fixed), "per_held": len(self.per_held)}
+        sizes.update({k: len(v) for k, v in (("once", self.once), ("entry", self.entry),
+                                             ("last_fill", self.last_fill)) if len(v)})
+        wrong = {k: v for k, v in sizes.items() if v != n}
+        if wrong or len(self.cut_time) != max(n - 1, 0) or len(self.held) != self.num_stages:
+            raise PartitionError(
+                f"partition problem of {n} layers and {self.num_stages} stages has arrays of "
+                f"the wrong length ({wrong}, cut_time: {len(self.cut_time)}, held: "
+                f"{len(self.held)}); give n per-layer values, n - 1 cut times, one held per stage"
+            )
+
+    def objective(self, layers_per_stage: Sequence[int]) -> float:
+        """T of one layout (inf when a stage does not fit in memory)."""
+        bounds = [0, *itertools.accumulate(layers_per_stage)]
+        ends = bounds[1:-1]
+        total = sum(self.cut_time[e - 1] for e in ends)
+        worst = 0.0
+        for s in range(len(layers_per_stage)):
+            j, i = bounds[s], bounds[s + 1]
+            if self.memory(s, j, i) > self.memory_limit:
+                return math.inf
+            total += sum(self.fill[j:i]) + (sum(self.last_fill[j:i]) if s == self.num_stages - 1
+                                            and self.last_fill else 0.0)
+            worst = max(worst, sum(self.time[j:i]))
+        return total + self.bottleneck_count * worst
+
+    def memory(self, stage_index: int, start: int, end: int) -> float:
+        """Bytes stage `stage_index` needs when it holds layers start..end-1."""
+        once = sum(self.once[start:end]) if self.once else 0.0
+        entry = self.entry[start] if self.entry else 0.0
+        return (sum(self.fixed[start:end]) + once
+                + self.held[stage_index] * (sum(self.per_held[start:end]) + entry))
+
+
+@dataclass(frozen=True)
+class PartitionResult:
+    """The optimal layout, its objective T and its slowest stage's time."""
+
+    layers_per_stage: tuple[int, ...]
+    objective: float
+    max_time: float
+
+
+def optimal_partition(problem: PartitionProblem) -> PartitionResult:
+    """The layout minimising `problem`'s T exactly, or PartitionError saying what does not fit.
+
+    For each candidate bound t_max on the slowest stage -- every contiguous range's time, in
+    increasing order -- a dynamic program finds the smallest fill + cut sum with every stage
+    <= t_max and within memory; T(t_max) = that sum + count * (the layout's own max). The
+    optimum's own max is one of the candidates, so the best T over all of them is exact. As in
+    Alpa, the scan starts at the smallest feasible t_max (a min-max program) and stops once
+    (min sum without bound) + count * t_max can no longer beat the best T found.
+    """
+    tables = _Tables(problem)
+    unbounded = tables.run(math.inf)
+    if unbounded is None:
+        raise PartitionError(tables.why_infeasible())
+    if problem.bottleneck_count <= 0:
+        return unbounded
+    lowest = tables.min_max_time()
+    best = unbounded
+    floor = unbounded.objective - problem.bottleneck_count * unbounded.max_time  # min fill sum
+    for t_max in tables.time_candidates(lowest):
+        if floor + problem.bottleneck_count * t_max >= best.objective:
+            break
+        found = tables.run(t_max)
+        if found is not None and found.objective < best.objective:
+            best = found
+    return best
+
+
+class _Tables:
+    """Range sums and feasibility masks of a problem, as (n + 1) x (n + 1) arrays [start, end)."""
+
+    def __init__(self, problem: PartitionProblem) -> None:
+        self.p = problem
+        n = self.n = len(problem.time)
+        if not 1 <= problem.num_stages <= n:
+            raise PartitionError(
+                f"cannot cut {n} layers into {problem.num_stages} stages; use between 1 and {n}"
+            )
+        allowed = [True] + _cuts_allowed(n, problem.uncuttable) + [True]  # boundary k: after layer k-1
+        start = np.arange(n + 1)[:, None]
+        end = np.arange(n + 1)[None, :]
+        ok_bounds = np.array(allowed, dtype=bool)
+        self.valid = (start < end) & ok_bounds[:, None] & ok_bounds[None, :]
+
+        def ranges(values: Sequence[float]) -> npt.NDArray[np.float64]:
+            prefix = np.concatenate(([0.0], np.cumsum(np.asarray(values, dtype=np.float64))))
+            return np.asarray(prefix[None, :] - prefix[:, None], dtype=np.float64)
+
+        zeros = [0.0] * n
+        self.time = ranges(problem.time)
+        self.fill = ranges(problem.fill)
+        self.last_fill = ranges(problem.last_fill or zeros)
+        cuts = np.concatenate(([0.0], np.asarray(problem.cut_time, dtype=np.float64), [0.0]))
+        self.cut = cuts[:, None]  # paid by a stage starting after a cut
+        base = ranges(problem.fixed) + ranges(problem.once or zeros)
+        entry = np.asarray(list(problem.entry or zeros) + [0.0], dtype=np.float64)
+        per = ranges(problem.per_held) + entry[:, None]
+        masks: dict[float, npt.NDArray[np.bool_]] = {}
+        self.fits = []
+        for h in problem.held:
+            if h not in masks:
+                masks[h] = self.valid & (base + h * per <= problem.memory_limit)
+            self.fits.append(masks[h])
+        self.base, self.per = base, per
+
+    def run(self, t_max: float) -> PartitionResult | None:
+        """Min fill + cut sum with every stage time <= t_max (None: no layout fits)."""
+        p, n = self.p, self.n
+        inf = math.inf
+        best = np.full(n + 1, inf)
+        best[0] = 0.0
+        choices = []
+        columns = np.arange(n + 1)
+        bounded = self.time <= t_max
+        for s in range(p.num_stages):
+            fill = self.fill + self.last_fill if s == p.num_stages - 1 else self.fill
+            cand = np.where(self.fits[s] & bounded, best[:, None] + fill + self.cut, inf)
+            arg = cand.argmin(axis=0)
+            best = cand[arg, columns]
+            choices.append(arg)
+        if not math.isfinite(best[n]):
+            return None
+        sizes = self._walk(choices)
+        worst = max(float(self.time[a, b]) for a, b in _ranges(sizes))
+        return PartitionResult(tuple(sizes), float(best[n]) + p.bottleneck_count * worst, worst)
+
+    def min_max_time(self) -> float:
+        """The smallest possible slowest-stage time of a layout that fits (balance with memory)."""
+        best = np.full(self.n + 1, math.inf)
+        best[0] = 0.0
+        for s in range(self.p.num_stages):
+            cand = np.where(self.fits[s], np.maximum(best[:, None], self.time), math.inf)
+            best = cand.min(axis=0)
+        return float(best[self.n])
+
+    def time_candidates(self, lowest: float) -> list[float]:
+        """Distinct range times >= `lowest` of ranges that fit somewhere, ascending."""
+        fits_any = np.logical_or.reduce(self.fits)
+        values = np.unique(self.time[fits_any])
+        return [float(v) for v in values if v >= lowest]
+
+    def _walk(self, choices: list[npt.NDArray[np.intp]]) -> list[int]:
+        sizes, i = [], self.n
+        for s in range(self.p.num_stages - 1, -1, -1):
+            j = int(choices[s][i])
+            sizes.append(i - j)
+            i = j
+        return sizes[::-1]
+
+    def least_memory(self) -> float:
+        """The smallest achievable peak memory over all layouts (a min-max program)."""
+        best = np.full(self.n + 1, math.inf)
+        best[0] = 0.0
+        for s in range(self.p.num_stages):
+            need = np.where(self.valid, self.base + self.p.held[s] * self.per, math.inf)
+            best = np.maximum(best[:, None], need).min(axis=0)
+        return float(best[self.n])
+
+    def why_infeasible(self) -> str:
+        """Which layer or which stage count does not fit, with the numbers."""
+        p, n = self.p, self.n
+        gib = 2.0**30
+        held = min(p.held)  # the most favourable stage
+        single = [(float(self.base[j, j + 1] + held * self.per[j, j + 1]), j) for j in range(n)]
+        need, layer = max(single)
+        if need > p.memory_limit:
+            name = f" ({p.names[layer]})" if p.names else ""
+            return (
+                f"layer {layer}{name} alone needs {need / gib:.2f} GiB (parameters, gradients, "
+                f"optimizer state and {held:g} micro-batches of activations) but a device has "
+                f"{p.memory_limit / gib:.2f} GiB: needs tensor parallelism (or sharded optimizer "
+                f"state), recomputation or smaller micro-batches"
+            )
+        least = self.least_memory()
+        if math.isinf(least):
+            return (f"no way to cut {n} layers into {p.num_stages} stages without splitting an "
+                    f"uncuttable region {list(p.uncuttable)}; use fewer stages")
+        return (
+            f"every split of {n} layers into {p.num_stages} stages needs at least "
+            f"{least / gib:.2f} GiB on some device, more than its {p.memory_limit / gib:.2f} GiB: "
+            f"use more pipeline stages, recomputation or smaller micro-batches, or tensor "
+            f"parallelism"
+        )
+
+
+def least_memory(problem: PartitionProblem) -> float:
+    """The smallest peak stage memory any layout of `problem` needs (inf: no layout at all)."""
+    return _Tables(problem).least_memory()
+
+
+def _ranges(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    bounds = [0, *itertools.accumulate(sizes)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def brute_force_partition(problem: PartitionProblem) -> PartitionResult | None:
+    """Every composition of n into num_stages parts, for tests and tiny models: the optimum."""
+    n, stages = len(problem.time), problem.num_stages
+    best: PartitionResult | None = None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = (0, *cuts, n)
+        if any(a <= c - 1 < b for c in cuts for a, b in problem.uncuttable):
+            continue
+        sizes = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+        value = problem.objective(sizes)
+        if math.isfinite(value) and (best is None or value < best.objective):
+            worst = max(sum(problem.time[a:b]) for a, b in _ranges(sizes))
+            best = PartitionResult(sizes, value, worst)
+    return best

@@ -1,0 +1,305 @@
+"""The cost model: a layout's stage times, memory and predicted step time, from `LayerCosts`.
+
+One step of a layout (pp stages x dp replicas, m micro-batches of `rows` rows each):
+
+    pipeline   the schedule timed with per-stage F, B, W (sums of the layers' times; a
+               recomputed stage adds its forward to B and runs W inside B) and, at each cut,
+               the activation bytes (= the gradient bytes coming back) over the cut's link;
+               `plait.schedule.steptime` on the generator's own program, or the closed form
+               that the partition minimises (`partition_problem`)
+    all-reduce each rank's gradients over its dp replicas (ring, ANCHORS.md), started when the
+               rank's last gradient pass starts: overlapped with that pass only, the rest exposed
+    optimizer  the rank's optimizer step, after its all-reduce
+
+step = max over ranks of (max(pipeline end, last gradient pass start + all-reduce) + optimizer).
+Memory of a rank = parameters + gradients + optimizer state + the activations of the
+micro-batches the schedule makes it hold at once (its peak); recomputation keeps only each
+held micro-batch's stage input, plus one micro-batch's activations while it is recomputed.
+Left out: tensor parallelism, ZeRO sharding, compute slowed by concurrent communication,
+gradient bucket latencies, the loss, allocator fragmentation and framework workspace.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from plait.errors import ConfigError
+from plait.plan.layer_costs import LayerCosts
+from plait.plan.network import Link, Network, all_reduce, point_to_point
+from plait.plan.partition import PartitionProblem
+from plait.schedule.interleaved import group_sizes
+from plait.schedule.steptime import compile_schedule, time_step
+
+__all__ = ["Setting", "Cluster", "StageCost", "Prediction", "microbatch_rows",
+           "peak_activations", "partition_problem", "pipeline_lower_bound", "predict"]
+
+SCHEDULES = ("gpipe", "1f1b", "zbh1", "interleaved")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of the search space: degrees, micro-batches, schedule, recomputation."""
+
+    pp: int
+    dp: int
+    num_microbatches: int
+    schedule: str = "1f1b"
+    num_virtual_stages: int = 1
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "dp", "num_microbatches", "num_virtual_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule={self.schedule!r} is not known; choose one of {list(SCHEDULES)}")
+        if self.num_virtual_stages > 1 and self.schedule != "interleaved":
+            raise ConfigError(
+                f"num_virtual_stages={self.num_virtual_stages} needs schedule='interleaved'"
+            )
+
+    @property
+    def num_stages(self) -> int:
+        """Model stages (chunks): pp x num_virtual_stages."""
+        return self.pp * self.num_virtual_stages
+
+    def rank_of(self, stage_index: int, replica: int) -> int:
+        """The rank running a stage of a replica: `Plan.rank_of`'s layout."""
+        return replica * self.pp + stage_index % self.pp
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Where a job runs: its network, the bytes one device may use, the optimizer's state.
+
+    optimizer_state_factor: optimizer state bytes per gradient byte (Adam 2: exp_avg and
+    exp_avg_sq; SGD with momentum 1; plain SGD 0).
+    """
+
+    network: Network
+    memory_bytes: float
+    optimizer_state_factor: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.memory_bytes > 0:
+            raise ConfigError(f"memory_bytes must be > 0, got {self.memory_bytes!r}")
+        if not (math.isfinite(self.optimizer_state_factor) and self.optimizer_state_factor >= 0):
+            raise ConfigError(
+                f"optimizer_state_factor must be >= 0 (Adam: 2), got {self.optimizer_state_factor!r}"
+            )
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage (model chunk): its layers, per-micro-batch times and its share of memory."""
+
+    stage_index: int
+    rank: int  # position in the pipeline (replica 0's rank)
+    start: int  # first layer
+    end: int  # one past the last layer
+    forward_s: float
+    backward_s: float  # input gradient, plus the recomputed forward
+    weight_s: float  # weight gradient (0 when recomputed: it runs inside B)
+    send_s: float  # hand-over across the cut after this stage (0 on the last)
+    state_bytes: float  # parameters + gradients + optimizer state
+    activation_bytes: float  # one micro-batch's activations (kept, or recomputed)
+    entry_bytes: float  # one micro-batch's input to the stage
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A layout's predicted step and memory, per stage and in total."""
+
+    stages: tuple[StageCost, ...]
+    pipeline_s: float
+    allreduce_s: tuple[float, ...]  # per rank position
+    optimizer_s: tuple[float, ...]  # per rank position
+    memory_bytes: tuple[float, ...]  # per rank position
+    step_time_s: float
+    method: str  # "simulated" or "closed form"
+    rows: int  # rows of one micro-batch
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(self.memory_bytes)
+
+
+def microbatch_rows(global_batch: int, dp: int, num_microbatches: int) -> int:
+    """Rows of the largest micro-batch: the batch split over dp replicas, then m micro-batches."""
+    return math.ceil(math.ceil(global_batch / dp) / num_microbatches)
+
+
+def peak_activations(setting: Setting) -> tuple[float, ...]:
+    """Micro-batches each rank holds at once (ANCHORS.md): GPipe m, 1F1B stage s min(p - s, m),
+    ZB-H1 min(p, m) (F done, W not yet). Interleaved: rank r runs w = 2(p - r - 1) + (v - 1)G
+    warmup forwards (G the largest micro-batch group; all m v when m = p) and then holds one
+    more chunk before its first backward; a chunk counts 1/v. A test checks all four against
+    `simulate` on the generators' programs."""
+    p, m, v = setting.pp, setting.num_microbatches, setting.num_virtual_stages
+    if setting.schedule == "gpipe":
+        return (float(m),) * p
+    if setting.schedule == "1f1b" or (setting.schedule == "zbh1" and setting.recompute):
+        return tuple(float(min(p - s, m)) for s in range(p))
+    if setting.schedule == "zbh1":
+        return (float(min(p, m)),) * p
+    chunks, largest = m * v, max(group_sizes(m, p))
+    peaks = []
+    for r in range(p):
+        warmup = chunks if m == p else min(2 * (p - r - 1) + (v - 1) * largest, chunks)
+        peaks.append((warmup + 1 if warmup < chunks else chunks) / v)
+    return tuple(peaks)
+
+
+def _layer_times(costs: LayerCosts, setting: Setting, rows: int) -> tuple[list[float], list[float], list[float]]:
+    f, b, w = costs.forward(rows), costs.backward(rows), costs.weight(rows)
+    if setting.recompute:  # the forward again before the backward, which runs B and W together
+        b = [x + y + z for x, y, z in zip(f, b, w)]
+        w = [0.0] * len(w)
+    elif setting.schedule != "zbh1":
+        b = [x + y for x, y in zip(b, w)]
+        w = [0.0] * len(w)
+    return f, b, w
+
+
+def _boundary_links(setting: Setting, network: Network) -> list[Link]:
+    """The link of each stage boundary s -> s + 1: the slowest any replica's pair crosses."""
+    return [
+        network.link([r for d in range(setting.dp)
+                      for r in (setting.rank_of(s, d), setting.rank_of(s + 1, d))])
+        for s in range(setting.num_stages - 1)
+    ]
+
+
+def _cut_times(costs: LayerCosts, setting: Setting, network: Network, rows: int) -> list[float]:
+    """Hand-over time of a cut after each layer, for the partition: it does not know which
+    boundary a cut becomes, so every cut is priced on the slowest boundary link."""
+    links = _boundary_links(setting, network) or [network.intra]
+    slowest = min(links, key=lambda link: (link.bandwidth, -link.latency_s))
+    return [point_to_point(costs.output_row_bytes[k] * rows, slowest)
+            for k in range(costs.num_layers - 1)]
+
+
+def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int) -> PartitionProblem:
+    """The closed form the partition minimises for `setting`, with memory per stage.
+
+    1F1B and GPipe: T = sum_s t_s + 2 sum_cuts c + (m - 1) max_s t_s, t = F + B + W (Alpa eq. 2;
+    exactly simulate's step for uniform stages, and for GPipe whenever B/F is the same on
+    every stage). ZB-H1 (W split off): fill F + B - W per stage plus 2W on the last stage,
+    which gives the paper's m(F+B+W) + (p-1)(F+B-W) for uniform stages and m >= p.
+    Interleaved (v chunks per rank): the chunks' fill and cuts count 1/v and the bottleneck
+    m v - 1 times, which gives Megatron's (m + (p-1)/v) t for uniform chunks; each chunk must
+    fit in 1/v of the device, a sufficient condition for the rank.
+    """
+    rows = microbatch_rows(global_batch, setting.dp, setting.num_microbatches)
+    f, b, w = _layer_times(costs, setting, rows)
+    time = [x + y + z for x, y, z in zip(f, b, w)]
+    cuts = [2 * c for c in _cut_times(costs, setting, cluster.network, rows)]
+    v, m = setting.num_virtual_stages, setting.num_microbatches
+    fill, last_fill, count = list(time), [0.0] * len(time), float(m - 1)
+    if setting.schedule == "zbh1" and not setting.recompute:
+        fill = [x + y - z for x, y, z in zip(f, b, w)]
+        last_fill = [2 * z for z in w]
+    elif setting.schedule == "interleaved":
+        fill, cuts, count = [t / v for t in time], [c / v for c in cuts], float(m * v - 1)
+    state = [p + g * (1 + cluster.optimizer_state_factor) for p, g in zip(costs.param_bytes, costs.grad_bytes)]
+    act = [a * rows for a in costs.activation_row_bytes]
+    entry = [costs.input_row_bytes * rows] + [o * rows for o in costs.output_row_bytes[:-1]]
+    peaks = peak_activations(setting)
+    held = [peaks[s % setting.pp] for s in range(setting.num_stages)]
+    return PartitionProblem(
+        time=time, fill=fill, last_fill=last_fill, cut_time=cuts, bottleneck_count=count,
+        num_stages=setting.num_stages, fixed=state, held=held,
+        per_held=[0.0] * len(act) if setting.recompute else act,
+        once=act if setting.recompute else (), entry=entry if setting.recompute else (),
+        memory_limit=cluster.memory_bytes / v, uncuttable=costs.uncuttable, names=costs.names,
+    )
+
+
+def pipeline_lower_bound(costs: LayerCosts, setting: Setting, global_batch: int) -> float:
+    """A bound no layout of `setting` beats: the closed form with free hand-overs and a
+    slowest stage no slower than the average one (max >= mean)."""
+    rows = microbatch_rows(global_batch, setting.dp, setting.num_microbatches)
+    f, b, w = _layer_times(costs, setting, rows)
+    total = sum(f) + sum(b) + sum(w)
+    v, m = setting.num_virtual_stages, setting.num_microbatches
+    if setting.schedule == "interleaved":
+        return total / v + (m * v - 1) * total / setting.num_stages
+    fill = total - 2 * sum(w) if setting.schedule == "zbh1" and not setting.recompute else total
+    return fill + (m - 1) * total / setting.num_stages
+
+
+def _stages(costs: LayerCosts, setting: Setting, cluster: Cluster, rows: int,
+            layers_per_stage: Sequence[int]) -> list[StageCost]:
+    f, b, w = _layer_times(costs, setting, rows)
+    links = _boundary_links(setting, cluster.network)
+    stages, start = [], 0
+    for s, size in enumerate(layers_per_stage):
+        end = start + size
+        state = sum(p + g * (1 + cluster.optimizer_state_factor)
+                    for p, g in zip(costs.param_bytes[start:end], costs.grad_bytes[start:end]))
+        entry = costs.input_row_bytes if start == 0 else costs.output_row_bytes[start - 1]
+        stages.append(StageCost(
+            s, s % setting.pp, start, end, sum(f[start:end]), sum(b[start:end]), sum(w[start:end]),
+            point_to_point(costs.output_row_bytes[end - 1] * rows, links[s])
+            if s < len(layers_per_stage) - 1 else 0.0, state,
+            sum(costs.activation_row_bytes[start:end]) * rows, entry * rows,
+        ))
+        start = end
+    return stages
+
+
+def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int,
+            layers_per_stage: Sequence[int], simulate: bool = True) -> Prediction:
+    """Step time and memory of one layout; `simulate=False` times the pipeline by the closed form."""
+    if sum(layers_per_stage) != costs.num_layers or len(layers_per_stage) != setting.num_stages:
+        raise ConfigError(
+            f"layers_per_stage={list(layers_per_stage)} does not cut {costs.num_layers} layers "
+            f"into {setting.num_stages} stages"
+        )
+    rows = microbatch_rows(global_batch, setting.dp, setting.num_microbatches)
+    stages = _stages(costs, setting, cluster, rows, layers_per_stage)
+    p, v = setting.pp, setting.num_virtual_stages
+    peaks = peak_activations(setting)
+    grad_pass = [st.weight_s if setting.schedule == "zbh1" and not setting.recompute
+                 else st.backward_s for st in stages]
+    if simulate:
+        timed = time_step(
+            compile_schedule(setting.schedule, p, setting.num_microbatches, v),
+            [st.forward_s for st in stages], [st.backward_s for st in stages],
+            [st.weight_s for st in stages], [st.send_s for st in stages[:-1]],
+        )
+        pipeline, ends, grad_starts = timed.step_time, list(timed.rank_end), list(timed.last_grad_start)
+        method = "simulated"
+    else:
+        pipeline = partition_problem(costs, setting, cluster, global_batch).objective(layers_per_stage)
+        if math.isinf(pipeline):  # the layout exceeds memory; time it anyway
+            pipeline = _unbounded(costs, setting, cluster, global_batch).objective(layers_per_stage)
+        ends = [pipeline] * p
+        grad_starts = [pipeline - max(grad_pass[s] for s in range(r, setting.num_stages, p)) for r in range(p)]
+        method = "closed form"
+    allreduce, optimizer, memory, finish = [], [], [], []
+    for r in range(p):
+        mine = [st for st in stages if st.rank == r]
+        grads = sum(sum(costs.grad_bytes[st.start:st.end]) for st in mine)
+        group = [setting.rank_of(r, d) for d in range(setting.dp)]
+        allreduce.append(all_reduce(grads, setting.dp, cluster.network.link(group)))
+        optimizer.append(sum(sum(costs.optimizer_s[st.start:st.end]) for st in mine))
+        if setting.recompute:
+            acts = peaks[r] * sum(st.entry_bytes for st in mine) + max(st.activation_bytes for st in mine)
+        else:
+            acts = peaks[r] * sum(st.activation_bytes for st in mine)
+        memory.append(sum(st.state_bytes for st in mine) + acts)
+        finish.append(max(ends[r], grad_starts[r] + allreduce[r]) + optimizer[r])
+    return Prediction(tuple(stages), pipeline, tuple(allreduce), tuple(optimizer), tuple(memory),
+                      max(finish), method, rows)
+
+
+def _unbounded(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int) -> PartitionProblem:
+    unlimited = Cluster(cluster.network, math.inf, cluster.optimizer_state_factor)
+    return partition_problem(costs, setting, unlimited, global_batch)

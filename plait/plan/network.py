@@ -1,0 +1,118 @@
+"""Links and collectives: the time to move bytes, latency + bytes / bandwidth (ANCHORS.md).
+
+Collective costs for V bytes per device on p devices over links of bandwidth B and latency
+alpha (Megatron/Optimus analysis, seed 003), with one alpha per message step of the ring or tree:
+
+    point to point      alpha + V/B
+    ring all-reduce     2(p-1) alpha + 2(p-1)V/(pB)
+    all-gather          (p-1) alpha + (p-1)V/B
+    reduce-scatter      (p-1) alpha + (p-1)V/(pB)
+    broadcast / reduce  ceil(log2 p) (alpha + V/B)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from plait.errors import ConfigError
+
+__all__ = [
+    "Link",
+    "Network",
+    "point_to_point",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+]
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of connection: `latency_s` (alpha) per message, `bandwidth` (B) in bytes/s."""
+
+    latency_s: float
+    bandwidth: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ConfigError(f"link latency must be a finite time >= 0 s, got {self.latency_s!r}")
+        if not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
+            raise ConfigError(
+                f"link bandwidth must be a finite number of bytes/s > 0, got {self.bandwidth!r}; "
+                "for example 3.125e9 for 25 Gbit/s"
+            )
+
+    def to_dict(self) -> dict[str, float]:
+        return {"latency_s": self.latency_s, "bandwidth": self.bandwidth}
+
+
+@dataclass(frozen=True)
+class Network:
+    """Devices in nodes of `devices_per_node`: `intra` links inside a node, `inter` between.
+
+    Rank r sits on node r // devices_per_node (ranks fill nodes in order, as launchers do).
+    """
+
+    intra: Link
+    inter: Link
+    devices_per_node: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+            raise ConfigError(
+                f"devices_per_node must be a positive integer, got {self.devices_per_node!r}"
+            )
+
+    def link(self, ranks: Sequence[int]) -> Link:
+        """The slowest link a message or collective among `ranks` crosses."""
+        nodes = {r // self.devices_per_node for r in ranks}
+        return self.intra if len(nodes) <= 1 else self.inter
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"intra": self.intra.to_dict(), "inter": self.inter.to_dict(),
+                "devices_per_node": self.devices_per_node}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Network":
+        return cls(Link(**data["intra"]), Link(**data["inter"]), int(data["devices_per_node"]))
+
+
+def point_to_point(nbytes: float, link: Link) -> float:
+    """One message of `nbytes` (0 bytes: no message, no time)."""
+    return 0.0 if nbytes <= 0 else link.latency_s + nbytes / link.bandwidth
+
+
+def all_reduce(nbytes: float, num_devices: int, link: Link) -> float:
+    """Ring all-reduce of `nbytes` per device: 2(p-1) steps of V/p bytes each."""
+    p = num_devices
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (p - 1) * link.latency_s + 2 * (p - 1) * nbytes / (p * link.bandwidth)
+
+
+def all_gather(nbytes: float, num_devices: int, link: Link) -> float:
+    """All-gather of `nbytes` per device: each device's V sent on p - 1 times."""
+    p = num_devices
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    return (p - 1) * link.latency_s + (p - 1) * nbytes / link.bandwidth
+
+
+def reduce_scatter(nbytes: float, num_devices: int, link: Link) -> float:
+    """Reduce-scatter of `nbytes` per device: p - 1 steps of V/p bytes each."""
+    p = num_devices
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    return (p - 1) * link.latency_s + (p - 1) * nbytes / (p * link.bandwidth)
+
+
+def broadcast(nbytes: float, num_devices: int, link: Link) -> float:
+    """Broadcast (or reduce) of `nbytes` over a binary tree of q devices: log2(q) hops."""
+    q = num_devices
+    if q <= 1 or nbytes <= 0:
+        return 0.0
+    return math.ceil(math.log2(q)) * (link.latency_s + nbytes / link.bandwidth)

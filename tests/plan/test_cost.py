@@ -1,0 +1,153 @@
+"""The cost model: collective formulas, schedule memory, closed forms against `simulate`, and a
+layout's step and memory worked out by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from plait.errors import ConfigError
+from plait.plan.cost import (
+    Cluster, Setting, microbatch_rows, partition_problem, peak_activations, pipeline_lower_bound,
+    predict,
+)
+from plait.plan.layer_costs import LayerCosts
+from plait.plan.network import (
+    Link, Network, all_gather, all_reduce, broadcast, point_to_point, reduce_scatter,
+)
+from plait.plan.partition import optimal_partition
+from plait.schedule import simulate
+from tests.plan.factory import layer_costs, random_costs
+
+FREE = Network(Link(0.0, 1e30), Link(0.0, 1e30), 1)
+
+
+def test_collectives_follow_anchors_formulas() -> None:
+    link = Link(latency_s=1e-5, bandwidth=1e9)
+    v = 8e6  # bytes per device
+    assert point_to_point(v, link) == pytest.approx(1e-5 + 8e-3)
+    assert point_to_point(0, link) == 0.0
+    assert all_reduce(v, 4, link) == pytest.approx(2 * 3 * 1e-5 + 2 * 3 * v / (4 * 1e9))
+    assert all_gather(v, 4, link) == pytest.approx(3 * 1e-5 + 3 * v / 1e9)
+    assert reduce_scatter(v, 4, link) == pytest.approx(3 * 1e-5 + 3 * v / (4 * 1e9))
+    assert broadcast(v, 8, link) == pytest.approx(3 * (1e-5 + v / 1e9))
+    assert all_reduce(v, 1, link) == 0.0  # nothing to reduce with one replica
+
+
+def test_network_uses_the_slowest_link_crossed() -> None:
+    net = Network(Link(1e-6, 100e9), Link(1e-5, 3e9), devices_per_node=4)
+    assert net.link([0, 3]).bandwidth == 100e9
+    assert net.link([3, 4]).bandwidth == 3e9
+    assert Network.from_dict(json.loads(json.dumps(net.to_dict()))) == net
+    with pytest.raises(ConfigError, match="bandwidth"):
+        Link(1e-6, 0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1", "interleaved"])
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9])
+def test_peak_activations_are_the_programs(schedule: str, p: int, m: int) -> None:
+    v = 2 if schedule == "interleaved" else 1
+    for recompute in (False, True):
+        setting = Setting(p, 1, m, schedule, v, recompute)
+        release_on_w = schedule == "zbh1" and not recompute
+        sim = simulate(schedule, p, m, 1, 1, t_w=1 if release_on_w else 0, num_virtual_stages=v)
+        want = sim.peak_activations
+        if schedule == "zbh1" and recompute:  # W runs inside B: released with B, as 1F1B
+            want = simulate("1f1b", p, m, 1, 1).peak_activations
+        assert list(peak_activations(setting)) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("schedule, p, m", [
+    ("gpipe", 3, 1), ("gpipe", 4, 6), ("1f1b", 2, 5), ("1f1b", 4, 4), ("1f1b", 3, 7),
+    ("zbh1", 3, 3), ("zbh1", 4, 9), ("interleaved", 2, 4), ("interleaved", 3, 6),
+])
+def test_closed_form_is_simulates_step_for_uniform_stages(schedule: str, p: int, m: int) -> None:
+    # one layer per stage, every layer alike, free hand-overs: the closed form the partition
+    # minimises is exactly the simulated step (ZB-H1 needs m >= p, interleaved m a multiple of p)
+    v = 2 if schedule == "interleaved" else 1
+    costs = layer_costs(p * v, forward=2.0, backward=3.0, weight=1.0)
+    setting = Setting(p, 1, m, schedule, v)
+    cluster = Cluster(FREE, math.inf)
+    problem = partition_problem(costs, setting, cluster, global_batch=m)  # one row each
+    best = optimal_partition(problem)
+    assert best.layers_per_stage == (1,) * (p * v)
+    split = schedule == "zbh1"
+    sim = simulate(schedule, p, m, 2 * v, 3 * v + (0 if split else v), t_w=v if split else 0,
+                   num_virtual_stages=v)
+    assert best.objective == pytest.approx(sim.step_time)
+    assert predict(costs, setting, cluster, m, best.layers_per_stage).pipeline_s == pytest.approx(sim.step_time)
+
+
+def test_gpipe_closed_form_counts_hand_overs_both_ways() -> None:
+    costs = layer_costs(3, forward=1.0, backward=2.0, output=1e6)
+    net = Network(Link(0.0, 1e6), Link(0.0, 1e6), 1)  # 1 MB per row -> 1 s per hand-over
+    setting = Setting(3, 1, 4, "gpipe")
+    pred = predict(costs, setting, Cluster(net, math.inf), 4, (1, 1, 1))
+    assert pred.pipeline_s == pytest.approx((4 + 3 - 1) * 3 + 2 * 2 * 1.0)
+    assert pred.method == "simulated"
+    closed = predict(costs, setting, Cluster(net, math.inf), 4, (1, 1, 1), simulate=False)
+    assert closed.pipeline_s == pytest.approx(pred.pipeline_s) and closed.method == "closed form"
+
+
+def test_memory_of_a_layout_by_hand() -> None:
+    # 4 layers, 2 stages, 1F1B with 4 micro-batches of 2 rows: stage 0 holds 2, stage 1 one
+    costs = layer_costs(4, activation=10.0, params=100.0, output=3.0)
+    cluster = Cluster(FREE, math.inf, optimizer_state_factor=2.0)
+    pred = predict(costs, Setting(2, 1, 4, "1f1b"), cluster, 8, (1, 3))
+    # state: params 100 + grads 100 + Adam 200 per layer
+    assert pred.memory_bytes == (400 + 2 * 10 * 2, 3 * 400 + 1 * 3 * 10 * 2)
+    recomputed = predict(costs, Setting(2, 1, 4, "1f1b", recompute=True), cluster, 8, (1, 3))
+    # recomputation keeps each held micro-batch's input (model input 0 bytes, then 3 per row)
+    # and one micro-batch's activations
+    assert recomputed.memory_bytes == (400 + 0 + 1 * 10 * 2, 3 * 400 + 1 * 3 * 2 + 3 * 10 * 2)
+    assert pred.peak_memory_bytes == max(pred.memory_bytes)
+
+
+def test_all_reduce_overlaps_only_the_last_gradient_pass() -> None:
+    # one stage, 2 replicas, 1 micro-batch of 1 row: F 1 s, B 2 s; gradients 4e9 bytes over
+    # 1 GB/s: ring all-reduce 2 (2-1)/2 x 4 s = 4 s, started with the last B (at 1 s)
+    costs = layer_costs(1, params=4e9, optimizer=0.5)
+    net = Network(Link(0.0, 1e9), Link(0.0, 1e9), 1)
+    pred = predict(costs, Setting(1, 2, 1), Cluster(net, math.inf), 2, (1,))
+    assert pred.allreduce_s == (pytest.approx(4.0),)
+    assert pred.step_time_s == pytest.approx(1 + 4 + 0.5)  # max(3, 1 + 4) + optimizer
+
+
+def test_lower_bound_never_exceeds_a_layout() -> None:
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        costs = random_costs(rng, rng.randint(2, 7))
+        p = rng.randint(1, costs.num_layers // 2 if costs.num_layers >= 4 else 1)
+        name = rng.choice(["gpipe", "1f1b", "zbh1", "interleaved"] if p > 1 else ["1f1b"])
+        v = 2 if name == "interleaved" else 1
+        setting = Setting(p, 1, rng.randint(1, 6), name, v, rng.random() < 0.3)
+        best = optimal_partition(partition_problem(costs, setting, Cluster(FREE, math.inf), 12))
+        assert pipeline_lower_bound(costs, setting, 12) <= best.objective + 1e-9
+
+
+def test_rows_and_settings() -> None:
+    assert microbatch_rows(1024, 2, 8) == 64
+    assert microbatch_rows(10, 3, 2) == 2  # ceil(ceil(10 / 3) / 2)
+    with pytest.raises(ConfigError, match="needs schedule='interleaved'"):
+        Setting(2, 1, 4, "1f1b", num_virtual_stages=2)
+    with pytest.raises(ConfigError, match="not known"):
+        Setting(2, 1, 4, "pipedream")
+    with pytest.raises(ConfigError, match="does not cut 4 layers into 2 stages"):
+        predict(layer_costs(4), Setting(2, 1, 1), Cluster(FREE, 1.0), 1, (1, 1, 2))
+
+
+def test_layer_costs_check_themselves_and_round_trip() -> None:
+    costs = layer_costs(3, activation=5.0)
+    assert LayerCosts.from_json(costs.to_json()) == costs
+    with pytest.raises(ConfigError, match="has 2 entries for 3 layers"):
+        LayerCosts.from_dict({**costs.to_dict(), "param_bytes": [1.0, 2.0]})
+    with pytest.raises(ConfigError, match="finite and >= 0"):
+        LayerCosts.from_dict({**costs.to_dict(), "optimizer_s": [1.0, -2.0, 0.0]})
+    with pytest.raises(ConfigError, match="uncuttable region"):
+        LayerCosts.from_dict({**costs.to_dict(), "uncuttable": [[1, 5]]})
+    assert costs.forward(4) == [4.0] * 3 and costs.backward(2) == [4.0] * 3
