@@ -1,0 +1,140 @@
+"""Costs of a described model on a described device, with no profiling: FLOPs and bytes of a GPT.
+
+A GPT of `layers` transformer blocks is `layers + 2` plait layers: the embedding (tokens and
+positions), the blocks, and the head (final layer norm and the vocabulary projection). Per
+sequence of s tokens, hidden size h, a heads, vocabulary V (Narayanan et al. 2021, SC'21):
+
+    block forward FLOPs    24 s h^2 + 4 s^2 h   (weight matmuls + attention scores/values)
+    block backward         input gradient 24 s h^2 + 8 s^2 h (B), weight gradient 24 s h^2 (W)
+    head forward           2 s h V; backward 2 s h V (B) + 2 s h V (W)
+    block parameters       12 h^2 + 13 h; embedding (V + s) h; head V h + 2 h
+    block activations      s h (34 + 5 a s / h) bytes at 16 bits (Korthikanti et al. 2022,
+                           no tensor or sequence parallelism), scaled by dtype_bytes / 2
+
+Time = FLOPs / (peak x efficiency) + a fixed per-layer overhead; the embedding is a gather,
+timed by the bytes it moves. The head holds its own V x h matrix: an untied head, or the
+copy of a tied one that plait keeps on the last stage (counted twice when both share a stage).
+The optimizer step moves `OPTIMIZER_TRAFFIC` bytes per parameter through memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.errors import ConfigError
+from plait.plan.devices import Device
+from plait.plan.layer_costs import LayerCosts
+
+__all__ = ["GptSpec", "gpt_costs", "parse_gpt", "optimizer_state_factor", "ALPA_GPT_SUITE"]
+
+# Bytes read and written per parameter by one optimizer step (fp32 state): Adam reads the
+# parameter, gradient, exp_avg, exp_avg_sq and writes three of them back: 7 x 4.
+OPTIMIZER_TRAFFIC = {"adam": 28.0, "sgd-momentum": 20.0, "sgd": 12.0}
+
+
+@dataclass(frozen=True)
+class GptSpec:
+    """A GPT described by its sizes."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int = 1024
+    vocab: int = 51200
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "seq", "vocab"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"GPT {name} must be a positive integer, got {value!r}")
+        if self.hidden % self.heads:
+            raise ConfigError(
+                f"GPT hidden={self.hidden} is not a multiple of heads={self.heads}; pick heads "
+                f"dividing the hidden size"
+            )
+
+    @property
+    def parameters(self) -> int:
+        """Parameters of the blocks, embedding and (untied) head."""
+        h = self.hidden
+        return self.layers * (12 * h * h + 13 * h) + (self.vocab + self.seq) * h + self.vocab * h + 2 * h
+
+
+# Alpa (OSDI'22) Table 6 and its benchmark suite: GPT-3 sizes, seq 1024, vocab 51200, by GPU count.
+ALPA_GPT_SUITE: dict[int, tuple[str, GptSpec]] = {
+    1: ("350M", GptSpec(24, 1024, 16)),
+    2: ("760M", GptSpec(24, 1536, 16)),
+    4: ("1.3B", GptSpec(24, 2048, 32)),
+    8: ("2.6B", GptSpec(32, 2560, 32)),
+    16: ("6.7B", GptSpec(32, 4096, 32)),
+    32: ("15B", GptSpec(48, 5120, 40)),
+    64: ("39B", GptSpec(48, 8192, 64)),
+}
+
+
+def parse_gpt(text: str) -> GptSpec:
+    """`layers=48,hidden=8192,heads=64,seq=1024,vocab=51200` -> GptSpec (seq and vocab optional)."""
+    values: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in ("layers", "hidden", "heads", "seq", "vocab"):
+            raise ConfigError(
+                f"cannot read {item!r} in --gpt {text!r}; write layers=L,hidden=H,heads=A"
+                f"[,seq=S][,vocab=V]"
+            )
+        try:
+            values[key.strip()] = int(value)
+        except ValueError:
+            raise ConfigError(f"{key.strip()}={value!r} in --gpt is not an integer") from None
+    missing = [k for k in ("layers", "hidden", "heads") if k not in values]
+    if missing:
+        raise ConfigError(f"--gpt {text!r} lacks {', '.join(missing)}; for example "
+                          "layers=24,hidden=1024,heads=16")
+    return GptSpec(**values)
+
+
+def optimizer_state_factor(optimizer: str, dtype_bytes: int) -> float:
+    """Optimizer state bytes per gradient byte. Mixed precision (2-byte gradients) adds an fp32
+    master copy: Adam 12 bytes per 2-byte gradient = 6, fp32 Adam 8 per 4 = 2 (ZeRO's 16 bytes
+    per parameter in both cases, with parameters and gradients)."""
+    state = {"adam": 8, "sgd-momentum": 4, "sgd": 0}
+    if optimizer not in state:
+        raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {sorted(state)}")
+    master = 4 if dtype_bytes < 4 else 0
+    return (state[optimizer] + master) / dtype_bytes
+
+
+def gpt_costs(spec: GptSpec, dev: Device, optimizer: str = "adam") -> LayerCosts:
+    """Per-layer `LayerCosts` of `spec` on `dev` (times per row = per sequence)."""
+    if optimizer not in OPTIMIZER_TRAFFIC:
+        raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_TRAFFIC)}")
+    s, h, a, vocab, d = spec.seq, spec.hidden, spec.heads, spec.vocab, dev.dtype_bytes
+    speed, overhead = dev.flops, dev.kernel_overhead_s
+    block_f = 24 * s * h * h + 4 * s * s * h
+    block_b = 24 * s * h * h + 8 * s * s * h
+    block_w = 24 * s * h * h
+    head = 2 * s * h * vocab
+    embed_s = 2 * s * h * d / dev.memory_bandwidth  # gather rows, add positions
+    names = ["embedding"] + [f"block{i}" for i in range(spec.layers)] + ["head"]
+    n = len(names)
+    forward_row = [embed_s] + [block_f / speed] * spec.layers + [head / speed]
+    backward_row = [0.0] + [block_b / speed] * spec.layers + [head / speed]  # ids: no input gradient
+    weight_row = [embed_s] + [block_w / speed] * spec.layers + [head / speed]
+    block_act = s * h * (34 + 5 * a * s / h) * d / 2
+    head_act = 2 * s * h * d + s * vocab * (d + 4)  # normed input, logits, fp32 softmax
+    params = [(vocab + s) * h] + [12 * h * h + 13 * h] * spec.layers + [vocab * h + 2 * h]
+    traffic = OPTIMIZER_TRAFFIC[optimizer] / dev.memory_bandwidth
+    return LayerCosts(
+        names=tuple(names),
+        forward_fixed_s=(overhead,) * n, forward_row_s=tuple(forward_row),
+        backward_fixed_s=(overhead,) * n, backward_row_s=tuple(backward_row),
+        weight_fixed_s=(overhead,) * n, weight_row_s=tuple(weight_row),
+        activation_row_bytes=(float(s * h),) + (block_act,) * spec.layers + (head_act,),
+        output_row_bytes=(float(s * h * d),) * (n - 1) + (float(s * vocab * d),),
+        param_bytes=tuple(float(p * d) for p in params),
+        grad_bytes=tuple(float(p * d) for p in params),
+        optimizer_s=tuple(p * traffic for p in params),
+        input_row_bytes=float(8 * s),  # int64 token ids
+        source=f"analytic GPT (layers={spec.layers}, hidden={h}, heads={a}, seq={s}, "
+               f"vocab={vocab}) on {dev.name}",
+    )

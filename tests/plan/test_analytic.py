@@ -1,0 +1,75 @@
+"""Analytic costs of a described GPT: parameter counts, Megatron's FLOPs, activation bytes, presets."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.errors import ConfigError
+from plait.plan.analytic import (
+    ALPA_GPT_SUITE, GptSpec, gpt_costs, optimizer_state_factor, parse_gpt,
+)
+from plait.plan.devices import DEVICES, device
+
+
+@pytest.mark.parametrize("gpus", sorted(ALPA_GPT_SUITE))
+def test_suite_parameter_counts_match_their_names(gpus: int) -> None:
+    # the names count a tied head: blocks + embeddings; within 4% of the label
+    label, spec = ALPA_GPT_SUITE[gpus]
+    named = float(label.rstrip("MB")) * (1e6 if label.endswith("M") else 1e9)
+    tied = spec.parameters - spec.vocab * spec.hidden
+    assert abs(tied - named) / named < 0.04
+
+
+def test_flops_are_megatrons() -> None:
+    # Narayanan et al. 2021: one pass forward + backward is 72 B s l h^2 (1 + s/6h + V/12lh)
+    spec = GptSpec(layers=4, hidden=512, heads=8, seq=256, vocab=1000)
+    dev = device("a100-40gb")
+    costs = gpt_costs(spec, dev)
+    row_time = sum(costs.forward_row_s[1:]) + sum(costs.backward_row_s[1:]) + sum(costs.weight_row_s[1:])
+    s, h, l, v = spec.seq, spec.hidden, spec.layers, spec.vocab
+    want = 72 * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    assert row_time * dev.flops == pytest.approx(want)
+    assert costs.forward_fixed_s == (dev.kernel_overhead_s,) * (l + 2)
+
+
+def test_bytes_per_layer() -> None:
+    spec = GptSpec(layers=2, hidden=1024, heads=16, seq=1024, vocab=51200)
+    costs = gpt_costs(spec, device("v100-16gb"))
+    s, h, a = 1024, 1024, 16
+    assert costs.names == ("embedding", "block0", "block1", "head")
+    assert costs.activation_row_bytes[1] == s * h * (34 + 5 * a * s / h)  # Korthikanti et al.
+    assert costs.output_row_bytes[1] == s * h * 2  # the fp16 hidden state crosses a cut
+    assert costs.param_bytes[1] == 2 * (12 * h * h + 13 * h)
+    assert costs.input_row_bytes == 8 * s
+    fp32 = gpt_costs(spec, device("cpu"))
+    assert fp32.activation_row_bytes[1] == 2 * costs.activation_row_bytes[1]
+
+
+def test_optimizer_state_is_zeros_16_bytes_per_parameter() -> None:
+    # ZeRO: mixed-precision Adam keeps 2 + 2 + 12 bytes per parameter; fp32 Adam 4 + 4 + 8
+    assert 2 + 2 * (1 + optimizer_state_factor("adam", 2)) == 16
+    assert 4 + 4 * (1 + optimizer_state_factor("adam", 4)) == 16
+    assert optimizer_state_factor("sgd", 4) == 0 and optimizer_state_factor("sgd-momentum", 4) == 1
+    with pytest.raises(ConfigError, match="unknown optimizer"):
+        optimizer_state_factor("lion", 2)
+
+
+def test_parse_gpt() -> None:
+    assert parse_gpt("layers=48,hidden=8192,heads=64,seq=1024,vocab=51200") == GptSpec(48, 8192, 64)
+    assert parse_gpt("layers=2, hidden=64, heads=4") == GptSpec(2, 64, 4, 1024, 51200)
+    with pytest.raises(ConfigError, match="lacks heads"):
+        parse_gpt("layers=2,hidden=64")
+    with pytest.raises(ConfigError, match="cannot read 'depth=2'"):
+        parse_gpt("depth=2,hidden=64,heads=4")
+    with pytest.raises(ConfigError, match="not a multiple of heads=3"):
+        parse_gpt("layers=2,hidden=64,heads=3")
+
+
+def test_presets() -> None:
+    for name in ("v100-16gb", "a100-40gb", "a100-80gb", "h100-80gb", "mi250x", "cpu"):
+        dev = DEVICES[name]
+        assert dev.flops < dev.peak_flops and dev.usable_memory() < dev.memory_bytes
+    assert device("V100-16GB").name == "v100-16gb"
+    assert device("v100-16gb").network.inter.bandwidth == pytest.approx(25e9 / 8)  # Alpa: 25 Gbps
+    with pytest.raises(ConfigError, match="presets: a100-40gb, a100-80gb"):
+        device("tpu-v4")
