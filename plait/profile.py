@@ -1,0 +1,279 @@
+"""Measuring a model's per-layer costs on one process: times, bytes crossing each cut, memory.
+
+The model is captured as `Model` captures it (train mode) and split into one stage module per
+layer (`plait.capture.split`), so a layer is timed as exactly the code a stage would run, and
+what crosses a cut after layer i is what `split` would send there. For each layer, at the
+sample's rows and at a quarter of them (times are affine in rows, `LayerCosts`):
+
+    forward   the layer module on its inputs                        (median of `repeats`)
+    B         gradient of its inputs, from random output gradients   (retain_graph)
+    B + W     gradient of its inputs and weights; W = (B + W) - B
+    saved     bytes autograd saves for the backward (saved_tensors_hooks), parameters excluded
+    optimizer one step of `optimizer` on copies of the layer's parameters
+
+The user's model is left as it was: parameters untouched, buffers restored, RNG state forked.
+Results are cached in memory by a model signature (module tree, parameter shapes, input
+shapes, threads, torch version) and, with `cache_dir`, on disk as JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from plait import data as batching
+from plait.capture.split import split
+from plait.capture.trace import _fingerprint, capture
+from plait.errors import ConfigError
+from plait.plan.layer_costs import LayerCosts
+
+__all__ = ["LayerProfile", "profile"]
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+_CACHE: dict[str, "LayerProfile"] = {}
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """A model's measured `costs`, how they were measured, and whether they came from a cache."""
+
+    costs: LayerCosts
+    rows: int
+    repeats: int
+    threads: int
+    seconds: float  # time the measurement took
+    signature: str
+    cached: bool = False
+
+
+def profile(
+    net: nn.Module,
+    sample_args: tuple[Any, ...],
+    sample_kwargs: dict[str, Any] | None = None,
+    loss: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
+    repeats: int = 5,
+    *,
+    optimizer: OptimizerFactory = torch.optim.Adam,
+    threads: int | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> LayerProfile:
+    """Measure every captured layer of `net` on the sample batch `net(*sample_args, **kwargs)`.
+
+    With `loss` and `target`, the last layer's forward and backward include the loss;
+    otherwise every layer's backward starts from random output gradients. `threads`: the
+    intra-op threads to measure with (default: the current setting), as each rank will run.
+    """
+    kwargs = dict(sample_kwargs or {})
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ConfigError(f"repeats must be an integer >= 1, got {repeats!r}")
+    rows = batching.num_rows((sample_args, kwargs))
+    old_threads = torch.get_num_threads()
+    threads = threads or old_threads
+    key = _signature(net, sample_args, kwargs, rows, repeats, threads, loss is not None, optimizer)
+    if key in _CACHE:
+        return _replace_cached(_CACHE[key])
+    path = Path(cache_dir) / f"profile-{key}.json" if cache_dir is not None else None
+    if path is not None and path.exists():
+        stored = json.loads(path.read_text())
+        found = LayerProfile(LayerCosts.from_dict(stored["costs"]), rows, repeats, threads,
+                             float(stored["seconds"]), key, cached=True)
+        _CACHE[key] = found
+        return found
+    start = time.perf_counter()
+    torch.set_num_threads(threads)
+    was_training = net.training
+    saved = {name: b.detach().clone() for name, b in net.named_buffers()}
+    try:
+        with torch.random.fork_rng():
+            net.train(True)
+            costs = _measure(net, sample_args, kwargs, rows, loss, target, repeats, optimizer)
+    finally:
+        net.train(was_training)
+        with torch.no_grad():
+            for name, b in net.named_buffers():
+                b.copy_(saved[name])
+        torch.set_num_threads(old_threads)
+    result = LayerProfile(costs, rows, repeats, threads, time.perf_counter() - start, key)
+    _CACHE[key] = result
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"costs": costs.to_dict(), "seconds": result.seconds}))
+        tmp.replace(path)
+    return result
+
+
+def _replace_cached(found: LayerProfile) -> LayerProfile:
+    return LayerProfile(found.costs, found.rows, found.repeats, found.threads, found.seconds,
+                        found.signature, cached=True)
+
+
+def _signature(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *extra: Any) -> str:
+    """A stable hash of the capture fingerprint without object ids, and of how we measure."""
+    spec, inputs, modules, tensors = _fingerprint(net, args, kwargs)
+    stable = (
+        spec, inputs,
+        tuple((name, f"{t.__module__}.{t.__qualname__}", training, flags)
+              for name, t, training, flags in modules),
+        tuple((name, shape, str(dtype)) for name, _, shape, dtype in tensors),
+        torch.__version__, platform.machine(), platform.processor(), os.cpu_count(),
+        tuple(getattr(e, "__qualname__", e) for e in extra),
+    )
+    return hashlib.sha256(repr(stable).encode()).hexdigest()[:20]
+
+
+def _tensor_bytes(values: Any) -> int:
+    leaves = pytree.tree_leaves(values)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _leaf(x: Any) -> Any:
+    """A detached copy of an activation that requires grad, like a stage's received input."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        if x.is_floating_point():
+            x.requires_grad_(True)
+    return x
+
+
+def _measure(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int,
+             loss: Callable[[Any, Any], torch.Tensor] | None, target: Any, repeats: int,
+             optimizer: OptimizerFactory) -> LayerCosts:
+    captured = capture(net, args, kwargs)
+    names = captured.layers.layer_names
+    stages = split(captured, list(range(len(names))))
+    small = max(1, rows // 4)
+    big_run = _Run(captured, stages, args, kwargs, rows, loss, target, repeats)
+    small_run = big_run if small == rows else _Run(
+        captured, stages, batching.slice_rows(args, 0, small), batching.slice_rows(kwargs, 0, small),
+        small, loss, target, repeats)
+    fixed: dict[str, list[float]] = {k: [] for k in ("f", "b", "w")}
+    per_row: dict[str, list[float]] = {k: [] for k in ("f", "b", "w")}
+    for i in range(len(stages)):
+        big, little = big_run.times(i), small_run.times(i)
+        for k in ("f", "b", "w"):
+            a, c = _affine(big[k], little[k], rows, small)
+            fixed[k].append(a)
+            per_row[k].append(c)
+    params = [list({id(p): p for p in st.module.parameters()}.values()) for st in stages]
+    buffers = [list({id(b): b for b in st.module.buffers()}.values()) for st in stages]
+    inputs = [x for x in captured.bind(args, kwargs)
+              if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == rows]
+    return LayerCosts(
+        names=names,
+        forward_fixed_s=tuple(fixed["f"]), forward_row_s=tuple(per_row["f"]),
+        backward_fixed_s=tuple(fixed["b"]), backward_row_s=tuple(per_row["b"]),
+        weight_fixed_s=tuple(fixed["w"]), weight_row_s=tuple(per_row["w"]),
+        activation_row_bytes=tuple(s / rows for s in big_run.saved),
+        output_row_bytes=tuple(o / rows for o in big_run.sent),
+        param_bytes=tuple(float(_tensor_bytes(p) + _tensor_bytes(b)) for p, b in zip(params, buffers)),
+        grad_bytes=tuple(float(_tensor_bytes([p for p in ps if p.requires_grad])) for ps in params),
+        optimizer_s=tuple(_optimizer_time(ps, optimizer, repeats) for ps in params),
+        input_row_bytes=_tensor_bytes(inputs) / rows,
+        uncuttable=captured.layers.uncuttable,
+        source=f"profiled on {platform.node() or 'this machine'}: {rows} and {small} rows, "
+               f"{torch.get_num_threads()} thread(s), median of {repeats}",
+    )
+
+
+def _affine(t_big: float, t_small: float, rows: int, small: int) -> tuple[float, float]:
+    """(fixed, per_row) through the two measurements, both kept >= 0."""
+    if rows == small:
+        return 0.0, t_big / rows
+    per_row = max(0.0, (t_big - t_small) / (rows - small))
+    fixed = t_big - per_row * rows
+    if fixed < 0:
+        return 0.0, t_big / rows
+    return fixed, per_row
+
+
+class _Run:
+    """The per-layer chain on one sample: each layer's inputs, then its timings on demand."""
+
+    def __init__(self, captured: Any, stages: Sequence[Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any], rows: int, loss: Callable[[Any, Any], torch.Tensor] | None,
+                 target: Any, repeats: int) -> None:
+        self.captured, self.stages, self.repeats = captured, stages, repeats
+        self.loss = loss
+        self.target = None if target is None else batching.slice_rows(target, 0, rows)
+        model_inputs = captured.bind(args, kwargs)
+        self.inputs: list[tuple[list[Any], list[Any]]] = []  # (received, model inputs) per layer
+        self.saved: list[float] = []
+        self.sent: list[float] = []
+        received: list[Any] = []
+        for st in stages:
+            mine = [model_inputs[j] for j in st.input_indices]
+            self.inputs.append(([_leaf(x) for x in received], mine))
+            counted: dict[tuple[int, tuple[int, ...]], int] = {}
+            own = {p.data_ptr() for p in st.module.parameters()}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                if t.data_ptr() not in own:
+                    counted[(t.data_ptr(), tuple(t.shape))] = t.numel() * t.element_size()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = st.module(*self.inputs[-1][0], *mine)
+            self.saved.append(float(sum(counted.values())))
+            self.sent.append(float(_tensor_bytes(out)))
+            received = list(out) if not st.is_last else []
+
+    def times(self, i: int) -> dict[str, float]:
+        """Median forward, B and W seconds of layer i."""
+        st = self.stages[i]
+        received, mine = self.inputs[i]
+        leaves = [x for x in received if isinstance(x, torch.Tensor) and x.requires_grad]
+        weights = [p for p in st.module.parameters() if p.requires_grad]
+        f, b, w = [], [], []
+        for k in range(self.repeats + 1):  # the first is a warm-up
+            start = time.perf_counter()
+            out = st.module(*received, *mine)
+            if st.is_last and self.loss is not None and self.target is not None:
+                out = self.loss(self.captured.finish(out), self.target)
+            mid = time.perf_counter()
+            outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            grads = [torch.randn_like(t) for t in outs]
+            t_input = t_all = 0.0
+            if outs and leaves:
+                t0 = time.perf_counter()
+                torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
+                t_input = time.perf_counter() - t0
+            if outs and (leaves or weights):
+                t0 = time.perf_counter()
+                torch.autograd.grad(outs, leaves + weights, grads, allow_unused=True)
+                t_all = time.perf_counter() - t0
+            if k:
+                f.append(mid - start)
+                b.append(t_input)
+                w.append(max(0.0, t_all - t_input))
+        return {"f": statistics.median(f), "b": statistics.median(b), "w": statistics.median(w)}
+
+
+def _optimizer_time(params: list[nn.Parameter], optimizer: OptimizerFactory, repeats: int) -> float:
+    """Median seconds of one optimizer step over copies of `params` with random gradients."""
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        return 0.0
+    copies = [nn.Parameter(p.detach().clone()) for p in trainable]
+    for c in copies:
+        c.grad = torch.randn_like(c)
+    opt = optimizer(copies)
+    opt.step()  # the first step makes the state
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        opt.step()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)

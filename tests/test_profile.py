@@ -1,0 +1,97 @@
+"""The profiler on the demo's real CNN: plausible numbers, bytes that match the split, a model
+left as it was, and the in-memory and on-disk caches."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import plait.profile as profiling
+from plait.capture.split import split
+from plait.capture.trace import capture
+from plait.demo import PaperCNN
+from plait.profile import profile
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    torch.manual_seed(0)
+    net = PaperCNN(in_hw=16)  # conv 32 @14x14, conv 64 @12x12, pool -> 6x6, dense 2304 -> 128 -> 10
+    x = torch.randn(32, 1, 16, 16)
+    return net, x, profile(net, (x,), repeats=3, threads=1)
+
+
+@pytest.mark.timeout(120)
+def test_numbers_are_plausible(cnn):
+    net, x, prof = cnn
+    costs = prof.costs
+    assert costs.names == tuple(str(i) for i in range(11))  # the Sequential's 11 leaves
+    conv1, conv2, dense1, dense2 = 0, 2, 7, 10
+    for i in (conv1, conv2, dense1, dense2):
+        assert costs.forward(32)[i] > 0 and costs.backward(32)[i] + costs.weight(32)[i] > 0
+    assert costs.forward(32)[conv2] > costs.forward(32)[dense2]  # 2.4 MFLOP a row vs 1.3 k
+    # the conv layers' feature maps dwarf the dense layers' vectors, saved and sent
+    assert min(costs.output_row_bytes[conv1], costs.output_row_bytes[conv2]) > 10 * costs.output_row_bytes[dense1]
+    assert costs.activation_row_bytes[conv2] > 10 * costs.activation_row_bytes[dense2]
+    assert costs.output_row_bytes[conv1] == 32 * 14 * 14 * 4  # fp32 (B, 32, 14, 14), per row
+    assert costs.input_row_bytes == 16 * 16 * 4
+    # parameter bytes: conv2 = 32*64*9 + 64 floats; grads the same (all trainable)
+    assert costs.param_bytes[conv2] == (32 * 64 * 9 + 64) * 4 == costs.grad_bytes[conv2]
+    assert sum(costs.param_bytes) == sum(p.numel() * 4 for p in net.parameters())
+    assert costs.optimizer_s[dense1] > 0 and costs.optimizer_s[1] == 0  # ReLU has nothing to step
+    assert costs.weight_row_s[1] == 0 and costs.backward(32)[0] == 0  # the input needs no grad
+    assert 0 < prof.seconds < 60 and not prof.cached
+
+
+def test_cut_bytes_are_what_split_sends(cnn):
+    net, x, prof = cnn
+    captured = capture(net, (x[:2],), {})
+    for cut in (1, 4, 7):
+        stages = split(captured, [0] * (cut + 1) + [1] * (11 - cut - 1))
+        with torch.no_grad():
+            sent = stages[0].module(x)
+        assert sum(t.numel() * t.element_size() for t in sent) / 32 == prof.costs.output_row_bytes[cut]
+
+
+def test_second_call_is_cached_in_memory_and_on_disk(cnn, tmp_path):
+    net, x, prof = cnn
+    start = time.perf_counter()
+    again = profile(net, (x,), repeats=3, threads=1)
+    assert again.cached and again.costs == prof.costs and time.perf_counter() - start < 0.5
+    other_batch = profile(net, (x[:16],), repeats=3, threads=1, cache_dir=tmp_path)
+    assert not other_batch.cached and other_batch.signature != prof.signature
+    profiling._CACHE.pop(other_batch.signature)
+    from_disk = profile(net, (x[:16],), repeats=3, threads=1, cache_dir=tmp_path)
+    assert from_disk.cached and from_disk.costs == other_batch.costs
+    assert len(list(tmp_path.glob("profile-*.json"))) == 1
+
+
+class Normed(nn.Sequential):
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 3))
+
+
+def test_model_left_as_it_was_and_loss_included():
+    torch.manual_seed(1)
+    net = Normed().eval()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    torch.manual_seed(7)
+    prof = profile(net, (x,), loss=nn.CrossEntropyLoss(), target=y, repeats=2)
+    after_profile = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(torch.rand(3), after_profile)  # the profile consumed no random numbers
+    assert not net.training
+    after = net.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # BN statistics restored
+    assert prof.costs.num_layers == 5 and prof.costs.backward(16)[-1] > 0
+    assert prof.costs.param_bytes[1] == (8 + 8 + 8 + 8) * 4 + 8  # weight, bias, mean, var, count
+    assert prof.costs.grad_bytes[1] == 16 * 4
+
+
+def test_bad_repeats():
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
+        profile(nn.Linear(2, 2), (torch.randn(4, 2),), repeats=0)
