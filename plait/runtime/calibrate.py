@@ -1,0 +1,104 @@
+"""Measuring the backend's latency and bandwidth: timed ping-pongs between two ranks, fitted.
+
+One message of n bytes costs alpha + n / beta (`plait.plan.network.Link`). Rank a sends n
+bytes to rank b, which sends them back; half the round trip, median of `repeats`, for sizes
+from 1 KiB to a few MiB, then a least-squares line through (n, seconds) gives alpha (the
+intercept) and beta (one over the slope). Every rank of the group calls `measure_link` (the
+others only wait for the broadcast result); `calibrate` measures a pair inside a node and,
+on several nodes, a pair across, and caches the `Network` as JSON keyed by backend and hosts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from plait.plan.network import Link, Network
+
+__all__ = ["fit_link", "measure_link", "calibrate"]
+
+SIZES = tuple(2**k for k in range(10, 23, 2))  # 1 KiB .. 4 MiB
+
+
+def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
+    """Least-squares alpha + n / beta through the measurements (latency clamped at >= 0)."""
+    n = len(sizes)
+    if n < 2 or len(seconds) != n:
+        raise ValueError(f"need two or more (size, seconds) pairs, got {n} sizes, {len(seconds)} times")
+    mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
+    sxx = sum((x - mean_x) ** 2 for x in sizes)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds))
+    slope = sxy / sxx if sxx > 0 else 0.0
+    if slope <= 0:  # no measurable cost per byte: latency-bound, bandwidth beyond measuring
+        return Link(max(mean_y, 0.0), 1e15)
+    return Link(max(mean_y - slope * mean_x, 0.0), 1.0 / slope)
+
+
+def measure_link(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = SIZES,
+                 repeats: int = 5) -> Link:
+    """The link between `rank_a` and `rank_b`, fitted from ping-pongs; every rank returns it."""
+    me = dist.get_rank()
+    times: list[float] = []
+    for size in sizes:
+        buffer = torch.zeros(size, dtype=torch.uint8)
+        samples = []
+        for k in range(repeats + 1):  # the first round trip sets the connection up
+            if me == rank_a:
+                start = time.perf_counter()
+                dist.send(buffer, rank_b)
+                dist.recv(buffer, rank_b)
+                if k:
+                    samples.append((time.perf_counter() - start) / 2)
+            elif me == rank_b:
+                dist.recv(buffer, rank_a)
+                dist.send(buffer, rank_a)
+        times.append(statistics.median(samples) if samples else 0.0)
+    fitted = torch.zeros(2, dtype=torch.float64)
+    if me == rank_a:
+        link = fit_link([float(s) for s in sizes], times)
+        fitted = torch.tensor([link.latency_s, link.bandwidth], dtype=torch.float64)
+    dist.broadcast(fitted, rank_a)
+    return Link(float(fitted[0]), float(fitted[1]))
+
+
+def calibrate(cache_dir: str | os.PathLike[str] | None = None, repeats: int = 5) -> Network:
+    """This job's `Network`, measured on its backend (every rank calls it; all get the result).
+
+    Nodes are LOCAL_WORLD_SIZE consecutive ranks. With one rank there is nothing to measure:
+    the loopback is taken as free (latency 0, bandwidth 1e15). Cached per backend, world size,
+    node size and host names under `cache_dir`.
+    """
+    world = dist.get_world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+    hosts: list[str] = [""] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    key = f"{dist.get_backend()}-{world}-{per_node}-{'-'.join(sorted(set(hosts)))}"
+    path = Path(cache_dir) / f"network-{key}.json" if cache_dir is not None else None
+    stored: list[object] = [None]
+    if path is not None and dist.get_rank() == 0 and path.exists():
+        stored[0] = json.loads(path.read_text())
+    dist.broadcast_object_list(stored, 0)  # one decision for all: measuring takes every rank
+    if isinstance(stored[0], dict):
+        return Network.from_dict(stored[0])
+    if world == 1:
+        free = Link(0.0, 1e15)
+        network = Network(free, free, 1)
+    else:
+        intra = measure_link(0, 1, repeats=repeats) if per_node > 1 else None
+        inter = measure_link(0, per_node, repeats=repeats) if world > per_node else None
+        network = Network(intra or inter or Link(0.0, 1e15), inter or intra or Link(0.0, 1e15),
+                          per_node)
+    if path is not None and dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(network.to_dict()))
+        tmp.replace(path)
+    return network

@@ -1,0 +1,40 @@
+"""Calibration: the least-squares fit is exact on a line; two gloo ranks measure and agree."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.runtime.calibrate import fit_link
+from tests.harness import run_ranks
+
+
+def test_fit_recovers_latency_and_bandwidth() -> None:
+    sizes = [1e3, 1e4, 1e5, 1e6]
+    link = fit_link(sizes, [20e-6 + n / 2e9 for n in sizes])
+    assert link.latency_s == pytest.approx(20e-6) and link.bandwidth == pytest.approx(2e9)
+    flat = fit_link([1e3, 1e6], [5e-5, 5e-5])  # no cost per byte: latency only
+    assert flat.latency_s == pytest.approx(5e-5) and flat.bandwidth >= 1e15
+    with pytest.raises(ValueError, match="two or more"):
+        fit_link([1.0], [1.0])
+
+
+def measure(rank, world, cache_dir):
+    import torch.distributed as dist
+
+    from plait.runtime.calibrate import calibrate
+
+    dist.init_process_group("gloo")
+    first = calibrate(cache_dir, repeats=2)
+    again = calibrate(cache_dir, repeats=2)  # from the JSON rank 0 wrote
+    return first.to_dict(), again.to_dict()
+
+
+@pytest.mark.timeout(90)
+def test_two_ranks_measure_the_same_link(tmp_path) -> None:
+    results = run_ranks(2, measure, str(tmp_path), timeout=80)
+    (first0, again0), (first1, _) = results
+    assert first0 == first1  # rank 0's fit, broadcast
+    intra = first0["intra"]
+    assert intra["latency_s"] < 0.05 and intra["bandwidth"] > 1e6  # loopback: well above 1 MB/s
+    assert first0["devices_per_node"] == 2 and again0 == first0
+    assert len(list(tmp_path.glob("network-gloo-2-2-*.json"))) == 1
