@@ -3,8 +3,10 @@
 from plait.config import Config
 from plait.errors import (
     CaptureError,
+    CheckpointError,
     ConfigError,
     LossError,
+    NonFiniteError,
     PartitionError,
     PipelineError,
     PlaitError,
@@ -26,4 +28,6 @@ __all__ = [
     "ScheduleError",
     "LossError",
     "PipelineError",
+    "CheckpointError",
+    "NonFiniteError",
 ]

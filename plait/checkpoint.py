@@ -246,7 +246,7 @@ def find_resumable(root: str | os.PathLike[str]) -> Checkpoint | None:
     return None
 
 
-def export(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+def export(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> Checkpoint:
     """Write the model's plain state dict (the names and order of net.state_dict()) to `out`.
 
     `source` is a checkpoint directory (its latest complete checkpoint) or one step directory.
@@ -273,7 +273,7 @@ def export(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, out)
-    return out
+    return ckpt
 
 
 def read_parameters(ckpt: Checkpoint) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The `plait` command: `run` a script on N ranks, the `demo`, and `timeline`/`simulate` charts."""
+"""The `plait` command: `run` a script on N ranks, the `demo`, `timeline`/`simulate` charts, `export`."""
 
 from __future__ import annotations
 
@@ -130,10 +130,29 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_export_command(commands: Any) -> None:
+    export = commands.add_parser(
+        "export", help="write a checkpoint's model as a plain state-dict file",
+        description="Write the model of a plait checkpoint as one plain state dict, with the names "
+                    "of net.state_dict(): OUT.safetensors in that format, anything else with "
+                    "torch.save, so net.load_state_dict(torch.load(OUT, weights_only=True)) loads it.")
+    export.add_argument("checkpoint", metavar="CHECKPOINT",
+                        help="a checkpoint directory (its latest complete checkpoint) or one step-NNNNNN directory")
+    export.add_argument("-o", "--output", required=True, metavar="OUT", help="the file to write")
+
+
+def _export(args: argparse.Namespace) -> int:
+    from plait import checkpoint
+
+    ckpt = checkpoint.export(args.checkpoint, args.output)
+    print(f"wrote {args.output}: the model of step {ckpt.step} ({ckpt.path})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="plait", description="Train an unmodified PyTorch model as a pipeline over several processes.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,demo,timeline,simulate}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,demo,timeline,simulate,export,plan}")
 
     run = commands.add_parser(
         "run", help="run a training script on N ranks",
@@ -152,17 +171,31 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=DEMO_EPILOG, allow_abbrev=False)
     _add_launch_options(demo, default_nproc=2)
     _add_chart_commands(commands)
+    from plait.plan_command import add_plan_command
+
+    add_plan_command(commands)
+    _add_export_command(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if args.command in ("timeline", "simulate"):
+    if args.command == "plan":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        from plait.plan_command import run_plan
+
+        try:
+            return run_plan(args)
+        except (PlaitError, ValueError, OSError, ImportError) as err:
+            print(f"plait plan: error: {err}", file=sys.stderr)
+            return 1
+    if args.command in ("timeline", "simulate", "export"):
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         try:
-            return _timeline(args) if args.command == "timeline" else _simulate(args)
+            return {"timeline": _timeline, "simulate": _simulate, "export": _export}[args.command](args)
         except (PlaitError, ValueError, OSError, ImportError) as err:
             print(f"plait {args.command}: error: {err}", file=sys.stderr)
             return 1

@@ -186,7 +186,7 @@ def check_names(expected: Mapping[str, tuple[int, ...]], got: Mapping[str, tuple
     """CheckpointError listing missing and unexpected names and shape mismatches, if any."""
     missing = [n for n in expected if n not in got]
     unexpected = [n for n in got if n not in expected]
-    shapes = [f"{n}: model {list(expected[n])}, {where} {list(got[n])}"
+    shapes = [f"{n}: model {list(expected[n])}, saved {list(got[n])}"
               for n in expected if n in got and tuple(expected[n]) != tuple(got[n])]
     if not (missing or unexpected or shapes):
         return

@@ -7,7 +7,7 @@ import socket
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.multiprocessing as mp
@@ -36,17 +36,26 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[...
         torch.distributed.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 90.0) -> list[Any]:
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 90.0,
+              dying: Collection[int] = ()) -> list[Any]:
     """Run fn(rank, world_size, *args) on `world_size` spawned ranks; return each rank's result.
 
     Fails (and kills every rank) if any rank raises or the whole run exceeds `timeout` seconds.
+    Ranks in `dying` are expected to be killed by a signal (the test kills them): their result
+    is None, and it is a failure if one of them ends any other way.
     """
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(_entry, args=(world_size, free_port(), out_dir, fn, args),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:
-            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+            if dying:  # ctx.join would stop the others when one dies: they must end by themselves
+                for p in ctx.processes:
+                    p.join(max(0.0, deadline - time.monotonic()))
+                alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+                if alive:
+                    raise TimeoutError(f"ranks {alive} running {fn.__name__} did not finish in {timeout}s")
+            while not dying and not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{world_size} ranks running {fn.__name__} did not finish in {timeout}s")
         except mp.ProcessRaisedException as e:  # pragma: no cover - _entry catches everything
@@ -58,6 +67,13 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
         results = []
         for rank in range(world_size):
             path = os.path.join(out_dir, f"{rank}.pt")
+            if rank in dying:
+                code = ctx.processes[rank].exitcode
+                if code is None or code >= 0:
+                    raise AssertionError(f"rank {rank} was to be killed by a signal, but it ended with "
+                                         f"exit code {code}" + _result_text(path))
+                results.append(None)
+                continue
             if not os.path.exists(path):
                 raise AssertionError(f"rank {rank} left no result (exit code {ctx.processes[rank].exitcode})")
             status, value = torch.load(path, weights_only=False)
@@ -65,3 +81,10 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
                 raise AssertionError(value)
             results.append(value)
         return results
+
+
+def _result_text(path: str) -> str:
+    if not os.path.exists(path):
+        return ""
+    status, value = torch.load(path, weights_only=False)
+    return f" ({status}: {value})"
