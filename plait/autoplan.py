@@ -1,0 +1,132 @@
+"""Planning a model's layout from one sample batch: profile it here, then search (`plan_model`).
+
+The data flow of the planner, each arrow a function of printable data:
+
+    net + sample --profile--> LayerCosts --search(world, batch, Cluster)--> [Candidate, ...]
+
+`plan_model` is what `Model` calls when a `Config` leaves sizes open, and what `plait plan
+--model` runs; `PlanResult.config_fields()` gives the chosen layout as `Config` fields.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from plait import data as batching
+from plait.plan.cost import Cluster
+from plait.plan.devices import device
+from plait.plan.network import Network
+from plait.plan.search import Candidate, SearchSpace, format_table, search
+from plait.profile import LayerProfile, OptimizerFactory, profile
+
+__all__ = ["PlanOptions", "PlanResult", "plan_model", "local_cluster", "threads_per_rank"]
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How to profile and what to search.
+
+    profile_rows: rows of the sample to measure on (times are fitted affine in rows, so the
+    search may price other micro-batch sizes). threads: intra-op threads per rank while
+    measuring (None: this machine's cores shared by the local ranks, as `plait run` sets them).
+    """
+
+    space: SearchSpace = field(default_factory=SearchSpace)
+    profile_rows: int = 64
+    repeats: int = 5
+    threads: int | None = None
+    cache_dir: str | None = None
+    optimizer: OptimizerFactory = torch.optim.Adam
+    loss: Callable[[Any, Any], torch.Tensor] | None = None
+    target: Any = None  # with `loss`: the sample's targets, so the last layer includes the loss
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The candidates best first, the profile they were priced with, and the cluster."""
+
+    candidates: list[Candidate]
+    profile: LayerProfile
+    cluster: Cluster
+    world_size: int
+    global_batch: int
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    def config_fields(self, candidate: Candidate | None = None) -> dict[str, Any]:
+        """The candidate (default: the best) as `Config` fields: `replace(config, **fields)`."""
+        c = candidate or self.best
+        st = c.setting
+        return {"layers_per_proc": tuple(c.layers_per_stage), "num_stages": st.pp, "dp": st.dp,
+                "num_microbatches": st.num_microbatches, "schedule": st.schedule,
+                "num_virtual_stages": st.num_virtual_stages, "recompute": st.recompute}
+
+    def table(self, top: int = 5) -> str:
+        return format_table(self.candidates, top)
+
+    def to_dict(self) -> dict[str, Any]:
+        """One JSON-ready object: the best candidate's fields, then the alternatives."""
+        data = self.best.to_dict()
+        data.update({
+            "world_size": self.world_size, "global_batch": self.global_batch,
+            "alternatives": [c.to_dict() for c in self.candidates[1:]],
+            "profile": {"source": self.profile.costs.source, "seconds": self.profile.seconds,
+                        "cached": self.profile.cached, "signature": self.profile.signature},
+            "network": self.cluster.network.to_dict(),
+            "memory_limit_bytes": self.cluster.memory_bytes,
+        })
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+
+def threads_per_rank(local_ranks: int) -> int:
+    """This machine's cores shared by `local_ranks` processes (what `plait run` gives each)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_ranks))
+
+
+def local_cluster(local_ranks: int, network: Network | None = None, memory_bytes: float | None = None,
+                  optimizer_state_factor: float = 2.0) -> Cluster:
+    """This machine as a cluster: its RAM shared by `local_ranks` processes (90% of it), and
+    `network` (a `plait.runtime.calibrate` measurement; default: the "cpu" preset's loopback)."""
+    if memory_bytes is None:
+        try:
+            total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):
+            total = device("cpu").memory_bytes
+        memory_bytes = 0.9 * total / max(1, local_ranks)
+    return Cluster(network or device("cpu").network, memory_bytes, optimizer_state_factor)
+
+
+def plan_model(net: nn.Module, sample: Any, world_size: int, global_batch: int,
+               cluster: Cluster, options: PlanOptions = PlanOptions()) -> PlanResult:
+    """Profile `net` on (up to `options.profile_rows` rows of) `sample`, a batch as `fit` takes
+    it, then search the layouts of `world_size` ranks for batches of `global_batch` rows.
+
+    Runs on one process and leaves `net` as it was; the profile is cached by model signature.
+    """
+    rows = batching.num_rows(sample)
+    piece = batching.slice_rows(sample, 0, min(rows, options.profile_rows))
+    args, kwargs = batching.as_call(piece)
+    target = options.target
+    if target is not None:
+        target = batching.slice_rows(target, 0, min(rows, options.profile_rows))
+    measured = profile(net, args, kwargs, options.loss, target, options.repeats,
+                       optimizer=options.optimizer,
+                       threads=options.threads or threads_per_rank(world_size),
+                       cache_dir=options.cache_dir)
+    found = search(measured.costs, world_size, global_batch, cluster, options.space)
+    return PlanResult(found, measured, cluster, world_size, global_batch)

@@ -1,0 +1,180 @@
+"""The `plait plan` command: plan a described GPT (no profiling) or a user's model (profiled here).
+
+    plait plan --gpt layers=48,hidden=8192,heads=64,seq=1024,vocab=51200 --batch 1024 \\
+               --devices 64 --device v100-16gb [--json]
+    plait plan --model my_model.py:build --sample-shape 64,1,28,28 --devices 2 [--json]
+
+Prints the chosen layout (per stage: layers, time, memory) and the best alternatives, or with
+--json exactly one JSON object: pp, dp, tp, num_microbatches, schedule, stages,
+predicted_step_time_s, peak_memory_bytes, feasible and, when infeasible, reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from plait.errors import ConfigError
+
+__all__ = ["add_plan_command", "run_plan"]
+
+DESCRIPTION = (
+    "Choose pipeline stages (pp), data-parallel replicas (dp), micro-batches, schedule and "
+    "recomputation for a model on DEVICES devices, with the layers of each stage, by an exact "
+    "partition of a cost model. --gpt describes a GPT and plans it analytically for --device; "
+    "--model profiles your own model on this machine first."
+)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
+def add_plan_command(commands: Any) -> None:
+    """Register `plait plan` on the CLI's subparsers."""
+    plan = commands.add_parser("plan", help="plan pp x dp, micro-batches and schedule for a model",
+                               description=DESCRIPTION)
+    model = plan.add_mutually_exclusive_group(required=True)
+    model.add_argument("--gpt", metavar="SPEC",
+                       help="layers=L,hidden=H,heads=A[,seq=S][,vocab=V]: a GPT planned analytically")
+    model.add_argument("--model", metavar="FILE.py:FN",
+                       help="a function returning your nn.Module (file path or module name), profiled here")
+    plan.add_argument("--devices", type=int, required=True, metavar="N", help="devices (ranks) in all")
+    plan.add_argument("--batch", type=int, default=None, metavar="B",
+                      help="global batch in rows (default: the --sample-shape rows; required with --gpt)")
+    plan.add_argument("--device", default=None, metavar="NAME",
+                      help="device preset: v100-16gb, a100-40gb, a100-80gb, h100-80gb, mi250x, cpu "
+                           "(default: v100-16gb with --gpt, cpu with --model)")
+    plan.add_argument("--memory-gb", type=float, default=None, metavar="GB",
+                      help="memory per device for the model, GiB (default: 90%% of the preset's; "
+                           "with --model and no --device, 90%% of this machine's RAM per device)")
+    plan.add_argument("--sample-shape", type=_ints, default=None, metavar="B,...",
+                      help="--model: shape of a random input batch, rows first (e.g. 64,1,28,28)")
+    plan.add_argument("--sample-dtype", choices=("float32", "int64"), default="float32",
+                      help="--model: dtype of the random input (int64: zeros, for token ids)")
+    plan.add_argument("--optimizer", choices=("adam", "sgd-momentum", "sgd"), default="adam",
+                      help="optimizer whose state counts in memory (default: adam)")
+    plan.add_argument("--schedules", default="1f1b,gpipe,zbh1,interleaved", metavar="S,...",
+                      help="schedules to consider (default: all four)")
+    plan.add_argument("--pp", type=_ints, default=None, metavar="P,...", help="pipeline sizes to consider")
+    plan.add_argument("--microbatches", type=_ints, default=None, metavar="M,...",
+                      help="micro-batch counts to consider (default: powers of two, multiples of pp)")
+    plan.add_argument("--no-recompute", action="store_true", help="never recompute activations")
+    plan.add_argument("--top", type=int, default=5, metavar="K", help="candidates shown (default: 5)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    plan.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="also save the JSON here")
+
+
+def _load_model(spec: str) -> Any:
+    """`path/to/file.py:fn` or `package.module:fn` -> fn()."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise ConfigError(f"--model {spec!r}: write FILE.py:FUNCTION or module.name:FUNCTION")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ConfigError(f"--model: no file {where!r}")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        sys.path.insert(0, str(path.parent.resolve()))
+        try:
+            module_spec.loader.exec_module(module)
+        finally:
+            sys.path.pop(0)
+    else:
+        module = importlib.import_module(where)
+    if not hasattr(module, name):
+        raise ConfigError(f"--model: {where} has no {name!r}")
+    return getattr(module, name)()
+
+
+def _search_space(args: argparse.Namespace) -> Any:
+    from plait.plan.search import SearchSpace
+
+    schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
+    return SearchSpace(pp=args.pp, num_microbatches=args.microbatches, schedules=schedules,
+                       recompute=(False,) if args.no_recompute else (False, True),
+                       keep=max(1, args.top))
+
+
+def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from plait.plan.analytic import gpt_costs, optimizer_state_factor, parse_gpt
+    from plait.plan.cost import Cluster
+    from plait.plan.devices import device
+    from plait.plan.search import format_table, search
+
+    gib = 2**30
+    if args.devices < 1:
+        raise ConfigError(f"--devices must be at least 1, got {args.devices}")
+    start = time.perf_counter()
+    if args.gpt is not None:
+        if args.batch is None:
+            raise ConfigError("--gpt needs --batch (the global batch in sequences)")
+        spec = parse_gpt(args.gpt)
+        dev = device(args.device or "v100-16gb")
+        memory = args.memory_gb * gib if args.memory_gb else dev.usable_memory()
+        cluster = Cluster(dev.network, memory, optimizer_state_factor(args.optimizer, dev.dtype_bytes))
+        found = search(gpt_costs(spec, dev, args.optimizer), args.devices, args.batch, cluster,
+                       _search_space(args))
+        head = {"model": f"GPT {args.gpt} ({spec.parameters / 1e9:.2f}B parameters)",
+                "device": dev.name, "devices": args.devices, "global_batch": args.batch}
+        costs_source = f"analytic, {dev.name}"
+    else:
+        import torch
+
+        from plait.autoplan import PlanOptions, local_cluster, plan_model
+        from plait.plan.analytic import optimizer_state_factor as state_factor
+
+        if args.sample_shape is None:
+            raise ConfigError("--model needs --sample-shape ROWS,... (a batch the model takes)")
+        net = _load_model(args.model)
+        shape = args.sample_shape
+        sample = (torch.zeros(shape, dtype=torch.int64) if args.sample_dtype == "int64"
+                  else torch.randn(shape))
+        batch = args.batch or shape[0]
+        factor = state_factor(args.optimizer, 4)
+        if args.device is not None:
+            dev = device(args.device)
+            memory = args.memory_gb * gib if args.memory_gb else dev.usable_memory()
+            cluster = Cluster(dev.network, memory, factor)
+        else:
+            cluster = local_cluster(args.devices, None, args.memory_gb * gib if args.memory_gb else None, factor)
+        result = plan_model(net, sample, args.devices, batch, cluster,
+                            PlanOptions(space=_search_space(args)))
+        found = result.candidates
+        head = {"model": args.model, "device": args.device or "this machine",
+                "devices": args.devices, "global_batch": batch}
+        costs_source = result.profile.costs.source + (" (cached)" if result.profile.cached else "")
+    elapsed = time.perf_counter() - start
+    data = found[0].to_dict()
+    data.update(head)
+    data["planning_time_s"] = elapsed
+    data["costs"] = costs_source
+    data["alternatives"] = [c.to_dict() for c in found[1:]]
+    text = (f"plait plan: {head['model']} on {args.devices} x {head['device']} "
+            f"({cluster.memory_bytes / gib:.2f} GiB each), global batch {head['global_batch']}; "
+            f"costs {costs_source}; planned in {elapsed:.2f} s\n" + format_table(found, args.top))
+    return data, text
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Run `plait plan`; print the table or the JSON object (0 whether or not a layout fits:
+    `feasible` and `reason` say)."""
+    data, text = _plan(args)
+    if args.output is not None:
+        Path(args.output).write_text(json.dumps(data, indent=1))
+    print(json.dumps(data) if args.json else text)
+    return 0

@@ -1,0 +1,43 @@
+"""`plan_model`, the integration's entry: profile a model here, search, hand back Config fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from plait.autoplan import PlanOptions, local_cluster, plan_model, threads_per_rank
+from plait.config import Config
+from plait.demo import PaperCNN
+from plait.plan.search import SearchSpace
+
+
+@pytest.mark.timeout(120)
+def test_plan_model_gives_config_fields_and_json():
+    torch.manual_seed(0)
+    net = PaperCNN(in_hw=8)
+    x = torch.randn(200, 1, 8, 8)
+    cluster = local_cluster(2)
+    options = PlanOptions(space=SearchSpace(pp=(2,), schedules=("1f1b", "gpipe")), repeats=2,
+                          loss=nn.CrossEntropyLoss(), target=torch.randint(0, 10, (200,)))
+    result = plan_model(net, x, world_size=2, global_batch=200, cluster=cluster, options=options)
+    best = result.best
+    assert best.feasible and best.setting.pp == 2 and result.profile.rows == 64
+    fields = result.config_fields()
+    config = dataclasses.replace(Config(), **fields)  # the integration's use: a valid Config
+    assert config.stages_for(2) == 2 and sum(config.layers_per_proc) == 11
+    assert fields["layers_per_proc"] == best.layers_per_stage
+    data = json.loads(result.to_json())
+    assert data["pp"] == 2 and data["world_size"] == 2 and len(data["alternatives"]) >= 1
+    assert "stage  0 (rank 0)" in result.table()
+    again = plan_model(net, x, 2, 200, cluster, options)
+    assert again.profile.cached and again.best.layers_per_stage == best.layers_per_stage
+
+
+def test_local_cluster_shares_the_machine():
+    one, two = local_cluster(1), local_cluster(2)
+    assert two.memory_bytes == pytest.approx(one.memory_bytes / 2)
+    assert threads_per_rank(1) >= threads_per_rank(2) >= 1

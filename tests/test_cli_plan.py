@@ -1,0 +1,96 @@
+"""`plait plan`: a described GPT planned offline, a user's model file profiled here, one JSON
+object with the fields scripts read, and errors that say what to write."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from plait.cli import main
+
+REQUIRED = {"pp", "dp", "tp", "num_microbatches", "schedule", "stages", "predicted_step_time_s",
+            "peak_memory_bytes", "feasible"}
+GPT_39B = "layers=48,hidden=8192,heads=64,seq=1024,vocab=51200"
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1  # exactly one JSON object, on one line
+    return json.loads(out)
+
+
+def test_gpt_39b_on_64_v100_needs_tensor_parallelism(capsys):
+    data = run_json(capsys, "--gpt", GPT_39B, "--batch", "1024", "--devices", "64",
+                    "--device", "v100-16gb")
+    assert REQUIRED | {"reason"} <= set(data)
+    assert data["feasible"] is False and data["tp"] == 1 and data["pp"] * data["dp"] == 64
+    assert "tensor parallelism" in data["reason"]
+    assert data["planning_time_s"] < 2.0
+
+
+def test_gpt_350m_on_one_v100_fits(capsys):
+    data = run_json(capsys, "--gpt", "layers=24,hidden=1024,heads=16", "--batch", "1024",
+                    "--devices", "1", "--device", "v100-16gb")
+    assert REQUIRED <= set(data) and data["feasible"] is True and "reason" not in data
+    assert (data["pp"], data["dp"]) == (1, 1) and len(data["stages"]) == 1
+    assert data["peak_memory_bytes"] <= 0.9 * 16 * 2**30
+    assert data["predicted_step_time_s"] > 0 and data["alternatives"]
+
+
+def test_table_lists_stages_and_alternatives(capsys, tmp_path):
+    out_file = tmp_path / "plan.json"
+    assert main(["plan", "--gpt", "layers=8,hidden=512,heads=8,seq=256,vocab=1000", "--batch", "64",
+                 "--devices", "4", "--device", "a100-40gb", "--memory-gb", "20", "-o", str(out_file)]) == 0
+    text = capsys.readouterr().out
+    assert "on 4 x a100-40gb (20.00 GiB each)" in text
+    assert "stage  0 (rank 0): layers 0-" in text
+    ranked = [line for line in text.splitlines() if line[:2].strip().isdigit()]
+    assert [int(line[:2]) for line in ranked] == [1, 2, 3, 4, 5]  # the chosen and 4 alternatives
+    saved = json.loads(out_file.read_text())
+    assert REQUIRED <= set(saved) and saved["device"] == "a100-40gb"
+
+
+def test_a_model_file_is_profiled_and_planned(capsys, tmp_path):
+    model_file = tmp_path / "my_model.py"
+    model_file.write_text(textwrap.dedent("""
+        from torch import nn
+
+        def build():
+            return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                                 nn.Linear(32, 4))
+    """))
+    data = run_json(capsys, "--model", f"{model_file}:build", "--sample-shape", "16,8",
+                    "--devices", "2", "--schedules", "1f1b,gpipe")
+    assert REQUIRED <= set(data) and data["feasible"] is True
+    assert data["pp"] * data["dp"] == 2 and data["global_batch"] == 16
+    assert sum(s["num_layers"] for s in data["stages"]) == 5
+    assert data["schedule"] in ("1f1b", "gpipe") and "profiled on" in data["costs"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpt", "layers=2,hidden=64,heads=4", "--devices", "2"], "--gpt needs --batch"),
+    (["--gpt", "layers=2,hidden=64", "--batch", "8", "--devices", "2"], "lacks heads"),
+    (["--gpt", "layers=2,hidden=64,heads=4", "--batch", "8", "--devices", "2", "--device", "tpu"],
+     "unknown device 'tpu'"),
+    (["--model", "nowhere.py:build", "--sample-shape", "4,2", "--devices", "1"], "no file 'nowhere.py'"),
+    (["--model", "torch.nn:Linear", "--devices", "1"], "needs --sample-shape"),
+])
+def test_errors_say_what_to_write(capsys, argv, message):
+    assert main(["plan", *argv]) == 1
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_run_as_a_user_runs_it():
+    result = subprocess.run(
+        [sys.executable, "-m", "plait.cli", "plan", "--gpt", "layers=24,hidden=2048,heads=32",
+         "--batch", "1024", "--devices", "4", "--json"],
+        capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["feasible"] and data["pp"] * data["dp"] == 4 and data["device"] == "v100-16gb"
