@@ -105,9 +105,11 @@ def _settings(costs: LayerCosts, world_size: int, global_batch: int, space: Sear
             counts = sorted({2**k for k in range(replica_rows.bit_length())}
                             | {pp * 2**k for k in range(replica_rows.bit_length())})
         for m in (c for c in counts if c <= replica_rows):
+            single = [n for n in space.schedules if n != "interleaved"]
+            one = "1f1b" if "1f1b" in single else (single[0] if single else None)
             for name in space.schedules:
-                if pp == 1 and name != "1f1b":
-                    continue  # one stage: every schedule is 1F1B, GPipe only holds more
+                if pp == 1 and name != one:
+                    continue  # one stage: the schedules differ only in what GPipe holds
                 v = space.num_virtual_stages if name == "interleaved" else 1
                 if name == "interleaved" and (v < 2 or pp < 2 or pp * v > costs.num_layers):
                     continue
