@@ -185,28 +185,37 @@ def _cut_times(costs: LayerCosts, setting: Setting, network: Network, rows: int)
             for k in range(costs.num_layers - 1)]
 
 
+def _latency_terms(costs: LayerCosts, setting: Setting, rows: int) -> tuple[list[float], list[float], list[float], float]:
+    """Per-layer (bottleneck time, fill, last-stage fill) and the bottleneck count of the
+    schedule's closed form (see `partition_problem`)."""
+    f, b, w = _layer_times(costs, setting, rows)
+    time = [x + y + z for x, y, z in zip(f, b, w)]
+    v, m, p = setting.num_virtual_stages, setting.num_microbatches, setting.pp
+    if setting.schedule == "zbh1" and not setting.recompute:
+        if m >= p:
+            return time, [x + y - z for x, y, z in zip(f, b, w)], [2 * z for z in w], float(m - 1)
+        busy = [x + y for x, y in zip(f, b)]  # fewer micro-batches than stages: W never waits
+        return busy, busy, list(w), float(m - 1)
+    if setting.schedule == "interleaved":
+        return time, [t / v for t in time], [0.0] * len(time), float(m * v - 1)
+    return time, list(time), [0.0] * len(time), float(m - 1)
+
+
 def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int) -> PartitionProblem:
     """The closed form the partition minimises for `setting`, with memory per stage.
 
     1F1B and GPipe: T = sum_s t_s + 2 sum_cuts c + (m - 1) max_s t_s, t = F + B + W (Alpa eq. 2;
     exactly simulate's step for uniform stages, and for GPipe whenever B/F is the same on
-    every stage). ZB-H1 (W split off): fill F + B - W per stage plus 2W on the last stage,
-    which gives the paper's m(F+B+W) + (p-1)(F+B-W) for uniform stages and m >= p.
-    Interleaved (v chunks per rank): the chunks' fill and cuts count 1/v and the bottleneck
-    m v - 1 times, which gives Megatron's (m + (p-1)/v) t for uniform chunks; each chunk must
-    fit in 1/v of the device, a sufficient condition for the rank.
+    every stage). ZB-H1 (W split off), m >= p: fill F + B - W per stage plus 2W on the last,
+    the paper's m(F+B+W) + (p-1)(F+B-W) for uniform stages; m < p: t = F + B and one W more,
+    (m + p - 1)(F + B) + W. Interleaved (v chunks per rank): the chunks' fill and cuts count
+    1/v and the bottleneck m v - 1 times, Megatron's (m + (p-1)/v) t for uniform chunks; each
+    chunk must fit in 1/v of the device, a sufficient condition for the rank.
     """
     rows = microbatch_rows(global_batch, setting.dp, setting.num_microbatches)
-    f, b, w = _layer_times(costs, setting, rows)
-    time = [x + y + z for x, y, z in zip(f, b, w)]
-    cuts = [2 * c for c in _cut_times(costs, setting, cluster.network, rows)]
-    v, m = setting.num_virtual_stages, setting.num_microbatches
-    fill, last_fill, count = list(time), [0.0] * len(time), float(m - 1)
-    if setting.schedule == "zbh1" and not setting.recompute:
-        fill = [x + y - z for x, y, z in zip(f, b, w)]
-        last_fill = [2 * z for z in w]
-    elif setting.schedule == "interleaved":
-        fill, cuts, count = [t / v for t in time], [c / v for c in cuts], float(m * v - 1)
+    time, fill, last_fill, count = _latency_terms(costs, setting, rows)
+    v = setting.num_virtual_stages
+    cuts = [2 * c / v for c in _cut_times(costs, setting, cluster.network, rows)]
     state = [p + g * (1 + cluster.optimizer_state_factor) for p, g in zip(costs.param_bytes, costs.grad_bytes)]
     act = [a * rows for a in costs.activation_row_bytes]
     entry = [costs.input_row_bytes * rows] + [o * rows for o in costs.output_row_bytes[:-1]]
@@ -222,16 +231,11 @@ def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, glo
 
 
 def pipeline_lower_bound(costs: LayerCosts, setting: Setting, global_batch: int) -> float:
-    """A bound no layout of `setting` beats: the closed form with free hand-overs and a
-    slowest stage no slower than the average one (max >= mean)."""
+    """A bound no layout of `setting` beats: its closed form with free hand-overs, no last-stage
+    extra and a slowest stage no slower than the average one (max >= mean)."""
     rows = microbatch_rows(global_batch, setting.dp, setting.num_microbatches)
-    f, b, w = _layer_times(costs, setting, rows)
-    total = sum(f) + sum(b) + sum(w)
-    v, m = setting.num_virtual_stages, setting.num_microbatches
-    if setting.schedule == "interleaved":
-        return total / v + (m * v - 1) * total / setting.num_stages
-    fill = total - 2 * sum(w) if setting.schedule == "zbh1" and not setting.recompute else total
-    return fill + (m - 1) * total / setting.num_stages
+    time, fill, _, count = _latency_terms(costs, setting, rows)
+    return sum(fill) + count * sum(time) / setting.num_stages
 
 
 def _stages(costs: LayerCosts, setting: Setting, cluster: Cluster, rows: int,

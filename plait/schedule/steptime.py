@@ -78,7 +78,7 @@ def _program(name: str, num_ranks: int, m: int, v: int) -> Program:
     return makers[name](num_ranks, m)
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=16)  # a 64-stage x 1024 micro-batch table holds ~10 MB
 def compile_schedule(
     name: str, num_ranks: int, num_microbatches: int, num_virtual_stages: int = 1
 ) -> CompiledSchedule:
