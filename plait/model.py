@@ -340,7 +340,8 @@ class Model:
             logs = self._logs(totals, max(rows_seen, 1))
             for cb in cbs:
                 _call(cb, "on_epoch_end", epoch, logs)
-            if root is not None and (self.config.checkpoint_every is None or epoch == epochs - 1):
+            last = self.config.checkpoint_every is None or epoch == epochs - 1
+            if root is not None and last and self._saved_step != self.step:
                 self._save(root, {**order, "epoch": epoch + 1, "batch": 0, "totals": None, "rows_seen": 0,
                                   "history_epochs": history.epoch, "history": history.history})
         self.write_trace()

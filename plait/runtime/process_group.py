@@ -165,5 +165,10 @@ def init_process_group(
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and info.source == "torchrun"
     store = create_store(info.master_addr, info.master_port, info.rank == 0 and not agent_store, timeout,
                          world_size=None if agent_store else info.world_size)
+    if agent_store:
+        # The agent keeps one store across restarts (--max-restarts): without a key space per
+        # attempt, gloo would read the addresses of the previous attempt's dead ranks.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"plait/attempt_{attempt}", store)
     dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout)
     return info.rank, info.world_size

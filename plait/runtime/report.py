@@ -60,10 +60,11 @@ def gather_failures(run_id: int, rank: int, position: int, wait_s: float = 3.0) 
     world_size = dist.get_world_size()
     failures = Failures(world_size, {rank: position}, {rank})
     start = time.time()
+    prefix = "plait/failure"  # under `plait run`, each restart has a store key space of its own
     try:
         store = dist.distributed_c10d._get_default_store()
-        store.set(f"plait/failure/{rank}", f"{run_id} {position} {start:.3f}")
-        keys = {r: f"plait/failure/{r}" for r in range(world_size) if r != rank}
+        store.set(f"{prefix}/{rank}", f"{run_id} {position} {start:.3f}")
+        keys = {r: f"{prefix}/{r}" for r in range(world_size) if r != rank}
         first = start
         while True:
             for r, key in list(keys.items()):
