@@ -104,7 +104,7 @@ def local_cluster(local_ranks: int, network: Network | None = None, memory_bytes
     `network` (a `plait.runtime.calibrate` measurement; default: the "cpu" preset's loopback)."""
     if memory_bytes is None:
         try:
-            total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            total = float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         except (AttributeError, ValueError, OSError):
             total = device("cpu").memory_bytes
         memory_bytes = 0.9 * total / max(1, local_ranks)
