@@ -187,9 +187,12 @@ def _check_meta(meta: Any, where: Path) -> dict[str, Any]:
             isinstance(v, dict) and type(v.get("shard")) is int and 0 <= v["shard"] < len(shards)
             for v in tensors.values()):
         raise bad("the tensor index is malformed")
-    for name in ("state_keys", "aliases"):
-        if not isinstance(meta.get(name), (list, dict)):
-            raise bad(f"{name} is missing")
+    if not (isinstance(meta.get("state_keys"), list) and all(isinstance(k, str) for k in meta["state_keys"])):
+        raise bad("state_keys must list the state dict's names")
+    if not isinstance(meta.get("aliases"), dict):
+        raise bad("aliases are missing")
+    if meta.get("plan") is not None and not isinstance(meta["plan"], dict):
+        raise bad("the plan is not a JSON object")
     if not all(isinstance(a, str) and isinstance(b, str) for a, b in meta["aliases"].items()):
         raise bad("aliases must map names to names")
     return meta

@@ -132,10 +132,12 @@ class Config:
             raise ConfigError(
                 f"grad_reduction={self.grad_reduction!r} is not known; choose 'mean' or 'sum'"
             )
-        if not (isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0):
+        if not (_is_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0):
             raise ConfigError(f"bucket_cap_mb must be a positive number, got {self.bucket_cap_mb!r}")
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+        if not (_is_number(self.timeout_s) and self.timeout_s > 0):
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"seed must be an integer (it seeds the shuffle order), got {self.seed!r}")
         self._check_checkpoints()
 
     def _check_checkpoints(self) -> None:
@@ -237,3 +239,7 @@ class Config:
         except (ValueError, RecursionError) as e:
             raise ConfigError(f"not a plait Config: not JSON ({type(e).__name__}: {e})") from None
         return cls.from_dict(data)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -118,8 +118,11 @@ def _check_entry(name: str, entry: Any, total: int, where: str) -> dict[str, Any
     for d in shape:
         numel *= d
     itemsize = torch.empty((), dtype=DTYPES[entry["dtype"]]).element_size()
-    if not 0 <= begin <= stop <= total or stop - begin != numel * itemsize:
+    if not 0 <= begin <= stop or stop - begin != numel * itemsize:
         raise bad
+    if stop > total:
+        raise CheckpointError(f"{where}: tensor {name!r} ends at byte {stop} of the data, which has "
+                              f"only {total} bytes (truncated?)")
     return {"dtype": DTYPES[entry["dtype"]], "shape": tuple(shape), "begin": begin, "end": stop}
 
 

@@ -107,6 +107,15 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params: 
     `shards` maps a rank to its (tensors, JSON optimizer part). Each parameter's group settings
     come from the group that held it when saved, so a new layout keeps changed learning rates.
     """
+    try:
+        return _restore_optimizer(optimizer, net, params, shards)
+    except (TypeError, ValueError, AttributeError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"the checkpoint's optimizer state is malformed or does not fit this "
+                              f"optimizer ({type(e).__name__}: {e})") from None
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params: Iterable[nn.Parameter],
+                       shards: Mapping[int, tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]]) -> int:
     names = _names(net)
     found: dict[str, dict[str, Any]] = {}
     settings: dict[str, dict[str, Any]] = {}
