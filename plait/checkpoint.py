@@ -193,6 +193,9 @@ def _check_meta(meta: Any, where: Path) -> dict[str, Any]:
         raise bad("aliases are missing")
     if meta.get("plan") is not None and not isinstance(meta["plan"], dict):
         raise bad("the plan is not a JSON object")
+    unresolved = [k for k in meta["state_keys"] if meta["aliases"].get(k, k) not in tensors]
+    if unresolved or set(tensors) - set(meta["state_keys"]):
+        raise bad(f"state_keys, aliases and the tensor index disagree (e.g. {(unresolved or sorted(tensors))[:3]})")
     if not all(isinstance(a, str) and isinstance(b, str) for a, b in meta["aliases"].items()):
         raise bad("aliases must map names to names")
     return meta

@@ -106,7 +106,7 @@ def read_header(data: bytes | bytearray | memoryview, where: str) -> tuple[dict[
 
 def _check_entry(name: str, entry: Any, total: int, where: str) -> dict[str, Any]:
     bad = CheckpointError(f"{where}: the header entry of {name!r} is malformed: {entry!r}"[:300])
-    if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str) or entry["dtype"] not in DTYPES:
         raise bad
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
     if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < _MAX_DIM for d in shape):

@@ -136,7 +136,7 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params:
             for name in group.get("params", []):
                 settings.setdefault(name, group.get("settings", {}))
     wanted = {id(p) for p in params}
-    restored = 0
+    restored: dict[nn.Parameter, dict[str, Any]] = {}
     for group in optimizer.param_groups:
         group_names = [names.get(id(p), "") for p in group["params"]]
         saved = next((settings[n] for n in group_names if n in settings), None)
@@ -147,10 +147,30 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params:
                 group[key].fill_(value)
         for p, name in zip(group["params"], group_names):
             if id(p) in wanted and name in found:
-                optimizer.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) else v
-                                      for k, v in found[name].items()}
-                restored += 1
-    return restored
+                state = {k: v.to(p.device) if isinstance(v, torch.Tensor) else v for k, v in found[name].items()}
+                _check_like(name, state, optimizer.state.get(p) or next(iter(restored.values()), None))
+                restored[p] = state
+    for p, state in restored.items():
+        optimizer.state[p] = state
+    return len(restored)
+
+
+def _check_like(name: str, state: dict[str, Any], like: dict[str, Any] | None) -> None:
+    """A parameter's restored state has the keys, kinds and shapes of the state it replaces.
+
+    (Or, for a fresh optimizer, the keys and kinds of the other parameters' restored states.)
+    """
+    if not like:
+        return
+    if set(state) != set(like):
+        raise CheckpointError(f"the optimizer state of {name!r} holds {sorted(state)}, this optimizer "
+                              f"keeps {sorted(like)}")
+    for key, value in state.items():
+        old = like[key]
+        if isinstance(old, torch.Tensor) != isinstance(value, torch.Tensor) or (
+                isinstance(old, torch.Tensor) and (old.dim() == 0) != (value.dim() == 0)):
+            raise CheckpointError(f"the optimizer state {key!r} of {name!r} is {value!r:.60}, this "
+                                  f"optimizer keeps {old!r:.60}")
 
 
 def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -187,7 +207,7 @@ def restore_rng(tensors: Mapping[str, torch.Tensor], state: Mapping[str, Any]) -
 
             kind, keys, pos, has_gauss, cached = state["numpy"]
             np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    except (TypeError, ValueError, RuntimeError) as e:
+    except (TypeError, ValueError, RuntimeError, OverflowError, KeyError, IndexError, AttributeError) as e:
         raise CheckpointError(f"the checkpoint's RNG state is malformed ({type(e).__name__}: {e})") from None
 
 
