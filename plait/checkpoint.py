@@ -138,6 +138,12 @@ class Checkpoint:
     def world_size(self) -> int:
         return len(self.meta["shards"])
 
+    def same_layout(self, plan: dict[str, Any]) -> bool:
+        """Whether `plan` (Plan.to_json() as a dict) puts every stage on the ranks this one did."""
+        saved = self.meta.get("plan")
+        keys = ("layers_per_stage", "dp", "num_virtual_stages", "world_size")
+        return isinstance(saved, dict) and all(saved.get(k) == plan.get(k) for k in keys)
+
     def shard_path(self, rank: int) -> Path:
         return self.path / self.meta["shards"][rank]["file"]
 

@@ -75,8 +75,8 @@ class Checkpointer:
         rows = self._sum(mine, f"saving checkpoint step {step}")
         shards = []
         for r in range(self.world_size):
-            ok, size, *words = rows[_ROW * r : _ROW * (r + 1)]
-            shards.append({"file": f"rank{r}.safetensors", "bytes": int(size),
+            ok, nbytes, *words = rows[_ROW * r : _ROW * (r + 1)]  # floats: each below 2**53, exact
+            shards.append({"file": f"rank{r}.safetensors", "bytes": int(nbytes),
                            "sha256": "".join(f"{int(w):08x}" for w in words), "ok": ok == 1.0})
         failed = [r for r, s in enumerate(shards) if not s.pop("ok")]
         if failed:

@@ -18,9 +18,9 @@ from plait.callbacks import History, ProgressBar
 from plait.capture.output import flatten_output, unflatten_output
 from plait.checkpointer import Checkpointer
 from plait.config import Config
-from plait.errors import CheckpointError, ConfigError, NonFiniteError, PlaitError
+from plait.errors import CheckpointError, ConfigError, PlaitError
 from plait.metrics import METRICS, check_metrics
-from plait.nonfinite import NonFiniteWatch, first_nonfinite
+from plait.nonfinite import NonFiniteWatch, verdict
 from plait.pipeline import Pipeline, build_pipeline
 from plait.plan import Plan
 from plait.resume import ResumePoint, resume_point
@@ -201,8 +201,8 @@ class Model:
                         raise self._failure("the gradient all-reduce", e, run, done) from e
             sums = self._finish(total, run, done)
             if train:
-                if watch is not None:
-                    skipped = self._check_finite(pipe, sums[len(stats):])
+                if watch is not None:  # raises NonFiniteError for "stop"
+                    skipped = verdict(sums[len(stats):], pipe.plan, self.step + 1, self.config.on_nonfinite, self.rank)
                 assert self.optimizer is not None
                 if not skipped:
                     with tracer.span("compute", "optimizer", step=run, op="opt"):
@@ -223,29 +223,6 @@ class Model:
             return total()
         except Exception as e:  # noqa: BLE001
             raise self._failure("the loss all-reduce", e, run, position) from e
-
-    def _check_finite(self, pipe: Pipeline, flags: list[float]) -> bool:
-        """True to skip the optimizer step: a stage output or the loss was NaN or infinite."""
-        first = first_nonfinite(flags)
-        if first is None:
-            return False
-        plan = pipe.plan
-        if first < plan.num_stages:
-            ranks = sorted({plan.rank_of(first, r) for r in range(plan.dp)})
-            where = f"the output of stage {first} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
-        else:
-            last = plan.num_stages - 1
-            where = f"the loss (every stage output was finite; the loss is computed on stage {last})"
-        text = f"step {self.step + 1}: a NaN or infinite value first appeared in {where}"
-        if self.config.on_nonfinite == "stop":
-            raise NonFiniteError(
-                f"{text}. The optimizer step was not taken: the parameters are those after step "
-                f"{self.step}. Check the data and the learning rate, or pass "
-                f"Config(on_nonfinite='skip') to skip such steps ('ignore': no check)"
-            )
-        if self.rank == 0:
-            log.warning("plait: %s; optimizer step skipped (on_nonfinite='skip')", text)
-        return True
 
     def _local_stats(self, pipe: Pipeline, mbs: list[MicroBatch], keep_outputs: bool) -> tuple[list[float], Any]:
         """This rank's [sum of loss x rows, (correct, counted) per metric] and kept outputs."""
@@ -448,21 +425,15 @@ class Model:
 
     def _save(self, root: str | os.PathLike[str], data: dict[str, Any] | None) -> Path:
         pipe = self._train
-        keys, aliases, entries = train_state.model_index(self.net, pipe.owner_of if pipe else {})
-        tensors = train_state.owned_tensors(self.net, entries, self.rank)
-        owned = [n for n, e in entries.items() if e["shard"] == self.rank]
-        opt_tensors, opt_json = train_state.optimizer_state(self.optimizer, self.net, owned)
-        rng_tensors, rng_json = train_state.rng_state()
-        metadata = train_state.json_metadata(rank=self.rank, optimizer=opt_json, rng=rng_json)
+        shard = train_state.snapshot(self.net, pipe.owner_of if pipe else {}, self.rank, self.optimizer)
 
         def meta() -> dict[str, Any]:
             plan = json.loads(pipe.plan.to_json()) if pipe is not None else None
-            return {"step": self.step, "world_size": self.world_size, "plan": plan,
-                    "config": self.config.to_dict(), "state_keys": keys, "aliases": aliases,
-                    "tensors": entries, "data": data, "torch": torch.__version__}
+            return {"step": self.step, "world_size": self.world_size, "plan": plan, "config": self.config.to_dict(),
+                    **shard.index, "data": data, "torch": torch.__version__}
 
-        path = self._checkpointer.save(root, self.step, {**tensors, **opt_tensors, **rng_tensors}, metadata,
-                                       meta, self.config.checkpoint_keep)
+        path = self._checkpointer.save(root, self.step, shard.tensors, shard.metadata, meta,
+                                       self.config.checkpoint_keep)
         self._saved_step = self.step
         return path
 
@@ -496,22 +467,11 @@ class Model:
         """The optimizer state of this rank's parameters and, with the same layout, its RNG states."""
         ckpt, self._pending = self._pending, None
         assert ckpt is not None
-        entries = ckpt.meta["tensors"]
-        _, _, mine = train_state.model_index(self.net, {})
-        names = {id(t): n for n, t in self.net.state_dict(keep_vars=True).items() if n in mine}
-        wanted = {entries[names[id(p)]]["shard"] for p in pipe.local_parameters if names.get(id(p)) in entries}
-        same_layout = ckpt.meta.get("plan") is not None and ckpt.world_size == self.world_size and all(
-            ckpt.meta["plan"].get(k) == v for k, v in json.loads(pipe.plan.to_json()).items()
-            if k in ("layers_per_stage", "dp", "num_virtual_stages", "world_size"))
-        shards = {r: ckpt.read_shard(r) for r in sorted(wanted | ({self.rank} if same_layout else set()))}
-        if self.optimizer is not None:
-            train_state.restore_optimizer(self.optimizer, self.net, pipe.local_parameters,
-                                          {r: (t, part.get("optimizer", {})) for r, (t, part) in shards.items()})
-        if same_layout:
-            tensors, part = shards[self.rank]
-            train_state.restore_rng(tensors, part.get("rng", {}))
-        elif self.rank == 0:
+        same_layout = ckpt.same_layout(json.loads(pipe.plan.to_json()))
+        train_state.restore(ckpt, self.net, self.optimizer, pipe.local_parameters, self.rank, same_layout)
+        if not same_layout and self.rank == 0:
             log.info("plait: %s was saved with another layout: RNG states not restored", ckpt.path)
+
 
 def _join(flats: list[list[Any]]) -> list[Any]:
     """Join lists of output leaves along the batch dimension (other leaves: the first one)."""

@@ -8,6 +8,7 @@ stops, or skips the optimizer step, together.
 
 from __future__ import annotations
 
+import logging
 import math
 from functools import partial
 from typing import Any
@@ -15,9 +16,13 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from plait.errors import NonFiniteError
 from plait.pipeline import Pipeline
+from plait.plan import Plan
 
-__all__ = ["NonFiniteWatch", "first_nonfinite"]
+__all__ = ["NonFiniteWatch", "first_nonfinite", "verdict"]
+
+log = logging.getLogger("plait")
 
 
 class NonFiniteWatch:
@@ -58,3 +63,25 @@ class NonFiniteWatch:
 def first_nonfinite(flags: list[float]) -> int | None:
     """The first stage whose output was flagged, num_stages for the loss alone, or None."""
     return next((i for i, f in enumerate(flags) if f), None)
+
+
+def verdict(flags: list[float], plan: Plan, step: int, action: str, rank: int) -> bool:
+    """True to skip step `step` (1-based) for these summed flags; raises NonFiniteError for "stop"."""
+    first = first_nonfinite(flags)
+    if first is None:
+        return False
+    if first < plan.num_stages:
+        ranks = sorted({plan.rank_of(first, r) for r in range(plan.dp)})
+        where = f"the output of stage {first} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+    else:
+        where = f"the loss (every stage output was finite; the loss is computed on stage {plan.num_stages - 1})"
+    text = f"step {step}: a NaN or infinite value first appeared in {where}"
+    if action == "stop":
+        raise NonFiniteError(
+            f"{text}. The optimizer step was not taken: the parameters are those after step {step - 1}. "
+            f"Check the data and the learning rate, or pass Config(on_nonfinite='skip') to skip such "
+            f"steps ('ignore': no check)"
+        )
+    if rank == 0:
+        log.warning("plait: %s; optimizer step skipped (on_nonfinite='skip')", text)
+    return True

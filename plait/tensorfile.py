@@ -143,10 +143,11 @@ def read_tensors(path: str | os.PathLike[str], expect_sha256: str | None = None)
             )
     entries, metadata, start = read_header(data, where)
     tensors = {}
-    for name, e in entries.items():
-        if e["end"] == e["begin"]:
-            tensors[name] = torch.empty(e["shape"], dtype=e["dtype"])
+    for name, entry in entries.items():
+        if entry["end"] == entry["begin"]:
+            tensors[name] = torch.empty(entry["shape"], dtype=entry["dtype"])
             continue
-        raw = torch.frombuffer(data, dtype=torch.uint8, offset=start + e["begin"], count=e["end"] - e["begin"])
-        tensors[name] = raw.view(e["dtype"]).reshape(e["shape"]).clone()
+        raw = torch.frombuffer(data, dtype=torch.uint8, offset=start + entry["begin"],
+                               count=entry["end"] - entry["begin"])
+        tensors[name] = raw.view(entry["dtype"]).reshape(entry["shape"]).clone()
     return tensors, metadata

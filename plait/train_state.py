@@ -16,15 +16,19 @@ from __future__ import annotations
 import json
 import logging
 import random
-from typing import Any, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
 from torch import nn
 
 from plait.errors import CheckpointError
 
-__all__ = ["model_index", "owned_tensors", "optimizer_state", "restore_optimizer", "rng_state",
-           "restore_rng", "copy_into", "check_names", "json_metadata"]
+if TYPE_CHECKING:
+    from plait.checkpoint import Checkpoint
+
+__all__ = ["Snapshot", "snapshot", "restore", "model_index", "owned_tensors", "optimizer_state",
+           "restore_optimizer", "rng_state", "restore_rng", "copy_into", "check_names"]
 
 log = logging.getLogger("plait")
 
@@ -38,7 +42,10 @@ def model_index(net: nn.Module, owner_of: Mapping[int, int]) -> tuple[list[str],
     An entry is {"shard": the rank that saves it, "shape", "dtype"}; tensors no stage uses
     are saved by rank 0, as `gather_state_dict` takes them from there.
     """
-    keys, aliases, entries, first = [], {}, {}, {}
+    keys: list[str] = []
+    aliases: dict[str, str] = {}
+    entries: dict[str, dict[str, Any]] = {}
+    first: dict[int, str] = {}
     for name, t in net.state_dict(keep_vars=True).items():
         keys.append(name)
         if id(t) in first:
@@ -123,7 +130,7 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params:
     mine = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     if kinds and kinds != {mine}:
         log.warning("plait: the checkpoint's optimizer is %s, this one is %s: optimizer state not restored",
-                    sorted(kinds), mine)
+                    sorted(str(k) for k in kinds), mine)
         return 0
     for tensors, part in shards.values():
         for key, t in tensors.items():
@@ -246,6 +253,38 @@ def copy_into(net: nn.Module, values: Mapping[str, torch.Tensor], aliases: Mappi
             t.copy_(value)
 
 
-def json_metadata(**parts: Any) -> dict[str, str]:
-    """The shard's __metadata__: one JSON string under "plait"."""
-    return {"plait": json.dumps(parts)}
+@dataclass(frozen=True)
+class Snapshot:
+    """One rank's shard (tensors, __metadata__) and the model's index for meta.json."""
+
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    index: dict[str, Any]  # state_keys, aliases, tensors: the same on every rank
+
+
+def snapshot(net: nn.Module, owner_of: Mapping[int, int], rank: int,
+             optimizer: torch.optim.Optimizer | None) -> Snapshot:
+    """What rank `rank` saves: the model tensors it owns, their optimizer state, its RNG states."""
+    keys, aliases, entries = model_index(net, owner_of)
+    tensors = owned_tensors(net, entries, rank)
+    opt_tensors, opt_json = optimizer_state(optimizer, net, list(tensors))
+    rng_tensors, rng_json = rng_state()
+    metadata = {"plait": json.dumps({"rank": rank, "optimizer": opt_json, "rng": rng_json})}
+    return Snapshot({**tensors, **opt_tensors, **rng_tensors}, metadata,
+                    {"state_keys": keys, "aliases": aliases, "tensors": entries})
+
+
+def restore(ckpt: "Checkpoint", net: nn.Module, optimizer: torch.optim.Optimizer | None,
+            local: Iterable[nn.Parameter], rank: int, same_layout: bool) -> None:
+    """The optimizer state of this rank's parameters (from whichever shards hold it) and, when
+    the layout is the one that saved it, this rank's RNG states."""
+    local = list(local)
+    entries = ckpt.meta["tensors"]
+    names = _names(net)
+    wanted = {entries[names[id(p)]]["shard"] for p in local if names.get(id(p)) in entries}
+    shards = {r: ckpt.read_shard(r) for r in sorted(wanted | ({rank} if same_layout else set()))}
+    if optimizer is not None:
+        restore_optimizer(optimizer, net, local, {r: (t, part.get("optimizer", {})) for r, (t, part) in shards.items()})
+    if same_layout:
+        tensors, part = shards[rank]
+        restore_rng(tensors, part.get("rng", {}))
