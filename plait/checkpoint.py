@@ -145,7 +145,7 @@ class Checkpoint:
         return isinstance(saved, dict) and all(saved.get(k) == plan.get(k) for k in keys)
 
     def shard_path(self, rank: int) -> Path:
-        return self.path / self.meta["shards"][rank]["file"]
+        return self.path / str(self.meta["shards"][rank]["file"])
 
     def read_shard(self, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """(tensors, the JSON under __metadata__["plait"]) of one rank's shard, its sha256 checked."""

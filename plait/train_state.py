@@ -183,7 +183,7 @@ def _check_like(name: str, state: dict[str, Any], like: dict[str, Any] | None) -
 def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, JSON) of this process's torch (CPU, CUDA), Python and NumPy generators."""
     tensors = {f"{_RNG}torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"{_RNG}cuda/{i}"] = state
     version, words, gauss = random.getstate()
@@ -191,7 +191,7 @@ def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     try:
         import numpy as np
 
-        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
         out["numpy"] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
     except ImportError:  # pragma: no cover - numpy is a dependency
         pass

@@ -12,7 +12,7 @@ import socket
 
 import torch
 import torch.distributed as dist
-from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported without __all__
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # re-exported without __all__
 
 from plait.errors import ConfigError
 from plait.runtime.ranks import RankInfo, is_loopback, resolve_ranks
@@ -163,12 +163,12 @@ def init_process_group(
     assert info.master_addr is not None and info.master_port is not None
     # Under torchrun (and `plait run`) the launcher hosts the store and every rank is a client.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and info.source == "torchrun"
-    store = create_store(info.master_addr, info.master_port, info.rank == 0 and not agent_store, timeout,
-                         world_size=None if agent_store else info.world_size)
+    store: Store = create_store(info.master_addr, info.master_port, info.rank == 0 and not agent_store, timeout,
+                                world_size=None if agent_store else info.world_size)
     if agent_store:
         # The agent keeps one store across restarts (--max-restarts): without a key space per
         # attempt, gloo would read the addresses of the previous attempt's dead ranks.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"plait/attempt_{attempt}", store)
+        store = PrefixStore(f"plait/attempt_{attempt}", store)
     dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout)
     return info.rank, info.world_size
