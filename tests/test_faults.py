@@ -116,6 +116,7 @@ def test_a_killed_rank_is_named_in_time_and_a_rerun_resumes_to_the_same_result(t
                  "store is unreachable" in error and "rank 0" in error)  # rank 0 hosted the store
         assert named, (rank, error)
         assert ended - killed < ENOUGH_S, (rank, ended - killed, error)
+        print(f"{where}: rank {rank} ended {ended - killed:.2f} s after rank {victim} was killed")
 
     # nothing partial is taken for complete: `latest` names a complete checkpoint, the one resumed
     assert (root / "latest").read_text() == "step-000006\n"
