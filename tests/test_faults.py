@@ -83,7 +83,7 @@ _WHOLE = {}
 def uninterrupted(tmp_path, layout):
     if layout not in _WHOLE:
         dp, pp = LAYOUTS[layout]
-        _WHOLE[layout] = run_ranks(dp * pp, fit, str(tmp_path / "whole"), dp, pp, timeout=110)[0]
+        _WHOLE[layout] = run_ranks(dp * pp, fit, str(tmp_path / "whole"), dp, pp, timeout=90)[0]
     return _WHOLE[layout]
 
 
@@ -105,7 +105,7 @@ def test_a_killed_rank_is_named_in_time_and_a_rerun_resumes_to_the_same_result(t
 
     dp, pp = LAYOUTS[layout]
     root, stamp = tmp_path / "ckpt", str(tmp_path / "killed")
-    results = run_ranks(dp * pp, fit, str(root), dp, pp, victim, where, sig, stamp, timeout=110, dying={victim})
+    results = run_ranks(dp * pp, fit, str(root), dp, pp, victim, where, sig, stamp, timeout=90, dying={victim})
     killed = float(open(stamp).read())
     for rank, result in enumerate(results):
         if rank == victim:
@@ -127,7 +127,7 @@ def test_a_killed_rank_is_named_in_time_and_a_rerun_resumes_to_the_same_result(t
     if where == "save: latest":
         assert "step-000008" in leftovers  # complete, but never published: not resumed
 
-    _, error, state, history = run_ranks(dp * pp, fit, str(root), dp, pp, timeout=110)[0]
+    _, error, state, history = run_ranks(dp * pp, fit, str(root), dp, pp, timeout=90)[0]
     _, _, want, want_history = uninterrupted(tmp_path, layout)
     assert error is None and history == want_history
     for k in want:
@@ -175,7 +175,7 @@ def launch(tmp_path, name, options, kill=None):
     out.mkdir()
     args = [str(out), str(tmp_path / f"{name}-ckpt")] + ([str(kill)] if kill is not None else [])
     result = subprocess.run([sys.executable, "-m", "plait.cli", "run", *options, str(script), *args],
-                            cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=240)
+                            cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=180)
     return result, out
 
 
