@@ -188,6 +188,7 @@ class Model:
             flags = [] if watch is None else watch.finish(pipe.last_executor.losses if pipe.is_last else {})
             total = start_sum_floats(stats + flags)
             run = pipe.interpreter.runs  # a failure below follows this run of the program, all done
+            label = f"training step {self.step + 1}" if train else f"an evaluation batch after step {self.step}"
             done = len(pipe.program(len(mbs), train).get(self.rank, [])) if mbs else 0
             if train:
                 tracer = pipe.interpreter.tracer
@@ -198,8 +199,8 @@ class Model:
                         if pipe.ties is not None:
                             pipe.ties.sum()
                     except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
-                        raise self._failure("the gradient all-reduce", e, run, done) from e
-            sums = self._finish(total, run, done)
+                        raise self._failure(f"the gradient all-reduce of {label}", e, run, done) from e
+            sums = self._finish(total, label, run, done)
             if train:
                 if watch is not None:  # raises NonFiniteError for "stop"
                     skipped = verdict(sums[len(stats):], pipe.plan, self.step + 1, self.config.on_nonfinite, self.rank)
@@ -214,15 +215,14 @@ class Model:
 
     def _failure(self, what: str, error: BaseException, run: int = -1, position: int = -1) -> PlaitError:
         """The error of a collective that failed: names this rank, the step and the silent ranks."""
-        return failure_error(f"{what} of step {self.step + 1}", self.rank, error, self.config.timeout_s,
-                             run, position)
+        return failure_error(what, self.rank, error, self.config.timeout_s, run, position)
 
-    def _finish(self, total: Callable[[], list[float]], run: int, position: int) -> list[float]:
+    def _finish(self, total: Callable[[], list[float]], label: str, run: int, position: int) -> list[float]:
         """The step's summed statistics; a dead or stalled peer becomes a PipelineError naming it."""
         try:
             return total()
         except Exception as e:  # noqa: BLE001
-            raise self._failure("the loss all-reduce", e, run, position) from e
+            raise self._failure(f"the loss all-reduce of {label}", e, run, position) from e
 
     def _local_stats(self, pipe: Pipeline, mbs: list[MicroBatch], keep_outputs: bool) -> tuple[list[float], Any]:
         """This rank's [sum of loss x rows, (correct, counted) per metric] and kept outputs."""
@@ -393,13 +393,21 @@ class Model:
             pipe = self._pipeline(x, train=False)
             local = _join([flatten_output(o)[0] for o in outputs]) if outputs else None
             shard_rows = [hi - lo for lo, hi in batching.shard_bounds(b - a, self.config.dp)]
-            parts.append(_join(pipe.gather_outputs(local, shard_rows, ("predict", a, b))))
+            try:
+                parts.append(_join(pipe.gather_outputs(local, shard_rows, ("predict", a, b))))
+            except PlaitError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
+                raise self._failure("gathering the outputs of predict", e) from e
         return unflatten_output(_join(parts), self._pipeline(x, train=False).output_spec)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsplit state dict (keys, shapes and dtypes of net.state_dict()) on every rank."""
         owners = self._train.owner_of if self._train is not None else {}
-        return gather_state_dict(self.net, owners)
+        try:
+            return gather_state_dict(self.net, owners)
+        except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
+            raise self._failure(f"gathering the state dict after step {self.step}", e) from e
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load a plain state dict (net.state_dict(), or `plait export` output) on every rank.

@@ -305,3 +305,12 @@ def test_fit_resumes_from_the_previous_checkpoint_when_the_latest_is_damaged(tmp
     assert "skipping checkpoint step-000006" in caplog.text and "resumed from" in caplog.text
     assert step == 10 and history == want_history
     assert_bitwise(state, want)
+
+
+def test_plait_export_of_a_directory_without_checkpoints_is_an_error(tmp_path, capsys):
+    from plait.cli import main
+
+    assert main(["export", str(tmp_path), "-o", str(tmp_path / "m.pt")]) == 1
+    err = capsys.readouterr().err
+    assert f"plait export: error: {tmp_path} holds no complete plait checkpoint" in err
+    assert not (tmp_path / "m.pt").exists()
