@@ -5,7 +5,8 @@ import pathlib
 
 import plait
 
-PURE = ["plan", "schedule", "capture", "config.py", "errors.py", "data.py", "metrics.py"]
+PURE = ["plan", "schedule", "capture", "config.py", "errors.py", "data.py", "metrics.py",
+        "tensorfile.py", "checkpoint.py", "train_state.py", "resume.py"]
 
 
 def imports(path: pathlib.Path) -> set[str]:
