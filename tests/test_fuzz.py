@@ -268,10 +268,5 @@ def test_fuzz_the_config_loader():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Plan.from_json (plait/plan/plan.py, not changed here) lets IndexError ('uncuttable': [[1]]), "
-    "OverflowError (a count of Infinity) and ZeroDivisionError (num_virtual_stages 0) through; fix: "
-    "also catch IndexError, OverflowError, ZeroDivisionError and RecursionError there and check "
-    "num_virtual_stages >= 1. Strict: passing again makes this fail, so the mark gets removed."))
 def test_fuzz_the_plan_loader():
     _in_child("fuzz_plans", 4, 3000)

@@ -29,6 +29,16 @@ class Plan:
     recompute: tuple[int, ...] = ()  # stages that recompute their forward during the backward
 
     def __post_init__(self) -> None:
+        counts = {"num_virtual_stages": self.num_virtual_stages, "dp": self.dp,
+                  "num_microbatches": self.num_microbatches, "world_size": self.world_size}
+        for name, value in counts.items():
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"plan has {name}={value!r}; it must be a positive integer")
+        if not self.layers_per_stage or any(not isinstance(c, int) or c < 1 for c in self.layers_per_stage):
+            raise ConfigError(
+                f"plan has layers_per_stage={list(self.layers_per_stage)}; every stage needs a "
+                "positive whole number of layers"
+            )
         if sum(self.layers_per_stage) != len(self.layer_names):
             raise ConfigError(
                 f"plan has layers_per_stage={list(self.layers_per_stage)} for "
@@ -103,7 +113,7 @@ class Plan:
                 num_virtual_stages=int(data.get("num_virtual_stages", 1)),
                 recompute=tuple(int(s) for s in data.get("recompute", ())),
             )
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as e:
             raise ConfigError(f"not a plait plan ({type(e).__name__}: {e}); expected Plan.to_json() output") from e
 
     def __str__(self) -> str:

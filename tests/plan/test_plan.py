@@ -30,3 +30,19 @@ def test_bad_json_is_a_config_error():
         Plan.from_json('{"layer_names": ["a"]}')
     with pytest.raises(ConfigError, match="not a plait plan"):
         Plan.from_json("{truncated")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_virtual_stages", 0, "num_virtual_stages=0"),
+    ("dp", -1, "dp=-1"),
+    ("layers_per_stage", [0, 4], "positive whole number"),
+    ("uncuttable", [[1]], "not a plait plan"),
+    ("num_microbatches", 1e400, "not a plait plan"),
+])
+def test_impossible_values_in_a_plan_file_are_config_errors(field, value, message):
+    import json
+
+    data = json.loads(plan().to_json())
+    data[field] = value
+    with pytest.raises(ConfigError, match=message):
+        Plan.from_json(json.dumps(data))
