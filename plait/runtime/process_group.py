@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import errno
@@ -171,4 +172,14 @@ def init_process_group(
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = PrefixStore(f"plait/attempt_{attempt}", store)
     dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout)
+    # A group left to the interpreter's teardown can abort the process after a clean run
+    # ("terminate called without an active exception" from a backend thread): plait made it,
+    # so plait ends it, once the user's code is done.
+    atexit.register(_destroy)
     return info.rank, info.world_size
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):  # a peer already gone must not turn exit into a failure
+            dist.destroy_process_group()
