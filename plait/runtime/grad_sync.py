@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["GradientBuckets"]
+__all__ = ["GradientBuckets", "assign_buckets"]
 
 FIRST_BUCKET_BYTES = 2**20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
 
@@ -38,17 +38,11 @@ class GradientBuckets:
         self.timeout = timedelta(seconds=timeout_s)
         # Backward runs roughly in reverse order of the forward: fill buckets from the end.
         ordered = list(params)[::-1]
-        self.buckets: list[list[nn.Parameter]] = []
-        size = 0
-        for p in ordered:
-            nbytes = p.numel() * p.element_size()
-            cap = min(bucket_bytes, FIRST_BUCKET_BYTES) if len(self.buckets) == 1 else bucket_bytes
-            new_dtype = bool(self.buckets and self.buckets[-1]) and self.buckets[-1][-1].dtype != p.dtype
-            if not self.buckets or new_dtype or (size + nbytes > cap and self.buckets[-1]):
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(p)
-            size += nbytes
+        self.buckets: list[list[nn.Parameter]] = [
+            [ordered[i] for i in bucket]
+            for bucket in assign_buckets([p.numel() * p.element_size() for p in ordered],
+                                         [p.dtype for p in ordered], bucket_bytes)
+        ]
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         # One flat buffer per bucket (a bucket holds one dtype); each parameter's .grad is a view into it, so
         # autograd accumulates straight into the buffer that is all-reduced in place.
@@ -119,6 +113,27 @@ class GradientBuckets:
         """Detach the hooks from the parameters."""
         for h in self._handles:
             h.remove()
+
+
+def assign_buckets(sizes: Sequence[int], dtypes: Sequence[Any], cap: int) -> list[list[int]]:
+    """Indices of the tensors (in launch order) in each bucket, as DistributedDataParallel does.
+
+    A bucket takes tensors until it holds at least its cap -- FIRST_BUCKET_BYTES (or `cap`, if
+    smaller) for the first, `cap` for the others -- the tensor that crosses the cap included;
+    a tensor of another dtype starts a new bucket. So the first bucket holds the last layer's
+    weight, not just its bias, and its all-reduce overlaps the rest of the backward pass.
+    """
+    buckets: list[list[int]] = []
+    size, closed = 0, True
+    for i, (nbytes, dtype) in enumerate(zip(sizes, dtypes)):
+        if closed or dtypes[buckets[-1][-1]] != dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+        limit = min(cap, FIRST_BUCKET_BYTES) if len(buckets) == 1 else cap
+        closed = size >= limit
+    return buckets
 
 
 def _ends(params: Sequence[nn.Parameter]) -> list[int]:
