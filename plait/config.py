@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from plait.errors import ConfigError
@@ -18,19 +18,39 @@ NONFINITE_ACTIONS = ("stop", "skip", "ignore")
 class Config:
     """How to split and run the model.
 
-    layers_per_proc: captured layers on each pipeline stage, in order (None: balanced automatically).
+    What is left open is planned when the model first sees data (`plait.planning`): with no
+    size at all (none of layers_per_proc, num_stages, dp, num_microbatches, plan) rank 0
+    profiles the model and the cost model chooses pp, dp, micro-batches, schedule and
+    recomputation (the search honours a schedule or recompute given); with a size but no
+    layers_per_proc, the layers are cut by the cost model's optimal partition for that layout.
+    Every rank gets rank 0's choice. One process (no launcher) runs one stage, unplanned.
+
+    layers_per_proc: captured layers on each pipeline stage, in order (None: planned).
         With num_virtual_stages = v > 1 it lists every model chunk, num_stages x v entries.
     num_stages: pipeline stages, i.e. ranks per pipeline (None: the length of `layers_per_proc`
-        divided by v, else the world size / dp).
-    num_microbatches: micro-batches each global batch is cut into (clamped to the batch size).
+        divided by v, else the world size / dp, or planned when no size is given).
+    num_microbatches: micro-batches each global batch is cut into (clamped to the batch size;
+        None: 1, or planned when no size is given).
     schedule: "gpipe", "1f1b", "interleaved" (Megatron's interleaved 1F1B: each rank holds
         num_virtual_stages non-adjacent model chunks) or "zbh1" (zero bubble ZB-H1: the backward
         split into input gradients, sent at once, and weight gradients, run in the bubbles).
+        None: "1f1b", or planned when no size is given.
     num_virtual_stages: model chunks per rank for schedule="interleaved" (1 otherwise).
     recompute: activation recomputation: True (every stage), False, "auto" (the stages that
         hold activations of more than one micro-batch at once under the schedule, where it
         saves memory) or a list of stage indices. A recomputed stage keeps only its inputs and
-        runs its forward again during the backward.
+        runs its forward again during the backward. None: False, or planned when no size is given.
+    plan: a plan file to replay instead of planning: the JSON of `model.plan_report.save()` or
+        `plait plan -o` (the layout, micro-batches, schedule and recomputation it chose), or
+        of `model.plan.to_json()`. Its world size and layers must match this run.
+    memory_limit_bytes: bytes of parameters, gradients, optimizer state and activations one
+        rank may hold, for planning (None: 90% of this machine's RAM shared by its local ranks).
+    replan: after the first training steps plait compares each stage's measured time with the
+        plan's prediction (a log line and `model.plan_report.feedback`); with replan=True, when
+        a stage or the step is off by more than 15%, rank 0 re-partitions the layers with costs
+        corrected by the measurements and the run goes on in the new layout (parameters and
+        optimizer state carried over exactly, through a checkpoint in checkpoint_dir, or in a
+        temporary directory, which must then be on a file system every rank sees).
     trace_dir: write each rank's measured timeline there as Chrome trace JSON (None: no trace).
     seed: seeds the shuffle order, identical on every rank.
     timeout_s: longest any wait on another rank may take before the run fails with a report.
@@ -51,20 +71,23 @@ class Config:
 
     layers_per_proc: tuple[int, ...] | None = None
     num_stages: int | None = None
-    num_microbatches: int = 1
-    schedule: str = "1f1b"
+    num_microbatches: int | None = None
+    schedule: str | None = None
     num_virtual_stages: int = 1
-    recompute: bool | str | tuple[int, ...] = False
+    recompute: bool | str | tuple[int, ...] | None = None
     trace_dir: str | None = None
     seed: int = 0
     timeout_s: float = 300.0
-    dp: int = 1
+    dp: int | None = None
     grad_reduction: str = "mean"
     bucket_cap_mb: float = 25.0
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
     checkpoint_keep: int = 2
     on_nonfinite: str = "stop"
+    plan: str | None = None
+    memory_limit_bytes: float | None = None
+    replan: bool = False
 
     def __post_init__(self) -> None:
         if self.layers_per_proc is not None:
@@ -104,11 +127,12 @@ class Config:
             not isinstance(self.num_stages, int) or self.num_stages < 1
         ):
             raise ConfigError(f"num_stages must be a positive integer or None, got {self.num_stages!r}")
-        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
+        m = self.num_microbatches
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise ConfigError(
                 f"num_microbatches must be a positive integer, got {self.num_microbatches!r}"
             )
-        if self.schedule not in SCHEDULE_NAMES:
+        if self.schedule is not None and self.schedule not in SCHEDULE_NAMES:
             raise ConfigError(
                 f"schedule={self.schedule!r} is not known; choose one of {list(SCHEDULE_NAMES)}"
             )
@@ -117,7 +141,8 @@ class Config:
             raise ConfigError(f"num_virtual_stages must be a positive integer, got {v!r}")
         if v > 1 and self.schedule != "interleaved":
             raise ConfigError(
-                f"num_virtual_stages={v} needs schedule='interleaved', got schedule={self.schedule!r}"
+                f"num_virtual_stages={v} needs schedule='interleaved', got schedule="
+                f"{self.schedule or '1f1b'!r}{'' if self.schedule else ' (the default)'}"
             )
         self._check_recompute()
         if self.trace_dir is not None and not isinstance(self.trace_dir, (str, bytes)) and not hasattr(
@@ -126,7 +151,7 @@ class Config:
             raise ConfigError(f"trace_dir must be a directory path or None, got {self.trace_dir!r}")
         if self.trace_dir is not None:
             object.__setattr__(self, "trace_dir", str(self.trace_dir))
-        if not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1:
+        if self.dp is not None and (not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1):
             raise ConfigError(f"dp must be a positive integer (data-parallel replicas), got {self.dp!r}")
         if self.grad_reduction not in ("mean", "sum"):
             raise ConfigError(
@@ -139,6 +164,38 @@ class Config:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"seed must be an integer (it seeds the shuffle order), got {self.seed!r}")
         self._check_checkpoints()
+        self._check_planning()
+
+    def _check_planning(self) -> None:
+        p = self.plan
+        if p is not None and not isinstance(p, str) and not hasattr(p, "__fspath__"):
+            raise ConfigError(f"plan must be the path of a plan JSON file or None, got {p!r}")
+        if p is not None:
+            object.__setattr__(self, "plan", str(p))
+            if self.layers_per_proc is not None:
+                raise ConfigError(
+                    f"plan={self.plan!r} and layers_per_proc={list(self.layers_per_proc)} both give "
+                    "the layers of each stage; keep one of them"
+                )
+        limit = self.memory_limit_bytes
+        if limit is not None and not (_is_number(limit) and limit > 0):
+            raise ConfigError(f"memory_limit_bytes must be a positive number of bytes or None, got {limit!r}")
+        if not isinstance(self.replan, bool):
+            raise ConfigError(f"replan must be True or False, got {self.replan!r}")
+
+    @property
+    def plans_everything(self) -> bool:
+        """No size given (layers_per_proc, num_stages, dp, num_microbatches, plan): the planner
+        chooses the whole layout."""
+        return (self.layers_per_proc is None and self.num_stages is None and self.dp is None
+                and self.num_microbatches is None and self.plan is None)
+
+    def with_defaults(self) -> "Config":
+        """This config with every field left open set to its unplanned default (dp 1,
+        1 micro-batch, "1f1b", no recomputation)."""
+        return replace(self, dp=self.dp or 1, num_microbatches=self.num_microbatches or 1,
+                       schedule=self.schedule or "1f1b",
+                       recompute=False if self.recompute is None else self.recompute)
 
     def _check_checkpoints(self) -> None:
         d = self.checkpoint_dir
@@ -161,7 +218,7 @@ class Config:
 
     def _check_recompute(self) -> None:
         r = self.recompute
-        if isinstance(r, bool) or r == "auto":
+        if r is None or isinstance(r, bool) or r == "auto":
             return
         if isinstance(r, (str, bytes)) or not hasattr(r, "__iter__"):
             raise ConfigError(
@@ -181,20 +238,21 @@ class Config:
             stages: int | None = len(self.layers_per_proc) // self.num_virtual_stages
         else:
             stages = self.num_stages
+        dp = self.dp or 1
         if stages is None:
-            if world_size % self.dp:
+            if world_size % dp:
                 raise ConfigError(
-                    f"world size {world_size} does not divide by dp={self.dp}; launch a multiple "
-                    f"of {self.dp} ranks, or set dp to a factor of {world_size}"
+                    f"world size {world_size} does not divide by dp={dp}; launch a multiple "
+                    f"of {dp} ranks, or set dp to a factor of {world_size}"
                 )
-            return world_size // self.dp
-        if stages * self.dp != world_size:
+            return world_size // dp
+        if stages * dp != world_size:
             lpp = None if self.layers_per_proc is None else list(self.layers_per_proc)
             raise ConfigError(
-                f"the config asks for {stages} pipeline stages x dp={self.dp} replicas = "
-                f"{stages * self.dp} ranks (layers_per_proc={lpp}, num_stages={self.num_stages}, "
-                f"dp={self.dp}) but the world size is {world_size}; launch "
-                f"{stages * self.dp} ranks (plait run -n {stages * self.dp} ...) or change the config"
+                f"the config asks for {stages} pipeline stages x dp={dp} replicas = "
+                f"{stages * dp} ranks (layers_per_proc={lpp}, num_stages={self.num_stages}, "
+                f"dp={dp}) but the world size is {world_size}; launch "
+                f"{stages * dp} ranks (plait run -n {stages * dp} ...) or change the config"
             )
         return stages
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -23,6 +24,11 @@ from plait.metrics import METRICS, check_metrics
 from plait.nonfinite import NonFiniteWatch, verdict
 from plait.pipeline import Pipeline, build_pipeline
 from plait.plan import Plan
+from plait.plan.feedback import should_replan
+from plait.plan_check import PlanCheck
+from plait.plan_report import PlanReport
+from plait.planning import Layout, choose_layout
+from plait.replan import replan
 from plait.resume import ResumePoint, resume_point
 from plait.runtime.collectives import broadcast_state, gather_state_dict, local_device, start_sum_floats
 from plait.runtime.interpreter import MicroBatch
@@ -69,8 +75,8 @@ class Model:
             self.num_stages = 1
             if (self.config.num_stages or len(self.config.layers_per_proc or ())) > 1:
                 log.warning("plait: one process (no launcher): running every layer on one stage")
-        else:
-            self.num_stages = self.config.stages_for(self.world_size)
+        else:  # 0 until planned (`plait.planning`); a size given is checked against the world now
+            self.num_stages = 0 if self.config.plans_everything else self.config.stages_for(self.world_size)
             broadcast_state(net, 0)  # replicas start equal whatever each rank's seed
         self._train: Pipeline | None = None
         self._eval: Pipeline | None = None
@@ -79,11 +85,20 @@ class Model:
         self._checkpointer = Checkpointer(self.rank, self.world_size, self.config.timeout_s)
         self._pending: checkpoint.Checkpoint | None = None  # optimizer/RNG state awaiting the pipeline
         self._saved_step: int | None = None
+        self._layout: Layout | None = None  # the planned layout, the same on every rank
+        self._check: PlanCheck | None = None  # the closed loop: first steps against the plan
 
     # -- building ------------------------------------------------------------------------------
 
-    def _pipeline(self, x: Any, train: bool) -> Pipeline:
+    def _pipeline(self, x: Any, train: bool, y: Any = None) -> Pipeline:
         if self._train is None:
+            if self._layout is None:
+                resumed = self._pending.meta.get("plan") if self._pending is not None else None
+                self._layout = choose_layout(self.net, x, y, self.config, self.world_size, self.rank,
+                                             self.loss, self._optimizer_arg, resumed)
+                if self._layout.report is not None:
+                    self._check = PlanCheck(self._layout.report, self.world_size)
+            self.config, self.num_stages = self._layout.config, self._layout.num_stages
             layers = self.config.layers_per_proc if self.num_stages > 1 else None
             self._train = build_pipeline(self.net, x, self.num_stages, layers, self.config,
                                          self.rank, self.world_size, self.loss, train=True,
@@ -124,6 +139,34 @@ class Model:
             )
         return self._train.plan
 
+    @property
+    def plan_report(self) -> PlanReport | None:
+        """The planner's choice (table, alternatives, JSON) and, after the first steps, the
+        measured-vs-predicted check; None when the layout was given (layers_per_proc)."""
+        self.plan  # noqa: B018 - raises the same error before the model has seen data
+        return self._layout.report if self._layout is not None else None
+
+    def _rebuild(self, config: Config, x: Any) -> None:
+        """Build the pipeline again for `config`'s layers (the replan's new layout)."""
+        assert self._layout is not None
+        self._layout = dataclasses.replace(self._layout, config=config)
+        self._train = self._eval = None
+        self._watch = None
+        self._pipeline(x, train=True)
+
+    def _check_plan(self, pipe: Pipeline, x: Any) -> None:
+        """After a training step: the plan check, logged and kept; a replan when asked and due."""
+        assert self._check is not None
+        feedback = self._check.after_step(pipe.interpreter, self.step)
+        if feedback is None:
+            return
+        if self.rank == 0:
+            log.info("%s", feedback.summary())
+        report = self._layout.report if self._layout is not None else None
+        if self.config.replan and report is not None and report.costs is not None and should_replan(feedback):
+            if replan(self, feedback, x):
+                self._check = PlanCheck(report, self.world_size, first_step=self.step)
+
     def build(self, x_sample: Any) -> Plan:
         """Capture and split the model on a sample input without training; returns the plan."""
         return self._pipeline(x_sample, train=True).plan
@@ -159,7 +202,7 @@ class Model:
         whole global batch, this rank's last-stage outputs (a list per micro-batch) or None, and
         whether the optimizer step was skipped (a non-finite value with on_nonfinite="skip").
         """
-        pipe = self._pipeline(x, train)
+        pipe = self._pipeline(x, train, y)
         if train and (self.loss is None or self.optimizer is None):
             missing = "loss" if self.loss is None else "optimizer"
             raise ConfigError(f"training needs a {missing}: pass {missing}=... to plait.Model")
@@ -172,6 +215,8 @@ class Model:
         skipped = False
         try:
             if train:
+                if self._check is not None:
+                    self._check.before_step(pipe.interpreter, self.step + 1)
                 for p in pipe.local_parameters:
                     p.grad = None
                 if pipe.sync is not None:
@@ -211,6 +256,8 @@ class Model:
                 self.step += 1
         finally:
             self.net.train(was_training)
+        if train and self._check is not None and not self._check.done:
+            self._check_plan(pipe, x)
         return sums[: len(stats)], outputs, skipped
 
     def _failure(self, what: str, error: BaseException, run: int = -1, position: int = -1) -> PlaitError:
@@ -291,7 +338,7 @@ class Model:
         cbs: list[Any] = list(callbacks) + [history]
         if verbose:
             cbs.append(ProgressBar(batches_per_epoch, epochs, enabled=self.rank == 0))
-        printed_plan = False
+        printed_plan = printed_check = False
         for epoch in range(start.epoch if start else 0, epochs):
             for cb in cbs:
                 _call(cb, "on_epoch_begin", epoch, {})
@@ -303,7 +350,13 @@ class Model:
                 stats, _, skipped = self._run(xb, yb, train=True, keep_outputs=False)
                 if verbose and not printed_plan and self.rank == 0:
                     print(self.plan, flush=True)
+                    if self.plan_report is not None:
+                        print(self.plan_report, flush=True)
                     printed_plan = True
+                report = self.plan_report
+                if verbose and not printed_check and report and report.feedback and self.rank == 0:
+                    print(report.feedback.summary(), flush=True)
+                    printed_check = True
                 if not skipped:  # a skipped step's NaN loss stays out of the epoch's logs
                     rows_seen += batching.num_rows(xb)
                     totals = [t + s for t, s in zip(totals, stats)]

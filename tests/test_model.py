@@ -145,7 +145,7 @@ def user_errors(rank, world):
         "sum": (mlp(), plait.Config(layers_per_proc=[2, 2])),
         "world": (mlp(), plait.Config(layers_per_proc=[4, 4, 3])),
         "region": (Reuse(), plait.Config(layers_per_proc=[1, 3])),
-        "stages": (nn.Sequential(nn.Linear(8, 4)), plait.Config()),
+        "stages": (nn.Sequential(nn.Linear(8, 4)), plait.Config(num_stages=2)),
     }
     for name, (net, config) in cases.items():
         try:
@@ -155,8 +155,8 @@ def user_errors(rank, world):
             errors[name] = None
         except plait.PlaitError as e:
             errors[name] = (type(e).__name__, str(e))
-    # automatic balancing keeps the region together
-    model = plait.Model(Reuse(), plait.Config(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+    # the planner's partition keeps the region together (Config() would plan pp and dp too)
+    model = plait.Model(Reuse(), plait.Config(num_stages=2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                         loss=nn.CrossEntropyLoss())
     model.train_on_batch(x, y)
     errors["auto"] = model.plan.layers_per_stage

@@ -1,0 +1,256 @@
+"""The layout of a run: a `Config` with sizes left open, planned on rank 0, the same on every rank.
+
+Which layout a run gets, first match wins (`choose_layout`):
+
+    1. one process, or layers_per_proc given   the config as it is (defaults for what is open)
+    2. Config(plan=path)                       the plan file, checked against world and layers
+    3. resuming a checkpoint, layers open      the checkpoint's layout (so a resume is exact)
+    4. no size given (Config())                profile, search pp x dp, micro-batches, schedule,
+                                               recomputation (`plait.autoplan.plan_model`)
+    5. a size given (num_stages, dp, m)        profile, the optimal partition of that layout
+
+Rank 0 decides and every other rank reads its answer (`plait.runtime.agree`): profiles differ
+between processes, so ranks planning on their own could disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from plait import data as batching
+from plait.autoplan import PlanOptions, local_cluster, plan_model
+from plait.capture.trace import capture
+from plait.config import SCHEDULE_NAMES, Config
+from plait.errors import ConfigError, PartitionError
+from plait.plan.search import SearchSpace
+from plait.plan_report import PlanReport
+from plait.runtime.agree import agree
+
+__all__ = ["Layout", "choose_layout", "candidate_fields", "load_plan_file"]
+
+log = logging.getLogger("plait")
+
+_LAYOUT_FIELDS = ("layers_per_proc", "num_stages", "dp", "num_microbatches", "schedule",
+                  "num_virtual_stages", "recompute")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The config with every layout field set, and the planner's report (None: not planned)."""
+
+    config: Config
+    num_stages: int  # ranks per pipeline
+    report: PlanReport | None
+
+
+def choose_layout(net: nn.Module, x: Any, y: Any, config: Config, world_size: int, rank: int,
+                  loss: Callable[[Any, Any], torch.Tensor] | None, optimizer: Any,
+                  resumed_plan: dict[str, Any] | None = None) -> Layout:
+    """The layout of this run (see the module's list); every rank returns the same one."""
+    if world_size == 1:
+        return Layout(replace(config.with_defaults(), layers_per_proc=None, num_stages=None), 1, None)
+    if config.layers_per_proc is not None:
+        resolved = config.with_defaults()
+        return Layout(resolved, resolved.stages_for(world_size), None)
+
+    def decide() -> dict[str, Any]:
+        return _decide(net, x, y, config, world_size, loss, optimizer, resumed_plan)
+
+    # Rank 0's profile may take longer than a step's waits: give it ten times as long.
+    answer = agree(rank, decide, "layout plan", max(10 * config.timeout_s, 120.0))
+    fields = dict(answer["fields"])
+    for name in ("layers_per_proc", "recompute"):
+        if isinstance(fields.get(name), list):
+            fields[name] = tuple(fields[name])
+    resolved = replace(config, **fields).with_defaults()
+    report = None if answer["report"] is None else PlanReport.from_dict(answer["report"], answer["table"])
+    if rank == 0:
+        log.info("plait: layout %s (%s)", fields, report.source if report else answer["source"])
+    return Layout(resolved, resolved.stages_for(world_size), report)
+
+
+def candidate_fields(candidate: dict[str, Any]) -> dict[str, Any]:
+    """A planner candidate (`Candidate.to_dict()`) as Config fields."""
+    return {"layers_per_proc": list(candidate["layers_per_stage"]), "num_stages": int(candidate["pp"]),
+            "dp": int(candidate["dp"]), "num_microbatches": int(candidate["num_microbatches"]),
+            "schedule": str(candidate["schedule"]),
+            "num_virtual_stages": int(candidate.get("num_virtual_stages", 1)),
+            "recompute": bool(candidate.get("recompute", False))}
+
+
+def _decide(net: nn.Module, x: Any, y: Any, config: Config, world_size: int,
+            loss: Callable[[Any, Any], torch.Tensor] | None, optimizer: Any,
+            resumed_plan: dict[str, Any] | None) -> dict[str, Any]:
+    """Rank 0's choice as JSON: {"fields", "report", "table", "source"}."""
+    if config.plan is not None:
+        fields, report = load_plan_file(config.plan, _layer_names(net, x), world_size)
+        return {"fields": fields, "report": report.to_dict() if report else None,
+                "table": report.table if report else "", "source": f"plan file {config.plan}"}
+    if resumed_plan is not None:
+        fields = _resumed_fields(resumed_plan, config, world_size, _layer_names(net, x))
+        if fields is not None:
+            return {"fields": fields, "report": None, "table": "", "source": "the resumed checkpoint"}
+    space, source = _space(config, world_size, batching.num_rows(x))
+    cluster = local_cluster(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+                            memory_bytes=config.memory_limit_bytes,
+                            optimizer_state_factor=_state_factor(optimizer))
+    options = PlanOptions(space=space, optimizer=_optimizer_factory(optimizer), loss=loss,
+                          target=y if loss is not None else None)
+    try:
+        result = plan_model(net, x, world_size, batching.num_rows(x), cluster, options)
+    except (ConfigError, PartitionError):
+        if config.plans_everything:
+            raise
+        # The layout cannot be searched (more stages than layers...): the pipeline's own
+        # checks say what is wrong, on every rank.
+        return {"fields": {}, "report": None, "table": "", "source": "unplanned"}
+    best = result.best
+    if not best.feasible:
+        raise ConfigError(
+            f"no layout of {world_size} ranks fits {cluster.memory_bytes / 2**30:.2f} GiB per rank "
+            f"(Config.memory_limit_bytes={config.memory_limit_bytes}): {best.reason}"
+        )
+    chosen = candidate_fields(best.to_dict())
+    if not config.plans_everything:  # the user's layout, with the planner's layers only
+        chosen = {"layers_per_proc": chosen["layers_per_proc"]}
+    data = result.to_dict()
+    report = PlanReport(best.to_dict(), data["alternatives"], result.table(), source,
+                        result.global_batch, result.profile.costs, cluster)
+    return {"fields": chosen, "report": report.to_dict(), "table": report.table, "source": source}
+
+
+def _space(config: Config, world_size: int, global_batch: int) -> tuple[SearchSpace, str]:
+    """What the search may choose: everything open (Config()), or the layers of a given layout."""
+    recompute = (False, True) if config.recompute is None else (config.recompute is True,)
+    if config.plans_everything:
+        schedules = (config.schedule,) if config.schedule else ("1f1b", "gpipe", "zbh1", "interleaved")
+        return SearchSpace(schedules=schedules, recompute=recompute), "planned"
+    c = config.with_defaults()
+    pp, v = c.stages_for(world_size), c.num_virtual_stages
+    assert c.schedule is not None and c.num_microbatches is not None
+    # One chunk per rank: the interleaved order is 1F1B's; more micro-batches than rows: clamped.
+    schedule = "1f1b" if c.schedule == "interleaved" and v < 2 else c.schedule
+    m = min(c.num_microbatches, -(-global_batch // (world_size // pp)))
+    return SearchSpace(pp=(pp,), num_microbatches=(m,), schedules=(schedule,),
+                       num_virtual_stages=max(v, 2), recompute=recompute, keep=1), "partitioned"
+
+
+def _state_factor(optimizer: Any) -> float:
+    """Optimizer state bytes per gradient byte (Adam 2, SGD with momentum 1, SGD 0)."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1.0 if optimizer.defaults.get("momentum") else 0.0
+    return 2.0  # Adam, or a factory we cannot look into: the larger, to be safe
+
+
+def _optimizer_factory(optimizer: Any) -> Any:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        kind, defaults = type(optimizer), dict(optimizer.defaults)
+        return lambda params: kind(params, **defaults)
+    return optimizer if callable(optimizer) else torch.optim.Adam
+
+
+def _layer_names(net: nn.Module, x: Any) -> tuple[str, ...]:
+    """The captured layer names, as the pipeline will capture them (train mode)."""
+    rows = batching.num_rows(x)
+    sample = batching.slice_rows(x, 0, 2) if rows >= 2 else batching.take(x, torch.tensor([0, 0]))
+    was_training = net.training
+    net.train(True)
+    try:
+        return tuple(capture(net, *batching.as_call(sample)).layers.layer_names)
+    finally:
+        net.train(was_training)
+
+
+def _resumed_fields(plan: dict[str, Any], config: Config, world_size: int,
+                    names: tuple[str, ...]) -> dict[str, Any] | None:
+    """A resumed checkpoint's layout, when it was saved on this world by this model and agrees
+    with what the config fixes; else None (planned afresh)."""
+    try:
+        if int(plan["world_size"]) != world_size or tuple(plan["layer_names"]) != names:
+            return None
+        layers = [int(c) for c in plan["layers_per_stage"]]
+        v, dp = int(plan.get("num_virtual_stages", 1)), int(plan.get("dp", 1))
+        full = {"layers_per_proc": layers, "num_stages": len(layers) // v, "dp": dp,
+                "num_microbatches": int(plan["num_microbatches"]), "schedule": str(plan["schedule"]),
+                "num_virtual_stages": v, "recompute": [int(s) for s in plan.get("recompute", [])]}
+    except (KeyError, TypeError, ValueError):
+        return None
+    if config.plans_everything:
+        return full
+    c = config.with_defaults()
+    if c.num_virtual_stages == v and c.stages_for(world_size) * v == len(layers):
+        return {"layers_per_proc": layers}
+    return None
+
+
+def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[dict[str, Any], PlanReport | None]:
+    """Config fields from a plan file (planner JSON or `Plan.to_json()`), checked against this
+    run: ConfigError naming the file and what does not match."""
+    where = f"Config(plan={path!r})"
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read the plan file ({e}); give the path of a saved plan") from None
+    except ValueError as e:
+        raise ConfigError(f"{where}: the file is not JSON ({e}); expected model.plan_report.save() "
+                          "or `plait plan -o` output") from None
+    if not isinstance(data, dict) or "layers_per_stage" not in data:
+        raise ConfigError(f"{where}: not a plait plan (no layers_per_stage); expected "
+                          "model.plan_report.save(), `plait plan -o` or model.plan.to_json() output")
+    try:
+        if "layer_names" in data:  # Plan.to_json()
+            fields = {"layers_per_proc": [int(c) for c in data["layers_per_stage"]],
+                      "dp": int(data.get("dp", 1)), "num_microbatches": int(data["num_microbatches"]),
+                      "schedule": str(data["schedule"]),
+                      "num_virtual_stages": int(data.get("num_virtual_stages", 1)),
+                      "recompute": [int(s) for s in data.get("recompute", [])]}
+            saved_names = tuple(str(n) for n in data["layer_names"])
+            saved_world = int(data["world_size"])
+        else:  # the planner's JSON
+            if data.get("feasible") is False:
+                raise ConfigError(f"{where}: the plan in the file is infeasible: {data.get('reason')}")
+            fields = candidate_fields(data)
+            saved_names = tuple(str(n) for s in data.get("stages", []) for n in s.get("layers", []))
+            saved_world = fields["num_stages"] * fields["dp"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: malformed plan file ({type(e).__name__}: {e})") from None
+    fields.pop("num_stages", None)
+    if fields["schedule"] not in SCHEDULE_NAMES:
+        raise ConfigError(f"{where}: unknown schedule {fields['schedule']!r} in the file")
+    if saved_world != world_size:
+        raise ConfigError(f"{where}: the plan is for {saved_world} ranks but the world size is "
+                          f"{world_size}; launch {saved_world} ranks or plan again for {world_size}")
+    count = sum(fields["layers_per_proc"])
+    if count != len(names) or (saved_names and saved_names != names):
+        raise ConfigError(
+            f"{where}: the plan cuts {count} layers ({', '.join(saved_names[:6]) or 'names not saved'}"
+            f"{', ...' if len(saved_names) > 6 else ''}) but this model has {len(names)} "
+            f"({', '.join(names[:6])}{', ...' if len(names) > 6 else ''}); it was made for another "
+            "model: plan again (Config without plan=)"
+        )
+    report = None
+    if "layer_names" not in data and data.get("stages"):
+        report = PlanReport(
+            {k: v for k, v in data.items() if k not in ("alternatives", "costs", "cluster", "feedback")},
+            [], _stage_table(data), f"plan file {path}",
+            int(data.get("global_batch", 0) or 0))
+    return fields, report
+
+
+def _stage_table(chosen: dict[str, Any]) -> str:
+    """The replayed candidate's stages, one a line (the profile behind it is not in the file)."""
+    lines = [f"pp={chosen['pp']} dp={chosen['dp']} {chosen['num_microbatches']} micro-batches "
+             f"{chosen['schedule']} recompute={chosen.get('recompute', False)}, predicted step "
+             f"{chosen.get('predicted_step_time_s') or 0:.4f} s"]
+    for s in chosen.get("stages", []):
+        lines.append(f"  stage {s['stage']:>2}: {s['num_layers']} layers from {s['first_layer']}  "
+                     f"F+B+W {1e3 * float(s['time_s']):.3f} ms  memory {float(s['memory_bytes']) / 2**30:.2f} GiB")
+    return "\n".join(lines)

@@ -1,0 +1,54 @@
+"""Agreeing on one JSON value: rank 0 makes it, every rank reads it from the job's key-value store.
+
+Planning profiles the model on rank 0 only (timings differ between processes, so ranks that
+each planned could choose different layouts); the others wait for rank 0's answer. The wait
+has its own limit, longer than `timeout_s`, since a profile may take longer than any wait
+between ranks during a step. A failure on rank 0 travels as well, so no rank waits in vain:
+
+    rank 0:  value = make()  -> store["plait/agree/<n>"] = {"ok": value} | {"error": "..."}
+    rank r:  wait for the key -> value, or raise the error rank 0 had
+
+Every rank calls `agree` the same number of times in the same order (one key per call).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from plait.errors import ConfigError, PipelineError
+
+__all__ = ["agree"]
+
+_calls = {"count": 0}  # keys of this process's calls, in order: the same sequence on every rank
+
+
+def agree(rank: int, make: Callable[[], Any], what: str, wait_s: float) -> Any:
+    """`make()` on rank 0 (a JSON-ready value), the same value on every rank."""
+    _calls["count"] += 1
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return make()
+    key = f"plait/agree/{_calls['count']}"
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        try:
+            value = make()
+        except Exception as e:
+            store.set(key, json.dumps({"error": f"{type(e).__name__}: {e}"}))
+            raise
+        store.set(key, json.dumps({"ok": value}))
+        return value
+    try:
+        store.wait([key], datetime.timedelta(seconds=wait_s))
+        message = json.loads(store.get(key).decode())
+    except Exception as e:  # noqa: BLE001 - rank 0 died or is stuck: say so
+        raise PipelineError(
+            f"rank {rank} waited {wait_s:.0f} s for rank 0's {what} and got none ({type(e).__name__}: "
+            f"{e}); rank 0 may have died, or the profile takes longer: raise Config.timeout_s"
+        ) from e
+    if "error" in message:
+        raise ConfigError(f"rank 0 failed while making the {what}: {message['error']}")
+    return message["ok"]
