@@ -163,7 +163,9 @@ class Model:
         if self.rank == 0:
             log.info("%s", feedback.summary())
         report = self._layout.report if self._layout is not None else None
-        if self.config.replan and report is not None and report.costs is not None and should_replan(feedback):
+        first_check = self._check.first_step == 0  # one replan per run; the new layout is only checked
+        if self.config.replan and first_check and report is not None and report.costs is not None \
+                and should_replan(feedback):
             if replan(self, feedback, x):
                 self._check = PlanCheck(report, self.world_size, first_step=self.step)
 
@@ -180,13 +182,13 @@ class Model:
         loss ("mean"), or of this replica's own mean loss ("sum").
         """
         rows = batching.num_rows(x)
-        start, stop = batching.shard_bounds(rows, self.config.dp)[pipe.replica]
+        start, stop = batching.shard_bounds(rows, self.config.dp or 1)[pipe.replica]
         if stop == start:
             return []
         denominator = rows if self.config.grad_reduction == "mean" else stop - start
         x, y = batching.to_device(x, self.device), batching.to_device(y, self.device)
         out = []
-        for a, b in batching.microbatch_bounds(stop - start, self.config.num_microbatches):
+        for a, b in batching.microbatch_bounds(stop - start, self.config.num_microbatches or 1):
             xs = batching.slice_rows(x, start + a, start + b)
             args, kwargs = batching.as_call(xs)
             inputs = pipe.captured.bind(args, kwargs)
@@ -445,7 +447,7 @@ class Model:
             _, outputs, _ = self._run(batching.slice_rows(x, a, b), None, train=False, keep_outputs=True)
             pipe = self._pipeline(x, train=False)
             local = _join([flatten_output(o)[0] for o in outputs]) if outputs else None
-            shard_rows = [hi - lo for lo, hi in batching.shard_bounds(b - a, self.config.dp)]
+            shard_rows = [hi - lo for lo, hi in batching.shard_bounds(b - a, self.config.dp or 1)]
             try:
                 parts.append(_join(pipe.gather_outputs(local, shard_rows, ("predict", a, b))))
             except PlaitError:

@@ -186,12 +186,12 @@ def build_pipeline(
     plan = Plan(
         layer_names=names,
         layers_per_stage=tuple(layers_per_stage),
-        num_microbatches=config.num_microbatches,
-        schedule=config.schedule,
+        num_microbatches=config.num_microbatches or 1,  # None: not planned, the default
+        schedule=config.schedule or "1f1b",
         world_size=world_size,
         capture_method=captured.method,
         uncuttable=regions,
-        dp=config.dp,
+        dp=config.dp or 1,
         num_virtual_stages=virtual,
         recompute=recomputed_stages(config, num_stages, virtual),
     )
@@ -225,7 +225,7 @@ def recomputed_stages(config: Config, num_stages: int, num_virtual_stages: int) 
         from plait.schedule import simulate
 
         pp = num_stages // num_virtual_stages
-        sim = simulate(config.schedule, pp, config.num_microbatches, t_f=1.0, t_b=1.0,
+        sim = simulate(config.schedule or "1f1b", pp, config.num_microbatches or 1, t_f=1.0, t_b=1.0,
                        num_virtual_stages=num_virtual_stages)
         return tuple(s for s in range(num_stages) if sim.peak_activations[s % pp] > 1)
     assert isinstance(r, tuple)

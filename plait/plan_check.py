@@ -58,7 +58,7 @@ class StageClock:
         self.forwards = [0] * num_stages
 
     def span(self, stream: str, name: str, **args: Any) -> ContextManager[None]:
-        inner = self.inner.span(stream, name, **args)
+        inner: ContextManager[None] = self.inner.span(stream, name, **args)
         op = args.get("op")
         if stream == "compute" and op in ("F", "B", "W"):
             return _Timed(self, inner, int(args.get("stage", 0)), str(op))

@@ -70,7 +70,7 @@ def choose_layout(net: nn.Module, x: Any, y: Any, config: Config, world_size: in
     for name in ("layers_per_proc", "recompute"):
         if isinstance(fields.get(name), list):
             fields[name] = tuple(fields[name])
-    resolved = replace(config, **fields).with_defaults()
+    resolved = replace(config, **fields, plan=None).with_defaults()  # the file is applied
     report = None if answer["report"] is None else PlanReport.from_dict(answer["report"], answer["table"])
     if rank == 0:
         log.info("plait: layout %s (%s)", fields, report.source if report else answer["source"])
@@ -95,9 +95,9 @@ def _decide(net: nn.Module, x: Any, y: Any, config: Config, world_size: int,
         return {"fields": fields, "report": report.to_dict() if report else None,
                 "table": report.table if report else "", "source": f"plan file {config.plan}"}
     if resumed_plan is not None:
-        fields = _resumed_fields(resumed_plan, config, world_size, _layer_names(net, x))
-        if fields is not None:
-            return {"fields": fields, "report": None, "table": "", "source": "the resumed checkpoint"}
+        kept = _resumed_fields(resumed_plan, config, world_size, _layer_names(net, x))
+        if kept is not None:
+            return {"fields": kept, "report": None, "table": "", "source": "the resumed checkpoint"}
     space, source = _space(config, world_size, batching.num_rows(x))
     cluster = local_cluster(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
                             memory_bytes=config.memory_limit_bytes,
@@ -178,7 +178,7 @@ def _resumed_fields(plan: dict[str, Any], config: Config, world_size: int,
             return None
         layers = [int(c) for c in plan["layers_per_stage"]]
         v, dp = int(plan.get("num_virtual_stages", 1)), int(plan.get("dp", 1))
-        full = {"layers_per_proc": layers, "num_stages": len(layers) // v, "dp": dp,
+        full: dict[str, Any] = {"layers_per_proc": layers, "num_stages": len(layers) // v, "dp": dp,
                 "num_microbatches": int(plan["num_microbatches"]), "schedule": str(plan["schedule"]),
                 "num_virtual_stages": v, "recompute": [int(s) for s in plan.get("recompute", [])]}
     except (KeyError, TypeError, ValueError):
@@ -205,6 +205,7 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
     if not isinstance(data, dict) or "layers_per_stage" not in data:
         raise ConfigError(f"{where}: not a plait plan (no layers_per_stage); expected "
                           "model.plan_report.save(), `plait plan -o` or model.plan.to_json() output")
+    fields: dict[str, Any]
     try:
         if "layer_names" in data:  # Plan.to_json()
             fields = {"layers_per_proc": [int(c) for c in data["layers_per_stage"]],

@@ -1,0 +1,200 @@
+"""Planning a run from its Config: Config() plans everything, num_stages gets the optimal
+partition, plan files replay (or say what does not match), the first steps are checked against
+the prediction, and a replan keeps training equal to one process."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import plait
+from plait.planning import load_plan_file
+from tests.harness import run_ranks
+from tests.models import mlp
+
+
+def data(n=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def reference(net, x, y, steps, make_opt):
+    """Single-process training of a copy: per-step losses, then the parameters."""
+    opt = make_opt(net.parameters())
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def train(rank, world, config, steps=5, make_opt=sgd):
+    """Train a plait model and a single-process copy; return what the test compares."""
+    x, y = data()
+    torch.manual_seed(1)
+    net = mlp()
+    ref = copy.deepcopy(net)
+    model = plait.Model(net, config, optimizer=make_opt, loss=nn.CrossEntropyLoss())
+    losses = [model.train_on_batch(x, y) for _ in range(steps)]
+    want = reference(ref, x, y, steps, make_opt)
+    state = model.state_dict()
+    diff = max(float((state[k] - v).abs().max()) for k, v in ref.state_dict().items())
+    out_diff = float((model.predict(x) - ref(x).detach()).abs().max())
+    report = model.plan_report
+    return {
+        "losses": losses, "want": want, "diff": diff, "out_diff": out_diff,
+        "plan": model.plan.to_json(), "report": report.to_json() if report else None,
+        "feedback": report.feedback.summary() if report and report.feedback else None,
+        "check": report.feedback.to_dict() if report and report.feedback else None,
+    }
+
+
+def assert_equal_to_one_process(results):
+    for r in results:
+        assert r["losses"] == pytest.approx(r["want"], rel=1e-5, abs=1e-6)
+        assert r["diff"] < 1e-5 and r["out_diff"] < 1e-5
+
+
+@pytest.mark.timeout(180)
+def test_config_with_no_sizes_plans_and_trains_like_one_process():
+    results = run_ranks(2, train, plait.Config(), timeout=170)
+    assert_equal_to_one_process(results)
+    assert results[0]["plan"] == results[1]["plan"]  # one layout on every rank
+    assert results[0]["report"] == results[1]["report"]
+    chosen = json.loads(results[0]["report"])
+    assert chosen["pp"] * chosen["dp"] == 2 and chosen["source"] == "planned"
+    # the closed loop: steps 2..4 measured against the prediction, a number for every stage
+    line = results[0]["feedback"]
+    assert line.startswith("plait plan check: step predicted") and " ms (" in line
+    check = results[0]["check"]
+    assert check["measured_step_time_s"] > 0 and len(check["stages"]) == chosen["pp"]
+    assert all(s["measured_s"] > 0 and s["predicted_s"] > 0 for s in check["stages"])
+
+
+def optimal_for_report(rank, world):
+    """Config(num_stages=2): the layers are the exact partition of the profiled costs."""
+    from plait.plan.cost import partition_problem
+    from plait.plan.partition import optimal_partition
+
+    result = train(rank, world, plait.Config(num_stages=2, num_microbatches=4), steps=2)
+    data_ = json.loads(result["report"])
+    from plait.plan_report import PlanReport
+
+    rep = PlanReport.from_dict(data_, "")
+    problem = partition_problem(rep.costs, rep.setting(), rep.cluster, rep.global_batch)
+    result["optimal"] = list(optimal_partition(problem).layers_per_stage)
+    return result
+
+
+@pytest.mark.timeout(180)
+def test_num_stages_alone_gets_the_optimal_partition_on_every_rank():
+    results = run_ranks(2, optimal_for_report, timeout=170)
+    assert_equal_to_one_process(results)
+    plans = [json.loads(r["plan"]) for r in results]
+    assert plans[0] == plans[1]
+    assert plans[0]["layers_per_stage"] == results[0]["optimal"] == results[1]["optimal"]
+    report = json.loads(results[0]["report"])
+    assert report["source"] == "partitioned" and report["pp"] == 2 and report["num_microbatches"] == 4
+
+
+def save_then_replay(rank, world, path):
+    x, y = data()
+    first = plait.Model(mlp(), plait.Config(num_stages=2, num_microbatches=2), optimizer=sgd,
+                        loss=nn.CrossEntropyLoss())
+    first.build(x)
+    if rank == 0:
+        first.plan_report.save(path)
+    torch.distributed.barrier()
+    result = train(rank, world, plait.Config(plan=path), steps=2)
+    result["first"] = first.plan.to_json()
+    return result
+
+
+@pytest.mark.timeout(180)
+def test_a_saved_plan_replays(tmp_path):
+    path = str(tmp_path / "plan.json")
+    results = run_ranks(2, save_then_replay, path, timeout=170)
+    assert_equal_to_one_process(results)
+    for r in results:
+        first, again = json.loads(r["first"]), json.loads(r["plan"])
+        for key in ("layers_per_stage", "num_microbatches", "schedule", "dp"):
+            assert first[key] == again[key]
+        assert json.loads(r["report"])["source"] == f"plan file {path}"
+
+
+def test_plan_files_that_do_not_fit_say_what_and_where(tmp_path):
+    names = tuple(str(i) for i in range(11))
+    plan = {"pp": 2, "dp": 1, "num_microbatches": 2, "schedule": "1f1b", "num_virtual_stages": 1,
+            "recompute": False, "layers_per_stage": [5, 6], "feasible": True, "stages": []}
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(plan))
+    fields, _ = load_plan_file(str(good), names, 2)
+    assert fields["layers_per_proc"] == [5, 6] and fields["num_microbatches"] == 2
+    with pytest.raises(plait.ConfigError, match=r"good.json.*for 2 ranks but the world size is 4"):
+        load_plan_file(str(good), names, 4)
+    with pytest.raises(plait.ConfigError, match=r"good.json.*cuts 11 layers.*this model has 12"):
+        load_plan_file(str(good), names + ("11",), 2)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(plait.ConfigError, match=r"bad.json.*not JSON"):
+        load_plan_file(str(bad), names, 2)
+    with pytest.raises(plait.ConfigError, match=r"missing.json.*cannot read"):
+        load_plan_file(str(tmp_path / "missing.json"), names, 2)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"layer_names": [f"x{i}" for i in range(11)], "layers_per_stage": [5, 6],
+                                 "num_microbatches": 1, "schedule": "1f1b", "world_size": 2,
+                                 "capture_method": "torch.export"}))
+    with pytest.raises(plait.ConfigError, match=r"other.json.*another model"):
+        load_plan_file(str(other), names, 2)
+    with pytest.raises(plait.ConfigError, match="keep one of them"):
+        plait.Config(plan=str(good), layers_per_proc=[5, 6])
+
+
+def forced_replan(rank, world):
+    """A replan moving one layer after step 4 (forced): training stays equal to one process,
+    Adam's state included."""
+    import plait.model
+    import plait.replan
+
+    plait.model.should_replan = lambda feedback: True
+    original = plait.replan.replanned_layers
+
+    def moved(report, measured, world_size):
+        answer = original(report, measured, world_size)
+        layers = list(report.chosen["layers_per_stage"])
+        layers[0], layers[1] = layers[0] + (1 if layers[1] > 1 else -1), layers[1] - (1 if layers[1] > 1 else -1)
+        answer["chosen"] = {**answer["chosen"], "layers_per_stage": layers}
+        return answer
+
+    plait.replan.replanned_layers = moved
+    result = train(rank, world, plait.Config(num_stages=2, num_microbatches=2, replan=True), steps=8,
+                   make_opt=adam)
+    return result
+
+
+@pytest.mark.timeout(180)
+def test_a_replan_moves_layers_and_training_stays_equal():
+    results = run_ranks(2, forced_replan, timeout=170)
+    assert_equal_to_one_process(results)
+    report = json.loads(results[0]["report"])
+    assert len(report["earlier_layouts"]) == 1
+    old = json.loads(report["earlier_layouts"][0].split(" (step")[0])
+    assert json.loads(results[0]["plan"])["layers_per_stage"] != old
+    assert results[0]["plan"] == results[1]["plan"]
+    assert results[0]["check"] is not None  # the new layout is checked again (steps 6..8)
