@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -22,7 +23,7 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any],
-           args: tuple[Any, ...]) -> None:
+           args: tuple[Any, ...], dying: Collection[int] = ()) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
@@ -32,8 +33,21 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[...
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         result = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
     torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+    # Rank 0 hosts the job's store: every rank stays until the others have their results
+    # (a rank still reporting a fault needs the store), or 30 s have passed.
+    others = [os.path.join(out_dir, f"{r}.pt") for r in range(world_size) if r not in dying]
+    until = time.monotonic() + 30.0
+    while not all(os.path.exists(p) for p in others) and time.monotonic() < until:
+        time.sleep(0.05)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    # The result is on disk: end here. Interpreter finalization can abort in gloo's worker
+    # threads ("terminate called without an active exception", pytorch/pytorch#179291),
+    # which would fail a test whose ranks all succeeded. A rank that dies before this
+    # line leaves no result and still fails the test.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 90.0,
@@ -45,7 +59,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
     is None, and it is a failure if one of them ends any other way.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, args=(world_size, free_port(), out_dir, fn, args),
+        ctx = mp.start_processes(_entry, args=(world_size, free_port(), out_dir, fn, args, tuple(dying)),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

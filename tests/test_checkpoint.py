@@ -130,7 +130,8 @@ def test_a_checkpoint_of_two_stages_by_two_replicas_continues_on_four_stages_and
     root = tmp_path / "2x2"
     run_ranks(4, train, str(root), 2, 2, 1, None, 2, mlp, timeout=100)  # one epoch: 5 steps
     meta = json.loads((root / "step-000005" / "meta.json").read_text())
-    assert meta["plan"]["dp"] == 2 and meta["plan"]["layers_per_stage"] == [5, 6]
+    assert meta["plan"]["dp"] == 2 and sum(meta["plan"]["layers_per_stage"]) == 11  # the planner cuts
+    assert len(meta["plan"]["layers_per_stage"]) == 2
     assert {e["shard"] for e in meta["tensors"].values()} == {0, 1}  # replica 0 saves the tensors
     assert meta["data"]["epoch"] == 1 and meta["data"]["batch"] == 0
     for name, result in {

@@ -266,7 +266,9 @@ class Wire:
         posted = self._take(peer, tag)
         if posted is not None:
             return posted
-        return [self._recv(torch.empty_like(t, requires_grad=False), peer, tag) for t in like]
+        # Contiguous whatever the strides of `like` (a transposed activation's gradient):
+        # the backend receives into contiguous memory only.
+        return [self._recv(torch.empty(t.shape, dtype=t.dtype, device=self.device), peer, tag) for t in like]
 
 
 _CAST = {_FLOAT: float, _INT: int, _BOOL: bool}

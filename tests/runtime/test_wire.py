@@ -39,3 +39,29 @@ def test_mixed_values_reach_every_peer():
             assert type(i) is int and type(b) is bool
             assert ints.tolist() == [1, 2] and d["k"].dtype == torch.bool
             assert tuple(size) == (4, 5)
+
+
+def gradients_of_a_transposed_activation(rank, world):
+    import torch.distributed as dist
+
+    from plait.runtime.wire import Wire
+
+    dist.init_process_group("gloo")
+    wire = Wire(timeout_s=20)
+    if rank == 0:
+        sent = torch.arange(6.0).view(2, 3).t()  # what a stage may return: not contiguous
+        wire.send([sent], 1, key="a", tag=0)
+        wire.drain()
+        return wire.recv_tensors([sent], 1, tag=1)[0]
+    (got,), _ = wire.recv(0, key="a", tag=0)
+    wire.send_tensors([(got * 10).t().contiguous().t()], 0, tag=1)  # the gradient, strided alike
+    wire.drain()
+    return None
+
+
+@pytest.mark.timeout(90)
+def test_gradients_of_a_non_contiguous_activation_come_back():
+    # Regression: the receive buffer copied the activation's strides and gloo refused it
+    # ("input tensor has to be contiguous") when a planned cut fell after a transpose.
+    grad = run_ranks(2, gradients_of_a_transposed_activation, timeout=80)[0]
+    torch.testing.assert_close(grad, torch.arange(6.0).view(2, 3).t() * 10)
