@@ -30,9 +30,11 @@ from plait.autoplan import PlanOptions, local_cluster, plan_model
 from plait.capture.trace import capture
 from plait.config import SCHEDULE_NAMES, Config
 from plait.errors import ConfigError, PartitionError
+from plait.plan.network import Network
 from plait.plan.search import SearchSpace
 from plait.plan_report import PlanReport
 from plait.runtime.agree import agree
+from plait.runtime.calibrate import calibrate
 
 __all__ = ["Layout", "choose_layout", "candidate_fields", "load_plan_file"]
 
@@ -61,8 +63,13 @@ def choose_layout(net: nn.Module, x: Any, y: Any, config: Config, world_size: in
         resolved = config.with_defaults()
         return Layout(resolved, resolved.stages_for(world_size), None)
 
+    network = None
+    if config.plan is None and (resumed_plan is None or _resumed_fields(
+            resumed_plan, config, world_size, _layer_names(net, x)) is None):
+        network = calibrate()  # rank 0 will search: it prices messages with this backend's link
+
     def decide() -> dict[str, Any]:
-        return _decide(net, x, y, config, world_size, loss, optimizer, resumed_plan)
+        return _decide(net, x, y, config, world_size, loss, optimizer, resumed_plan, network)
 
     # Rank 0's profile may take longer than a step's waits: give it ten times as long.
     answer = agree(rank, decide, "layout plan", max(10 * config.timeout_s, 120.0))
@@ -88,7 +95,7 @@ def candidate_fields(candidate: dict[str, Any]) -> dict[str, Any]:
 
 def _decide(net: nn.Module, x: Any, y: Any, config: Config, world_size: int,
             loss: Callable[[Any, Any], torch.Tensor] | None, optimizer: Any,
-            resumed_plan: dict[str, Any] | None) -> dict[str, Any]:
+            resumed_plan: dict[str, Any] | None, network: Network | None = None) -> dict[str, Any]:
     """Rank 0's choice as JSON: {"fields", "report", "table", "source"}."""
     if config.plan is not None:
         fields, report = load_plan_file(config.plan, _layer_names(net, x), world_size)
@@ -99,7 +106,7 @@ def _decide(net: nn.Module, x: Any, y: Any, config: Config, world_size: int,
         if kept is not None:
             return {"fields": kept, "report": None, "table": "", "source": "the resumed checkpoint"}
     space, source = _space(config, world_size, batching.num_rows(x))
-    cluster = local_cluster(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+    cluster = local_cluster(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), network=network,
                             memory_bytes=config.memory_limit_bytes,
                             optimizer_state_factor=_state_factor(optimizer))
     options = PlanOptions(space=space, optimizer=_optimizer_factory(optimizer), loss=loss,

@@ -111,6 +111,11 @@ def test_num_stages_alone_gets_the_optimal_partition_on_every_rank():
     assert plans[0]["layers_per_stage"] == results[0]["optimal"] == results[1]["optimal"]
     report = json.loads(results[0]["report"])
     assert report["source"] == "partitioned" and report["pp"] == 2 and report["num_microbatches"] == 4
+    # messages are priced with this backend's link as measured (plait.runtime.calibrate), not a preset
+    from plait.plan.devices import device
+
+    assert report["cluster"]["network"] != device("cpu").network.to_dict()
+    assert 0 < report["cluster"]["network"]["intra"]["bandwidth"] < 1e15
 
 
 def save_then_replay(rank, world, path):
