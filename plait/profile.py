@@ -8,6 +8,8 @@ sample's rows and at a quarter of them (times are affine in rows, `LayerCosts`):
     forward   the layer module on its inputs                        (median of `repeats`)
     B         gradient of its inputs, from random output gradients   (retain_graph)
     B + W     gradient of its inputs and weights; W = (B + W) - B
+    whole     the same for all layers in one pass; every layer's times are scaled by the
+              whole pass over the sum of the layers (a layer alone runs from cache)
     saved     bytes autograd saves for the backward (saved_tensors_hooks), parameters excluded
     optimizer one step of `optimizer` on copies of the layer's parameters
 
@@ -161,10 +163,13 @@ def _measure(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows
         small, loss, target, repeats)
     fixed: dict[str, list[float]] = {k: [] for k in ("f", "b", "w")}
     per_row: dict[str, list[float]] = {k: [] for k in ("f", "b", "w")}
-    for i in range(len(stages)):
-        big, little = big_run.times(i), small_run.times(i)
+    bigs = [big_run.times(i) for i in range(len(stages))]
+    littles = bigs if small_run is big_run else [small_run.times(i) for i in range(len(stages))]
+    scale_big = _scale(bigs, big_run.whole())
+    scale_small = scale_big if small_run is big_run else _scale(littles, small_run.whole())
+    for big, little in zip(bigs, littles):
         for k in ("f", "b", "w"):
-            a, c = _affine(big[k], little[k], rows, small)
+            a, c = _affine(big[k] * scale_big, little[k] * scale_small, rows, small)
             fixed[k].append(a)
             per_row[k].append(c)
     params = [list({id(p): p for p in st.module.parameters()}.values()) for st in stages]
@@ -184,8 +189,20 @@ def _measure(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows
         input_row_bytes=_tensor_bytes(inputs) / rows,
         uncuttable=captured.layers.uncuttable,
         source=f"profiled on {platform.node() or 'this machine'}: {rows} and {small} rows, "
-               f"{torch.get_num_threads()} thread(s), median of {repeats}",
+               f"{torch.get_num_threads()} thread(s), median of {repeats}, layer times x "
+               f"{scale_big:.2f} / {scale_small:.2f} to the whole model's",
     )
+
+
+def _scale(layer_times: list[dict[str, float]], whole: float) -> float:
+    """Whole-model time over the sum of its layers' F + B + W (1 when either is 0).
+
+    A layer timed alone, again and again, finds its inputs and weights in cache; the whole
+    model streams through memory as training does. Scaling each layer by this factor keeps
+    the layers' relative costs and makes their sum what a step really costs.
+    """
+    parts = sum(t["f"] + t["b"] + t["w"] for t in layer_times)
+    return whole / parts if parts > 0 and whole > 0 else 1.0
 
 
 def _affine(t_big: float, t_small: float, rows: int, small: int) -> tuple[float, float]:
@@ -259,6 +276,29 @@ class _Run:
                 b.append(t_input)
                 w.append(max(0.0, t_all - t_input))
         return {"f": statistics.median(f), "b": statistics.median(b), "w": statistics.median(w)}
+
+
+    def whole(self) -> float:
+        """Median seconds of forward and backward (input and weight gradients) through every
+        layer in turn, as one stage holding the whole model runs them (no `.grad` is touched)."""
+        weights = list({id(p): p for st in self.stages for p in st.module.parameters()
+                        if p.requires_grad}.values())
+        samples = []
+        for k in range(self.repeats + 1):  # the first is a warm-up
+            start = time.perf_counter()
+            received: list[Any] = []
+            out: Any = None
+            for st, (_, mine) in zip(self.stages, self.inputs):
+                out = st.module(*received, *mine)
+                received = list(out) if not st.is_last else []
+            if self.loss is not None and self.target is not None:
+                out = self.loss(self.captured.finish(out), self.target)
+            outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs and weights:
+                torch.autograd.grad(outs, weights, [torch.randn_like(t) for t in outs], allow_unused=True)
+            if k:
+                samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
 
 
 def _optimizer_time(params: list[nn.Parameter], optimizer: OptimizerFactory, repeats: int) -> float:

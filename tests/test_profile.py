@@ -95,3 +95,27 @@ def test_model_left_as_it_was_and_loss_included():
 def test_bad_repeats():
     with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
         profile(nn.Linear(2, 2), (torch.randn(4, 2),), repeats=0)
+
+
+@pytest.mark.timeout(120)
+def test_layer_times_sum_to_the_whole_model_pass(monkeypatch):
+    # Each layer's times are scaled so that their sum at the profiled rows is the time of one
+    # pass through the whole model (layers timed alone run from cache). Here the whole pass is
+    # made to take exactly twice the layers' sum: the profile must report that sum.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(61, 37), nn.ReLU(), nn.Linear(37, 5))  # a signature of its own: not cached
+    x = torch.randn(16, 61)
+    sums: dict[int, float] = {}
+    real_times = profiling._Run.times
+
+    def times(self, i):
+        t = real_times(self, i)
+        sums[self.inputs[0][1][0].shape[0]] = sums.get(self.inputs[0][1][0].shape[0], 0.0) + t["f"] + t["b"] + t["w"]
+        return t
+
+    monkeypatch.setattr(profiling._Run, "times", times)
+    monkeypatch.setattr(profiling._Run, "whole", lambda self: 2 * sums[self.inputs[0][1][0].shape[0]])
+    costs = profile(net, (x,), repeats=1, threads=1).costs
+    total = sum(costs.forward(16)) + sum(costs.backward(16)) + sum(costs.weight(16))
+    assert total == pytest.approx(2 * sums[16], rel=1e-6)
+    assert "x 2.00 / 2.00" in costs.source

@@ -1,0 +1,224 @@
+"""The planner against measurement, on 2 CPU ranks (spawned here, 1 thread each).
+
+    python benchmarks/planner.py                 # all three parts, 10 timed rounds
+    python benchmarks/planner.py --rounds 20
+
+(a) A CNN whose convolutions hold nearly all the compute, followed by a deep cheap head: every 2-stage split
+    is measured, round-robin, and compared with the equal-layer split and the planner's split
+    (`Config(num_stages=2)`), GPipe. Targets: equal / planner >= 1.3, planner / best measured <= 1.05.
+(b) A homogeneous MLP, GPipe: the planner's split should be the equal split, or measure within 5% of it.
+(c) Predicted (`model.plan_report`) against measured step time for several layouts of the CNN
+    (1 or 2 stages, micro-batches, GPipe / 1F1B). Target: |predicted / measured - 1| <= 0.15.
+
+Times are medians over rounds of the slowest rank's step (a barrier before each step), in ms.
+Each configuration trains its own copy of the model; rounds visit them in turn, so the load of a
+shared machine falls on all of them alike. Ratios in (a) and (b) are paired: the median over
+rounds of the ratio of two configurations' times in the same round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+try:
+    import plait
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import plait
+from job import join_job, run_job
+
+BATCH = 128  # global batch, rows
+MICROBATCHES = 8
+SCHEDULE = "gpipe"  # parts (a), (b): 1F1B's messages stall on this machine's gloo (README), by split
+
+
+def cnn() -> nn.Sequential:
+    """A cheap stem, four equal 3x3 convolutions of 96 channels (nearly all the compute), pooling,
+    and a deep, cheap MLP head: the equal-layer split puts every convolution on stage 0."""
+    torch.manual_seed(0)
+    convs: list[nn.Module] = []
+    for _ in range(4):
+        convs += [nn.Conv2d(96, 96, 3, padding=1), nn.ReLU()]  # (B, 96, 8, 8)
+    head: list[nn.Module] = []
+    for _ in range(5):
+        head += [nn.Linear(256, 256), nn.ReLU()]  # (B, 256)
+    return nn.Sequential(
+        nn.Conv2d(3, 96, 3, padding=1), nn.ReLU(),  # (B, 96, 8, 8)
+        *convs,
+        nn.MaxPool2d(4),  # (B, 96, 2, 2)
+        nn.Flatten(),  # (B, 384)
+        nn.Linear(384, 256), nn.ReLU(),  # (B, 256)
+        *head,
+        nn.Linear(256, 10),  # (B, 10)
+    )
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(8):
+        blocks += [nn.Linear(512, 512), nn.ReLU()]
+    return nn.Sequential(*blocks, nn.Linear(512, 10))
+
+
+def cnn_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(BATCH, 3, 8, 8, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+def mlp_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(BATCH, 512, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+def make(net_fn, config: plait.Config) -> plait.Model:
+    net = net_fn()
+    return plait.Model(net, config, optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+                       loss=nn.CrossEntropyLoss())
+
+
+def timed_rounds(models: dict[Any, plait.Model], x, y, rounds: int, warmup: int = 2) -> dict[Any, list[float]]:
+    """Each model's step times in ms (slowest rank), one per round, the models visited in turn."""
+    for model in models.values():
+        for _ in range(warmup):
+            model.train_on_batch(x, y)
+    times: dict[Any, list[float]] = {k: [] for k in models}
+    keys = list(models)
+    for r in range(rounds):
+        for key in keys if r % 2 == 0 else keys[::-1]:  # no configuration always first or last
+            model = models[key]
+            dist.barrier()
+            start = time.perf_counter()
+            model.train_on_batch(x, y)
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[key].append(1e3 * float(elapsed))
+    return times
+
+
+def medians(times: dict[Any, list[float]]) -> dict[Any, float]:
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def paired(times: dict[Any, list[float]], a: Any, b: Any) -> float:
+    """Median over rounds of a's time / b's time in the same round (robust to load drifting)."""
+    return statistics.median(ta / tb for ta, tb in zip(times[a], times[b]))
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def part_a(rounds: int, out: list[str]) -> None:
+    x, y = cnn_batch()
+    planned = make(cnn, plait.Config(num_stages=2, num_microbatches=MICROBATCHES, schedule=SCHEDULE))
+    planned.train_on_batch(x, y)
+    n = sum(planned.plan.layers_per_stage)
+    auto = planned.plan.layers_per_stage[0]
+    models = {k: make(cnn, plait.Config(layers_per_proc=[k, n - k], num_microbatches=MICROBATCHES,
+                                        schedule=SCHEDULE))
+              for k in range(1, n)}
+    times = timed_rounds(models, x, y, rounds)
+    measured = medians(times)
+    equal = n // 2 + n % 2  # the equal-layer split: ceil(n / 2) layers on stage 0
+    best = min(measured, key=measured.get)
+    out.append(f"(a) CNN, {n} layers, batch {BATCH} in {MICROBATCHES} micro-batches, {SCHEDULE}, 2 stages")
+    out.append("| split | step (ms) | note |")
+    out.append("|---|---|---|")
+    for k, t in measured.items():
+        notes = [s for s, hit in (("planner", k == auto), ("equal layers", k == equal), ("best measured", k == best)) if hit]
+        out.append(f"| {k} + {n - k} | {t:.1f} | {', '.join(notes)} |")
+    ratio_equal = paired(times, equal, auto)
+    ratio_best = paired(times, auto, best)
+    out.append(f"equal / planner = {ratio_equal:.2f} (paired; target >= 1.3): {verdict(ratio_equal >= 1.3)}")
+    out.append(f"planner / best measured = {ratio_best:.3f} (paired; target <= 1.05): {verdict(ratio_best <= 1.05)}")
+
+
+def part_b(rounds: int, out: list[str]) -> None:
+    x, y = mlp_batch()
+    planned = make(mlp, plait.Config(num_stages=2, num_microbatches=MICROBATCHES, schedule=SCHEDULE))
+    planned.train_on_batch(x, y)
+    n = sum(planned.plan.layers_per_stage)
+    auto = planned.plan.layers_per_stage[0]
+    equal = n // 2 + n % 2
+    out.append(f"(b) MLP 8 x (Linear(512) + ReLU) + Linear(512, 10), {n} layers: planner {auto} + {n - auto}, "
+               f"equal layers {equal} + {n - equal}")
+    if auto == equal:
+        out.append("planner split == equal split: PASS")
+        return
+    models = {k: make(mlp, plait.Config(layers_per_proc=[k, n - k], num_microbatches=MICROBATCHES,
+                                        schedule=SCHEDULE))
+              for k in sorted({auto, equal})}
+    times = timed_rounds(models, x, y, 3 * rounds)  # two models only: more rounds, same time
+    measured = medians(times)
+    ratio = paired(times, auto, equal)
+    out.append(f"planner {measured[auto]:.1f} ms, equal {measured[equal]:.1f} ms, planner / equal = "
+               f"{ratio:.3f} (paired; target <= 1.05): {verdict(ratio <= 1.05)}")
+
+
+CONFIGS = [  # (label, Config fields) for part (c)
+    ("1 stage x dp 2, m=1", {"dp": 2, "num_microbatches": 1}),
+    ("2 stages, 1F1B, m=2", {"num_stages": 2, "num_microbatches": 2, "schedule": "1f1b"}),
+    ("2 stages, 1F1B, m=4", {"num_stages": 2, "num_microbatches": 4, "schedule": "1f1b"}),
+    ("2 stages, 1F1B, m=8", {"num_stages": 2, "num_microbatches": 8, "schedule": "1f1b"}),
+    ("2 stages, GPipe, m=4", {"num_stages": 2, "num_microbatches": 4, "schedule": "gpipe"}),
+    ("2 stages, GPipe, m=8", {"num_stages": 2, "num_microbatches": 8, "schedule": "gpipe"}),
+]
+
+
+def part_c(rounds: int, out: list[str]) -> None:
+    x, y = cnn_batch()
+    models = {label: make(cnn, plait.Config(**fields)) for label, fields in CONFIGS}
+    measured = medians(timed_rounds(models, x, y, rounds))
+    out.append("(c) CNN: predicted vs measured step time")
+    out.append("| layout | layers | predicted (ms) | measured (ms) | predicted / measured | verdict |")
+    out.append("|---|---|---|---|---|---|")
+    passed = 0
+    for label, model in models.items():
+        report = model.plan_report
+        predicted = 1e3 * (report.predicted_step_s or 0.0) if report else float("nan")
+        ratio = predicted / measured[label]
+        ok = abs(ratio - 1) <= 0.15
+        passed += ok
+        out.append(f"| {label} | {list(model.plan.layers_per_stage)} | {predicted:.1f} | {measured[label]:.1f} | "
+                   f"{ratio:.2f} | {verdict(ok)} |")
+    out.append(f"{passed} of {len(models)} within 15%: {verdict(passed == len(models))}")
+
+
+def rank_main(rank: int, port: int, parts: str, rounds: int, result_path: str) -> None:
+    join_job(rank, 2, port)
+    out: list[str] = []
+    for name, fn in (("a", part_a), ("b", part_b), ("c", part_c)):
+        if name in parts:
+            fn(rounds, out)
+            out.append("")
+    if rank == 0:
+        Path(result_path).write_text("\n".join(out))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per configuration (default: 10)")
+    parser.add_argument("--parts", default="abc", help="which parts to run (default: abc)")
+    args = parser.parse_args()
+    load = os.getloadavg()
+    start = time.perf_counter()
+    text = run_job(rank_main, 2, args.parts, args.rounds)
+    print(text)
+    print(f"load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}; "
+          f"{time.perf_counter() - start:.0f} s in all")
+
+
+if __name__ == "__main__":
+    main()
