@@ -137,6 +137,9 @@ class Model:
                 "the plan is made when the model first sees data: call fit, train_on_batch, "
                 "evaluate or predict (or build(x_sample)) first"
             )
+        report = self._layout.report if self._layout is not None else None
+        if report is not None and report.feedback is not None:  # the closed loop has measured
+            return dataclasses.replace(self._train.plan, check=report.feedback.summary())
         return self._train.plan
 
     @property

@@ -82,6 +82,9 @@ def test_config_with_no_sizes_plans_and_trains_like_one_process():
     # the closed loop: steps 2..4 measured against the prediction, a number for every stage
     line = results[0]["feedback"]
     assert line.startswith("plait plan check: step predicted") and " ms (" in line
+    plan = json.loads(results[0]["plan"])  # model.plan carries the same line, printed and in JSON
+    assert plan["check"] == line
+    assert plait.Plan.from_json(results[0]["plan"]).check == line and line in str(plait.Plan.from_json(results[0]["plan"]))
     check = results[0]["check"]
     assert check["measured_step_time_s"] > 0 and len(check["stages"]) == chosen["pp"]
     assert all(s["measured_s"] > 0 and s["predicted_s"] > 0 for s in check["stages"])

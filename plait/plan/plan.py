@@ -27,6 +27,7 @@ class Plan:
     dp: int = 1
     num_virtual_stages: int = 1  # model chunks per rank (interleaved schedule)
     recompute: tuple[int, ...] = ()  # stages that recompute their forward during the backward
+    check: str = ""  # the closed loop: measured against predicted step and stage times, once known
 
     def __post_init__(self) -> None:
         counts = {"num_virtual_stages": self.num_virtual_stages, "dp": self.dp,
@@ -112,6 +113,7 @@ class Plan:
                 dp=int(data.get("dp", 1)),
                 num_virtual_stages=int(data.get("num_virtual_stages", 1)),
                 recompute=tuple(int(s) for s in data.get("recompute", ())),
+                check=str(data.get("check", "")),
             )
         except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as e:
             raise ConfigError(f"not a plait plan ({type(e).__name__}: {e}); expected Plan.to_json() output") from e
@@ -135,4 +137,6 @@ class Plan:
             lines.append(f"  stage {s} ({where}{again}): {len(names)} layers: {shown}")
         for name, stages in self.tied_parameters:
             lines.append(f"  tied parameter {name}: replicated on stages {list(stages)}, gradients summed")
+        if self.check:
+            lines.append(f"  {self.check}")
         return "\n".join(lines)
