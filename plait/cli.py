@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
 from plait import launch
+from plait.config import REPLAN_ENV
 from plait.errors import PlaitError
 
 __all__ = ["main", "build_parser"]
@@ -38,6 +40,10 @@ def _add_launch_options(parser: argparse.ArgumentParser, default_nproc: int) -> 
     parser.add_argument("--master-port", type=int, default=None, metavar="PORT",
                         help="a free port on node 0, the same on every node; needed with --nnodes > 1 "
                              "(default on one node: any free port)")
+    parser.add_argument("--replan", action="store_true",
+                        help="re-partition once when the first steps are more than 15%% off the "
+                             "planner's prediction (sets PLAIT_REPLAN=1: the default of "
+                             "plait.Config(replan=...))")
 
 
 def _count(text: str) -> int:
@@ -211,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
 
         demo.parse_args(rest, prog="plait demo")
         start, target, target_args = launch.run_module, "plait.demo", rest
+    if args.replan:
+        os.environ[REPLAN_ENV] = "1"  # the ranks inherit it; Config(replan=...) defaults to it
     try:
         return start(target, target_args, args.nproc, args.max_restarts,
                      args.nnodes, args.node_rank, args.master_addr, args.master_port)

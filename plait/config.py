@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from plait.errors import ConfigError
+
+REPLAN_ENV = "PLAIT_REPLAN"  # `plait run --replan` sets it to 1 for the ranks
 
 __all__ = ["Config", "SCHEDULE_NAMES", "NONFINITE_ACTIONS"]
 
@@ -50,7 +53,8 @@ class Config:
         a stage or the step is off by more than 15%, rank 0 re-partitions the layers with costs
         corrected by the measurements and the run goes on in the new layout (parameters and
         optimizer state carried over exactly, through a checkpoint in checkpoint_dir, or in a
-        temporary directory, which must then be on a file system every rank sees).
+        temporary directory, which must then be on a file system every rank sees). Default:
+        True when the environment has PLAIT_REPLAN=1 (`plait run --replan`), else False.
     trace_dir: write each rank's measured timeline there as Chrome trace JSON (None: no trace).
     seed: seeds the shuffle order, identical on every rank.
     timeout_s: longest any wait on another rank may take before the run fails with a report.
@@ -87,7 +91,7 @@ class Config:
     on_nonfinite: str = "stop"
     plan: str | None = None
     memory_limit_bytes: float | None = None
-    replan: bool = False
+    replan: bool = field(default_factory=lambda: os.environ.get(REPLAN_ENV) == "1")
 
     def __post_init__(self) -> None:
         if self.layers_per_proc is not None:

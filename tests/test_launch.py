@@ -161,3 +161,20 @@ def test_plait_run_listens_on_loopback_only(tmp_path: Path) -> None:
     assert len(listening) == 3 and len(listening[proc.pid]) == 2, listening
     exposed = {pid: found for pid, found in listening.items() if any(addr != "127.0.0.1" for addr, _ in found)}
     assert not exposed, f"listening beyond 127.0.0.1: {exposed}"
+
+
+@pytest.mark.timeout(100)
+def test_plait_run_replan_reaches_every_rank_config(tmp_path: Path) -> None:
+    script = tmp_path / "replan.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        import plait
+        with open(os.path.join(sys.argv[1], "rank%s.txt" % os.environ["RANK"]), "w") as f:
+            f.write("%s %s" % (plait.Config().replan, plait.Config(replan=False).replan))
+    """))
+    result = plait_cli("run", "-n", "2", "--replan", str(script), str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["True False"] * 2
+    result = plait_cli("run", "-n", "1", str(script), str(tmp_path), cwd=tmp_path)  # without: off
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "rank0.txt").read_text() == "False False"
