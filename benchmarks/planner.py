@@ -120,12 +120,16 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
+def planned_split(net_fn, x, y) -> tuple[int, int]:
+    """(layers, layers on stage 0) of the planner's cut: `Config(num_stages=2)`, layers open."""
+    planned = make(net_fn, plait.Config(num_stages=2, num_microbatches=MICROBATCHES, schedule=SCHEDULE))
+    planned.train_on_batch(x, y)
+    return sum(planned.plan.layers_per_stage), planned.plan.layers_per_stage[0]
+
+
 def part_a(rounds: int, out: list[str]) -> None:
     x, y = cnn_batch()
-    planned = make(cnn, plait.Config(num_stages=2, num_microbatches=MICROBATCHES, schedule=SCHEDULE))
-    planned.train_on_batch(x, y)
-    n = sum(planned.plan.layers_per_stage)
-    auto = planned.plan.layers_per_stage[0]
+    n, auto = planned_split(cnn, x, y)
     models = {k: make(cnn, plait.Config(layers_per_proc=[k, n - k], num_microbatches=MICROBATCHES,
                                         schedule=SCHEDULE))
               for k in range(1, n)}
@@ -147,10 +151,7 @@ def part_a(rounds: int, out: list[str]) -> None:
 
 def part_b(rounds: int, out: list[str]) -> None:
     x, y = mlp_batch()
-    planned = make(mlp, plait.Config(num_stages=2, num_microbatches=MICROBATCHES, schedule=SCHEDULE))
-    planned.train_on_batch(x, y)
-    n = sum(planned.plan.layers_per_stage)
-    auto = planned.plan.layers_per_stage[0]
+    n, auto = planned_split(mlp, x, y)
     equal = n // 2 + n % 2
     out.append(f"(b) MLP 8 x (Linear(512) + ReLU) + Linear(512, 10), {n} layers: planner {auto} + {n - auto}, "
                f"equal layers {equal} + {n - equal}")

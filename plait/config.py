@@ -170,17 +170,22 @@ class Config:
         self._check_checkpoints()
         self._check_planning()
 
+    def _path(self, name: str, what: str) -> str | None:
+        """Field `name` as a str path (any os.PathLike is accepted), or None."""
+        value = getattr(self, name)
+        if value is None:
+            return None
+        if not isinstance(value, str) and not hasattr(value, "__fspath__"):
+            raise ConfigError(f"{name} must be {what} or None, got {value!r}")
+        object.__setattr__(self, name, str(value))
+        return str(value)
+
     def _check_planning(self) -> None:
-        p = self.plan
-        if p is not None and not isinstance(p, str) and not hasattr(p, "__fspath__"):
-            raise ConfigError(f"plan must be the path of a plan JSON file or None, got {p!r}")
-        if p is not None:
-            object.__setattr__(self, "plan", str(p))
-            if self.layers_per_proc is not None:
-                raise ConfigError(
-                    f"plan={self.plan!r} and layers_per_proc={list(self.layers_per_proc)} both give "
-                    "the layers of each stage; keep one of them"
-                )
+        if self._path("plan", "the path of a plan JSON file") is not None and self.layers_per_proc is not None:
+            raise ConfigError(
+                f"plan={self.plan!r} and layers_per_proc={list(self.layers_per_proc)} both give "
+                "the layers of each stage; keep one of them"
+            )
         limit = self.memory_limit_bytes
         if limit is not None and not (_is_number(limit) and limit > 0):
             raise ConfigError(f"memory_limit_bytes must be a positive number of bytes or None, got {limit!r}")
@@ -202,11 +207,7 @@ class Config:
                        recompute=False if self.recompute is None else self.recompute)
 
     def _check_checkpoints(self) -> None:
-        d = self.checkpoint_dir
-        if d is not None and not isinstance(d, str) and not hasattr(d, "__fspath__"):
-            raise ConfigError(f"checkpoint_dir must be a directory path or None, got {d!r}")
-        if d is not None:
-            object.__setattr__(self, "checkpoint_dir", str(d))
+        self._path("checkpoint_dir", "a directory path")
         every = self.checkpoint_every
         if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
             raise ConfigError(

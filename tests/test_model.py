@@ -121,10 +121,19 @@ def test_loss_that_is_not_a_scalar():
     ({"layers_per_proc": [2, 0]}, r"bad entries: \[0\]"),
     ({"layers_per_proc": [2, 2], "num_stages": 3}, "num_stages=3 but layers_per_proc=\\[2, 2\\]"),
     ({"timeout_s": -1}, "timeout_s must be a positive number"),
+    ({"checkpoint_dir": 3}, "checkpoint_dir must be a directory path or None, got 3"),
+    ({"plan": 3}, "plan must be the path of a plan JSON file or None, got 3"),
+    ({"plan": "p.json", "layers_per_proc": [1, 1]}, r"plan='p.json' and layers_per_proc=\[1, 1\] both give"),
+    ({"replan": "yes"}, "replan must be True or False, got 'yes'"),
 ])
 def test_config_errors_name_the_value(kwargs, message):
     with pytest.raises(plait.ConfigError, match=message):
         plait.Config(**kwargs)
+
+
+def test_config_paths_may_be_path_objects(tmp_path):
+    config = plait.Config(checkpoint_dir=tmp_path, plan=tmp_path / "p.json")
+    assert config.checkpoint_dir == str(tmp_path) and config.plan == str(tmp_path / "p.json")
 
 
 class Reuse(nn.Module):
