@@ -54,7 +54,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import plait
-from job import join_job, mlp, run_job
+from job import join_job, leave_job, mlp, run_job
 from plait.demo import PaperCNN
 
 __all__ = ["main"]
@@ -287,7 +287,7 @@ def _rank_main(rank: int, port: int, setting: Setting, result_path: str) -> None
         if setting.profile:
             profile(setting, rank, Path(setting.profile))
     finally:
-        dist.destroy_process_group()
+        leave_job()
 
 
 def parse_args(argv: list[str] | None = None) -> Setting:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-__all__ = ["mlp", "regression_batch", "run_job", "join_job"]
+__all__ = ["mlp", "regression_batch", "run_job", "join_job", "leave_job"]
 
 
 def mlp(width: int, layers: int, seed: int) -> nn.Sequential:
@@ -44,6 +45,13 @@ def join_job(rank: int, world_size: int, port: int) -> None:
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def leave_job() -> None:
+    """At the end of a rank: destroy the group, then give gloo's workers a moment to release the
+    last collective's tensors before the interpreter ends (else the process may abort at exit)."""
+    dist.destroy_process_group()
+    time.sleep(0.05)
 
 
 def run_job(rank_main: Callable[..., None], world_size: int, *args: Any) -> str:

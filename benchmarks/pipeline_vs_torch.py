@@ -53,7 +53,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import plait
-from job import join_job, mlp, regression_batch, run_job
+from job import join_job, leave_job, mlp, regression_batch, run_job
 
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -327,7 +327,7 @@ def _rank_main(rank: int, port: int, setting: Setting, result_path: str) -> None
             passed = report(setting, times, correct)
             Path(result_path).write_text("pass" if passed else "fail")
     finally:
-        dist.destroy_process_group()
+        leave_job()
 
 
 def parse_args(argv: list[str] | None = None) -> Setting:

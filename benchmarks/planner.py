@@ -36,7 +36,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import plait
-from job import join_job, run_job
+from job import join_job, leave_job, run_job
 
 BATCH = 128  # global batch, rows
 MICROBATCHES = 8
@@ -206,7 +206,7 @@ def rank_main(rank: int, port: int, parts: str, rounds: int, result_path: str) -
             out.append("")
     if rank == 0:
         Path(result_path).write_text("\n".join(out))
-    dist.destroy_process_group()
+    leave_job()
 
 
 def main() -> None:

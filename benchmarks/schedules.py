@@ -43,7 +43,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import plait
-from job import join_job, mlp, regression_batch, run_job
+from job import join_job, leave_job, mlp, regression_batch, run_job
 from plait import timeline
 from plait.schedule import simulate
 
@@ -142,7 +142,7 @@ def _rank_main(rank: int, port: int, setting: Setting, result_path: str) -> None
             Path(result_path).write_text(json.dumps({"walls": walls, "peaks": gathered,
                                                      "first_timed": first_timed}))
     finally:
-        dist.destroy_process_group()
+        leave_job()
 
 
 def profiled_costs(trace_dir: Path, first_step: int) -> tuple[dict[str, list[float]], float, float]:
