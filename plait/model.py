@@ -235,6 +235,8 @@ class Model:
                                      keep_outputs=keep_outputs or bool(self.metrics))
             # The loss and metric sums travel while the gradients are still being all-reduced.
             stats, outputs = self._local_stats(pipe, mbs, keep_outputs)
+            if train and pipe.sync is not None:
+                pipe.sync.flush()  # every bucket before the sums: they may share the default group
             flags = [] if watch is None else watch.finish(pipe.last_executor.losses if pipe.is_last else {})
             total = start_sum_floats(stats + flags)
             run = pipe.interpreter.runs  # a failure below follows this run of the program, all done

@@ -19,8 +19,14 @@ def local_device() -> torch.device:
 
 
 def make_group(ranks: Sequence[int]) -> Any:
-    """A process group of `ranks`; every rank must make every group, in the same order."""
-    return dist.new_group(sorted(set(ranks)))
+    """A process group of `ranks`; every rank must make every group, in the same order.
+
+    The whole world is the default group itself: a second group over the same ranks would bring
+    its own gloo threads and sockets, competing with the compute for the cores."""
+    members = sorted(set(ranks))
+    if members == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    return dist.new_group(members)
 
 
 def broadcast_state(net: nn.Module, src: int = 0) -> None:

@@ -44,8 +44,10 @@ class GradientBuckets:
                                          [p.dtype for p in ordered], bucket_bytes)
         ]
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        # One flat buffer per bucket (a bucket holds one dtype); each parameter's .grad is a view into it, so
-        # autograd accumulates straight into the buffer that is all-reduced in place.
+        self._slot = {id(p): j for b in self.buckets for j, p in enumerate(b)}
+        # One flat buffer per bucket (a bucket holds one dtype); each parameter's .grad becomes a view into
+        # it at its first gradient of a step, so autograd accumulates straight into the buffer that is
+        # all-reduced in place (DistributedDataParallel's gradient_as_bucket_view).
         self._flats = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
                        for b in self.buckets]
         self._views = [[flat[o - p.numel() : o].view_as(p) for p, o in zip(b, _ends(b))]
@@ -69,16 +71,19 @@ class GradientBuckets:
         self._next = 0
         self._works.clear()
         self.launched_during_backward = 0
-        for b, flat, views in zip(self.buckets, self._flats, self._views):
-            flat.zero_()
-            for p, v in zip(b, views):
-                p.grad = v
+        # No zeroing: the first gradient of a step is copied into its view (`_adopt`), later ones
+        # accumulate into it in place -- one pass over the buffer instead of zero + add.
+        for b in self.buckets:
+            for p in b:
+                p.grad = None
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if self._expected == 0:
             return  # not a data-parallel step (evaluation, or a backward outside fit)
         count = self._counts.get(id(param), 0) + 1
         self._counts[id(param)] = count
+        if count == 1:
+            self._adopt(param)
         if count == self._expected:
             self._pending[self._bucket_of[id(param)]] -= 1
             before = self._next
@@ -90,20 +95,36 @@ class GradientBuckets:
             self._launch(self._next)
             self._next += 1
 
+    def _adopt(self, param: torch.Tensor) -> None:
+        """Move `param`'s gradient into its view of the bucket, so later ones accumulate there."""
+        index = self._bucket_of[id(param)]
+        view = self._views[index][self._slot[id(param)]]
+        if param.grad is not view:
+            if param.grad is None:
+                view.zero_()
+            else:
+                view.copy_(param.grad)
+            param.grad = view
+
     def _launch(self, index: int) -> None:
-        for p, v in zip(self.buckets[index], self._views[index]):
-            if p.grad is not v:  # replaced behind our back (set_to_none, an assignment): copy it in
-                if p.grad is not None:
-                    v.copy_(p.grad)
-                p.grad = v
+        for p in self.buckets[index]:
+            self._adopt(p)  # a parameter without a gradient (unused this step) counts as zero
         work = dist.all_reduce(self._flats[index], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self._works.append((index, work))
 
-    def finish(self) -> None:
-        """Launch what is left (parameters without a gradient count as zero), wait, write back."""
+    def flush(self) -> None:
+        """Launch every bucket not launched yet (parameters without a gradient count as zero).
+
+        Called after the backward pass and before any other collective of the step: the group may
+        be the default one (`make_group`), and a replica with no rows, whose hooks never ran, must
+        still issue its buckets in the same order as the others."""
         while self._next < len(self.buckets):
             self._launch(self._next)
             self._next += 1
+
+    def finish(self) -> None:
+        """Launch what is left, then wait for every bucket."""
+        self.flush()
         for _, work in self._works:
             work.wait(self.timeout)
         self._works.clear()

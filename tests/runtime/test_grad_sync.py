@@ -38,3 +38,43 @@ def test_every_tensor_is_in_exactly_one_bucket_in_order(cap):
     buckets = assign_buckets(sizes, [F32] * len(sizes), cap)
     assert [i for b in buckets for i in b] == list(range(len(sizes)))
     assert all(b for b in buckets)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo group of this process alone, destroyed afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gradients_land_in_the_buckets_without_zeroing_them(one_rank_group):
+    # The story: buffers were zeroed every step and autograd added into them (zero + add: two
+    # passes more than needed). Now the first gradient of a step is copied into its view and later
+    # micro-batches accumulate there; a parameter with no gradient this step must still count as 0.
+    from plait.runtime.grad_sync import GradientBuckets
+
+    torch.manual_seed(0)
+    used, unused = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    params = [*unused.parameters(), *used.parameters()]  # buckets fill from the end: used first
+    sync = GradientBuckets(params, one_rank_group, bucket_bytes=1, timeout_s=10)
+    for flat in sync._flats:
+        flat.fill_(7.0)  # stale values from an earlier step must not leak into this one
+    unused.weight.grad = torch.full_like(unused.weight, 5.0)  # stale too: not this step's
+    sync.prepare(num_microbatches=2)
+    assert all(p.grad is None for p in params)
+    x1, x2 = torch.randn(2, 4), torch.randn(5, 4)
+    used(x1).sum().backward()
+    used(x2).sum().backward()
+    sync.finish()
+    views = {id(p): v for b, vs in zip(sync.buckets, sync._views) for p, v in zip(b, vs)}
+    assert all(p.grad is views[id(p)] for p in params)  # each .grad is its bucket's view
+    torch.testing.assert_close(used.weight.grad, torch.ones(3, 2) @ x1 + torch.ones(3, 5) @ x2)
+    torch.testing.assert_close(used.bias.grad, torch.full((3,), 7.0))  # 2 + 5 rows
+    assert float(unused.weight.grad.abs().max()) == 0.0 and float(unused.bias.grad.abs().max()) == 0.0
+    assert sync.launched_during_backward == 2  # the used layer's two buckets went from the hooks
+    sync.remove()
