@@ -164,3 +164,84 @@ def test_data_parallel_with_zero_bubble_interleaving_and_recompute():
     failures = {f"rank {r} {case}": p for r, rep in enumerate(results) for case, p in rep.items() if p}
     assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())
     assert len(results[0]) == 6
+
+
+class _RowRecordingLoss:
+    """MSE on y[:, :-1]; y's last column holds each row's id. The ids of the last call (one call
+    a step with one micro-batch) are kept at the end of each step; the planner's profiling calls
+    before the first step are not steps."""
+
+    def __init__(self):
+        self.last: list[int] = []
+        self.seen: list[list[int]] = []
+
+    def __call__(self, out, y):
+        self.last = [int(v) for v in y[:, -1]]
+        return torch.nn.functional.mse_loss(out, y[:, :-1])
+
+    def on_batch_end(self, step, logs):
+        self.seen.append(self.last)
+
+
+def shuffled_sources(rank, world):
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    rows, batch = 23, 6  # 4 batches an epoch, the last of 5 rows: uneven over dp=2
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, 4, generator=g)
+    y = torch.cat([torch.randn(rows, 3, generator=g), torch.arange(rows, dtype=torch.float32)[:, None]], 1)
+    out = {}
+    for kind in ("dataset", "loader"):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        start = copy.deepcopy(net.state_dict())  # rank 0's parameters: every replica must start here
+        if rank == 1:
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.add_(1.0)  # another seed's init: broadcast at start must undo it
+        data = TensorDataset(x, y)
+        source = data if kind == "dataset" else DataLoader(data, batch_size=batch, shuffle=True)
+        loss = _RowRecordingLoss()
+        model = plait.Model(net, plait.Config(dp=2, num_stages=1, num_microbatches=1, seed=3),
+                            optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=loss)
+        model.fit(source, epochs=2, batch_size=batch, shuffle=True, verbose=0, callbacks=[loss])
+        everyone = [None] * world
+        dist.all_gather_object(everyone, loss.seen)  # the test's own check, not plait's wire
+        out[kind] = (everyone, start, {k: v.clone() for k, v in model.state_dict().items()})
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_shuffled_datasets_and_loaders_are_sharded_across_replicas_that_start_equal():
+    # Each replica gets a distinct slice of every shuffled global batch, together they cover
+    # each epoch exactly once, both replicas agree on the order, and the result equals one
+    # process training on those global batches from rank 0's parameters (rank 1's were moved).
+    results = run_ranks(2, shuffled_sources, timeout=110)
+    rows = 23
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, 4, generator=g)
+    y = torch.randn(rows, 3, generator=g)
+    for kind, (seen, start, final) in results[0].items():
+        assert len(seen[0]) == len(seen[1]) == 8, (kind, [len(s) for s in seen])  # 2 epochs x 4 batches
+        epochs = []
+        for step in range(8):
+            a, b = seen[0][step], seen[1][step]
+            assert not set(a) & set(b), (kind, step, a, b)  # distinct slices
+            assert abs(len(a) - len(b)) <= 1 and len(a) + len(b) == (6 if step % 4 < 3 else 5)
+            epochs.append(a + b)
+        for e in range(2):
+            assert sorted(i for batch in epochs[4 * e: 4 * e + 4] for i in batch) == list(range(rows)), kind
+        assert epochs[:4] != epochs[4:], kind  # shuffled anew each epoch
+        assert [i for batch in epochs for i in batch] != list(range(rows)) * 2, kind  # really shuffled
+        ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        ref.load_state_dict(start)
+        opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for batch in epochs:
+            index = torch.tensor(batch)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ref(x[index]), y[index]).backward()
+            opt.step()
+        for name, want in ref.state_dict().items():
+            torch.testing.assert_close(final[name], want, rtol=1e-5, atol=1e-6, msg=f"{kind}: {name}")
+        assert all(torch.equal(final[k], results[1][kind][2][k]) for k in final), kind

@@ -30,3 +30,32 @@ def test_pure_packages_do_not_import_torch_distributed():
             if bad:
                 offenders[str(f.relative_to(root))] = bad
     assert not offenders, offenders
+
+
+PICKLING_CALLS = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+                  "send_object_list", "recv_object_list", "load", "loads"}
+
+
+def test_nothing_on_the_wire_or_on_disk_is_unpickled():
+    # The story: the network calibration gathered host names with all_gather_object and shared
+    # the cached link with broadcast_object_list -- both pickle, on every multi-rank planned run.
+    # torch.load is allowed only with weights_only=True; pickle itself never.
+    root = pathlib.Path(plait.__file__).parent
+    offenders = []
+    for f in sorted(root.rglob("*.py")):
+        tree = ast.parse(f.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                if any(n.split(".")[0] in ("pickle", "cPickle", "dill") for n in names):
+                    offenders.append(f"{f.name}:{node.lineno} imports pickle")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                name = node.func.attr
+                if name in PICKLING_CALLS - {"load", "loads"}:
+                    offenders.append(f"{f.name}:{node.lineno} calls {name}")
+                if name == "load" and getattr(node.func.value, "id", "") == "torch":
+                    safe = any(k.arg == "weights_only" and getattr(k.value, "value", None) is True
+                               for k in node.keywords)
+                    if not safe:
+                        offenders.append(f"{f.name}:{node.lineno} calls torch.load without weights_only=True")
+    assert not offenders, offenders

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from plait.plan.network import Link, Network
+from plait.runtime.collectives import all_gather_text, broadcast_json
 
 __all__ = ["fit_link", "measure_link", "calibrate"]
 
@@ -78,16 +79,15 @@ def calibrate(cache_dir: str | os.PathLike[str] | None = None, repeats: int = 5)
     """
     world = dist.get_world_size()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
-    hosts: list[str] = [""] * world
-    dist.all_gather_object(hosts, socket.gethostname())
+    hosts = all_gather_text(socket.gethostname())
     key = f"{dist.get_backend()}-{world}-{per_node}-{'-'.join(sorted(set(hosts)))}"
     path = Path(cache_dir) / f"network-{key}.json" if cache_dir is not None else None
-    stored: list[object] = [None]
+    stored = None
     if path is not None and dist.get_rank() == 0 and path.exists():
-        stored[0] = json.loads(path.read_text())
-    dist.broadcast_object_list(stored, 0)  # one decision for all: measuring takes every rank
-    if isinstance(stored[0], dict):
-        return Network.from_dict(stored[0])
+        stored = json.loads(path.read_text())
+    stored = broadcast_json(stored, 0)  # one decision for all: measuring takes every rank
+    if isinstance(stored, dict):
+        return Network.from_dict(stored)
     if world == 1:
         free = Link(0.0, 1e15)
         network = Network(free, free, 1)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["local_device", "make_group", "sum_floats", "start_sum_floats", "broadcast_state", "TiedGradients", "gather_state_dict"]
+__all__ = ["local_device", "make_group", "sum_floats", "start_sum_floats", "broadcast_state", "TiedGradients",
+           "gather_state_dict", "broadcast_json", "all_gather_text"]
 
 
 def local_device() -> torch.device:
@@ -99,3 +101,31 @@ def start_sum_floats(values: list[float]) -> Callable[[], list[float]]:
         return t.tolist()
 
     return finish
+
+
+def broadcast_json(value: Any, src: int = 0) -> Any:
+    """Rank `src`'s JSON-serialisable `value` on every rank: UTF-8 bytes on the wire, never pickle."""
+    device = local_device()
+    data = json.dumps(value).encode() if dist.get_rank() == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src)
+    body = torch.zeros(int(size), dtype=torch.uint8, device=device)
+    if dist.get_rank() == src:
+        body.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(body, src)
+    return json.loads(bytes(body.cpu().tolist()).decode())
+
+
+def all_gather_text(text: str) -> list[str]:
+    """Every rank's `text`, in rank order, on every rank (UTF-8 bytes on the wire, never pickle)."""
+    device = local_device()
+    data = text.encode()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, size)
+    longest = max(int(n) for n in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    everyone = [torch.zeros_like(mine) for _ in sizes]
+    dist.all_gather(everyone, mine)
+    return [bytes(t[: int(n)].cpu().tolist()).decode() for t, n in zip(everyone, sizes)]
