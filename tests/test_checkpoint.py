@@ -251,6 +251,35 @@ def test_commit_publishes_moves_latest_last_and_prunes(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000004", "step-000005", "step-000006"]
 
 
+def test_every_file_is_fsynced_before_it_is_renamed_and_latest_moves_last(tmp_path, monkeypatch):
+    # A checkpoint is durable before it is visible: each file's bytes are fsynced before the rename
+    # that publishes it, each rename is followed by an fsync of its directory, and `latest` is
+    # the last name to change.
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", str(src), str(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", fsync)
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    save_steps(tmp_path, [1])
+    renames = [i for i, e in enumerate(events) if e[0] == "rename"]
+    assert len(renames) == 4, events  # shard, meta.json, the step directory, latest
+    for i in renames:
+        src, dst = events[i][1], events[i][2]
+        if src.endswith(".part"):  # a file: its own bytes were fsynced just before
+            assert events[i - 1] == ("fsync", src), (i, events)
+        assert events[i + 1] == ("fsync", str(Path(dst).parent)), (i, events)  # then its directory
+    assert events[renames[-1]][2] == str(tmp_path / "latest")
+    assert events[renames[-2]][2] == str(tmp_path / "step-000001")
+
+
 def test_unfinished_and_unpublished_checkpoints_are_never_resumed(tmp_path):
     save_steps(tmp_path, [1, 2])
     # a crash while writing step 3 (a temp dir), and one after publishing step 4 but before `latest`
