@@ -23,6 +23,7 @@ data flows the moment the peer sends it::
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Hashable
@@ -123,6 +124,7 @@ class Wire:
             self._sent[(peer, key)] = desc
             self._send_description(desc, peer, tag)
         self._send_leaves(leaves, desc, peer, tag)
+        _handover()
         return desc
 
     def _send_description(self, desc: Description, peer: int, tag: int) -> None:
@@ -154,6 +156,7 @@ class Wire:
         """Send tensors whose shapes the peer already knows (gradients)."""
         for t in tensors:
             self._isend(t, peer, tag)
+        _handover()
 
     def drain(self) -> None:
         """Wait for every send of this step to complete."""
@@ -272,3 +275,15 @@ class Wire:
 
 
 _CAST = {_FLOAT: float, _INT: int, _BOOL: bool}
+
+def _handover() -> None:
+    """Yield the CPU once after a message's sends.
+
+    gloo pairs a send with the peer's posted receive, and pushes the data, on its own device
+    thread. When every core is busy computing (a pipeline rank per core), that thread waits for
+    the compute thread's time slice to end, and the peer waits with it: a 1F1B step on two CPU
+    ranks stalled for milliseconds at a time. Yielding once lets the device thread run at once:
+    in a two-rank probe (1 ms of compute, send, wait for the peer's message) the waits over
+    1 ms fell from about 30% to about 5%, and plait's 1F1B step by about 10% (paired, one job).
+    """
+    time.sleep(0)
