@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -45,8 +45,6 @@ class PlanOptions:
     optimizer: OptimizerFactory = torch.optim.Adam
     loss: Callable[[Any, Any], torch.Tensor] | None = None
     target: Any = None  # with `loss`: the sample's targets, so the last layer includes the loss
-    # Measured times x this: the ranks' slowdown when all compute at once (calibrate.measure_contention).
-    time_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -130,8 +128,5 @@ def plan_model(net: nn.Module, sample: Any, world_size: int, global_batch: int,
                        optimizer=options.optimizer,
                        threads=options.threads or threads_per_rank(world_size),
                        cache_dir=options.cache_dir)
-    if options.time_scale != 1.0:
-        measured = replace(measured, costs=measured.costs.scaled(
-            options.time_scale, "the local ranks' slowdown when they compute at once"))
     found = search(measured.costs, world_size, global_batch, cluster, options.space)
     return PlanResult(found, measured, cluster, world_size, global_batch)

@@ -34,8 +34,7 @@ from plait.plan.network import Network
 from plait.plan.search import SearchSpace
 from plait.plan_report import PlanReport
 from plait.runtime.agree import agree
-from plait.profile import training_pass
-from plait.runtime.calibrate import calibrate, measure_contention
+from plait.runtime.calibrate import calibrate
 
 __all__ = ["Layout", "choose_layout", "candidate_fields", "load_plan_file"]
 
@@ -64,14 +63,13 @@ def choose_layout(net: nn.Module, x: Any, y: Any, config: Config, world_size: in
         resolved = config.with_defaults()
         return Layout(resolved, resolved.stages_for(world_size), None)
 
-    network, time_scale = None, 1.0
+    network = None
     if config.plan is None and (resumed_plan is None or _resumed_fields(
             resumed_plan, config, world_size, _layer_names(net, x)) is None):
         network = calibrate()  # rank 0 will search: it prices messages with this backend's link
-        time_scale = _contention(net, x, y, loss)  # and its layer times with the ranks all busy
 
     def decide() -> dict[str, Any]:
-        return _decide(net, x, y, config, world_size, loss, optimizer, resumed_plan, network, time_scale)
+        return _decide(net, x, y, config, world_size, loss, optimizer, resumed_plan, network)
 
     # Rank 0's profile may take longer than a step's waits: give it ten times as long.
     answer = agree(rank, decide, "layout plan", max(10 * config.timeout_s, 120.0))
@@ -97,8 +95,7 @@ def candidate_fields(candidate: dict[str, Any]) -> dict[str, Any]:
 
 def _decide(net: nn.Module, x: Any, y: Any, config: Config, world_size: int,
             loss: Callable[[Any, Any], torch.Tensor] | None, optimizer: Any,
-            resumed_plan: dict[str, Any] | None, network: Network | None = None,
-            time_scale: float = 1.0) -> dict[str, Any]:
+            resumed_plan: dict[str, Any] | None, network: Network | None = None) -> dict[str, Any]:
     """Rank 0's choice as JSON: {"fields", "report", "table", "source"}."""
     if config.plan is not None:
         fields, report = load_plan_file(config.plan, _layer_names(net, x), world_size)
@@ -113,7 +110,7 @@ def _decide(net: nn.Module, x: Any, y: Any, config: Config, world_size: int,
                             memory_bytes=config.memory_limit_bytes,
                             optimizer_state_factor=_state_factor(optimizer))
     options = PlanOptions(space=space, optimizer=_optimizer_factory(optimizer), loss=loss,
-                          target=y if loss is not None else None, time_scale=time_scale)
+                          target=y if loss is not None else None)
     try:
         result = plan_model(net, x, world_size, batching.num_rows(x), cluster, options)
     except (ConfigError, PartitionError):
@@ -135,27 +132,6 @@ def _decide(net: nn.Module, x: Any, y: Any, config: Config, world_size: int,
     report = PlanReport(best.to_dict(), data["alternatives"], result.table(), source,
                         result.global_batch, result.profile.costs, cluster)
     return {"fields": chosen, "report": report.to_dict(), "table": report.table, "source": source}
-
-
-def _contention(net: nn.Module, x: Any, y: Any, loss: Callable[[Any, Any], torch.Tensor] | None) -> float:
-    """The local ranks' slowdown when they all compute at once (every rank calls this).
-
-    Timed on a training pass of the planner's sample (its first PlanOptions.profile_rows rows);
-    the module's buffers, mode and RNG state are left as they were."""
-    rows = min(batching.num_rows(x), PlanOptions.profile_rows)
-    sample = batching.slice_rows(x, 0, rows)
-    target = batching.slice_rows(y, 0, rows) if loss is not None and y is not None else None
-    saved = {name: b.detach().clone() for name, b in net.named_buffers()}
-    was_training = net.training
-    try:
-        with torch.random.fork_rng():
-            net.train(True)
-            return measure_contention(training_pass(net, sample, loss, target))
-    finally:
-        net.train(was_training)
-        with torch.no_grad():
-            for name, b in net.named_buffers():
-                b.copy_(saved[name])
 
 
 def _space(config: Config, world_size: int, global_batch: int) -> tuple[SearchSpace, str]:

@@ -40,7 +40,7 @@ from plait.capture.trace import _fingerprint, capture
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
 
-__all__ = ["LayerProfile", "profile", "training_pass"]
+__all__ = ["LayerProfile", "profile"]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 _CACHE: dict[str, "LayerProfile"] = {}
@@ -115,27 +115,6 @@ def profile(
         tmp.write_text(json.dumps({"costs": costs.to_dict(), "seconds": result.seconds}))
         tmp.replace(path)
     return result
-
-
-def training_pass(net: nn.Module, sample: Any, loss: Callable[[Any, Any], torch.Tensor] | None,
-                  target: Any) -> Callable[[], None]:
-    """One forward and backward of `net` on `sample` (a batch as `fit` takes it), as a function
-    to time: gradients are computed and dropped (no `.grad` is touched). The caller keeps the
-    module's buffers and RNG state if they matter (`kept_state`)."""
-    args, kwargs = batching.as_call(sample)
-    weights = [p for p in net.parameters() if p.requires_grad]
-
-    def run() -> None:
-        out = net(*args, **kwargs)
-        if loss is not None and target is not None:
-            value = loss(out, target)
-        else:
-            leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-            value = sum((t.float().sum() for t in leaves), torch.zeros(()))
-        if weights and value.requires_grad:
-            torch.autograd.grad(value, weights, allow_unused=True)
-
-    return run
 
 
 def _replace_cached(found: LayerProfile) -> LayerProfile:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from plait.errors import ConfigError
@@ -99,19 +99,6 @@ class LayerCosts:
         data["names"] = list(self.names)
         data["uncuttable"] = [list(r) for r in self.uncuttable]
         return data
-
-    def scaled(self, factor: float, why: str) -> "LayerCosts":
-        """The same costs with every time (forward, B, W, optimizer) multiplied by `factor`."""
-        if not (math.isfinite(factor) and factor > 0):
-            raise ConfigError(f"a time scale must be a finite number > 0, got {factor!r}")
-        def times(values: tuple[float, ...]) -> tuple[float, ...]:
-            return tuple(x * factor for x in values)
-
-        return replace(
-            self, forward_fixed_s=times(self.forward_fixed_s), forward_row_s=times(self.forward_row_s),
-            backward_fixed_s=times(self.backward_fixed_s), backward_row_s=times(self.backward_row_s),
-            weight_fixed_s=times(self.weight_fixed_s), weight_row_s=times(self.weight_row_s),
-            optimizer_s=times(self.optimizer_s), source=f"{self.source}; times x {factor:.2f} ({why})")
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

@@ -16,7 +16,7 @@ import socket
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from plait.plan.network import Link, Network
 from plait.runtime.collectives import all_gather_text, broadcast_json
 
-__all__ = ["fit_link", "measure_link", "calibrate", "measure_contention"]
+__all__ = ["fit_link", "measure_link", "calibrate"]
 
 SIZES = tuple(2**k for k in range(10, 23, 2))  # 1 KiB .. 4 MiB
 
@@ -102,35 +102,3 @@ def calibrate(cache_dir: str | os.PathLike[str] | None = None, repeats: int = 5)
         tmp.write_text(json.dumps(network.to_dict()))
         tmp.replace(path)
     return network
-
-
-def measure_contention(work: Callable[[], None], repeats: int = 3) -> float:
-    """How much slower `work` runs on rank 0 while every rank runs it too than on rank 0 alone.
-
-    A profile is taken on one process while the others wait, but in a run every local rank
-    computes at once and they share the machine's caches and memory bandwidth: on a 2-core
-    machine two ranks each ran the same training pass 15-70% slower than one alone. Every
-    rank calls this; each runs `work` once to warm up, then rank 0 times `repeats` runs alone
-    and `repeats` runs with the others. Returns median(together) / median(alone), at least 1,
-    the same on every rank.
-    """
-    me = dist.get_rank()
-    work()
-    dist.barrier()
-    alone: list[float] = []
-    if me == 0:
-        for _ in range(repeats):
-            start = time.perf_counter()
-            work()
-            alone.append(time.perf_counter() - start)
-    dist.barrier()
-    together: list[float] = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work()
-        together.append(time.perf_counter() - start)
-    factor = torch.tensor([1.0], dtype=torch.float64)
-    if me == 0 and statistics.median(alone) > 0:
-        factor[0] = max(1.0, statistics.median(together) / statistics.median(alone))
-    dist.broadcast(factor, 0)
-    return float(factor[0])
