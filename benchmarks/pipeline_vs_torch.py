@@ -80,6 +80,7 @@ class Setting:
     width: int
     layers: int
     warmup: int
+    batch_weight_grads: bool = False  # plait's Config(batch_weight_grads=...)
 
 
 # -- the model and the data ----------------------------------------------------------------------
@@ -123,7 +124,8 @@ class PlaitRunner:
     def __init__(self, net: nn.Sequential, setting: Setting, schedule: str, rank: int):
         self.net = net
         config = plait.Config(layers_per_proc=_layers_per_proc(setting),
-                              num_microbatches=setting.microbatches, schedule=schedule)
+                              num_microbatches=setting.microbatches, schedule=schedule,
+                              batch_weight_grads=setting.batch_weight_grads)
         self.model = plait.Model(net, config=config,
                                  optimizer=torch.optim.SGD(net.parameters(), lr=LR), loss=loss_fn)
         self.local = stage_slice(setting, rank)
@@ -338,6 +340,8 @@ def parse_args(argv: list[str] | None = None) -> Setting:
     parser.add_argument("--batch", type=int, default=64, help="global batch rows (default: 64)")
     parser.add_argument("--microbatches", type=int, default=8, help="micro-batches (default: 8)")
     parser.add_argument("--width", type=int, default=512, help="Linear width (default: 512)")
+    parser.add_argument("--batch-weight-grads", action="store_true",
+                        help="plait computes linear weight gradients once per step over all micro-batches")
     parser.add_argument("--layers", type=int, default=8,
                         help="Linear+ReLU blocks, split evenly over the 2 stages (default: 8)")
     parser.add_argument("--warmup", type=int, default=WARMUP_STEPS,
@@ -354,7 +358,7 @@ def parse_args(argv: list[str] | None = None) -> Setting:
     if args.layers < NUM_STAGES or args.rounds < 2:
         parser.error(f"need --layers >= {NUM_STAGES} and --rounds >= 2, got {args.layers}, {args.rounds}")
     return Setting(args.rounds, schedules, args.batch, args.microbatches, args.width,
-                   args.layers, args.warmup)
+                   args.layers, args.warmup, args.batch_weight_grads)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,6 +55,10 @@ class Config:
         optimizer state carried over exactly, through a checkpoint in checkpoint_dir, or in a
         temporary directory, which must then be on a file system every rank sees). Default:
         True when the environment has PLAIT_REPLAN=1 (`plait run --replan`), else False.
+    batch_weight_grads: linear layers compute their weight gradients once per step over all
+        micro-batches (one GEMM over every row instead of one per micro-batch; see
+        plait/runtime/batched_wgrad.py). Faster where small GEMMs are slow (CPUs); keeps each
+        linear's inputs and output gradients until the end of the step. Default False.
     trace_dir: write each rank's measured timeline there as Chrome trace JSON (None: no trace).
     seed: seeds the shuffle order, identical on every rank.
     timeout_s: longest any wait on another rank may take before the run fails with a report.
@@ -92,6 +96,7 @@ class Config:
     plan: str | None = None
     memory_limit_bytes: float | None = None
     replan: bool = field(default_factory=lambda: os.environ.get(REPLAN_ENV) == "1")
+    batch_weight_grads: bool = False
 
     def __post_init__(self) -> None:
         if self.layers_per_proc is not None:
@@ -191,6 +196,8 @@ class Config:
             raise ConfigError(f"memory_limit_bytes must be a positive number of bytes or None, got {limit!r}")
         if not isinstance(self.replan, bool):
             raise ConfigError(f"replan must be True or False, got {self.replan!r}")
+        if not isinstance(self.batch_weight_grads, bool):
+            raise ConfigError(f"batch_weight_grads must be True or False, got {self.batch_weight_grads!r}")
 
     @property
     def plans_everything(self) -> bool:

@@ -299,7 +299,8 @@ def _assemble(
             sync = GradientBuckets([p for p in local if id(p) not in tied_ids], groups[position],
                                    int(config.bucket_cap_mb * 2**20), config.timeout_s)
     executors = {
-        s: StageExecutor(stages[s], captured.finish, loss, recompute=s in plan.recompute) for s in mine
+        s: StageExecutor(stages[s], captured.finish, loss, recompute=s in plan.recompute,
+                         batch_weight_grads=config.batch_weight_grads) for s in mine
     }
     stage_to_rank = [plan.rank_of(s, replica) for s in range(plan.num_stages)]
     interpreter = Interpreter(rank, executors, stage_to_rank, wire, tracer)

@@ -151,7 +151,8 @@ def other_schedules(rank, world):
     for net, *_ in made.values():
         made_initial[id(net)] = copy.deepcopy(net.state_dict())
     extras = [{"schedule": "zbh1"}, {"schedule": "interleaved", "num_virtual_stages": 2},
-              {"schedule": "zbh1", "recompute": True}]
+              {"schedule": "zbh1", "recompute": True}, {"schedule": "1f1b", "batch_weight_grads": True},
+              {"schedule": "zbh1", "batch_weight_grads": True}]
     return {(name, str(extra)): compare(rank, world, name, 2, 2, made[name], **extra)
             for extra in extras for name in made}
 
@@ -163,7 +164,7 @@ def test_data_parallel_with_zero_bubble_interleaving_and_recompute():
     results = run_ranks(4, other_schedules, timeout=380)
     failures = {f"rank {r} {case}": p for r, rep in enumerate(results) for case, p in rep.items() if p}
     assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())
-    assert len(results[0]) == 6
+    assert len(results[0]) == 10
 
 
 class _RowRecordingLoss:

@@ -139,6 +139,10 @@ MORE_SCHEDULES = [
     ("interleaved", 5, {"num_virtual_stages": 2, "recompute": "auto"}),
     ("1f1b", 5, {"recompute": True}),
     ("gpipe", 3, {"recompute": [0]}),
+    # linear weight gradients once per step over all micro-batches
+    ("gpipe", 5, {"batch_weight_grads": True}),
+    ("1f1b", 3, {"batch_weight_grads": True, "recompute": [0]}),
+    ("zbh1", 5, {"batch_weight_grads": True}),
 ]
 
 

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from plait.capture.split import StageModule
 from plait.errors import LossError
 from plait.runtime.backward_split import WeightGradients, backward_input
+from plait.runtime.batched_wgrad import defer_linear_weight_grads
 
 __all__ = ["StageExecutor", "grad_leaves"]
 
@@ -40,9 +41,12 @@ class StageExecutor:
         finish: Callable[[Any], Any],
         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
         recompute: bool = False,
+        batch_weight_grads: bool = False,
     ):
         self.stage = stage
         self.recompute = recompute
+        # Linear weight gradients kept per micro-batch and computed once at the step's end.
+        self.weight_batch = defer_linear_weight_grads(stage.module) if batch_weight_grads else None
         self._weights: dict[int, WeightGradients] = {}
         self.finish = finish
         self.loss_fn = loss_fn
@@ -121,6 +125,8 @@ class StageExecutor:
         if not outputs:
             return [torch.zeros_like(x) for x in inputs]
         params = [p for p in self.stage.module.parameters() if p.requires_grad]
+        if self.weight_batch is not None:
+            params += self.weight_batch.anchors
         input_grads, self._weights[microbatch_index] = backward_input(outputs, out_grads, inputs, params)
         return input_grads
 
@@ -130,8 +136,15 @@ class StageExecutor:
         if weights is not None:
             weights.run()
 
+    def finish_step(self) -> None:
+        """After the stage's last backward of a step: the batched linear weight gradients."""
+        if self.weight_batch is not None:
+            self.weight_batch.flush()
+
     def reset(self) -> None:
         """Forget everything of the previous step."""
+        if self.weight_batch is not None:
+            self.weight_batch.clear()
         self._inputs.clear()
         self._outputs.clear()
         self._losses.clear()

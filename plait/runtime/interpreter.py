@@ -134,6 +134,16 @@ class Interpreter:
                 raise
             except Exception as e:  # noqa: BLE001 - every failure gets the rank/action/peer report
                 raise self._failure(program, position, action, e) from e
+        if train:
+            try:
+                for s, ex in self.executors.items():
+                    if ex.weight_batch is not None:
+                        with tracer.span("compute", "batched weight gradients", step=step, stage=s):
+                            ex.finish_step()
+            except PlaitError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                raise self._failure(program, len(actions), None, e) from e
         try:
             with tracer.span("wait", "sends done", step=step):
                 self.wire.drain()
