@@ -84,6 +84,11 @@ class _LinearFn(torch.autograd.Function):
 class _DeferredLinear(nn.Module):
     """`aten.linear(x, weight, bias)` whose weight gradient goes to a `WeightBatch`."""
 
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    batch: WeightBatch
+    anchor: torch.Tensor
+
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, batch: WeightBatch):
         super().__init__()
         # Plain attributes, not registered: the stage's parameters stay the user's module's.
@@ -95,7 +100,9 @@ class _DeferredLinear(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not (torch.is_grad_enabled() and weight.requires_grad):
             return torch.nn.functional.linear(x, weight, bias)
-        return _LinearFn.apply(x, weight.detach(), None if bias is None else bias.detach(), self.anchor, self)
+        out: torch.Tensor = _LinearFn.apply(  # type: ignore[no-untyped-call]
+            x, weight.detach(), None if bias is None else bias.detach(), self.anchor, self)
+        return out
 
 
 def defer_linear_weight_grads(module: fx.GraphModule) -> WeightBatch | None:

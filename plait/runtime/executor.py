@@ -124,7 +124,7 @@ class StageExecutor:
             outputs, out_grads = self._outputs.pop(microbatch_index), list(grads)
         if not outputs:
             return [torch.zeros_like(x) for x in inputs]
-        params = [p for p in self.stage.module.parameters() if p.requires_grad]
+        params: list[torch.Tensor] = [p for p in self.stage.module.parameters() if p.requires_grad]
         if self.weight_batch is not None:
             params += self.weight_batch.anchors
         input_grads, self._weights[microbatch_index] = backward_input(outputs, out_grads, inputs, params)
