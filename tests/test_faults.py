@@ -18,7 +18,7 @@ from tests.harness import run_ranks
 from tests.launching import clean_env
 from tests.models import mlp
 
-TIMEOUT_S = 3.0
+TIMEOUT_S = 6.0  # 3 s fired spuriously in the first step of a 3-rank job under the full suite's load
 ENOUGH_S = TIMEOUT_S + 4.0  # "within timeout_s + a few seconds" of the kill
 LAYOUTS = {"2x2": (2, 2), "3 stages": (1, 3)}  # (dp, stages)
 

@@ -192,12 +192,13 @@ def test_user_errors_on_two_ranks():
 def stall(rank, world):
     """Rank 2 never runs its part: ranks 0 and 1 fail within timeout_s, each report marks both."""
     x, y = data()
-    model = plait.Model(mlp(), plait.Config(num_microbatches=2, timeout_s=3),
+    # timeout_s: long enough that the healthy ranks' own first messages arrive on a loaded machine
+    model = plait.Model(mlp(), plait.Config(num_microbatches=2, timeout_s=6),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
     if rank == 2:
         model.build(x)
         import time
-        time.sleep(10)
+        time.sleep(16)  # past the others' timeout_s and their report collection
         return None
     try:
         model.train_on_batch(x, y)
@@ -220,11 +221,11 @@ def test_a_stalled_peer_gives_a_report_not_a_hang():
 def stall_zero_bubble(rank, world):
     """ZB-H1 on 2 ranks, rank 1 never runs: rank 0's wait ends in a report, not a hang."""
     x, y = data()
-    model = plait.Model(mlp(), plait.Config(num_microbatches=3, timeout_s=3, schedule="zbh1"),
+    model = plait.Model(mlp(), plait.Config(num_microbatches=3, timeout_s=6, schedule="zbh1"),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
     if rank == 1:
         model.build(x)
-        time.sleep(12)
+        time.sleep(18)
         return "slept"
     try:
         model.train_on_batch(x, y)
