@@ -136,26 +136,10 @@ def defer_linear_weight_grads(module: fx.GraphModule) -> WeightBatch | None:
 
 
 def _parameter(module: fx.GraphModule, node: Any) -> nn.Parameter | None:
-    """The parameter a graph node reads, if it reads exactly one (get_attr or getattr chain)."""
-    if not isinstance(node, fx.Node):
+    """The parameter a `get_attr` node reads (split stages read every parameter that way)."""
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
         return None
     try:
-        value = _evaluate_attr(module, node)
-    except (AttributeError, _NotAttr):
+        return module.get_parameter(str(node.target))
+    except AttributeError:  # a buffer or a constant, not a parameter
         return None
-    return value if isinstance(value, nn.Parameter) else None
-
-
-class _NotAttr(Exception):
-    pass
-
-
-def _evaluate_attr(module: fx.GraphModule, node: fx.Node) -> Any:
-    if node.op == "get_attr":
-        value: Any = module
-        for part in str(node.target).split("."):
-            value = getattr(value, part)
-        return value
-    if node.op == "call_function" and node.target is getattr and isinstance(node.args[0], fx.Node):
-        return getattr(_evaluate_attr(module, node.args[0]), node.args[1])
-    raise _NotAttr(node.op)

@@ -105,27 +105,30 @@ def start_sum_floats(values: list[float]) -> Callable[[], list[float]]:
 
 def broadcast_json(value: Any, src: int = 0) -> Any:
     """Rank `src`'s JSON-serialisable `value` on every rank: UTF-8 bytes on the wire, never pickle."""
-    device = local_device()
     data = json.dumps(value).encode() if dist.get_rank() == src else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=local_device())
     dist.broadcast(size, src)
-    body = torch.zeros(int(size), dtype=torch.uint8, device=device)
-    if dist.get_rank() == src:
-        body.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    body = _bytes_tensor(data, int(size))
     dist.broadcast(body, src)
-    return json.loads(bytes(body.cpu().tolist()).decode())
+    return json.loads(_bytes_of(body))
 
 
 def all_gather_text(text: str) -> list[str]:
     """Every rank's `text`, in rank order, on every rank (UTF-8 bytes on the wire, never pickle)."""
-    device = local_device()
     data = text.encode()
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=local_device())
     sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, size)
-    longest = max(int(n) for n in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    mine = _bytes_tensor(data, max(int(n) for n in sizes))  # padded: all_gather takes equal sizes
     everyone = [torch.zeros_like(mine) for _ in sizes]
     dist.all_gather(everyone, mine)
-    return [bytes(t[: int(n)].cpu().tolist()).decode() for t, n in zip(everyone, sizes)]
+    return [_bytes_of(t[: int(n)]).decode() for t, n in zip(everyone, sizes)]
+
+
+def _bytes_tensor(data: bytes, length: int) -> torch.Tensor:
+    """`data` as a uint8 tensor of `length` bytes (zero-padded) on this rank's device."""
+    return torch.tensor(list(data.ljust(length, b"\0")), dtype=torch.uint8, device=local_device())
+
+
+def _bytes_of(tensor: torch.Tensor) -> bytes:
+    return bytes(tensor.cpu().tolist())

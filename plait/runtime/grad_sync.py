@@ -44,7 +44,6 @@ class GradientBuckets:
                                          [p.dtype for p in ordered], bucket_bytes)
         ]
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        self._slot = {id(p): j for b in self.buckets for j, p in enumerate(b)}
         # One flat buffer per bucket (a bucket holds one dtype); each parameter's .grad becomes a view into
         # it at its first gradient of a step, so autograd accumulates straight into the buffer that is
         # all-reduced in place (DistributedDataParallel's gradient_as_bucket_view).
@@ -52,6 +51,7 @@ class GradientBuckets:
                        for b in self.buckets]
         self._views = [[flat[o - p.numel() : o].view_as(p) for p, o in zip(b, _ends(b))]
                        for b, flat in zip(self.buckets, self._flats)]
+        self._view_of = {id(p): v for b, views in zip(self.buckets, self._views) for p, v in zip(b, views)}
         self._counts: dict[int, int] = {}
         self._pending = [0] * len(self.buckets)
         self._expected = 0
@@ -97,8 +97,7 @@ class GradientBuckets:
 
     def _adopt(self, param: torch.Tensor) -> None:
         """Move `param`'s gradient into its view of the bucket, so later ones accumulate there."""
-        index = self._bucket_of[id(param)]
-        view = self._views[index][self._slot[id(param)]]
+        view = self._view_of[id(param)]
         if param.grad is not view:
             if param.grad is None:
                 view.zero_()

@@ -276,6 +276,7 @@ class Wire:
 
 _CAST = {_FLOAT: float, _INT: int, _BOOL: bool}
 
+
 def _handover() -> None:
     """Yield the CPU once after a message's sends.
 
