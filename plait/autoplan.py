@@ -25,7 +25,7 @@ from plait.plan.network import Network
 from plait.plan.search import Candidate, SearchSpace, format_table, search
 from plait.profile import LayerProfile, OptimizerFactory, profile
 
-__all__ = ["PlanOptions", "PlanResult", "plan_model", "local_cluster", "threads_per_rank"]
+__all__ = ["PlanOptions", "PlanResult", "plan_model", "profile_sample", "local_cluster", "threads_per_rank"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class PlanOptions:
     repeats: int = 5
     threads: int | None = None
     cache_dir: str | None = None
+    reuse_profile: bool = True  # False: measure again even when a cached profile exists
     optimizer: OptimizerFactory = torch.optim.Adam
     loss: Callable[[Any, Any], torch.Tensor] | None = None
     target: Any = None  # with `loss`: the sample's targets, so the last layer includes the loss
@@ -111,6 +112,21 @@ def local_cluster(local_ranks: int, network: Network | None = None, memory_bytes
     return Cluster(network or device("cpu").network, memory_bytes, optimizer_state_factor)
 
 
+def profile_sample(net: nn.Module, sample: Any, world_size: int, options: PlanOptions = PlanOptions()) -> LayerProfile:
+    """`profile` `net` on up to `options.profile_rows` rows of `sample` (a batch as `fit` takes it),
+    with the threads each of `world_size` ranks will have. Leaves `net` as it was; cached by signature."""
+    rows = batching.num_rows(sample)
+    piece = batching.slice_rows(sample, 0, min(rows, options.profile_rows))
+    args, kwargs = batching.as_call(piece)
+    target = options.target
+    if target is not None:
+        target = batching.slice_rows(target, 0, min(rows, options.profile_rows))
+    return profile(net, args, kwargs, options.loss, target, options.repeats,
+                   optimizer=options.optimizer,
+                   threads=options.threads or threads_per_rank(world_size),
+                   cache_dir=options.cache_dir, reuse=options.reuse_profile)
+
+
 def plan_model(net: nn.Module, sample: Any, world_size: int, global_batch: int,
                cluster: Cluster, options: PlanOptions = PlanOptions()) -> PlanResult:
     """Profile `net` on (up to `options.profile_rows` rows of) `sample`, a batch as `fit` takes
@@ -118,15 +134,6 @@ def plan_model(net: nn.Module, sample: Any, world_size: int, global_batch: int,
 
     Runs on one process and leaves `net` as it was; the profile is cached by model signature.
     """
-    rows = batching.num_rows(sample)
-    piece = batching.slice_rows(sample, 0, min(rows, options.profile_rows))
-    args, kwargs = batching.as_call(piece)
-    target = options.target
-    if target is not None:
-        target = batching.slice_rows(target, 0, min(rows, options.profile_rows))
-    measured = profile(net, args, kwargs, options.loss, target, options.repeats,
-                       optimizer=options.optimizer,
-                       threads=options.threads or threads_per_rank(world_size),
-                       cache_dir=options.cache_dir)
+    measured = profile_sample(net, sample, world_size, options)
     found = search(measured.costs, world_size, global_batch, cluster, options.space)
     return PlanResult(found, measured, cluster, world_size, global_batch)

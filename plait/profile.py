@@ -70,12 +70,14 @@ def profile(
     optimizer: OptimizerFactory = torch.optim.Adam,
     threads: int | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    reuse: bool = True,
 ) -> LayerProfile:
     """Measure every captured layer of `net` on the sample batch `net(*sample_args, **kwargs)`.
 
     With `loss` and `target`, the last layer's forward and backward include the loss;
     otherwise every layer's backward starts from random output gradients. `threads`: the
     intra-op threads to measure with (default: the current setting), as each rank will run.
+    `reuse=False` measures again even when a cached profile exists (and caches the new one).
     """
     kwargs = dict(sample_kwargs or {})
     if not isinstance(repeats, int) or repeats < 1:
@@ -84,10 +86,10 @@ def profile(
     old_threads = torch.get_num_threads()
     threads = threads or old_threads
     key = _signature(net, sample_args, kwargs, rows, repeats, threads, loss is not None, optimizer)
-    if key in _CACHE:
+    if reuse and key in _CACHE:
         return _replace_cached(_CACHE[key])
     path = Path(cache_dir) / f"profile-{key}.json" if cache_dir is not None else None
-    if path is not None and path.exists():
+    if reuse and path is not None and path.exists():
         stored = json.loads(path.read_text())
         found = LayerProfile(LayerCosts.from_dict(stored["costs"]), rows, repeats, threads,
                              float(stored["seconds"]), key, cached=True)

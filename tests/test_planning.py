@@ -62,6 +62,7 @@ def train(rank, world, config, steps=5, make_opt=sgd):
         "plan": model.plan.to_json(), "report": report.to_json() if report else None,
         "feedback": report.feedback.summary() if report and report.feedback else None,
         "check": report.feedback.to_dict() if report and report.feedback else None,
+        "profiles": len(plait.profile._CACHE),
     }
 
 
@@ -79,6 +80,7 @@ def test_config_with_no_sizes_plans_and_trains_like_one_process():
     assert results[0]["report"] == results[1]["report"]
     chosen = json.loads(results[0]["report"])
     assert chosen["pp"] * chosen["dp"] == 2 and chosen["source"] == "planned"
+    assert results[1]["profiles"] == 1  # rank 1 profiled alongside rank 0, loading the host alike
     # the closed loop: steps 2..4 measured against the prediction, a number for every stage
     line = results[0]["feedback"]
     assert line.startswith("plait plan check: step predicted") and " ms (" in line

@@ -69,6 +69,14 @@ def test_second_call_is_cached_in_memory_and_on_disk(cnn, tmp_path):
     assert len(list(tmp_path.glob("profile-*.json"))) == 1
 
 
+def test_reuse_false_measures_again_and_caches_the_new_profile(cnn, tmp_path):
+    net, x, _ = cnn
+    first = profile(net, (x[:8],), repeats=1, threads=1, cache_dir=tmp_path)
+    again = profile(net, (x[:8],), repeats=1, threads=1, cache_dir=tmp_path, reuse=False)
+    assert not again.cached and again.signature == first.signature
+    assert profile(net, (x[:8],), repeats=1, threads=1).costs == again.costs  # the new one is kept
+
+
 class Normed(nn.Sequential):
     def __init__(self) -> None:
         super().__init__(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 3))
