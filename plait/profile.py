@@ -5,11 +5,16 @@ layer (`plait.capture.split`), so a layer is timed as exactly the code a stage w
 what crosses a cut after layer i is what `split` would send there. For each layer, at the
 sample's rows and at a quarter of them (times are affine in rows, `LayerCosts`):
 
-    forward   the layer module on its inputs                        (median of `repeats`)
+    forward   the layer module on its inputs
     B         gradient of its inputs, from random output gradients   (retain_graph)
     B + W     gradient of its inputs and weights; W = (B + W) - B
-    whole     the same for all layers in one pass; every layer's times are scaled by the
-              whole pass over the sum of the layers (a layer alone runs from cache)
+    whole     forward, then backward, through all layers for HELD copies of the sample kept
+              alive at once, as a pipeline stage holds micro-batches; every layer's F is
+              scaled by the whole forward over the layers' sum, B and W by the whole backward
+              over theirs (a layer alone runs from cache)
+
+Each of `repeats` rounds times every layer, then the whole pass; a layer's cost is the median
+over rounds of its scaled times, so a host whose speed drifts moves a round's parts alike.
     saved     bytes autograd saves for the backward (saved_tensors_hooks), parameters excluded
     optimizer one step of `optimizer` on copies of the layer's parameters
 
@@ -44,6 +49,7 @@ __all__ = ["LayerProfile", "profile"]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 _CACHE: dict[str, "LayerProfile"] = {}
+HELD = 2  # micro-batches the whole-model pass keeps alive at once, as a pipeline stage does
 
 
 @dataclass(frozen=True)
@@ -165,13 +171,11 @@ def _measure(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows
         small, loss, target, repeats)
     fixed: dict[str, list[float]] = {k: [] for k in ("f", "b", "w")}
     per_row: dict[str, list[float]] = {k: [] for k in ("f", "b", "w")}
-    bigs = [big_run.times(i) for i in range(len(stages))]
-    littles = bigs if small_run is big_run else [small_run.times(i) for i in range(len(stages))]
-    scale_big = _scale(bigs, big_run.whole())
-    scale_small = scale_big if small_run is big_run else _scale(littles, small_run.whole())
+    bigs, scale_big = big_run.measure()
+    littles, scale_small = (bigs, scale_big) if small_run is big_run else small_run.measure()
     for big, little in zip(bigs, littles):
         for k in ("f", "b", "w"):
-            a, c = _affine(big[k] * scale_big, little[k] * scale_small, rows, small)
+            a, c = _affine(big[k], little[k], rows, small)
             fixed[k].append(a)
             per_row[k].append(c)
     params = [list({id(p): p for p in st.module.parameters()}.values()) for st in stages]
@@ -192,19 +196,24 @@ def _measure(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows
         uncuttable=captured.layers.uncuttable,
         source=f"profiled on {platform.node() or 'this machine'}: {rows} and {small} rows, "
                f"{torch.get_num_threads()} thread(s), median of {repeats}, layer times x "
-               f"{scale_big:.2f} / {scale_small:.2f} to the whole model's",
+               f"{scale_big[0]:.2f} / {scale_small[0]:.2f} (forward), x {scale_big[1]:.2f} / "
+               f"{scale_small[1]:.2f} (backward) to the whole model's",
     )
 
 
-def _scale(layer_times: list[dict[str, float]], whole: float) -> float:
-    """Whole-model time over the sum of its layers' F + B + W (1 when either is 0).
+def _scale(layer_times: list[dict[str, float]], whole: tuple[float, float]) -> tuple[float, float]:
+    """Whole-model forward, and backward, over the sums of the layers' F, and B + W (1 where
+    either is 0).
 
     A layer timed alone, again and again, finds its inputs and weights in cache; the whole
-    model streams through memory as training does. Scaling each layer by this factor keeps
-    the layers' relative costs and makes their sum what a step really costs.
+    model, on fresh micro-batches whose activations stay alive, streams through memory as a
+    pipeline stage does. Scaling each layer by these factors keeps the layers' relative costs
+    and makes their sums what a stage really spends.
     """
-    parts = sum(t["f"] + t["b"] + t["w"] for t in layer_times)
-    return whole / parts if parts > 0 and whole > 0 else 1.0
+    f = sum(t["f"] for t in layer_times)
+    bw = sum(t["b"] + t["w"] for t in layer_times)
+    return (whole[0] / f if f > 0 and whole[0] > 0 else 1.0,
+            whole[1] / bw if bw > 0 and whole[1] > 0 else 1.0)
 
 
 def _affine(t_big: float, t_small: float, rows: int, small: int) -> tuple[float, float]:
@@ -224,7 +233,7 @@ class _Run:
     def __init__(self, captured: Any, stages: Sequence[Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any], rows: int, loss: Callable[[Any, Any], torch.Tensor] | None,
                  target: Any, repeats: int) -> None:
-        self.captured, self.stages, self.repeats = captured, stages, repeats
+        self.captured, self.stages, self.repeats, self.rows = captured, stages, repeats, rows
         self.loss = loss
         self.target = None if target is None else batching.slice_rows(target, 0, rows)
         model_inputs = captured.bind(args, kwargs)
@@ -249,58 +258,82 @@ class _Run:
             self.sent.append(float(_tensor_bytes(out)))
             received = list(out) if not st.is_last else []
 
-    def times(self, i: int) -> dict[str, float]:
-        """Median forward, B and W seconds of layer i."""
+    def measure(self) -> tuple[list[dict[str, float]], tuple[float, float]]:
+        """Per layer, the median over repeats of its F, B and W, each repeat's scaled to that
+        repeat's whole-model pass (`_scale`); and the median scales (forward, backward).
+
+        Each repeat times every layer, then the whole model, within a second or so: on a machine
+        whose speed drifts (a shared host), both move alike and the median keeps a typical repeat.
+        """
+        self.sample_layers(), self.whole()  # warm-up
+        kept: list[dict[str, list[float]]] = [{k: [] for k in ("f", "b", "w")} for _ in self.stages]
+        scales = []
+        for _ in range(self.repeats):
+            layers = self.sample_layers()
+            scale = _scale(layers, self.whole())
+            scales.append(scale)
+            for acc, t in zip(kept, layers):
+                for k in ("f", "b", "w"):
+                    acc[k].append(t[k] * scale[k != "f"])
+        return ([{k: statistics.median(v) for k, v in acc.items()} for acc in kept],
+                (statistics.median(s[0] for s in scales), statistics.median(s[1] for s in scales)))
+
+    def sample_layers(self) -> list[dict[str, float]]:
+        return [self.sample(i) for i in range(len(self.stages))]
+
+    def sample(self, i: int) -> dict[str, float]:
+        """One measurement of layer i alone: forward, B and W seconds."""
         st = self.stages[i]
         received, mine = self.inputs[i]
         leaves = [x for x in received if isinstance(x, torch.Tensor) and x.requires_grad]
         weights = [p for p in st.module.parameters() if p.requires_grad]
-        f, b, w = [], [], []
-        for k in range(self.repeats + 1):  # the first is a warm-up
-            start = time.perf_counter()
-            out = st.module(*received, *mine)
-            if st.is_last and self.loss is not None and self.target is not None:
-                out = self.loss(self.captured.finish(out), self.target)
-            mid = time.perf_counter()
-            outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-            grads = [torch.randn_like(t) for t in outs]
-            t_input = t_all = 0.0
-            if outs and leaves:
-                t0 = time.perf_counter()
-                torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
-                t_input = time.perf_counter() - t0
-            if outs and (leaves or weights):
-                t0 = time.perf_counter()
-                torch.autograd.grad(outs, leaves + weights, grads, allow_unused=True)
-                t_all = time.perf_counter() - t0
-            if k:
-                f.append(mid - start)
-                b.append(t_input)
-                w.append(max(0.0, t_all - t_input))
-        return {"f": statistics.median(f), "b": statistics.median(b), "w": statistics.median(w)}
+        start = time.perf_counter()
+        out = st.module(*received, *mine)
+        if st.is_last and self.loss is not None and self.target is not None:
+            out = self.loss(self.captured.finish(out), self.target)
+        mid = time.perf_counter()
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        grads = [torch.randn_like(t) for t in outs]
+        t_input = t_all = 0.0
+        if outs and leaves:
+            t0 = time.perf_counter()
+            torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
+            t_input = time.perf_counter() - t0
+        if outs and (leaves or weights):
+            t0 = time.perf_counter()
+            torch.autograd.grad(outs, leaves + weights, grads, allow_unused=True)
+            t_all = time.perf_counter() - t0
+        return {"f": mid - start, "b": t_input, "w": max(0.0, t_all - t_input)}
 
-
-    def whole(self) -> float:
-        """Median seconds of forward and backward (input and weight gradients) through every
-        layer in turn, as one stage holding the whole model runs them (no `.grad` is touched)."""
+    def whole(self, held: int = HELD) -> tuple[float, float]:
+        """Seconds per micro-batch of the forward, and of the backward (input and weight
+        gradients), through every layer in turn, as a pipeline stage runs them: `held` copies of
+        the sample forward, their graphs kept, then each one's backward (no `.grad` is touched)."""
         weights = list({id(p): p for st in self.stages for p in st.module.parameters()
                         if p.requires_grad}.values())
-        samples = []
-        for k in range(self.repeats + 1):  # the first is a warm-up
-            start = time.perf_counter()
-            received: list[Any] = []
-            out: Any = None
-            for st, (_, mine) in zip(self.stages, self.inputs):
-                out = st.module(*received, *mine)
-                received = list(out) if not st.is_last else []
-            if self.loss is not None and self.target is not None:
-                out = self.loss(self.captured.finish(out), self.target)
-            outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        copies = [[pytree.tree_map(_copy, mine) for _, mine in self.inputs] for _ in range(held)]
+        start = time.perf_counter()
+        ends = [self._forward_chain(mine) for mine in copies]
+        mid = time.perf_counter()
+        for outs in ends:
             if outs and weights:
                 torch.autograd.grad(outs, weights, [torch.randn_like(t) for t in outs], allow_unused=True)
-            if k:
-                samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
+        return (mid - start) / held, (time.perf_counter() - mid) / held
+
+    def _forward_chain(self, model_inputs: list[list[Any]]) -> list[torch.Tensor]:
+        """Every layer in turn on one copy of the inputs; the tensors to differentiate."""
+        received: list[Any] = []
+        out: Any = None
+        for st, mine in zip(self.stages, model_inputs):
+            out = st.module(*received, *mine)
+            received = list(out) if not st.is_last else []
+        if self.loss is not None and self.target is not None:
+            out = self.loss(self.captured.finish(out), self.target)
+        return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _copy(x: Any) -> Any:
+    return x.clone() if isinstance(x, torch.Tensor) else x
 
 
 def _optimizer_time(params: list[nn.Parameter], optimizer: OptimizerFactory, repeats: int) -> float:

@@ -107,23 +107,75 @@ def test_bad_repeats():
 
 @pytest.mark.timeout(120)
 def test_layer_times_sum_to_the_whole_model_pass(monkeypatch):
-    # Each layer's times are scaled so that their sum at the profiled rows is the time of one
-    # pass through the whole model (layers timed alone run from cache). Here the whole pass is
-    # made to take exactly twice the layers' sum: the profile must report that sum.
+    # Each round's layer times are scaled so that their sums at the profiled rows are that
+    # round's forward and backward of one pass through the whole model (layers timed alone run
+    # from cache). Here the whole forward is made twice the round's layer F, the backward three
+    # times its B + W: the profile must report those sums, and the rounds' median.
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(61, 37), nn.ReLU(), nn.Linear(37, 5))  # a signature of its own: not cached
     x = torch.randn(16, 61)
-    sums: dict[int, float] = {}
-    real_times = profiling._Run.times
+    last: dict[int, tuple[float, float]] = {}
+    real_sample_layers = profiling._Run.sample_layers
 
-    def times(self, i):
-        t = real_times(self, i)
-        sums[self.inputs[0][1][0].shape[0]] = sums.get(self.inputs[0][1][0].shape[0], 0.0) + t["f"] + t["b"] + t["w"]
-        return t
+    def sample_layers(self):
+        layers = real_sample_layers(self)
+        for t in layers:  # equal rounds, so the median is exactly this round's sums
+            t.update(f=1e-3, b=2e-3, w=3e-3)
+        last[self.rows] = (sum(t["f"] for t in layers), sum(t["b"] + t["w"] for t in layers))
+        return layers
 
-    monkeypatch.setattr(profiling._Run, "times", times)
-    monkeypatch.setattr(profiling._Run, "whole", lambda self: 2 * sums[self.inputs[0][1][0].shape[0]])
-    costs = profile(net, (x,), repeats=1, threads=1).costs
-    total = sum(costs.forward(16)) + sum(costs.backward(16)) + sum(costs.weight(16))
-    assert total == pytest.approx(2 * sums[16], rel=1e-6)
-    assert "x 2.00 / 2.00" in costs.source
+    def whole(self):
+        f, bw = last[self.rows]
+        return 2 * f, 3 * bw
+
+    monkeypatch.setattr(profiling._Run, "sample_layers", sample_layers)
+    monkeypatch.setattr(profiling._Run, "whole", whole)
+    costs = profile(net, (x,), repeats=3, threads=1).costs
+    assert sum(costs.forward(16)) == pytest.approx(2 * last[16][0], rel=1e-6)
+    assert sum(costs.backward(16)) + sum(costs.weight(16)) == pytest.approx(3 * last[16][1], rel=1e-6)
+    assert "x 2.00 / 2.00 (forward), x 3.00 / 3.00 (backward)" in costs.source
+
+
+def test_a_layer_is_the_median_of_rounds_each_scaled_to_its_own_whole_pass(monkeypatch):
+    # A host that runs twice as slow in one round: that round's layers and whole pass both
+    # double, its scaled times are the same as the other rounds', and the result does not move.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(13, 11), nn.ReLU(), nn.Linear(11, 2))
+    x = torch.randn(8, 13)
+    speed = iter([1.0, 1.0, 2.0, 1.0, 1.0, 2.0, 1.0, 1.0])  # warm-up, then the rounds (x rows)
+    now = {"speed": 1.0}
+
+    def sample_layers(self):
+        now["speed"] = next(speed)
+        return [{"f": now["speed"] * 1e-3, "b": now["speed"] * 2e-3, "w": 0.0} for _ in self.stages]
+
+    def whole(self):
+        n = len(self.stages)
+        return now["speed"] * n * 1.5e-3, now["speed"] * n * 2e-3
+
+    monkeypatch.setattr(profiling._Run, "sample_layers", sample_layers)
+    monkeypatch.setattr(profiling._Run, "whole", whole)
+    costs = profile(net, (x,), repeats=3, threads=1).costs
+    assert costs.forward(8) == pytest.approx([1.5e-3] * costs.num_layers, rel=1e-6)
+    assert costs.backward(8) == pytest.approx([2e-3] * costs.num_layers, rel=1e-6)
+
+
+def test_the_whole_pass_keeps_held_micro_batches_alive(monkeypatch):
+    # A pipeline stage holds several micro-batches' activations; the whole-model pass does too:
+    # every copy's forward runs before the first backward.
+    from plait.capture.split import split, stage_of_layers
+    from plait.capture.trace import capture
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    x = torch.randn(8, 5)
+    cap = capture(net, (x,), {})
+    run = profiling._Run(cap, split(cap, stage_of_layers([1] * len(cap.layers.layer_names))),
+                         (x,), {}, 8, None, None, 1)
+    events: list[str] = []
+    real_grad, real_chain = torch.autograd.grad, run._forward_chain
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: (events.append("B"), real_grad(*a, **k))[1])
+    monkeypatch.setattr(run, "_forward_chain", lambda mine: (events.append("F"), real_chain(mine))[1])
+    f, b = run.whole(held=3)
+    assert events == ["F", "F", "F", "B", "B", "B"]
+    assert f > 0 and b > 0
