@@ -153,9 +153,17 @@ def part_a(rounds: int, out: list[str]) -> None:
         notes = [s for s, hit in (("planner", k == auto), ("equal layers", k == equal), ("best measured", k == best)) if hit]
         out.append(f"| {k} + {n - k} | {t:.1f} | {', '.join(notes)} |")
     ratio_equal = paired(times, equal, auto)
-    ratio_best = paired(times, auto, best)
     out.append(f"equal / planner = {ratio_equal:.2f} (paired; target >= 1.3): {verdict(ratio_equal >= 1.3)}")
-    out.append(f"planner / best measured = {ratio_best:.3f} (paired; target <= 1.05): {verdict(ratio_best <= 1.05)}")
+    if best == auto:
+        out.append("planner / best measured = 1.000 (the planner's split measured best): PASS")
+        return
+    # The fastest of 24 noisy medians is flattered by its noise: the planner's split and the
+    # best-measured one are timed again, head to head, in fresh rounds.
+    sweep = paired(times, auto, best)
+    again = timed_rounds({k: models[k] for k in (auto, best)}, x, y, 3 * rounds)
+    ratio_best = paired(again, auto, best)
+    out.append(f"planner / best measured = {ratio_best:.3f} (paired, {3 * rounds} fresh rounds of the two; "
+               f"{sweep:.3f} in the sweep; target <= 1.05): {verdict(ratio_best <= 1.05)}")
 
 
 def part_b(rounds: int, out: list[str]) -> None:
