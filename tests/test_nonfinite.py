@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import plait
-from plait.nonfinite import first_nonfinite
+from plait.nonfinite import all_finite, first_nonfinite
 from tests.harness import run_ranks
 from tests.models import mlp
 
@@ -117,6 +117,23 @@ def test_ignore_does_not_check():
     assert kind == "done" and step == 4
     assert all(v != v for v in losses[1:])  # NaN from step 2 on: the parameters took it
     assert all(torch.isnan(v).any() for v in state.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64])
+def test_all_finite_finds_one_bad_element_anywhere(dtype):
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(16, 96, 8, 8, generator=g).to(dtype)
+    assert all_finite(t) and all_finite(t[:, ::3].transpose(1, 3)) and all_finite(t[:0])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for index in (0, 4097, t.numel() - 1):
+            u = t.clone()
+            u.view(-1)[index] = bad
+            assert not all_finite(u), (bad, index)
+            assert not all_finite(u.transpose(0, 3)), (bad, index)  # not contiguous
+    if not dtype.is_complex:
+        wide = torch.zeros(8, dtype=dtype)
+        wide[0], wide[1] = torch.finfo(dtype).max, torch.finfo(dtype).min
+        assert all_finite(wide)  # a range wider than the type's: still finite
 
 
 def test_first_nonfinite():

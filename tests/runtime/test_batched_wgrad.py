@@ -72,3 +72,24 @@ def test_without_gradients_the_rewritten_module_is_the_plain_linear():
     defer_linear_weight_grads(module)
     with torch.no_grad():
         torch.testing.assert_close(module(x)[0], net(x))
+
+
+def test_the_flush_hands_its_gradients_over_without_copying_them():
+    # dW is made inside a backward, so AccumulateGrad keeps that tensor as .grad: no copy of a
+    # weight-sized tensor in the flush (one passed to autograd.backward would be cloned).
+    from torch.profiler import profile
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 32))
+    x = torch.randn(6, 64)
+    module = one_stage(net, x)
+    batch = defer_linear_weight_grads(module)
+    assert batch is not None
+    for rows in (slice(0, 3), slice(3, 6)):
+        module(x[rows])[0].sum().backward()
+    with profile(record_shapes=True) as prof:
+        batch.flush()
+    copied = [e.input_shapes for e in prof.events() if e.name == "aten::copy_"]
+    assert [32, 64] not in [shape for shapes in copied for shape in shapes], copied
+    assert [32] not in [shape for shapes in copied for shape in shapes], copied
+    torch.testing.assert_close(net[0].weight.grad, torch.ones(6, 32).t().mm(x))
