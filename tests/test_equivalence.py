@@ -143,6 +143,7 @@ MORE_SCHEDULES = [
     ("gpipe", 5, {"batch_weight_grads": True}),
     ("1f1b", 3, {"batch_weight_grads": True, "recompute": [0]}),
     ("zbh1", 5, {"batch_weight_grads": True}),
+    ("interleaved", 5, {"num_virtual_stages": 2, "batch_weight_grads": True}),
 ]
 
 
