@@ -49,7 +49,7 @@ class WeightBatch:
         for weight, bias, xs, gys in pending.values():
             x = torch.cat(xs) if len(xs) > 1 else xs[0]  # (all rows, in)
             gy = torch.cat(gys) if len(gys) > 1 else gys[0]  # (all rows, out)
-            _StepGrad.apply(x, gy, weight, bias).backward()
+            _StepGrad.apply(x, gy, weight, bias).backward()  # type: ignore[no-untyped-call]
 
     def clear(self) -> None:
         self._pending.clear()
