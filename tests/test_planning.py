@@ -208,3 +208,20 @@ def test_a_replan_moves_layers_and_training_stays_equal():
     assert json.loads(results[0]["plan"])["layers_per_stage"] != old
     assert results[0]["plan"] == results[1]["plan"]
     assert results[0]["check"] is not None  # the new layout is checked again (steps 6..8)
+
+
+def test_a_resume_on_the_same_world_keeps_the_checkpoints_cut_instead_of_replanning():
+    from plait.planning import _resumed_fields
+
+    names = tuple(f"l{i}" for i in range(9))
+    saved = {"world_size": 4, "layer_names": list(names), "layers_per_stage": [6, 3], "dp": 2,
+             "num_virtual_stages": 1, "num_microbatches": 3, "schedule": "gpipe", "recompute": []}
+    assert _resumed_fields(saved, plait.Config(), 4, names) == {
+        "layers_per_proc": [6, 3], "num_stages": 2, "dp": 2, "num_microbatches": 3, "schedule": "gpipe",
+        "num_virtual_stages": 1, "recompute": []}  # the planner chose everything: all of it is kept
+    fixed = plait.Config(num_stages=2, dp=2, num_microbatches=3)
+    assert _resumed_fields(saved, fixed, 4, names) == {"layers_per_proc": [6, 3]}  # only the cut was planned
+    assert _resumed_fields(saved, plait.Config(num_stages=4, dp=1), 4, names) is None  # config says otherwise
+    assert _resumed_fields(saved, fixed, 8, names) is None  # another world: planned afresh
+    assert _resumed_fields(saved, fixed, 4, names[:-1] + ("other",)) is None  # another model
+    assert _resumed_fields({**saved, "layers_per_stage": "x"}, fixed, 4, names) is None  # damaged meta
