@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Any, Iterator
 
@@ -21,6 +22,10 @@ __all__ = [
     "to_device",
     "index_batches",
     "loader_batches",
+    "count_batches",
+    "data_order",
+    "epoch_batches",
+    "join_rows",
 ]
 
 
@@ -133,3 +138,56 @@ def loader_batches(data: Dataset[Any] | DataLoader[Any], batch_size: int | None,
                 f"{type(item).__name__}{'' if not isinstance(item, (tuple, list)) else f' of {len(item)}'}"
             )
         yield item[0], item[1]
+
+
+def count_batches(x: Any, batch_size: int | None) -> int:
+    """Global batches in one epoch of `x` (tensors, a Dataset or a DataLoader); checks batch_size."""
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ConfigError(f"batch_size must be a positive integer, or None for the whole set in one batch; "
+                          f"got {batch_size!r}")
+    if isinstance(x, DataLoader):
+        return len(x)
+    if isinstance(x, Dataset):
+        if batch_size is None:
+            raise ConfigError("fit(dataset) needs batch_size=...")
+        return -(-len(x) // batch_size)  # type: ignore[arg-type]
+    rows = num_rows(x)
+    if rows == 0:
+        raise ConfigError("x has 0 rows; give at least one sample")
+    return -(-rows // (batch_size or rows))
+
+
+def data_order(x: Any, batch_size: int | None, shuffle: bool, batches_per_epoch: int, seed: int) -> dict[str, Any]:
+    """What fixes the order of the batches: a resumed fit must be given the same."""
+    rows = None if isinstance(x, (Dataset, DataLoader)) else num_rows(x)
+    return {"seed": seed, "shuffle": bool(shuffle), "batch_size": batch_size,
+            "rows": rows, "batches_per_epoch": batches_per_epoch}
+
+
+def epoch_batches(x: Any, y: Any, batch_size: int | None, shuffle: bool, seed: int, epoch: int,
+                  skip: int = 0) -> Iterator[tuple[Any, Any]]:
+    """The (x, y) global batches of one epoch after the first `skip`; the order follows
+    `seed` and `epoch` only."""
+    epoch_seed = seed * 1_000_003 + epoch
+    if isinstance(x, (Dataset, DataLoader)):
+        yield from itertools.islice(loader_batches(x, batch_size, shuffle, epoch_seed), skip, None)
+        return
+    if y is None:
+        raise ConfigError("fit(x, y): targets y are missing")
+    rows = num_rows(x)
+    if num_rows(y) != rows:
+        raise ConfigError(f"x has {rows} rows but y has {num_rows(y)}; give one target per row")
+    for index in index_batches(rows, batch_size or rows, shuffle, epoch_seed)[skip:]:
+        if shuffle:
+            yield take(x, index), take(y, index)
+        else:
+            yield slice_rows(x, int(index[0]), int(index[-1]) + 1), slice_rows(y, int(index[0]), int(index[-1]) + 1)
+
+
+def join_rows(flats: list[list[Any]]) -> list[Any]:
+    """Join lists of output leaves along the batch dimension (other leaves: the first one)."""
+    return [
+        torch.cat([f[i] for f in flats])
+        if isinstance(flats[0][i], torch.Tensor) and flats[0][i].dim() > 0 else flats[0][i]
+        for i in range(len(flats[0]))
+    ]

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -329,8 +328,8 @@ class Model:
         if not isinstance(epochs, int) or epochs < 0:
             raise ConfigError(f"epochs must be a non-negative integer, got {epochs!r}")
         history = History()
-        batches_per_epoch = self._count_batches(x, batch_size)
-        order = self._data_order(x, batch_size, shuffle, batches_per_epoch)
+        batches_per_epoch = batching.count_batches(x, batch_size)
+        order = batching.data_order(x, batch_size, shuffle, batches_per_epoch, self.config.seed)
         start: ResumePoint | None = None
         root = self.config.checkpoint_dir
         if root is not None and self.step == 0 and self._pending is None:  # a fresh model resumes
@@ -353,7 +352,8 @@ class Model:
             rows_seen, skip = 0, 0
             if start is not None and epoch == start.epoch and start.totals is not None:
                 totals, rows_seen, skip = list(start.totals), start.rows_seen, start.batch
-            for step, (xb, yb) in enumerate(self._batches(x, y, batch_size, shuffle, epoch, skip), start=skip):
+            batches = batching.epoch_batches(x, y, batch_size, shuffle, self.config.seed, epoch, skip)
+            for step, (xb, yb) in enumerate(batches, start=skip):
                 stats, _, skipped = self._run(xb, yb, train=True, keep_outputs=False)
                 if verbose and not printed_plan and self.rank == 0:
                     print(self.plan, flush=True)
@@ -384,12 +384,6 @@ class Model:
         self.write_trace()
         return history
 
-    def _data_order(self, x: Any, batch_size: int | None, shuffle: bool, batches_per_epoch: int) -> dict[str, Any]:
-        """What fixes the order of the batches: a resumed fit must be given the same."""
-        rows = None if isinstance(x, (torch.utils.data.Dataset, torch.utils.data.DataLoader)) else batching.num_rows(x)
-        return {"seed": self.config.seed, "shuffle": bool(shuffle), "batch_size": batch_size,
-                "rows": rows, "batches_per_epoch": batches_per_epoch}
-
     def write_trace(self) -> str | None:
         """Write this rank's timeline to `Config.trace_dir` (fit does it at its end); returns the path.
 
@@ -399,41 +393,9 @@ class Model:
             return None
         return str(self._train.interpreter.tracer.write(self.config.trace_dir))
 
-    def _count_batches(self, x: Any, batch_size: int | None) -> int:
-        if isinstance(x, torch.utils.data.DataLoader):
-            return len(x)
-        if isinstance(x, torch.utils.data.Dataset):
-            if batch_size is None:
-                raise ConfigError("fit(dataset) needs batch_size=...")
-            return -(-len(x) // batch_size)  # type: ignore[arg-type]
-        rows = batching.num_rows(x)
-        size = batch_size or rows
-        if size < 1:
-            raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
-        return -(-rows // size)
-
-    def _batches(
-        self, x: Any, y: Any, batch_size: int | None, shuffle: bool, epoch: int, skip: int = 0
-    ) -> Iterator[tuple[Any, Any]]:
-        """The global batches of one epoch after the first `skip` (the order: Config.seed, epoch)."""
-        seed = self.config.seed * 1_000_003 + epoch
-        if isinstance(x, (torch.utils.data.Dataset, torch.utils.data.DataLoader)):
-            yield from itertools.islice(batching.loader_batches(x, batch_size, shuffle, seed), skip, None)
-            return
-        if y is None:
-            raise ConfigError("fit(x, y): targets y are missing")
-        rows = batching.num_rows(x)
-        if batching.num_rows(y) != rows:
-            raise ConfigError(f"x has {rows} rows but y has {batching.num_rows(y)}; give one target per row")
-        for index in batching.index_batches(rows, batch_size or rows, shuffle, seed)[skip:]:
-            if shuffle:
-                yield batching.take(x, index), batching.take(y, index)
-            else:
-                yield batching.slice_rows(x, int(index[0]), int(index[-1]) + 1), \
-                    batching.slice_rows(y, int(index[0]), int(index[-1]) + 1)
-
     def evaluate(self, x: Any, y: Any, batch_size: int | None = None) -> dict[str, float]:
         """Mean loss and metrics over all of x (every sample once); the same dict on every rank."""
+        batching.count_batches(x, batch_size)  # checks batch_size and that x has rows
         rows = batching.num_rows(x)
         totals = [0.0] * (1 + 2 * len(self.metrics))
         for index in batching.index_batches(rows, batch_size or rows, False, 0):
@@ -445,21 +407,22 @@ class Model:
 
     def predict(self, x: Any, batch_size: int | None = None) -> Any:
         """The model's outputs for all of x, on every rank (tensor leaves joined along dim 0)."""
+        batching.count_batches(x, batch_size)  # checks batch_size and that x has rows
         rows = batching.num_rows(x)
         parts: list[list[Any]] = []  # flat output leaves of each batch, in row order
         for index in batching.index_batches(rows, batch_size or rows, False, 0):
             a, b = int(index[0]), int(index[-1]) + 1
             _, outputs, _ = self._run(batching.slice_rows(x, a, b), None, train=False, keep_outputs=True)
             pipe = self._pipeline(x, train=False)
-            local = _join([flatten_output(o)[0] for o in outputs]) if outputs else None
+            local = batching.join_rows([flatten_output(o)[0] for o in outputs]) if outputs else None
             shard_rows = [hi - lo for lo, hi in batching.shard_bounds(b - a, self.config.dp or 1)]
             try:
-                parts.append(_join(pipe.gather_outputs(local, shard_rows, ("predict", a, b))))
+                parts.append(batching.join_rows(pipe.gather_outputs(local, shard_rows, ("predict", a, b))))
             except PlaitError:
                 raise
             except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
                 raise self._failure("gathering the outputs of predict", e) from e
-        return unflatten_output(_join(parts), self._pipeline(x, train=False).output_spec)
+        return unflatten_output(batching.join_rows(parts), self._pipeline(x, train=False).output_spec)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsplit state dict (keys, shapes and dtypes of net.state_dict()) on every rank."""
@@ -539,15 +502,6 @@ class Model:
         train_state.restore(ckpt, self.net, self.optimizer, pipe.local_parameters, self.rank, same_layout)
         if not same_layout and self.rank == 0:
             log.info("plait: %s was saved with another layout: RNG states not restored", ckpt.path)
-
-
-def _join(flats: list[list[Any]]) -> list[Any]:
-    """Join lists of output leaves along the batch dimension (other leaves: the first one)."""
-    return [
-        torch.cat([f[i] for f in flats])
-        if isinstance(flats[0][i], torch.Tensor) and flats[0][i].dim() > 0 else flats[0][i]
-        for i in range(len(flats[0]))
-    ]
 
 
 def _call(cb: Any, hook: str, *args: Any) -> None:

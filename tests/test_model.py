@@ -241,3 +241,18 @@ def test_watchdog_reports_a_stalled_zero_bubble_peer():
     assert "rank 0 failed at action 0RB0" in report and "peer rank 1" in report, report
     assert "[0RB0]" in report and "no report from ranks [1]" in report, report
     assert "0W0" in report  # the grid shows the split backward's W actions
+
+
+def test_a_batch_size_of_zero_or_an_empty_x_is_an_error_in_fit_evaluate_and_predict():
+    net = mlp()
+    model = plait.Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), loss=nn.CrossEntropyLoss())
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    calls = {"fit": lambda b, xs: model.fit(xs, y[: len(xs)], batch_size=b, verbose=0),
+             "evaluate": lambda b, xs: model.evaluate(xs, y[: len(xs)], batch_size=b),
+             "predict": lambda b, xs: model.predict(xs, batch_size=b)}
+    for name, call in calls.items():
+        with pytest.raises(plait.ConfigError, match="batch_size must be a positive integer.*got 0"):
+            call(0, x)  # 0 used to mean "the whole set" silently
+        with pytest.raises(plait.ConfigError, match="x has 0 rows"):
+            call(None, x[:0])
+    assert model.step == 0

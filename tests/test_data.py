@@ -1,0 +1,64 @@
+"""plait.data: the epoch's global batches, their count, and the joining of outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import plait
+from plait import data
+
+
+def rows(n=10):
+    return torch.arange(n, dtype=torch.float32).unsqueeze(1), torch.arange(n)
+
+
+def test_count_batches_rounds_up_for_tensors_datasets_and_loaders():
+    x, y = rows(10)
+    assert data.count_batches(x, 4) == 3
+    assert data.count_batches(x, None) == 1  # the whole set in one batch
+    assert data.count_batches(TensorDataset(x, y), 3) == 4
+    assert data.count_batches(DataLoader(TensorDataset(x, y), batch_size=5), None) == 2
+    with pytest.raises(plait.ConfigError, match="needs batch_size"):
+        data.count_batches(TensorDataset(x, y), None)
+    with pytest.raises(plait.ConfigError, match="x has 0 rows"):
+        data.count_batches(x[:0], 4)
+    for bad in (0, -2, 2.5, True):  # 0 once passed as "the whole set"
+        with pytest.raises(plait.ConfigError, match=rf"batch_size must be a positive integer.*got {bad!r}"):
+            data.count_batches(x, bad)
+
+
+def test_epoch_batches_cover_the_epoch_once_in_an_order_fixed_by_seed_and_epoch():
+    x, y = rows(10)
+    first = [yb.tolist() for _, yb in data.epoch_batches(x, y, 4, True, seed=3, epoch=1)]
+    assert sorted(sum(first, [])) == list(range(10)) and [len(b) for b in first] == [4, 4, 2]
+    assert first == [yb.tolist() for _, yb in data.epoch_batches(x, y, 4, True, seed=3, epoch=1)]
+    assert first != [yb.tolist() for _, yb in data.epoch_batches(x, y, 4, True, seed=3, epoch=2)]
+    resumed = [yb.tolist() for _, yb in data.epoch_batches(x, y, 4, True, seed=3, epoch=1, skip=1)]
+    assert resumed == first[1:]  # a resumed epoch skips the batches done, same order
+    for xb, yb in data.epoch_batches(x, y, 4, True, seed=3, epoch=1):
+        assert torch.equal(xb.squeeze(1).long(), yb)  # rows stay paired with their targets
+    plain = [yb.tolist() for _, yb in data.epoch_batches(x, y, 4, False, seed=3, epoch=1)]
+    assert plain == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_epoch_batches_name_bad_targets():
+    x, y = rows(10)
+    with pytest.raises(plait.ConfigError, match="targets y are missing"):
+        next(data.epoch_batches(x, None, 4, False, 0, 0))
+    with pytest.raises(plait.ConfigError, match="x has 10 rows but y has 9"):
+        next(data.epoch_batches(x, y[:9], 4, False, 0, 0))
+
+
+def test_data_order_records_what_fixes_the_order():
+    x, _ = rows(10)
+    assert data.data_order(x, 4, True, 3, seed=7) == {
+        "seed": 7, "shuffle": True, "batch_size": 4, "rows": 10, "batches_per_epoch": 3}
+    assert data.data_order(TensorDataset(x), 4, False, 3, seed=7)["rows"] is None
+
+
+def test_join_rows_concatenates_tensors_along_rows_and_keeps_the_first_of_other_leaves():
+    joined = data.join_rows([[torch.ones(2, 3), torch.tensor(1.0), "a"], [torch.zeros(1, 3), torch.tensor(2.0), "b"]])
+    assert joined[0].shape == (3, 3) and torch.equal(joined[0][2], torch.zeros(3))
+    assert float(joined[1]) == 1.0 and joined[2] == "a"
