@@ -12,7 +12,8 @@
     This machine's speed moves in phases (one process's step: ~197 ms for seconds, then ~143 ms),
     so each round profiles again (both ranks at once, as planning does) and prices every layout
     (`plait.plan.cost.predict`, the planner's model, on the plan's layout and network) just before
-    timing it; the ratio is the median over rounds. The plan-time prediction is printed beside it.
+    timing it (the median of 3 steps: single steps have spikes the profile's medians do not); the
+    ratio is the median over rounds. The plan-time prediction is printed beside it.
 
 Times are medians over rounds of the slowest rank's step (a barrier before each step), in ms.
 Each configuration trains its own copy of the model; rounds visit them in turn, so the load of a
@@ -185,6 +186,7 @@ def part_b(rounds: int, out: list[str]) -> None:
                f"{ratio:.3f} (paired; target <= 1.05): {verdict(ratio <= 1.05)}")
 
 
+STEPS_PER_ROUND = 3  # part (c): a layout's time in a round is the median of this many steps
 CONFIGS = [  # (label, Config fields) for part (c)
     ("1 stage x dp 2, m=1", {"dp": 2, "num_microbatches": 1}),
     ("2 stages, 1F1B, m=2", {"num_stages": 2, "num_microbatches": 2, "schedule": "1f1b"}),
@@ -215,12 +217,15 @@ def part_c(rounds: int, out: list[str]) -> None:
             report = models[key].plan_report
             predicted[key].append(1e3 * predict(costs, report.setting(), report.cluster, report.global_batch,
                                                 report.chosen["layers_per_stage"]).step_time_s)
-            dist.barrier()
-            start = time.perf_counter()
-            models[key].train_on_batch(x, y)
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            measured[key].append(1e3 * float(elapsed))
+            steps = []
+            for _ in range(STEPS_PER_ROUND):
+                dist.barrier()
+                start = time.perf_counter()
+                models[key].train_on_batch(x, y)
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                steps.append(1e3 * float(elapsed))
+            measured[key].append(statistics.median(steps))
     out.append("(c) CNN: predicted vs measured step time (ms; medians over rounds)")
     out.append("| layout | layers | at plan time | predicted | measured | predicted / measured | verdict |")
     out.append("|---|---|---|---|---|---|---|")
