@@ -94,6 +94,16 @@ def make(net_fn, config: plait.Config) -> plait.Model:
                        loss=nn.CrossEntropyLoss())
 
 
+def step_ms(model: plait.Model, x, y) -> float:
+    """One training step's time in ms, the slowest rank's (a barrier before it)."""
+    dist.barrier()
+    start = time.perf_counter()
+    model.train_on_batch(x, y)
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return 1e3 * float(elapsed)
+
+
 def timed_rounds(models: dict[Any, plait.Model], x, y, rounds: int, warmup: int = 2) -> dict[Any, list[float]]:
     """Each model's step times in ms (slowest rank), one per round, the models visited in turn."""
     for model in models.values():
@@ -103,13 +113,7 @@ def timed_rounds(models: dict[Any, plait.Model], x, y, rounds: int, warmup: int 
     keys = list(models)
     for r in range(rounds):
         for key in keys if r % 2 == 0 else keys[::-1]:  # no configuration always first or last
-            model = models[key]
-            dist.barrier()
-            start = time.perf_counter()
-            model.train_on_batch(x, y)
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times[key].append(1e3 * float(elapsed))
+            times[key].append(step_ms(models[key], x, y))
     return times
 
 
@@ -217,15 +221,7 @@ def part_c(rounds: int, out: list[str]) -> None:
             report = models[key].plan_report
             predicted[key].append(1e3 * predict(costs, report.setting(), report.cluster, report.global_batch,
                                                 report.chosen["layers_per_stage"]).step_time_s)
-            steps = []
-            for _ in range(STEPS_PER_ROUND):
-                dist.barrier()
-                start = time.perf_counter()
-                models[key].train_on_batch(x, y)
-                elapsed = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                steps.append(1e3 * float(elapsed))
-            measured[key].append(statistics.median(steps))
+            measured[key].append(statistics.median(step_ms(models[key], x, y) for _ in range(STEPS_PER_ROUND)))
     out.append("(c) CNN: predicted vs measured step time (ms; medians over rounds)")
     out.append("| layout | layers | at plan time | predicted | measured | predicted / measured | verdict |")
     out.append("|---|---|---|---|---|---|---|")

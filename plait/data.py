@@ -23,6 +23,7 @@ __all__ = [
     "index_batches",
     "loader_batches",
     "count_batches",
+    "row_ranges",
     "data_order",
     "epoch_batches",
     "join_rows",
@@ -155,6 +156,13 @@ def count_batches(x: Any, batch_size: int | None) -> int:
     if rows == 0:
         raise ConfigError("x has 0 rows; give at least one sample")
     return -(-rows // (batch_size or rows))
+
+
+def row_ranges(x: Any, batch_size: int | None) -> list[tuple[int, int]]:
+    """(start, stop) rows of each batch of `x` in order, for evaluate and predict; checks batch_size."""
+    count_batches(x, batch_size)
+    rows = num_rows(x)
+    return [(int(i[0]), int(i[-1]) + 1) for i in index_batches(rows, batch_size or rows, False, 0)]
 
 
 def data_order(x: Any, batch_size: int | None, shuffle: bool, batches_per_epoch: int, seed: int) -> dict[str, Any]:

@@ -395,23 +395,17 @@ class Model:
 
     def evaluate(self, x: Any, y: Any, batch_size: int | None = None) -> dict[str, float]:
         """Mean loss and metrics over all of x (every sample once); the same dict on every rank."""
-        batching.count_batches(x, batch_size)  # checks batch_size and that x has rows
-        rows = batching.num_rows(x)
         totals = [0.0] * (1 + 2 * len(self.metrics))
-        for index in batching.index_batches(rows, batch_size or rows, False, 0):
-            a, b = int(index[0]), int(index[-1]) + 1
+        for a, b in batching.row_ranges(x, batch_size):
             stats, _, _ = self._run(batching.slice_rows(x, a, b), batching.slice_rows(y, a, b),
                                  train=False, keep_outputs=False)
             totals = [t + s for t, s in zip(totals, stats)]
-        return self._logs(totals, rows)
+        return self._logs(totals, batching.num_rows(x))
 
     def predict(self, x: Any, batch_size: int | None = None) -> Any:
         """The model's outputs for all of x, on every rank (tensor leaves joined along dim 0)."""
-        batching.count_batches(x, batch_size)  # checks batch_size and that x has rows
-        rows = batching.num_rows(x)
         parts: list[list[Any]] = []  # flat output leaves of each batch, in row order
-        for index in batching.index_batches(rows, batch_size or rows, False, 0):
-            a, b = int(index[0]), int(index[-1]) + 1
+        for a, b in batching.row_ranges(x, batch_size):
             _, outputs, _ = self._run(batching.slice_rows(x, a, b), None, train=False, keep_outputs=True)
             pipe = self._pipeline(x, train=False)
             local = batching.join_rows([flatten_output(o)[0] for o in outputs]) if outputs else None

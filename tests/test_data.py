@@ -62,3 +62,11 @@ def test_join_rows_concatenates_tensors_along_rows_and_keeps_the_first_of_other_
     joined = data.join_rows([[torch.ones(2, 3), torch.tensor(1.0), "a"], [torch.zeros(1, 3), torch.tensor(2.0), "b"]])
     assert joined[0].shape == (3, 3) and torch.equal(joined[0][2], torch.zeros(3))
     assert float(joined[1]) == 1.0 and joined[2] == "a"
+
+
+def test_row_ranges_cut_x_in_order_and_check_batch_size():
+    x, _ = rows(10)
+    assert data.row_ranges(x, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert data.row_ranges(x, None) == [(0, 10)]
+    with pytest.raises(plait.ConfigError, match="batch_size must be a positive integer.*got 0"):
+        data.row_ranges(x, 0)
