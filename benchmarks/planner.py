@@ -13,7 +13,9 @@
     so each round profiles again (both ranks at once, as planning does) and prices every layout
     (`plait.plan.cost.predict`, the planner's model, on the plan's layout and network) just before
     timing it (the median of 3 steps: single steps have spikes the profile's medians do not); the
-    ratio is the median over rounds. The plan-time prediction is printed beside it.
+    ratio is the median over rounds. The plan-time prediction is printed beside it. Both are
+    priced as planning prices them: each profile round takes the slowest rank's whole-model
+    times (`plait.profile`), as a step waits for its slowest rank.
 
 Times are medians over rounds of the slowest rank's step (a barrier before each step), in ms.
 Each configuration trains its own copy of the model; rounds visit them in turn, so the load of a
@@ -43,6 +45,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 from job import join_job, leave_job, run_job
 from plait.autoplan import PlanOptions, profile_sample
 from plait.plan.cost import predict
+from plait.runtime.collectives import max_floats
 
 BATCH = 128  # global batch, rows
 MICROBATCHES = 8
@@ -210,7 +213,7 @@ def part_c(rounds: int, out: list[str]) -> None:
     # Each round profiles again, as planning does (every rank at once), prices each layout from
     # that profile, then times each layout: prediction and measurement within seconds.
     options = PlanOptions(optimizer=lambda p: torch.optim.SGD(p, lr=0.01), loss=nn.CrossEntropyLoss(),
-                          target=y, reuse_profile=False)
+                          target=y, reuse_profile=False, slowest=max_floats)
     probe = cnn()
     predicted: dict[str, list[float]] = {k: [] for k in models}
     measured: dict[str, list[float]] = {k: [] for k in models}

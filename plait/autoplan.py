@@ -23,7 +23,7 @@ from plait.plan.cost import Cluster
 from plait.plan.devices import device
 from plait.plan.network import Network
 from plait.plan.search import Candidate, SearchSpace, format_table, search
-from plait.profile import LayerProfile, OptimizerFactory, profile
+from plait.profile import LayerProfile, OptimizerFactory, Slowest, profile
 
 __all__ = ["PlanOptions", "PlanResult", "plan_model", "profile_sample", "local_cluster", "threads_per_rank"]
 
@@ -35,6 +35,8 @@ class PlanOptions:
     profile_rows: rows of the sample to measure on (times are fitted affine in rows, so the
     search may price other micro-batch sizes). threads: intra-op threads per rank while
     measuring (None: this machine's cores shared by the local ranks, as `plait run` sets them).
+    slowest: with every rank profiling at once, the reduction that makes each round's whole-model
+    times the slowest rank's (`plait.runtime.collectives.max_floats`; see `plait.profile`).
     """
 
     space: SearchSpace = field(default_factory=SearchSpace)
@@ -46,6 +48,7 @@ class PlanOptions:
     optimizer: OptimizerFactory = torch.optim.Adam
     loss: Callable[[Any, Any], torch.Tensor] | None = None
     target: Any = None  # with `loss`: the sample's targets, so the last layer includes the loss
+    slowest: Slowest | None = None
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,7 @@ def profile_sample(net: nn.Module, sample: Any, world_size: int, options: PlanOp
     return profile(net, args, kwargs, options.loss, target, options.repeats,
                    optimizer=options.optimizer,
                    threads=options.threads or threads_per_rank(world_size),
-                   cache_dir=options.cache_dir, reuse=options.reuse_profile)
+                   cache_dir=options.cache_dir, reuse=options.reuse_profile, slowest=options.slowest)
 
 
 def plan_model(net: nn.Module, sample: Any, world_size: int, global_batch: int,

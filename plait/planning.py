@@ -11,7 +11,9 @@ Which layout a run gets, first match wins (`choose_layout`):
 
 Rank 0 decides and every other rank reads its answer (`plait.runtime.agree`): profiles differ
 between processes, so ranks planning on their own could disagree. The other ranks run the same
-profile meanwhile and drop it, so rank 0 measures with its host as loaded as in training.
+profile meanwhile, so rank 0 measures with its host as loaded as in training, and each round
+of it takes the slowest rank's whole-model times (`plait.profile`: a step waits for its slowest
+rank); then they drop it.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ from plait.autoplan import PlanOptions, local_cluster, plan_model, profile_sampl
 from plait.capture.trace import capture
 from plait.config import SCHEDULE_NAMES, Config
 from plait.errors import ConfigError, PartitionError
+from plait.plan.cost import Cluster
 from plait.plan.network import Network
 from plait.plan.search import SearchSpace
 from plait.plan_report import PlanReport
 from plait.runtime.agree import agree
 from plait.runtime.calibrate import calibrate
+from plait.runtime.collectives import max_floats
 
 __all__ = ["Layout", "choose_layout", "candidate_fields", "load_plan_file"]
 
@@ -69,7 +73,7 @@ def choose_layout(net: nn.Module, x: Any, y: Any, config: Config, world_size: in
             resumed_plan, config, world_size, _layer_names(net, x)) is None):
         network = calibrate()  # rank 0 will search: it prices messages with this backend's link
         if rank != 0:
-            _profile_alongside(net, x, y, world_size, loss, optimizer)
+            _profile_alongside(net, x, y, config, world_size, loss, optimizer)
 
     def decide() -> dict[str, Any]:
         return _decide(net, x, y, config, world_size, loss, optimizer, resumed_plan, network)
@@ -109,10 +113,8 @@ def _decide(net: nn.Module, x: Any, y: Any, config: Config, world_size: int,
         if kept is not None:
             return {"fields": kept, "report": None, "table": "", "source": "the resumed checkpoint"}
     space, source = _space(config, world_size, batching.num_rows(x))
-    cluster = local_cluster(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), network=network,
-                            memory_bytes=config.memory_limit_bytes,
-                            optimizer_state_factor=_state_factor(optimizer))
-    options = replace(_profile_options(y, loss, optimizer), space=space)
+    cluster = _cluster(config, world_size, optimizer, network)
+    options = replace(_profile_options(y, loss, optimizer, world_size), space=space)
     try:
         result = plan_model(net, x, world_size, batching.num_rows(x), cluster, options)
     except (ConfigError, PartitionError):
@@ -136,22 +138,38 @@ def _decide(net: nn.Module, x: Any, y: Any, config: Config, world_size: int,
     return {"fields": chosen, "report": report.to_dict(), "table": report.table, "source": source}
 
 
-def _profile_options(y: Any, loss: Callable[[Any, Any], torch.Tensor] | None, optimizer: Any) -> PlanOptions:
-    return PlanOptions(optimizer=_optimizer_factory(optimizer), loss=loss, target=y if loss is not None else None)
+def _cluster(config: Config, world_size: int, optimizer: Any, network: Network | None) -> Cluster:
+    return local_cluster(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), network=network,
+                         memory_bytes=config.memory_limit_bytes,
+                         optimizer_state_factor=_state_factor(optimizer))
 
 
-def _profile_alongside(net: nn.Module, x: Any, y: Any, world_size: int,
+def _profile_options(y: Any, loss: Callable[[Any, Any], torch.Tensor] | None, optimizer: Any,
+                     world_size: int) -> PlanOptions:
+    return PlanOptions(optimizer=_optimizer_factory(optimizer), loss=loss, target=y if loss is not None else None,
+                       slowest=max_floats if world_size > 1 else None)
+
+
+def _profile_alongside(net: nn.Module, x: Any, y: Any, config: Config, world_size: int,
                        loss: Callable[[Any, Any], torch.Tensor] | None, optimizer: Any) -> None:
     """Run rank 0's profile on this rank too, at the same time, and drop the result.
 
     Ranks sharing a host share its caches and memory bandwidth: on 2 CPU ranks, a profile taken
     while the other rank idled priced the steps of benchmarks/planner.py (c) at 0.74-0.86 of their
     measured time, one taken with both ranks profiling at 0.86-0.98. With every rank profiling,
-    rank 0 measures under the load it will train under. A failure here is rank 0's to report:
-    it runs the same profile.
+    rank 0 measures under the load it will train under, and the profile's rounds take the slowest
+    rank's whole-model times (a collective per round: this rank must profile whenever rank 0
+    does). Rank 0 fails before profiling exactly when the search's inputs are wrong: this rank
+    checks them first and then leaves the profile out. A failure in the profile is rank 0's to
+    report: it runs the same profile.
     """
     try:
-        profile_sample(net, x, world_size, _profile_options(y, loss, optimizer))
+        _space(config, world_size, batching.num_rows(x))
+        _cluster(config, world_size, optimizer, None)
+    except (ConfigError, PartitionError):
+        return
+    try:
+        profile_sample(net, x, world_size, _profile_options(y, loss, optimizer, world_size))
     except Exception as error:  # noqa: BLE001 - rank 0 raises the same error in its own profile
         log.debug("plait: rank-side profile failed (rank 0 reports it): %s", error)
 

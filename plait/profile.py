@@ -15,6 +15,12 @@ sample's rows and at a quarter of them (times are affine in rows, `LayerCosts`):
 
 Each of `repeats` rounds times every layer, then the whole pass; a layer's cost is the median
 over rounds of its scaled times, so a host whose speed drifts moves a round's parts alike.
+With `slowest` (planning: every rank profiles at once), each round's whole-pass times are the
+slowest rank's: a synchronous step waits for its slowest rank, and on a shared host which
+rank is slow changes from step to step (on 2 CPU ranks one rank's step ran 150 ms while the
+other's ran 215, and the next step the other way round), so one rank's own times price every
+step short (benchmarks/planner.py (c): 0.82-0.94 of the measured steps alone, 0.89-0.96 with
+the slowest rank's).
     saved     bytes autograd saves for the backward (saved_tensors_hooks), parameters excluded
     optimizer one step of `optimizer` on copies of the layer's parameters
 
@@ -48,6 +54,7 @@ from plait.plan.layer_costs import LayerCosts
 __all__ = ["LayerProfile", "profile"]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+Slowest = Callable[[list[float]], list[float]]  # every rank's values -> the element-wise maximum
 _CACHE: dict[str, "LayerProfile"] = {}
 HELD = 2  # micro-batches the whole-model pass keeps alive at once, as a pipeline stage does
 
@@ -77,6 +84,7 @@ def profile(
     threads: int | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     reuse: bool = True,
+    slowest: Slowest | None = None,
 ) -> LayerProfile:
     """Measure every captured layer of `net` on the sample batch `net(*sample_args, **kwargs)`.
 
@@ -84,6 +92,9 @@ def profile(
     otherwise every layer's backward starts from random output gradients. `threads`: the
     intra-op threads to measure with (default: the current setting), as each rank will run.
     `reuse=False` measures again even when a cached profile exists (and caches the new one).
+    `slowest`: called by every rank profiling at once, with the same values in the same order
+    (`plait.runtime.collectives.max_floats`): each round's whole-model times become the slowest
+    rank's, and a cached profile is used only when every rank has one (else all measure).
     """
     kwargs = dict(sample_kwargs or {})
     if not isinstance(repeats, int) or repeats < 1:
@@ -91,15 +102,13 @@ def profile(
     rows = batching.num_rows((sample_args, kwargs))
     old_threads = torch.get_num_threads()
     threads = threads or old_threads
-    key = _signature(net, sample_args, kwargs, rows, repeats, threads, loss is not None, optimizer)
-    if reuse and key in _CACHE:
-        return _replace_cached(_CACHE[key])
+    key = _signature(net, sample_args, kwargs, rows, repeats, threads, loss is not None, optimizer,
+                     "slowest rank" if slowest is not None else "this process")
     path = Path(cache_dir) / f"profile-{key}.json" if cache_dir is not None else None
-    if reuse and path is not None and path.exists():
-        stored = json.loads(path.read_text())
-        found = LayerProfile(LayerCosts.from_dict(stored["costs"]), rows, repeats, threads,
-                             float(stored["seconds"]), key, cached=True)
-        _CACHE[key] = found
+    found = _cached(key, path, rows, repeats, threads) if reuse else None
+    if slowest is not None and slowest([0.0 if found else 1.0])[0] > 0:
+        found = None  # a rank without it measures, and every other rank measures beside it
+    if found is not None:
         return found
     start = time.perf_counter()
     torch.set_num_threads(threads)
@@ -108,7 +117,7 @@ def profile(
     try:
         with torch.random.fork_rng():
             net.train(True)
-            costs = _measure(net, sample_args, kwargs, rows, loss, target, repeats, optimizer)
+            costs = _measure(net, sample_args, kwargs, rows, loss, target, repeats, optimizer, slowest)
     finally:
         net.train(was_training)
         with torch.no_grad():
@@ -125,9 +134,19 @@ def profile(
     return result
 
 
-def _replace_cached(found: LayerProfile) -> LayerProfile:
-    return LayerProfile(found.costs, found.rows, found.repeats, found.threads, found.seconds,
-                        found.signature, cached=True)
+def _cached(key: str, path: Path | None, rows: int, repeats: int, threads: int) -> LayerProfile | None:
+    """The profile of signature `key` from memory, else from `path` (then kept in memory)."""
+    if key in _CACHE:
+        found = _CACHE[key]
+        return LayerProfile(found.costs, found.rows, found.repeats, found.threads, found.seconds,
+                            found.signature, cached=True)
+    if path is None or not path.exists():
+        return None
+    stored = json.loads(path.read_text())
+    found = LayerProfile(LayerCosts.from_dict(stored["costs"]), rows, repeats, threads,
+                         float(stored["seconds"]), key, cached=True)
+    _CACHE[key] = found
+    return found
 
 
 def _signature(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *extra: Any) -> str:
@@ -160,15 +179,15 @@ def _leaf(x: Any) -> Any:
 
 def _measure(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int,
              loss: Callable[[Any, Any], torch.Tensor] | None, target: Any, repeats: int,
-             optimizer: OptimizerFactory) -> LayerCosts:
+             optimizer: OptimizerFactory, slowest: Slowest | None) -> LayerCosts:
     captured = capture(net, args, kwargs)
     names = captured.layers.layer_names
     stages = split(captured, list(range(len(names))))
     small = max(1, rows // 4)
-    big_run = _Run(captured, stages, args, kwargs, rows, loss, target, repeats)
+    big_run = _Run(captured, stages, args, kwargs, rows, loss, target, repeats, slowest)
     small_run = big_run if small == rows else _Run(
         captured, stages, batching.slice_rows(args, 0, small), batching.slice_rows(kwargs, 0, small),
-        small, loss, target, repeats)
+        small, loss, target, repeats, slowest)
     fixed: dict[str, list[float]] = {k: [] for k in ("f", "b", "w")}
     per_row: dict[str, list[float]] = {k: [] for k in ("f", "b", "w")}
     bigs, scale_big = big_run.measure()
@@ -197,7 +216,8 @@ def _measure(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows
         source=f"profiled on {platform.node() or 'this machine'}: {rows} and {small} rows, "
                f"{torch.get_num_threads()} thread(s), median of {repeats}, layer times x "
                f"{scale_big[0]:.2f} / {scale_small[0]:.2f} (forward), x {scale_big[1]:.2f} / "
-               f"{scale_small[1]:.2f} (backward) to the whole model's",
+               f"{scale_small[1]:.2f} (backward) to the whole model's"
+               + (" (the slowest rank's)" if slowest is not None else ""),
     )
 
 
@@ -232,8 +252,9 @@ class _Run:
 
     def __init__(self, captured: Any, stages: Sequence[Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any], rows: int, loss: Callable[[Any, Any], torch.Tensor] | None,
-                 target: Any, repeats: int) -> None:
+                 target: Any, repeats: int, slowest: Slowest | None = None) -> None:
         self.captured, self.stages, self.repeats, self.rows = captured, stages, repeats, rows
+        self.slowest = slowest
         self.loss = loss
         self.target = None if target is None else batching.slice_rows(target, 0, rows)
         model_inputs = captured.bind(args, kwargs)
@@ -264,13 +285,17 @@ class _Run:
 
         Each repeat times every layer, then the whole model, within a second or so: on a machine
         whose speed drifts (a shared host), both move alike and the median keeps a typical repeat.
+        With `slowest`, a repeat's whole-model times are the slowest rank's.
         """
         self.sample_layers(), self.whole()  # warm-up
         kept: list[dict[str, list[float]]] = [{k: [] for k in ("f", "b", "w")} for _ in self.stages]
         scales = []
         for _ in range(self.repeats):
             layers = self.sample_layers()
-            scale = _scale(layers, self.whole())
+            forward, backward = self.whole()
+            if self.slowest is not None:
+                forward, backward = self.slowest([forward, backward])
+            scale = _scale(layers, (forward, backward))
             scales.append(scale)
             for acc, t in zip(kept, layers):
                 for k in ("f", "b", "w"):

@@ -81,6 +81,7 @@ def test_config_with_no_sizes_plans_and_trains_like_one_process():
     chosen = json.loads(results[0]["report"])
     assert chosen["pp"] * chosen["dp"] == 2 and chosen["source"] == "planned"
     assert results[1]["profiles"] == 1  # rank 1 profiled alongside rank 0, loading the host alike
+    assert "(the slowest rank's)" in chosen["costs"]["source"]  # its rounds reduced over both ranks
     # the closed loop: steps 2..4 measured against the prediction, a number for every stage
     line = results[0]["feedback"]
     assert line.startswith("plait plan check: step predicted") and " ms (" in line

@@ -179,3 +179,55 @@ def test_the_whole_pass_keeps_held_micro_batches_alive(monkeypatch):
     f, b = run.whole(held=3)
     assert events == ["F", "F", "F", "B", "B", "B"]
     assert f > 0 and b > 0
+
+
+def test_with_slowest_each_round_takes_the_slowest_ranks_whole_pass(monkeypatch):
+    # Planning profiles on every rank at once; `slowest` reduces each round's whole-model times
+    # over the ranks (a step waits for its slowest rank). Here the other rank is 1.5 x slower:
+    # the layers' sums must come out 1.5 x this process's whole pass, and the reduction must be
+    # called once to decide the cache, then once per round of each of the two row counts.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(29, 31), nn.ReLU(), nn.Linear(31, 3))  # a signature of its own
+    x = torch.randn(16, 29)
+    calls: list[list[float]] = []
+
+    def sample_layers(self):
+        return [{"f": 1e-3, "b": 2e-3, "w": 1e-3} for _ in self.stages]
+
+    def whole(self):
+        return 4e-3 * len(self.stages), 5e-3 * len(self.stages)
+
+    def slowest(values):
+        calls.append(list(values))
+        return [1.5 * v for v in values] if len(values) == 2 else list(values)
+
+    monkeypatch.setattr(profiling._Run, "sample_layers", sample_layers)
+    monkeypatch.setattr(profiling._Run, "whole", whole)
+    costs = profile(net, (x,), repeats=3, threads=1, slowest=slowest).costs
+    n = costs.num_layers
+    assert sum(costs.forward(16)) == pytest.approx(1.5 * 4e-3 * n, rel=1e-6)
+    assert sum(costs.backward(16)) + sum(costs.weight(16)) == pytest.approx(1.5 * 5e-3 * n, rel=1e-6)
+    assert calls[0] == [1.0]  # no rank has it cached here: everyone measures
+    assert len(calls) == 1 + 2 * 3 and all(len(c) == 2 for c in calls[1:])
+    assert "(the slowest rank's)" in costs.source
+    alone = profile(net, (x,), repeats=3, threads=1).costs  # its own signature: measured alone
+    assert sum(alone.forward(16)) == pytest.approx(4e-3 * n, rel=1e-6)
+
+
+def test_with_slowest_a_cached_profile_is_used_only_when_every_rank_has_one():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(23, 19), nn.ReLU(), nn.Linear(19, 2))
+    x = torch.randn(8, 23)
+    alone = lambda values: list(values)  # noqa: E731 - one rank: the values as they are
+    first = profile(net, (x,), repeats=1, threads=1, slowest=alone)
+    assert not first.cached
+    assert profile(net, (x,), repeats=1, threads=1, slowest=alone).cached
+    decided: list[list[float]] = []
+
+    def another_rank_lacks_it(values):
+        decided.append(list(values))
+        return [1.0] if len(values) == 1 else list(values)
+
+    again = profile(net, (x,), repeats=1, threads=1, slowest=another_rank_lacks_it)
+    assert decided[0] == [0.0]  # this rank had it...
+    assert not again.cached  # ...another did not: this rank measured beside it, as it must

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["local_device", "make_group", "sum_floats", "start_sum_floats", "broadcast_state", "TiedGradients",
+__all__ = ["local_device", "make_group", "sum_floats", "max_floats", "start_sum_floats", "broadcast_state", "TiedGradients",
            "gather_state_dict", "broadcast_json", "all_gather_text"]
 
 
@@ -82,10 +82,19 @@ def gather_state_dict(net: nn.Module, owner_of: dict[int, int]) -> dict[str, tor
 
 def sum_floats(values: list[float]) -> list[float]:
     """Element-wise sum of every rank's `values` (float64), returned on every rank."""
+    return _reduce_floats(values, dist.ReduceOp.SUM)
+
+
+def max_floats(values: list[float]) -> list[float]:
+    """Element-wise maximum of every rank's `values` (float64), returned on every rank."""
+    return _reduce_floats(values, dist.ReduceOp.MAX)
+
+
+def _reduce_floats(values: list[float], op: Any) -> list[float]:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=local_device())
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=op)
     return t.tolist()
 
 
