@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from plait import data as batching
+from plait.plan.buckets import DEFAULT_BUCKET_BYTES
 from plait.plan.cost import Cluster
 from plait.plan.devices import device
 from plait.plan.network import Network
@@ -103,7 +104,7 @@ def threads_per_rank(local_ranks: int) -> int:
 
 
 def local_cluster(local_ranks: int, network: Network | None = None, memory_bytes: float | None = None,
-                  optimizer_state_factor: float = 2.0) -> Cluster:
+                  optimizer_state_factor: float = 2.0, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> Cluster:
     """This machine as a cluster: its RAM shared by `local_ranks` processes (90% of it), and
     `network` (a `plait.runtime.calibrate` measurement; default: the "cpu" preset's loopback)."""
     if memory_bytes is None:
@@ -112,7 +113,7 @@ def local_cluster(local_ranks: int, network: Network | None = None, memory_bytes
         except (AttributeError, ValueError, OSError):
             total = device("cpu").memory_bytes
         memory_bytes = 0.9 * total / max(1, local_ranks)
-    return Cluster(network or device("cpu").network, memory_bytes, optimizer_state_factor)
+    return Cluster(network or device("cpu").network, memory_bytes, optimizer_state_factor, bucket_bytes)
 
 
 def profile_sample(net: nn.Module, sample: Any, world_size: int, options: PlanOptions = PlanOptions()) -> LayerProfile:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plait.plan.buckets import DEFAULT_BUCKET_BYTES
 from plait.plan.cost import Cluster, Prediction, Setting, predict
 from plait.plan.feedback import Feedback
 from plait.plan.layer_costs import LayerCosts
@@ -68,7 +69,8 @@ class PlanReport:
             data["costs"] = self.costs.to_dict()
             data["cluster"] = {"network": self.cluster.network.to_dict(),
                                "memory_bytes": self.cluster.memory_bytes,
-                               "optimizer_state_factor": self.cluster.optimizer_state_factor}
+                               "optimizer_state_factor": self.cluster.optimizer_state_factor,
+                               "bucket_bytes": self.cluster.bucket_bytes}
         if self.feedback is not None:
             data["feedback"] = self.feedback.to_dict()
         if self.history:
@@ -85,7 +87,7 @@ class PlanReport:
         if "cluster" in data:
             c = data["cluster"]
             cluster = Cluster(Network.from_dict(c["network"]), float(c["memory_bytes"]),
-                              float(c["optimizer_state_factor"]))
+                              float(c["optimizer_state_factor"]), float(c.get("bucket_bytes", DEFAULT_BUCKET_BYTES)))
         return cls(chosen, list(data.get("alternatives", [])), table, str(data.get("source", "")),
                    int(data["global_batch"]), costs, cluster, history=list(data.get("earlier_layouts", [])))
 

@@ -141,7 +141,8 @@ def _decide(net: nn.Module, x: Any, y: Any, config: Config, world_size: int,
 def _cluster(config: Config, world_size: int, optimizer: Any, network: Network | None) -> Cluster:
     return local_cluster(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), network=network,
                          memory_bytes=config.memory_limit_bytes,
-                         optimizer_state_factor=_state_factor(optimizer))
+                         optimizer_state_factor=_state_factor(optimizer),
+                         bucket_bytes=config.bucket_cap_mb * 2**20)
 
 
 def _profile_options(y: Any, loss: Callable[[Any, Any], torch.Tensor] | None, optimizer: Any,

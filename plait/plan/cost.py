@@ -7,16 +7,20 @@ One step of a layout (pp stages x dp replicas, m micro-batches of `rows` rows ea
                the activation bytes (= the gradient bytes coming back) over the cut's link;
                `plait.schedule.steptime` on the generator's own program, or the closed form
                that the partition minimises (`partition_problem`)
-    all-reduce each rank's gradients over its dp replicas (ring, ANCHORS.md), started when the
-               rank's last gradient pass starts: overlapped with that pass only, the rest exposed
+    all-reduce each rank's gradients over its dp replicas (ring, ANCHORS.md, on the link the
+               backend's all-reduce was measured at), in buckets (`plait.plan.buckets`): they
+               start when the rank's last gradient pass starts, so they overlap that pass
+               only, and the last bucket -- the first layers' gradients -- cannot start before
+               the pass has ended
     optimizer  the rank's optimizer step, after its all-reduce
 
-step = max over ranks of (max(pipeline end, last gradient pass start + all-reduce) + optimizer).
+step = max over ranks of (max(pipeline end, last gradient pass start + all-reduce,
+pipeline end + all-reduce of the last bucket) + optimizer).
 Memory of a rank = parameters + gradients + optimizer state + the activations of the
 micro-batches the schedule makes it hold at once (its peak); recomputation keeps only each
 held micro-batch's stage input, plus one micro-batch's activations while it is recomputed.
 Left out: tensor parallelism, ZeRO sharding, compute slowed by concurrent communication,
-gradient bucket latencies, the loss, allocator fragmentation and framework workspace.
+the loss's all-reduce, allocator fragmentation and framework workspace.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from plait.errors import ConfigError
+from plait.plan.buckets import DEFAULT_BUCKET_BYTES, assign_buckets
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.network import Link, Network, all_reduce, point_to_point
 from plait.plan.partition import PartitionProblem
@@ -76,12 +81,14 @@ class Cluster:
     """Where a job runs: its network, the bytes one device may use, the optimizer's state.
 
     optimizer_state_factor: optimizer state bytes per gradient byte (Adam 2: exp_avg and
-    exp_avg_sq; SGD with momentum 1; plain SGD 0).
+    exp_avg_sq; SGD with momentum 1; plain SGD 0). bucket_bytes: the cap of a gradient bucket
+    (`Config.bucket_cap_mb`).
     """
 
     network: Network
     memory_bytes: float
     optimizer_state_factor: float = 2.0
+    bucket_bytes: float = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
         if not self.memory_bytes > 0:
@@ -90,6 +97,8 @@ class Cluster:
             raise ConfigError(
                 f"optimizer_state_factor must be >= 0 (Adam: 2), got {self.optimizer_state_factor!r}"
             )
+        if not (math.isfinite(self.bucket_bytes) and self.bucket_bytes > 0):
+            raise ConfigError(f"bucket_bytes must be > 0 (the default: 25 MiB), got {self.bucket_bytes!r}")
 
 
 @dataclass(frozen=True)
@@ -290,20 +299,30 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
     allreduce, optimizer, memory, finish = [], [], [], []
     for r in range(p):
         mine = [st for st in stages if st.rank == r]
-        grads = sum(sum(costs.grad_bytes[st.start:st.end]) for st in mine)
+        grads = [costs.grad_bytes[i] for st in mine for i in range(st.start, st.end)]
         group = [setting.rank_of(r, d) for d in range(setting.dp)]
-        allreduce.append(all_reduce(grads, setting.dp, cluster.network.link(group)))
+        link = cluster.network.reduce_link(group)
+        allreduce.append(all_reduce(sum(grads), setting.dp, link))
+        tail = all_reduce(_last_bucket(grads, cluster.bucket_bytes), setting.dp, link)
         optimizer.append(sum(sum(costs.optimizer_s[st.start:st.end]) for st in mine))
         if setting.recompute:
             acts = peaks[r] * sum(st.entry_bytes for st in mine) + max(st.activation_bytes for st in mine)
         else:
             acts = peaks[r] * sum(st.activation_bytes for st in mine)
         memory.append(sum(st.state_bytes for st in mine) + acts)
-        finish.append(max(ends[r], grad_starts[r] + allreduce[r]) + optimizer[r])
+        finish.append(max(ends[r], grad_starts[r] + allreduce[r], ends[r] + tail) + optimizer[r])
     return Prediction(tuple(stages), pipeline, tuple(allreduce), tuple(optimizer), tuple(memory),
                       max(finish), method, rows)
 
 
+def _last_bucket(grad_bytes: Sequence[float], cap: float) -> float:
+    """Bytes of the last gradient bucket of layers with `grad_bytes` (forward order), filled in
+    backward order by the runtime's rule, a layer's gradients counted as one tensor."""
+    sizes = [b for b in reversed(grad_bytes) if b > 0]
+    buckets = assign_buckets(sizes, [None] * len(sizes), int(cap))
+    return float(sum(sizes[i] for i in buckets[-1])) if buckets else 0.0
+
+
 def _unbounded(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int) -> PartitionProblem:
-    unlimited = Cluster(cluster.network, math.inf, cluster.optimizer_state_factor)
+    unlimited = Cluster(cluster.network, math.inf, cluster.optimizer_state_factor, cluster.bucket_bytes)
     return partition_problem(costs, setting, unlimited, global_batch)

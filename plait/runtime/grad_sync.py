@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["GradientBuckets", "assign_buckets"]
+from plait.plan.buckets import assign_buckets
 
-FIRST_BUCKET_BYTES = 2**20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
+__all__ = ["GradientBuckets"]
 
 
 class GradientBuckets:
@@ -133,27 +133,6 @@ class GradientBuckets:
         """Detach the hooks from the parameters."""
         for h in self._handles:
             h.remove()
-
-
-def assign_buckets(sizes: Sequence[int], dtypes: Sequence[Any], cap: int) -> list[list[int]]:
-    """Indices of the tensors (in launch order) in each bucket, as DistributedDataParallel does.
-
-    A bucket takes tensors until it holds at least its cap -- FIRST_BUCKET_BYTES (or `cap`, if
-    smaller) for the first, `cap` for the others -- the tensor that crosses the cap included;
-    a tensor of another dtype starts a new bucket. So the first bucket holds the last layer's
-    weight, not just its bias, and its all-reduce overlaps the rest of the backward pass.
-    """
-    buckets: list[list[int]] = []
-    size, closed = 0, True
-    for i, (nbytes, dtype) in enumerate(zip(sizes, dtypes)):
-        if closed or dtypes[buckets[-1][-1]] != dtype:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(i)
-        size += nbytes
-        limit = min(cap, FIRST_BUCKET_BYTES) if len(buckets) == 1 else cap
-        closed = size >= limit
-    return buckets
 
 
 def _ends(params: Sequence[nn.Parameter]) -> list[int]:

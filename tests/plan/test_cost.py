@@ -109,12 +109,41 @@ def test_memory_of_a_layout_by_hand() -> None:
 
 def test_all_reduce_overlaps_only_the_last_gradient_pass() -> None:
     # one stage, 2 replicas, 1 micro-batch of 1 row: F 1 s, B 2 s; gradients 4e9 bytes over
-    # 1 GB/s: ring all-reduce 2 (2-1)/2 x 4 s = 4 s, started with the last B (at 1 s)
+    # 1 GB/s: ring all-reduce 2 (2-1)/2 x 4 s = 4 s. One layer is one bucket, and the last
+    # bucket starts when the backward ends (at 3 s): 3 + 4 + optimizer
     costs = layer_costs(1, params=4e9, optimizer=0.5)
     net = Network(Link(0.0, 1e9), Link(0.0, 1e9), 1)
     pred = predict(costs, Setting(1, 2, 1), Cluster(net, math.inf), 2, (1,))
     assert pred.allreduce_s == (pytest.approx(4.0),)
-    assert pred.step_time_s == pytest.approx(1 + 4 + 0.5)  # max(3, 1 + 4) + optimizer
+    assert pred.step_time_s == pytest.approx(3 + 4 + 0.5)
+
+
+@pytest.mark.parametrize("first_layer, last_layer, step", [
+    (2e6, 2e6, 6 + 2),  # buckets [layer 1] [layer 0]: the last (2 s) after the backward's end
+    (2e6, 10e6, 2 + 12),  # 12 s of all-reduce from the last B's start (2 s) outlasts both
+])
+def test_the_last_bucket_starts_when_the_backward_ends(first_layer, last_layer, step) -> None:
+    # two layers, one stage, 2 replicas, 1 row: F 1 + 1, B 2 + 2 (the last B starts at 2 s,
+    # ends at 6 s); 1 MB/s, so an all-reduce of n bytes between 2 replicas takes n / 1e6 s
+    import dataclasses
+
+    costs = dataclasses.replace(layer_costs(2), grad_bytes=(first_layer, last_layer))
+    net = Network(Link(0.0, 1e6), Link(0.0, 1e6), 1)
+    pred = predict(costs, Setting(1, 2, 1), Cluster(net, math.inf), 2, (2,))
+    assert pred.allreduce_s == (pytest.approx((first_layer + last_layer) / 1e6),)
+    assert pred.step_time_s == pytest.approx(step)
+
+
+def test_all_reduces_are_priced_on_the_link_measured_for_them() -> None:
+    # the ping-pong link is fast; the all-reduce was measured 10 x slower: it prices the step
+    costs = layer_costs(1, params=4e9)
+    fast, slow = Link(0.0, 1e10), Link(0.0, 1e9)
+    measured = Network(fast, fast, 2, reduce_intra=slow)  # ranks 0 and 1 share a node
+    assert predict(costs, Setting(1, 2, 1), Cluster(measured, math.inf), 2, (1,)).allreduce_s == (pytest.approx(4.0),)
+    assert predict(costs, Setting(1, 2, 1), Cluster(Network(fast, fast, 2), math.inf), 2, (1,)).allreduce_s == (
+        pytest.approx(0.4),)
+    assert Network.from_dict(measured.to_dict()) == measured
+    assert Network.from_dict(Network(fast, slow, 2).to_dict()).reduce_link([0, 2]) == slow  # none measured
 
 
 def test_lower_bound_never_exceeds_a_layout() -> None:

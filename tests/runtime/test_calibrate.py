@@ -36,5 +36,7 @@ def test_two_ranks_measure_the_same_link(tmp_path) -> None:
     assert first0 == first1  # rank 0's fit, broadcast
     intra = first0["intra"]
     assert intra["latency_s"] < 0.05 and intra["bandwidth"] > 1e6  # loopback: well above 1 MB/s
+    reduce = first0["reduce_intra"]  # the all-reduce, timed and fitted on its own
+    assert reduce["latency_s"] < 0.05 and reduce["bandwidth"] > 1e6 and reduce != intra
     assert first0["devices_per_node"] == 2 and again0 == first0
     assert len(list(tmp_path.glob("network-gloo-2-2-*.json"))) == 1

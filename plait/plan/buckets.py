@@ -1,0 +1,35 @@
+"""Gradient buckets: which gradients are all-reduced together, in which order (pure).
+
+The runtime (`plait.runtime.grad_sync`) fills its buckets by this rule, and the cost model
+prices the all-reduce of the last one, which can only start when the backward pass has ended.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+__all__ = ["FIRST_BUCKET_BYTES", "DEFAULT_BUCKET_BYTES", "assign_buckets"]
+
+FIRST_BUCKET_BYTES = 2**20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # Config.bucket_cap_mb's default, as DistributedDataParallel's
+
+
+def assign_buckets(sizes: Sequence[int], dtypes: Sequence[Any], cap: int) -> list[list[int]]:
+    """Indices of the tensors (in launch order) in each bucket, as DistributedDataParallel does.
+
+    A bucket takes tensors until it holds at least its cap -- FIRST_BUCKET_BYTES (or `cap`, if
+    smaller) for the first, `cap` for the others -- the tensor that crosses the cap included;
+    a tensor of another dtype starts a new bucket. So the first bucket holds the last layer's
+    weight, not just its bias, and its all-reduce overlaps the rest of the backward pass.
+    """
+    buckets: list[list[int]] = []
+    size, closed = 0, True
+    for i, (nbytes, dtype) in enumerate(zip(sizes, dtypes)):
+        if closed or dtypes[buckets[-1][-1]] != dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+        limit = min(cap, FIRST_BUCKET_BYTES) if len(buckets) == 1 else cap
+        closed = size >= limit
+    return buckets

@@ -1,0 +1,40 @@
+"""Bucket assignment of the data-parallel gradient all-reduce (pure: sizes in, indices out)."""
+
+import pytest
+import torch
+
+from plait.plan.buckets import FIRST_BUCKET_BYTES, assign_buckets
+
+MB = 2**20
+F32 = torch.float32
+
+
+def test_first_bucket_takes_the_tensor_that_crosses_its_cap():
+    # An MLP in backward order: bias (2 KB), weight (1 MB), bias, weight, ...
+    sizes = [2048, MB] * 4
+    buckets = assign_buckets(sizes, [F32] * 8, cap=25 * MB)
+    # The last layer's bias and weight go together (about 1 MB), as DDP does; not the bias alone.
+    assert buckets == [[0, 1], [2, 3, 4, 5, 6, 7]]
+
+
+def test_later_buckets_close_at_the_cap():
+    sizes = [MB] * 7
+    assert assign_buckets(sizes, [F32] * 7, cap=3 * MB) == [[0], [1, 2, 3], [4, 5, 6]]
+
+
+def test_a_small_cap_applies_to_the_first_bucket_too():
+    assert FIRST_BUCKET_BYTES > 100
+    assert assign_buckets([60, 60, 60], [F32] * 3, cap=100) == [[0, 1], [2]]
+
+
+def test_a_new_dtype_starts_a_new_bucket():
+    dtypes = [F32, F32, torch.float64, torch.float64]
+    assert assign_buckets([10] * 4, dtypes, cap=MB) == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("cap", [1, 100, MB, 25 * MB])
+def test_every_tensor_is_in_exactly_one_bucket_in_order(cap):
+    sizes = [7, 3000, 2 * MB, 1, 64, MB, 5]
+    buckets = assign_buckets(sizes, [F32] * len(sizes), cap)
+    assert [i for b in buckets for i in b] == list(range(len(sizes)))
+    assert all(b for b in buckets)
