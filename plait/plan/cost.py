@@ -12,15 +12,17 @@ One step of a layout (pp stages x dp replicas, m micro-batches of `rows` rows ea
                start when the rank's last gradient pass starts, so they overlap that pass
                only, and the last bucket -- the first layers' gradients -- cannot start before
                the pass has ended
-    optimizer  the rank's optimizer step, after its all-reduce
+    closing    every rank's loss and metric sums, one small all-reduce over all ranks after
+               its gradients: the step's one point where every rank meets
+    optimizer  the rank's optimizer step, after the closing all-reduce
 
-step = max over ranks of (max(pipeline end, last gradient pass start + all-reduce,
-pipeline end + all-reduce of the last bucket) + optimizer).
+step = max over ranks of max(pipeline end, last gradient pass start + all-reduce, pipeline end
++ all-reduce of the last bucket), + closing all-reduce, + the slowest rank's optimizer step.
 Memory of a rank = parameters + gradients + optimizer state + the activations of the
 micro-batches the schedule makes it hold at once (its peak); recomputation keeps only each
 held micro-batch's stage input, plus one micro-batch's activations while it is recomputed.
 Left out: tensor parallelism, ZeRO sharding, compute slowed by concurrent communication,
-the loss's all-reduce, allocator fragmentation and framework workspace.
+allocator fragmentation and framework workspace.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = ["Setting", "Cluster", "StageCost", "Prediction", "microbatch_rows",
            "peak_activations", "partition_problem", "pipeline_lower_bound", "predict"]
 
 SCHEDULES = ("gpipe", "1f1b", "zbh1", "interleaved")
+CLOSING_BYTES = 64.0  # the step's loss and metric sums (and non-finite flags): a few float64s
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,7 @@ class Prediction:
     stages: tuple[StageCost, ...]
     pipeline_s: float
     allreduce_s: tuple[float, ...]  # per rank position
+    closing_s: float  # the all-reduce of the step's loss sums over every rank
     optimizer_s: tuple[float, ...]  # per rank position
     memory_bytes: tuple[float, ...]  # per rank position
     step_time_s: float
@@ -296,7 +300,7 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         ends = [pipeline] * p
         grad_starts = [pipeline - max(grad_pass[s] for s in range(r, setting.num_stages, p)) for r in range(p)]
         method = "closed form"
-    allreduce, optimizer, memory, finish = [], [], [], []
+    allreduce, optimizer, memory, reach = [], [], [], []
     for r in range(p):
         mine = [st for st in stages if st.rank == r]
         grads = [costs.grad_bytes[i] for st in mine for i in range(st.start, st.end)]
@@ -310,9 +314,11 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         else:
             acts = peaks[r] * sum(st.activation_bytes for st in mine)
         memory.append(sum(st.state_bytes for st in mine) + acts)
-        finish.append(max(ends[r], grad_starts[r] + allreduce[r], ends[r] + tail) + optimizer[r])
-    return Prediction(tuple(stages), pipeline, tuple(allreduce), tuple(optimizer), tuple(memory),
-                      max(finish), method, rows)
+        reach.append(max(ends[r], grad_starts[r] + allreduce[r], ends[r] + tail))
+    world = range(setting.pp * setting.dp)
+    closing = all_reduce(CLOSING_BYTES, len(world), cluster.network.reduce_link(world))
+    return Prediction(tuple(stages), pipeline, tuple(allreduce), closing, tuple(optimizer), tuple(memory),
+                      max(reach) + closing + max(optimizer), method, rows)
 
 
 def _last_bucket(grad_bytes: Sequence[float], cap: float) -> float:

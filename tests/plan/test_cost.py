@@ -115,7 +115,7 @@ def test_all_reduce_overlaps_only_the_last_gradient_pass() -> None:
     net = Network(Link(0.0, 1e9), Link(0.0, 1e9), 1)
     pred = predict(costs, Setting(1, 2, 1), Cluster(net, math.inf), 2, (1,))
     assert pred.allreduce_s == (pytest.approx(4.0),)
-    assert pred.step_time_s == pytest.approx(3 + 4 + 0.5)
+    assert pred.step_time_s == pytest.approx(3 + 4 + 64 / 1e9 + 0.5)  # + the loss sums' all-reduce
 
 
 @pytest.mark.parametrize("first_layer, last_layer, step", [
@@ -131,7 +131,22 @@ def test_the_last_bucket_starts_when_the_backward_ends(first_layer, last_layer, 
     net = Network(Link(0.0, 1e6), Link(0.0, 1e6), 1)
     pred = predict(costs, Setting(1, 2, 1), Cluster(net, math.inf), 2, (2,))
     assert pred.allreduce_s == (pytest.approx((first_layer + last_layer) / 1e6),)
-    assert pred.step_time_s == pytest.approx(step)
+    assert pred.closing_s == pytest.approx(64 / 1e6)  # the loss sums' all-reduce, then the step ends
+    assert pred.step_time_s == pytest.approx(step + pred.closing_s)
+
+
+def test_every_rank_meets_at_the_loss_all_reduce_before_its_optimizer_step() -> None:
+    # 2 stages, 1 micro-batch of 1 row, F 1 and B 2 per layer, hand-overs 0.5 s of latency:
+    # F0 0-1, F1 1.5-2.5, B1 2.5-4.5, B0 5-7. Rank 1 steps its optimizer in 3 s, rank 0 in none.
+    # The ranks meet in the closing all-reduce (2 (p-1) alpha = 1 s) when rank 0 ends at 7, so
+    # the step is 7 + 1 + 3, not max(7 + 0, 4.5 + 3) as if each rank went on alone.
+    import dataclasses
+
+    costs = dataclasses.replace(layer_costs(2, output=1.0), optimizer_s=(0.0, 3.0))
+    slow = Network(Link(0.5, 1e30), Link(0.5, 1e30), 1)
+    pred = predict(costs, Setting(2, 1, 1, "gpipe"), Cluster(slow, math.inf), 1, (1, 1))
+    assert pred.pipeline_s == pytest.approx(7.0) and pred.closing_s == pytest.approx(1.0)
+    assert pred.step_time_s == pytest.approx(7 + 1 + 3)
 
 
 def test_all_reduces_are_priced_on_the_link_measured_for_them() -> None:
