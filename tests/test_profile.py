@@ -231,3 +231,30 @@ def test_with_slowest_a_cached_profile_is_used_only_when_every_rank_has_one():
     again = profile(net, (x,), repeats=1, threads=1, slowest=another_rank_lacks_it)
     assert decided[0] == [0.0]  # this rank had it...
     assert not again.cached  # ...another did not: this rank measured beside it, as it must
+
+
+def profile_with_one_rank_cached(rank, world):
+    import torch.distributed as dist
+
+    from plait.runtime.collectives import max_floats
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(17, 13), nn.ReLU(), nn.Linear(13, 2))
+        x = torch.randn(8, 17)
+        if rank == 0:  # only rank 0 has this profile cached
+            profile(net, (x,), repeats=1, threads=1, slowest=lambda values: list(values))
+        both = profile(net, (x,), repeats=1, threads=1, slowest=max_floats)
+        return both.cached
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_ranks_with_and_without_a_cached_profile_all_measure_and_none_waits():
+    from tests.harness import run_ranks
+
+    # Had rank 0 returned its cached profile, rank 1 would wait for it in the first round's
+    # all-reduce until the harness timed out.
+    assert run_ranks(2, profile_with_one_rank_cached, timeout=80) == [False, False]
