@@ -14,7 +14,7 @@ FIRST_BUCKET_BYTES = 2**20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # Config.bucket_cap_mb's default, as DistributedDataParallel's
 
 
-def assign_buckets(sizes: Sequence[int], dtypes: Sequence[Any], cap: int) -> list[list[int]]:
+def assign_buckets(sizes: Sequence[float], dtypes: Sequence[Any], cap: float) -> list[list[int]]:
     """Indices of the tensors (in launch order) in each bucket, as DistributedDataParallel does.
 
     A bucket takes tensors until it holds at least its cap -- FIRST_BUCKET_BYTES (or `cap`, if
@@ -23,11 +23,11 @@ def assign_buckets(sizes: Sequence[int], dtypes: Sequence[Any], cap: int) -> lis
     weight, not just its bias, and its all-reduce overlaps the rest of the backward pass.
     """
     buckets: list[list[int]] = []
-    size, closed = 0, True
+    size, closed = 0.0, True
     for i, (nbytes, dtype) in enumerate(zip(sizes, dtypes)):
         if closed or dtypes[buckets[-1][-1]] != dtype:
             buckets.append([])
-            size = 0
+            size = 0.0
         buckets[-1].append(i)
         size += nbytes
         limit = min(cap, FIRST_BUCKET_BYTES) if len(buckets) == 1 else cap

@@ -325,7 +325,7 @@ def _last_bucket(grad_bytes: Sequence[float], cap: float) -> float:
     """Bytes of the last gradient bucket of layers with `grad_bytes` (forward order), filled in
     backward order by the runtime's rule, a layer's gradients counted as one tensor."""
     sizes = [b for b in reversed(grad_bytes) if b > 0]
-    buckets = assign_buckets(sizes, [None] * len(sizes), int(cap))
+    buckets = assign_buckets(sizes, [None] * len(sizes), cap)
     return float(sum(sizes[i] for i in buckets[-1])) if buckets else 0.0
 
 
