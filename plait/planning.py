@@ -112,9 +112,8 @@ def _decide(net: nn.Module, x: Any, y: Any, config: Config, world_size: int,
         kept = _resumed_fields(resumed_plan, config, world_size, _layer_names(net, x))
         if kept is not None:
             return {"fields": kept, "report": None, "table": "", "source": "the resumed checkpoint"}
-    space, source = _space(config, world_size, batching.num_rows(x))
-    cluster = _cluster(config, world_size, optimizer, network)
-    options = replace(_profile_options(y, loss, optimizer, world_size), space=space)
+    space, source, cluster = _search_inputs(config, world_size, x, optimizer, network)
+    options = replace(_profile_options(y, loss, optimizer), space=space)
     try:
         result = plan_model(net, x, world_size, batching.num_rows(x), cluster, options)
     except (ConfigError, PartitionError):
@@ -138,17 +137,21 @@ def _decide(net: nn.Module, x: Any, y: Any, config: Config, world_size: int,
     return {"fields": chosen, "report": report.to_dict(), "table": report.table, "source": source}
 
 
-def _cluster(config: Config, world_size: int, optimizer: Any, network: Network | None) -> Cluster:
-    return local_cluster(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), network=network,
-                         memory_bytes=config.memory_limit_bytes,
-                         optimizer_state_factor=_state_factor(optimizer),
-                         bucket_bytes=config.bucket_cap_mb * 2**20)
+def _search_inputs(config: Config, world_size: int, x: Any, optimizer: Any,
+                   network: Network | None) -> tuple[SearchSpace, str, Cluster]:
+    """What the search may choose, the source it will report, and the cluster it prices with."""
+    space, source = _space(config, world_size, batching.num_rows(x))
+    cluster = local_cluster(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), network=network,
+                            memory_bytes=config.memory_limit_bytes,
+                            optimizer_state_factor=_state_factor(optimizer),
+                            bucket_bytes=config.bucket_cap_mb * 2**20)
+    return space, source, cluster
 
 
-def _profile_options(y: Any, loss: Callable[[Any, Any], torch.Tensor] | None, optimizer: Any,
-                     world_size: int) -> PlanOptions:
+def _profile_options(y: Any, loss: Callable[[Any, Any], torch.Tensor] | None, optimizer: Any) -> PlanOptions:
+    """A planning profile: every rank of the job (planning runs on several) profiles at once."""
     return PlanOptions(optimizer=_optimizer_factory(optimizer), loss=loss, target=y if loss is not None else None,
-                       slowest=max_floats if world_size > 1 else None)
+                       slowest=max_floats)
 
 
 def _profile_alongside(net: nn.Module, x: Any, y: Any, config: Config, world_size: int,
@@ -165,12 +168,11 @@ def _profile_alongside(net: nn.Module, x: Any, y: Any, config: Config, world_siz
     report: it runs the same profile.
     """
     try:
-        _space(config, world_size, batching.num_rows(x))
-        _cluster(config, world_size, optimizer, None)
+        _search_inputs(config, world_size, x, optimizer, None)
     except (ConfigError, PartitionError):
         return
     try:
-        profile_sample(net, x, world_size, _profile_options(y, loss, optimizer, world_size))
+        profile_sample(net, x, world_size, _profile_options(y, loss, optimizer))
     except Exception as error:  # noqa: BLE001 - rank 0 raises the same error in its own profile
         log.debug("plait: rank-side profile failed (rank 0 reports it): %s", error)
 

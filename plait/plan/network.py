@@ -75,14 +75,15 @@ class Network:
 
     def link(self, ranks: Sequence[int]) -> Link:
         """The slowest link a message or collective among `ranks` crosses."""
-        nodes = {r // self.devices_per_node for r in ranks}
-        return self.intra if len(nodes) <= 1 else self.inter
+        return self.intra if self._one_node(ranks) else self.inter
 
     def reduce_link(self, ranks: Sequence[int]) -> Link:
         """The link an all-reduce among `ranks` runs at: measured as one, else point to point."""
-        nodes = {r // self.devices_per_node for r in ranks}
-        measured = self.reduce_intra if len(nodes) <= 1 else self.reduce_inter
+        measured = self.reduce_intra if self._one_node(ranks) else self.reduce_inter
         return measured or self.link(ranks)
+
+    def _one_node(self, ranks: Sequence[int]) -> bool:
+        return len({r // self.devices_per_node for r in ranks}) <= 1
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"intra": self.intra.to_dict(), "inter": self.inter.to_dict(),

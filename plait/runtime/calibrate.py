@@ -66,12 +66,7 @@ def measure_link(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = SIZES,
                 dist.recv(buffer, rank_a)
                 dist.send(buffer, rank_a)
         times.append(statistics.median(samples) if samples else 0.0)
-    fitted = torch.zeros(2, dtype=torch.float64)
-    if me == rank_a:
-        link = fit_link([float(s) for s in sizes], times)
-        fitted = torch.tensor([link.latency_s, link.bandwidth], dtype=torch.float64)
-    dist.broadcast(fitted, rank_a)
-    return Link(float(fitted[0]), float(fitted[1]))
+    return _fitted_on(rank_a, sizes, times, latencies=1)
 
 
 def measure_all_reduce(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = SIZES,
@@ -92,13 +87,19 @@ def measure_all_reduce(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = 
                 if k:
                     samples.append(time.perf_counter() - start)
             times.append(statistics.median(samples))
-    fitted = torch.zeros(2, dtype=torch.float64)
-    if me == rank_a:
-        line = fit_link([float(s) for s in sizes], times)  # intercept 2 alpha, slope 1 / beta
-        fitted = torch.tensor([line.latency_s / 2, line.bandwidth], dtype=torch.float64)
-    dist.broadcast(fitted, rank_a)
+    link = _fitted_on(rank_a, sizes, times, latencies=2)  # intercept 2 alpha, slope 1 / beta
     if group is not dist.group.WORLD:
         dist.destroy_process_group(group)
+    return link
+
+
+def _fitted_on(rank_a: int, sizes: Sequence[int], times: Sequence[float], latencies: int) -> Link:
+    """Rank `rank_a`'s fit of its `times`, whose intercept holds `latencies` alphas, on every rank."""
+    fitted = torch.zeros(2, dtype=torch.float64)
+    if dist.get_rank() == rank_a:
+        line = fit_link([float(s) for s in sizes], times)
+        fitted = torch.tensor([line.latency_s / latencies, line.bandwidth], dtype=torch.float64)
+    dist.broadcast(fitted, rank_a)
     return Link(float(fitted[0]), float(fitted[1]))
 
 
