@@ -20,7 +20,7 @@ slowest rank's: a synchronous step waits for its slowest rank, and on a shared h
 rank is slow changes from step to step (on 2 CPU ranks one rank's step ran 150 ms while the
 other's ran 215, and the next step the other way round), so one rank's own times price every
 step short (benchmarks/planner.py (c): 0.82-0.94 of the measured steps alone; with the slowest
-rank's, 0.78-1.07 over seven runs, 41 of 42 layouts within 15%).
+rank's, 0.78-1.07 over eight runs, 47 of 48 layouts within 15%).
     saved     bytes autograd saves for the backward (saved_tensors_hooks), parameters excluded
     optimizer one step of `optimizer` on copies of the layer's parameters
 
