@@ -55,7 +55,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import plait
 from job import join_job, leave_job, mlp, run_job
-from plait.demo import PaperCNN
+from plait.cli.demo import PaperCNN
 
 __all__ = ["main"]
 

@@ -15,7 +15,7 @@
     timing it (the median of 3 steps: single steps have spikes the profile's medians do not); the
     ratio is the median over rounds. The plan-time prediction is printed beside it. Both are
     priced as planning prices them: each profile round takes the slowest rank's whole-model
-    times (`plait.profile`), as a step waits for its slowest rank.
+    times (`plait.planner.profile`), as a step waits for its slowest rank.
 
 Times are medians over rounds of the slowest rank's step (a barrier before each step), in ms.
 Each configuration trains its own copy of the model; rounds visit them in turn, so the load of a
@@ -43,7 +43,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import plait
 from job import join_job, leave_job, run_job
-from plait.autoplan import PlanOptions, profile_sample
+from plait.planner.autoplan import PlanOptions, profile_sample
 from plait.plan.cost import predict
 from plait.runtime.collectives import max_floats
 

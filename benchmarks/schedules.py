@@ -44,7 +44,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import plait
 from job import join_job, leave_job, mlp, regression_batch, run_job
-from plait import timeline
+from plait.cli import timeline
 from plait.schedule import simulate
 
 SEED = 1234

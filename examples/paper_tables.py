@@ -1,10 +1,10 @@
 """The paper's MNIST experiment (its Tables 1-2): time, speedup and test accuracy over a grid of
 pipeline partitions x data-parallel groups.
 
-The setup is the paper's (section 4.2): its CNN (`plait.demo.PaperCNN`), global batch 1000 cut
+The setup is the paper's (section 4.2): its CNN (`plait.cli.demo.PaperCNN`), global batch 1000 cut
 into 10 micro-batches of 100, Adam, the 1F1B schedule; 1-3 partitions (pipeline stages) x 1-6
 data-parallel groups, every cell with pp x dp <= --max-ranks. The data is the MNIST test set
-(first 8,000 images to train, last 2,000 to test, see plait.datasets.mnist_split).
+(first 8,000 images to train, last 2,000 to test, see plait.cli.datasets.mnist_split).
 
 Driver (the default): for each cell, start
 
@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 import plait
-from plait import datasets
-from plait.demo import DEFAULTS, PaperCNN
+from plait.cli import datasets
+from plait.cli.demo import DEFAULTS, PaperCNN
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "mnist"  # ../shared/data/mnist from the repo root

@@ -21,7 +21,7 @@ NONFINITE_ACTIONS = ("stop", "skip", "ignore")
 class Config:
     """How to split and run the model.
 
-    What is left open is planned when the model first sees data (`plait.planning`): with no
+    What is left open is planned when the model first sees data (`plait.planner.layout`): with no
     size at all (none of layers_per_proc, num_stages, dp, num_microbatches, plan) rank 0
     profiles the model and the cost model chooses pp, dp, micro-batches, schedule and
     recomputation (the search honours a schedule or recompute given); with a size but no

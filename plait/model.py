@@ -12,26 +12,27 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from plait import checkpoint, train_state
+from plait.checkpoint import disk as checkpoint
+from plait.checkpoint import train_state
 from plait import data as batching
 from plait.callbacks import History, ProgressBar
 from plait.capture.output import flatten_output, unflatten_output
-from plait.checkpointer import Checkpointer
+from plait.checkpoint.checkpointer import Checkpointer
 from plait.config import Config
 from plait.errors import CheckpointError, ConfigError, PlaitError
 from plait.metrics import METRICS, check_metrics
-from plait.nonfinite import NonFiniteWatch, verdict
-from plait.pipeline import Pipeline, build_pipeline
+from plait.runtime.nonfinite import NonFiniteWatch, verdict
+from plait.runtime.pipeline import Pipeline, build_pipeline
 from plait.plan import Plan
 from plait.plan.feedback import should_replan
-from plait.plan_check import PlanCheck
-from plait.plan_report import PlanReport
-from plait.planning import Layout, choose_layout
-from plait.replan import replan
-from plait.resume import ResumePoint, resume_point
+from plait.planner.check import PlanCheck
+from plait.plan.report import PlanReport
+from plait.planner.layout import Layout, choose_layout
+from plait.planner.replan import replan
+from plait.checkpoint.resume import ResumePoint, resume_point
 from plait.runtime.collectives import broadcast_state, gather_state_dict, local_device, start_sum_floats
 from plait.runtime.interpreter import MicroBatch
-from plait.runtime.process_group import init_process_group
+from plait.job.process_group import init_process_group
 from plait.runtime.report import failure_error
 
 __all__ = ["Model"]
@@ -74,7 +75,7 @@ class Model:
             self.num_stages = 1
             if (self.config.num_stages or len(self.config.layers_per_proc or ())) > 1:
                 log.warning("plait: one process (no launcher): running every layer on one stage")
-        else:  # 0 until planned (`plait.planning`); a size given is checked against the world now
+        else:  # 0 until planned (`plait.planner.layout`); a size given is checked against the world now
             self.num_stages = 0 if self.config.plans_everything else self.config.stages_for(self.world_size)
             broadcast_state(net, 0)  # replicas start equal whatever each rank's seed
         self._train: Pipeline | None = None

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from plait.autoplan import PlanOptions, local_cluster, plan_model, threads_per_rank
+from plait.planner.autoplan import PlanOptions, local_cluster, plan_model, threads_per_rank
 from plait.config import Config
-from plait.demo import PaperCNN
+from plait.cli.demo import PaperCNN
 from plait.plan.search import SearchSpace
 
 

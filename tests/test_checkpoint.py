@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 import plait
-from plait import checkpoint, tensorfile
+from plait.checkpoint import disk as checkpoint
+from plait.checkpoint import tensorfile
 from tests.harness import run_ranks
 from tests.launching import clean_env
 from tests.models import mlp
@@ -341,7 +342,7 @@ def test_fit_resumes_from_the_previous_checkpoint_when_the_latest_is_damaged(tmp
 
 
 def test_plait_export_of_a_directory_without_checkpoints_is_an_error(tmp_path, capsys):
-    from plait.cli import main
+    from plait.cli.main import main
 
     assert main(["export", str(tmp_path), "-o", str(tmp_path / "m.pt")]) == 1
     err = capsys.readouterr().err

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from plait.cli import main
+from plait.cli.main import main
 
 REQUIRED = {"pp", "dp", "tp", "num_microbatches", "schedule", "stages", "predicted_step_time_s",
             "peak_memory_bytes", "feasible"}

@@ -1,4 +1,4 @@
-"""Tests for plait.datasets: the digits split, the IDX reader, and the real MNIST test set."""
+"""Tests for plait.cli.datasets: the digits split, the IDX reader, and the real MNIST test set."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from plait import datasets
+from plait.cli import datasets
 
 ROOT = Path(__file__).resolve().parents[1]
 MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"  # ../shared/data/mnist from the project root

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from plait.demo import PaperCNN
+from plait.cli.demo import PaperCNN
 
 MNIST = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
 

@@ -47,7 +47,7 @@ def _kill_at(target, name, when, sig, stamp):
 
 def _arm(where, sig, stamp):
     """Kill this rank at `where`, in step 7 of 10 (checkpoints every 2 steps: step 6 is the latest)."""
-    from plait import checkpoint
+    from plait.checkpoint import disk as checkpoint
     from plait.runtime import executor, grad_sync
 
     target, name, when = {
@@ -101,7 +101,7 @@ CASES = [  # where, victim, signal, layout
 @pytest.mark.parametrize("where, victim, sig, layout", CASES, ids=[f"{c[0]}-rank{c[1]}-{c[2].name}" for c in CASES])
 def test_a_killed_rank_is_named_in_time_and_a_rerun_resumes_to_the_same_result(tmp_path, where, victim, sig,
                                                                                layout):
-    from plait import checkpoint
+    from plait.checkpoint import disk as checkpoint
 
     dp, pp = LAYOUTS[layout]
     root, stamp = tmp_path / "ckpt", str(tmp_path / "killed")

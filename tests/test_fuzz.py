@@ -125,7 +125,7 @@ def _tensor_file() -> bytes:
 
     import torch
 
-    from plait import tensorfile
+    from plait.checkpoint import tensorfile
 
     buf = io.BytesIO()
     tensorfile.write_tensors(buf, {"w": torch.randn(3, 4), "b": torch.arange(3), "m": torch.tensor([True]),
@@ -143,7 +143,7 @@ def _edit_header(raw: bytes, rng: random.Random) -> bytes:
 
 
 def fuzz_tensor_files(seed: int, rounds: int) -> None:
-    from plait import tensorfile
+    from plait.checkpoint import tensorfile
     from plait.errors import CheckpointError
 
     valid = _tensor_file()
@@ -177,7 +177,7 @@ def fuzz_checkpoints(seed: int, rounds: int) -> None:
     from torch import nn
 
     import plait
-    from plait import checkpoint
+    from plait.checkpoint import disk as checkpoint
     from tests.models import mlp
 
     torch.manual_seed(0)

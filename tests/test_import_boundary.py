@@ -1,34 +1,162 @@
-"""Plan, schedule and capture code never import torch.distributed; only the runtime talks to other ranks."""
+"""The import layers: no module imports one above its own layer, no import cycle, and the pure code never
+talks to other ranks.
+
+The layers, bottom to top (a package imports only from its own layer or below, and within a layer only
+along the order written here, so that the packages form a chain, never a loop):
+
+    base        errors, config, data, metrics, callbacks  (the top-level modules but model)
+    pure        capture, schedule, plan                   (no torch.distributed)
+    job-side    runtime -> planner, checkpoint, job       (runtime is beneath the other three)
+    model       model                                     (the public Model)
+    cli         cli                                       (the `plait` command)
+"""
 
 import ast
 import pathlib
 
 import plait
 
-PURE = ["plan", "schedule", "capture", "config.py", "errors.py", "data.py", "metrics.py",
-        "tensorfile.py", "checkpoint.py", "train_state.py", "resume.py"]
+ROOT = pathlib.Path(plait.__file__).parent
+
+# Each unit (a package, or a top-level module) and what it may import besides itself.
+BASE = {"errors", "config", "data", "metrics", "callbacks"}
+ALLOWED = {
+    "errors": set(),
+    "config": {"errors"},
+    "data": {"errors"},
+    "metrics": {"errors"},
+    "callbacks": set(),
+    "capture": BASE,
+    "schedule": BASE,
+    "plan": BASE | {"schedule"},
+    "runtime": BASE | {"capture", "schedule", "plan"},
+    "planner": BASE | {"capture", "schedule", "plan", "runtime"},
+    "checkpoint": BASE | {"runtime"},
+    "job": BASE,
+    "model": BASE | {"capture", "schedule", "plan", "runtime", "planner", "checkpoint", "job"},
+    "cli": BASE | {"capture", "schedule", "plan", "runtime", "planner", "checkpoint", "job", "model", "__init__"},
+    "__init__": BASE | {"model", "plan", "job"},
+}
+PURE = ["capture", "schedule", "plan", "errors", "config", "data", "metrics", "checkpoint/disk.py",
+        "checkpoint/tensorfile.py", "checkpoint/train_state.py", "checkpoint/resume.py"]
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def imports(path: pathlib.Path) -> set[str]:
+    """Every module `path` imports, `from a import b` counted as `a.b` when `a/b.py` exists."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
+            assert node.level == 0, f"{path}: relative import"
+            for alias in node.names:
+                sub = ROOT.parent / (node.module.replace(".", "/") + "/" + alias.name)
+                if sub.with_suffix(".py").exists() or (sub / "__init__.py").exists():
+                    names.add(f"{node.module}.{alias.name}")
+                else:
+                    names.add(node.module)
     return names
 
 
+def unit(module: str) -> str:
+    """The layer unit of a plait module: its package, or the top-level module's own name."""
+    parts = module.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def modules() -> dict[str, set[str]]:
+    graph = {}
+    for f in sorted(ROOT.rglob("*.py")):
+        graph[module_name(f)] = {m for m in imports(f) if m == "plait" or m.startswith("plait.")}
+    return graph
+
+
+def test_every_unit_has_a_layer():
+    units = {unit(m) for m in modules()}
+    assert units <= set(ALLOWED), units - set(ALLOWED)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    offenders = {}
+    for module, deps in graph.items():
+        own = unit(module)
+        bad = {d for d in deps if unit(d) != own and unit(d) not in ALLOWED[own]}
+        if bad:
+            offenders[module] = sorted(bad)
+    return offenders
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """The first import cycle found by a depth-first walk, as a path, or None."""
+    known = set(graph)
+
+    def resolve(dep):  # `plait.plan` names the package's __init__
+        return dep if dep in known else dep.rsplit(".", 1)[0]
+
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for dep in sorted(resolve(d) for d in graph.get(node, ())):
+            if dep == node or dep not in known:
+                continue
+            if state.get(dep) == "open":
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state:
+                found = visit(dep, stack + [dep])
+                if found:
+                    return found
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node, [node])
+            if found:
+                return found
+    return None
+
+
+def test_no_import_runs_up_the_layers():
+    offenders = upward_imports(modules())
+    assert not offenders, offenders
+
+
+def test_the_layer_table_is_a_chain_without_loops():
+    # "No upward import" is only a layering if the table of allowed imports has no loop itself.
+    table = {name: {f"plait.{d}" for d in deps} for name, deps in ALLOWED.items()}
+    assert find_cycle({f"plait.{k}": v for k, v in table.items()}) is None
+
+
+def test_no_module_import_cycle():
+    cycle = find_cycle(modules())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_checks_see_a_planted_cycle_and_an_upward_import():
+    assert find_cycle({"plait.a": {"plait.b"}, "plait.b": {"plait.c"}, "plait.c": {"plait.a"}}) == [
+        "plait.a", "plait.b", "plait.c", "plait.a"]
+    assert find_cycle({"plait.a": {"plait.b"}, "plait.b": set()}) is None
+    assert upward_imports({"plait.planner.replan": {"plait.model", "plait.plan.cost"}}) == {
+        "plait.planner.replan": ["plait.model"]}
+
+
 def test_pure_packages_do_not_import_torch_distributed():
-    root = pathlib.Path(plait.__file__).parent
     offenders = {}
     for entry in PURE:
-        files = [root / entry] if entry.endswith(".py") else sorted((root / entry).rglob("*.py"))
-        assert files, entry
+        target = ROOT / (entry if entry.endswith(".py") else entry)
+        files = ([target] if target.suffix == ".py" else sorted(target.rglob("*.py"))) if target.exists() \
+            else [ROOT / f"{entry}.py"]
+        assert all(f.exists() for f in files), entry
         for f in files:
             bad = {m for m in imports(f) if m.startswith("torch.distributed") or m.startswith("plait.runtime")}
             if bad:
-                offenders[str(f.relative_to(root))] = bad
+                offenders[str(f.relative_to(ROOT))] = bad
     assert not offenders, offenders
 
 
@@ -40,9 +168,8 @@ def test_nothing_on_the_wire_or_on_disk_is_unpickled():
     # The story: the network calibration gathered host names with all_gather_object and shared
     # the cached link with broadcast_object_list -- both pickle, on every multi-rank planned run.
     # torch.load is allowed only with weights_only=True; pickle itself never.
-    root = pathlib.Path(plait.__file__).parent
     offenders = []
-    for f in sorted(root.rglob("*.py")):
+    for f in sorted(ROOT.rglob("*.py")):
         tree = ast.parse(f.read_text())
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):

@@ -1,4 +1,4 @@
-"""Tests for plait.launch and `plait run`: argument building, and real 2-rank launches."""
+"""Tests for plait.job.launch and `plait run`: argument building, and real 2-rank launches."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from plait import launch
-from plait.cli import build_parser
+from plait.job import launch
+from plait.cli.main import build_parser
 from tests.launching import PROC, clean_env, listening_addresses
 
 
@@ -31,9 +31,9 @@ def test_build_args_single_node_uses_the_loopback_rendezvous() -> None:
 
 
 def test_build_args_module_and_any_free_port() -> None:
-    args = launch.build_args(launch.LaunchSpec("plait.demo", ("--epochs", "1"), nproc=3, module=True))
+    args = launch.build_args(launch.LaunchSpec("plait.cli.demo", ("--epochs", "1"), nproc=3, module=True))
     assert "--rdzv-endpoint=127.0.0.1:0" in args  # port 0: the OS picks a free one when binding
-    assert args[-4:] == ["--module", "plait.demo", "--epochs", "1"]
+    assert args[-4:] == ["--module", "plait.cli.demo", "--epochs", "1"]
 
 
 def test_build_args_several_nodes_use_static_rendezvous() -> None:
@@ -117,7 +117,7 @@ def test_plait_run_several_nodes_without_master_is_a_usage_error(tmp_path: Path)
 HOLD_SCRIPT = """
 import os, sys, time
 import torch, torch.distributed as dist
-from plait.runtime.process_group import init_process_group
+from plait.job.process_group import init_process_group
 
 out = sys.argv[1]
 rank, world_size = init_process_group(timeout_s=60)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.launch import free_port
+from plait.job.launch import free_port
 from tests.launching import TRAIN_SCRIPT, clean_env
 
 

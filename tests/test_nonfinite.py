@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import plait
-from plait.nonfinite import all_finite, first_nonfinite
+from plait.runtime.nonfinite import all_finite, first_nonfinite
 from tests.harness import run_ranks
 from tests.models import mlp
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import plait
-from plait.planning import load_plan_file
+from plait.planner.layout import load_plan_file
 from tests.harness import run_ranks
 from tests.models import mlp
 
@@ -62,7 +62,7 @@ def train(rank, world, config, steps=5, make_opt=sgd):
         "plan": model.plan.to_json(), "report": report.to_json() if report else None,
         "feedback": report.feedback.summary() if report and report.feedback else None,
         "check": report.feedback.to_dict() if report and report.feedback else None,
-        "profiles": len(plait.profile._CACHE),
+        "profiles": len(plait.planner.profile._CACHE),
     }
 
 
@@ -100,7 +100,7 @@ def optimal_for_report(rank, world):
 
     result = train(rank, world, plait.Config(num_stages=2, num_microbatches=4), steps=2)
     data_ = json.loads(result["report"])
-    from plait.plan_report import PlanReport
+    from plait.plan.report import PlanReport
 
     rep = PlanReport.from_dict(data_, "")
     problem = partition_problem(rep.costs, rep.setting(), rep.cluster, rep.global_batch)
@@ -117,7 +117,7 @@ def test_num_stages_alone_gets_the_optimal_partition_on_every_rank():
     assert plans[0]["layers_per_stage"] == results[0]["optimal"] == results[1]["optimal"]
     report = json.loads(results[0]["report"])
     assert report["source"] == "partitioned" and report["pp"] == 2 and report["num_microbatches"] == 4
-    # messages are priced with this backend's link as measured (plait.runtime.calibrate), not a preset
+    # messages are priced with this backend's link as measured (plait.planner.calibrate), not a preset
     from plait.plan.devices import device
 
     assert report["cluster"]["network"] != device("cpu").network.to_dict()
@@ -181,10 +181,10 @@ def forced_replan(rank, world):
     """A replan moving one layer after step 4 (forced): training stays equal to one process,
     Adam's state included."""
     import plait.model
-    import plait.replan
+    import plait.planner.replan
 
     plait.model.should_replan = lambda feedback: True
-    original = plait.replan.replanned_layers
+    original = plait.planner.replan.replanned_layers
 
     def moved(report, measured, world_size):
         answer = original(report, measured, world_size)
@@ -193,7 +193,7 @@ def forced_replan(rank, world):
         answer["chosen"] = {**answer["chosen"], "layers_per_stage": layers}
         return answer
 
-    plait.replan.replanned_layers = moved
+    plait.planner.replan.replanned_layers = moved
     result = train(rank, world, plait.Config(num_stages=2, num_microbatches=2, replan=True), steps=8,
                    make_opt=adam)
     return result
@@ -212,7 +212,7 @@ def test_a_replan_moves_layers_and_training_stays_equal():
 
 
 def test_a_resume_on_the_same_world_keeps_the_checkpoints_cut_instead_of_replanning():
-    from plait.planning import _resumed_fields
+    from plait.planner.layout import _resumed_fields
 
     names = tuple(f"l{i}" for i in range(9))
     saved = {"world_size": 4, "layer_names": list(names), "layers_per_stage": [6, 3], "dp": 2,

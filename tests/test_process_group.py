@@ -1,4 +1,4 @@
-"""Tests for plait.runtime.process_group, .ranks and .hostlist: every launcher's environment, the
+"""Tests for plait.job.process_group, .ranks and .hostlist: every launcher's environment, the
 precedence between them, Slurm's list syntax, and real 2-rank groups bootstrapped from each."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from plait.errors import ConfigError
-from plait.launch import free_port
+from plait.job.launch import free_port
 from plait.runtime import process_group
-from plait.runtime.hostlist import expand_nodelist, expand_tasks_per_node
-from plait.runtime.ranks import RankInfo, derived_port, is_loopback, resolve_ranks
+from plait.job.hostlist import expand_nodelist, expand_tasks_per_node
+from plait.job.ranks import RankInfo, derived_port, is_loopback, resolve_ranks
 from tests.launching import PROC, clean_env
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -296,7 +296,7 @@ def test_is_loopback() -> None:
 BOOT_SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch, torch.distributed as dist
-    from plait.runtime.process_group import init_process_group
+    from plait.job.process_group import init_process_group
     from tests.launching import listening_addresses
 
     explicit = json.loads(sys.argv[2])

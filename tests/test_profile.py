@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-import plait.profile as profiling
+import plait.planner.profile as profiling
 from plait.capture.split import split
 from plait.capture.trace import capture
-from plait.demo import PaperCNN
-from plait.profile import profile
+from plait.cli.demo import PaperCNN
+from plait.planner.profile import profile
 
 
 @pytest.fixture(scope="module")

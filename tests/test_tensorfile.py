@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from plait import tensorfile
+from plait.checkpoint import tensorfile
 from plait.errors import CheckpointError
 
 TENSORS = {

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from plait import cli, timeline
+from plait.cli import main as cli
+from plait.cli import timeline
 from plait.schedule import simulate
 from plait.runtime.trace import Tracer
 

@@ -70,7 +70,7 @@ DEVICES: dict[str, Device] = {
     "mi250x": Device("mi250x", 191.5e12, 0.30, 64 * GIB, 1600e9, _gpu_node(50, 12.5), 50e-6),
     # A CPU process of a few cores in fp32: ~100 GFLOP/s peak (4 cores x AVX2 FMA at ~3 GHz),
     # half of it sustained, 20 GB/s memory; up to 8 processes per host on loopback gloo
-    # (~2 GB/s, 50 us; `plait.runtime.calibrate` measures the real numbers), 10 GbE between.
+    # (~2 GB/s, 50 us; `plait.planner.calibrate` measures the real numbers), 10 GbE between.
     "cpu": Device("cpu", 100e9, 0.5, 16 * GIB, 20e9,
                   Network(Link(50e-6, 2e9), Link(100e-6, 1.25e9), 8), 20e-6, dtype_bytes=4),
 }

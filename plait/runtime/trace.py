@@ -15,7 +15,7 @@ __all__ = ["STREAMS", "Tracer", "NullTracer", "NULL_TRACER", "trace_path"]
 STREAMS: tuple[str, ...] = ("compute", "recv", "send", "wait", "allreduce")
 """The runtime's streams, in track order; a stream's index here is its Chrome `tid`."""
 
-FORMAT_VERSION = 1  # bump when the meaning of a field changes; `plait.timeline` checks it
+FORMAT_VERSION = 1  # bump when the meaning of a field changes; `plait.cli.timeline` checks it
 
 
 def trace_path(trace_dir: str | os.PathLike[str], rank: int) -> Path:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.runtime.calibrate import fit_link
+from plait.planner.calibrate import fit_link
 from tests.harness import run_ranks
 
 
@@ -21,7 +21,7 @@ def test_fit_recovers_latency_and_bandwidth() -> None:
 def measure(rank, world, cache_dir):
     import torch.distributed as dist
 
-    from plait.runtime.calibrate import calibrate
+    from plait.planner.calibrate import calibrate
 
     dist.init_process_group("gloo")
     first = calibrate(cache_dir, repeats=2)

@@ -25,7 +25,7 @@ from torch import nn
 from plait.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from plait.checkpoint import Checkpoint
+    from plait.checkpoint.disk import Checkpoint
 
 __all__ = ["Snapshot", "snapshot", "restore", "model_index", "owned_tensors", "optimizer_state",
            "restore_optimizer", "rng_state", "restore_rng", "copy_into", "check_names"]

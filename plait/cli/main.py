@@ -7,16 +7,16 @@ import os
 import sys
 from typing import Any
 
-from plait import launch
+from plait.job import launch
 from plait.config import REPLAN_ENV
 from plait.errors import PlaitError
 
 __all__ = ["main", "build_parser"]
 
 DEMO_EPILOG = (
-    "Any other option goes to every rank's plait.demo: --data DIR (MNIST IDX files; default: "
+    "Any other option goes to every rank's plait.cli.demo: --data DIR (MNIST IDX files; default: "
     "sklearn's 8x8 digits), --epochs, --batch-size, --microbatches, --lr, --seed. "
-    "See `python -m plait.demo --help`."
+    "See `python -m plait.cli.demo --help`."
 )
 TIMELINE_DESCRIPTION = (
     "Draw one training step of a run traced with plait.Config(trace_dir=TRACE_DIR) as two Gantt "
@@ -106,7 +106,7 @@ def _add_chart_commands(commands: Any) -> None:
 
 
 def _timeline(args: argparse.Namespace) -> int:
-    from plait import timeline  # imported here: only these commands need it, and matplotlib
+    from plait.cli import timeline  # imported here: only these commands need it, and matplotlib
 
     trace = timeline.load(args.trace_dir)
     step = trace.resolve_step(args.step)
@@ -130,7 +130,7 @@ def _simulate(args: argparse.Namespace) -> int:
           f"bubble fraction   {sim.bubble_fraction:.1%}\n"
           f"peak activations  {peaks} (micro-batches held at once, per rank)")
     if args.output is not None:
-        from plait import timeline
+        from plait.cli import timeline
 
         print(f"wrote {timeline.draw_simulation(sim, args.output, schedule=args.schedule)}")
     return 0
@@ -148,7 +148,7 @@ def _add_export_command(commands: Any) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from plait import checkpoint
+    from plait.checkpoint import disk as checkpoint
 
     ckpt = checkpoint.export(args.checkpoint, args.output)
     print(f"wrote {args.output}: the model of step {ckpt.step} ({ckpt.path})")
@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=DEMO_EPILOG, allow_abbrev=False)
     _add_launch_options(demo, default_nproc=2)
     _add_chart_commands(commands)
-    from plait.plan_command import add_plan_command
+    from plait.cli.plan import add_plan_command
 
     add_plan_command(commands)
     _add_export_command(commands)
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        from plait.plan_command import run_plan
+        from plait.cli.plan import run_plan
 
         try:
             return run_plan(args)
@@ -213,10 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         # demo: check the demo's own options here, once, rather than on every rank. Imported
         # here so that `plait run` does not import the model code.
-        from plait import demo
+        from plait.cli import demo
 
         demo.parse_args(rest, prog="plait demo")
-        start, target, target_args = launch.run_module, "plait.demo", rest
+        start, target, target_args = launch.run_module, "plait.cli.demo", rest
     if args.replan:
         os.environ[REPLAN_ENV] = "1"  # the ranks inherit it; Config(replan=...) defaults to it
     try:

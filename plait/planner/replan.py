@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from plait.plan.feedback import Feedback, corrected_costs
 from plait.plan.search import SearchSpace, format_table, search
-from plait.plan_report import PlanReport
+from plait.plan.report import PlanReport
 from plait.runtime.agree import agree
 from plait.runtime.collectives import sum_floats
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from plait.checkpoint import Checkpoint
+from plait.checkpoint.disk import Checkpoint
 from plait.errors import CheckpointError
 
 __all__ = ["ResumePoint", "resume_point"]

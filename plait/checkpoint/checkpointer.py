@@ -20,7 +20,7 @@ import random
 from pathlib import Path
 from typing import Any, Callable
 
-from plait import checkpoint
+from plait.checkpoint import disk as checkpoint
 from plait.errors import CheckpointError, PlaitError
 from plait.runtime.collectives import sum_floats
 from plait.runtime.report import failure_error

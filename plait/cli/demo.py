@@ -1,6 +1,6 @@
 """The paper's MNIST CNN experiment at small scale.
 
-Every rank runs this file (`plait demo` starts them; `python -m plait.demo` alone runs one
+Every rank runs this file (`plait demo` starts them; `python -m plait.cli.demo` alone runs one
 process with every layer on one stage). The data is sklearn's 8x8 digits by default, or the
 MNIST test set from IDX files with --data DIR, trained on its first 8,000 images and tested
 on the last 2,000.
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import plait
-from plait import datasets
+from plait.cli import datasets
 
 __all__ = ["PaperCNN", "parse_args", "main"]
 
@@ -58,7 +58,7 @@ DEFAULTS = {
 }
 
 
-def build_parser(prog: str = "python -m plait.demo") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m plait.cli.demo") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", metavar="DIR", default=None,
                         help="folder with t10k-images-idx3-ubyte(.gz) and t10k-labels-idx1-ubyte(.gz) "
@@ -74,7 +74,7 @@ def build_parser(prog: str = "python -m plait.demo") -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None = None, prog: str = "python -m plait.demo") -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, prog: str = "python -m plait.cli.demo") -> argparse.Namespace:
     """The demo's options; exits with a usage message when they are wrong."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)

@@ -19,7 +19,7 @@ from types import TracebackType
 from typing import Any, ContextManager
 
 from plait.plan.feedback import Feedback, StageCheck
-from plait.plan_report import PlanReport
+from plait.plan.report import PlanReport
 from plait.runtime.collectives import sum_floats
 
 __all__ = ["WARMUP_STEPS", "MEASURED_STEPS", "StageClock", "PlanCheck"]

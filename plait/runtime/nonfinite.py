@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from plait.errors import NonFiniteError
-from plait.pipeline import Pipeline
+from plait.runtime.pipeline import Pipeline
 from plait.plan import Plan
 
 __all__ = ["NonFiniteWatch", "all_finite", "first_nonfinite", "verdict"]

@@ -136,7 +136,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     else:
         import torch
 
-        from plait.autoplan import PlanOptions, local_cluster, plan_model
+        from plait.planner.autoplan import PlanOptions, local_cluster, plan_model
         from plait.plan.analytic import optimizer_state_factor as state_factor
 
         if args.sample_shape is None:

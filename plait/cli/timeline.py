@@ -10,7 +10,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from plait.gantt import LANES, Panel, render
+from plait.cli.gantt import LANES, Panel, render
 from plait.runtime.trace import FORMAT_VERSION
 
 __all__ = ["Span", "Trace", "load", "merge", "bubble_fraction", "stage_times", "send_times",

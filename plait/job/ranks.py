@@ -31,7 +31,7 @@ import zlib
 from typing import Callable, Mapping
 
 from plait.errors import ConfigError
-from plait.runtime.hostlist import expand_nodelist, expand_tasks_per_node
+from plait.job.hostlist import expand_nodelist, expand_tasks_per_node
 
 __all__ = ["RankInfo", "resolve_ranks", "derived_port", "is_loopback", "SOURCES"]
 

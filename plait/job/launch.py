@@ -101,7 +101,7 @@ def build_args(spec: LaunchSpec, port: int | None = None) -> list[str]:
 # A one-node job's rendezvous. torch's c10d backend would do, except that its two TCP stores (the
 # rendezvous' own, and the one the ranks bootstrap their process group from) listen on every
 # interface whatever address they are given. This backend is torch's dynamic rendezvous on the
-# c10d backend with both stores made by plait.runtime.process_group.create_store, which hands
+# c10d backend with both stores made by plait.job.process_group.create_store, which hands
 # torch a socket bound to 127.0.0.1.
 #
 #   plait run (agent) ── rendezvous store 127.0.0.1:P ── (only this agent joins)
@@ -113,7 +113,7 @@ def _create_loopback_handler(params: RendezvousParameters) -> RendezvousHandler:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-    from plait.runtime.process_group import create_store
+    from plait.job.process_group import create_store
 
     class LoopbackBackend(C10dRendezvousBackend):
         @property
@@ -154,7 +154,7 @@ def _child_env(spec: LaunchSpec) -> Iterator[None]:
     OMP_NUM_THREADS shares the cores among the local ranks; on one node, GLOO_SOCKET_IFNAME and
     NCCL_SOCKET_IFNAME make the ranks' own sockets listen on the loopback interface too.
     """
-    from plait.runtime.process_group import loopback_interface_env
+    from plait.job.process_group import loopback_interface_env
 
     wanted = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(_threads_per_rank(spec.nproc))}
     if spec.nnodes == 1:

@@ -6,13 +6,13 @@ Which layout a run gets, first match wins (`choose_layout`):
     2. Config(plan=path)                       the plan file, checked against world and layers
     3. resuming a checkpoint, layers open      the checkpoint's layout (so a resume is exact)
     4. no size given (Config())                profile, search pp x dp, micro-batches, schedule,
-                                               recomputation (`plait.autoplan.plan_model`)
+                                               recomputation (`plait.planner.autoplan.plan_model`)
     5. a size given (num_stages, dp, m)        profile, the optimal partition of that layout
 
 Rank 0 decides and every other rank reads its answer (`plait.runtime.agree`): profiles differ
 between processes, so ranks planning on their own could disagree. The other ranks run the same
 profile meanwhile, so rank 0 measures with its host as loaded as in training, and each round
-of it takes the slowest rank's whole-model times (`plait.profile`: a step waits for its slowest
+of it takes the slowest rank's whole-model times (`plait.planner.profile`: a step waits for its slowest
 rank); then they drop it.
 """
 
@@ -29,16 +29,16 @@ import torch
 from torch import nn
 
 from plait import data as batching
-from plait.autoplan import PlanOptions, local_cluster, plan_model, profile_sample
+from plait.planner.autoplan import PlanOptions, local_cluster, plan_model, profile_sample
 from plait.capture.trace import capture
 from plait.config import SCHEDULE_NAMES, Config
 from plait.errors import ConfigError, PartitionError
 from plait.plan.cost import Cluster
 from plait.plan.network import Network
 from plait.plan.search import SearchSpace
-from plait.plan_report import PlanReport
+from plait.plan.report import PlanReport
 from plait.runtime.agree import agree
-from plait.runtime.calibrate import calibrate
+from plait.planner.calibrate import calibrate
 from plait.runtime.collectives import max_floats
 
 __all__ = ["Layout", "choose_layout", "candidate_fields", "load_plan_file"]

@@ -24,7 +24,7 @@ from plait.plan.cost import Cluster
 from plait.plan.devices import device
 from plait.plan.network import Network
 from plait.plan.search import Candidate, SearchSpace, format_table, search
-from plait.profile import LayerProfile, OptimizerFactory, Slowest, profile
+from plait.planner.profile import LayerProfile, OptimizerFactory, Slowest, profile
 
 __all__ = ["PlanOptions", "PlanResult", "plan_model", "profile_sample", "local_cluster", "threads_per_rank"]
 
@@ -37,7 +37,7 @@ class PlanOptions:
     search may price other micro-batch sizes). threads: intra-op threads per rank while
     measuring (None: this machine's cores shared by the local ranks, as `plait run` sets them).
     slowest: with every rank profiling at once, the reduction that makes each round's whole-model
-    times the slowest rank's (`plait.runtime.collectives.max_floats`; see `plait.profile`).
+    times the slowest rank's (`plait.runtime.collectives.max_floats`; see `plait.planner.profile`).
     """
 
     space: SearchSpace = field(default_factory=SearchSpace)
@@ -106,7 +106,7 @@ def threads_per_rank(local_ranks: int) -> int:
 def local_cluster(local_ranks: int, network: Network | None = None, memory_bytes: float | None = None,
                   optimizer_state_factor: float = 2.0, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> Cluster:
     """This machine as a cluster: its RAM shared by `local_ranks` processes (90% of it), and
-    `network` (a `plait.runtime.calibrate` measurement; default: the "cpu" preset's loopback)."""
+    `network` (a `plait.planner.calibrate` measurement; default: the "cpu" preset's loopback)."""
     if memory_bytes is None:
         try:
             total = float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))

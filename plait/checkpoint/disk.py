@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import torch
 
-from plait import tensorfile
+from plait.checkpoint import tensorfile
 from plait.errors import CheckpointError
 
 __all__ = ["Checkpoint", "FORMAT", "step_name", "temp_dir", "write_shard", "commit", "open_checkpoint",

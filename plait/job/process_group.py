@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # re-exported without __all__
 
 from plait.errors import ConfigError
-from plait.runtime.ranks import RankInfo, is_loopback, resolve_ranks
+from plait.job.ranks import RankInfo, is_loopback, resolve_ranks
 
 __all__ = ["init_process_group", "choose_backend", "resolve_ranks", "RankInfo", "create_store",
            "loopback_interface_env"]
@@ -138,7 +138,7 @@ def init_process_group(
 
     - a group already initialised (by the user or a framework) is used as it is;
     - else the first launcher found by `resolve_ranks` (explicit arguments, torchrun/elastic,
-      Slurm, Open MPI, MPICH/PMI; see plait.runtime.ranks) says this rank, the world size and
+      Slurm, Open MPI, MPICH/PMI; see plait.job.ranks) says this rank, the world size and
       where rank 0 hosts the job's store; a world of one process creates no group.
     A job whose master is a loopback address has every listening socket on 127.0.0.1.
     """
