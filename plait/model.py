@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from pathlib import Path
@@ -12,28 +11,27 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from plait.checkpoint import disk as checkpoint
-from plait.checkpoint import train_state
 from plait import data as batching
 from plait.callbacks import History, ProgressBar
 from plait.capture.output import flatten_output, unflatten_output
-from plait.checkpoint.checkpointer import Checkpointer
+from plait.checkpoint import disk as checkpoint
+from plait.checkpoint import train_state
+from plait.checkpoint.model_checkpoints import ModelCheckpoints
+from plait.checkpoint.resume import ResumePoint, resume_point
 from plait.config import Config
 from plait.errors import CheckpointError, ConfigError, PlaitError
-from plait.metrics import METRICS, check_metrics
-from plait.runtime.nonfinite import NonFiniteWatch, verdict
-from plait.runtime.pipeline import Pipeline, build_pipeline
+from plait.job.process_group import init_process_group
+from plait.metrics import check_metrics
 from plait.plan import Plan
-from plait.plan.feedback import should_replan
-from plait.planner.check import PlanCheck
+from plait.plan.feedback import Feedback, should_replan
 from plait.plan.report import PlanReport
+from plait.planner.check import PlanCheck
 from plait.planner.layout import Layout, choose_layout
 from plait.planner.replan import replan
-from plait.checkpoint.resume import ResumePoint, resume_point
-from plait.runtime.collectives import broadcast_state, gather_state_dict, local_device, start_sum_floats
-from plait.runtime.interpreter import MicroBatch
-from plait.job.process_group import init_process_group
+from plait.runtime.collectives import broadcast_state, gather_state_dict, local_device
+from plait.runtime.pipeline import Pipeline, build_pipeline
 from plait.runtime.report import failure_error
+from plait.runtime.step import StepRunner, num_stats
 
 __all__ = ["Model"]
 
@@ -78,224 +76,128 @@ class Model:
         else:  # 0 until planned (`plait.planner.layout`); a size given is checked against the world now
             self.num_stages = 0 if self.config.plans_everything else self.config.stages_for(self.world_size)
             broadcast_state(net, 0)  # replicas start equal whatever each rank's seed
-        self._train: Pipeline | None = None
-        self._eval: Pipeline | None = None
-        self._watch: NonFiniteWatch | None = None
+        self._train: StepRunner | None = None
+        self._eval: StepRunner | None = None
         self.step = 0  # training steps (global batches) run, counted on from a loaded checkpoint
-        self._checkpointer = Checkpointer(self.rank, self.world_size, self.config.timeout_s)
-        self._pending: checkpoint.Checkpoint | None = None  # optimizer/RNG state awaiting the pipeline
-        self._saved_step: int | None = None
+        self._checkpoints = ModelCheckpoints(net, self.rank, self.world_size, self.config.timeout_s)
         self._layout: Layout | None = None  # the planned layout, the same on every rank
         self._check: PlanCheck | None = None  # the closed loop: first steps against the plan
 
     # -- building ------------------------------------------------------------------------------
 
-    def _pipeline(self, x: Any, train: bool, y: Any = None) -> Pipeline:
+    def _runner(self, x: Any, train: bool, y: Any = None) -> StepRunner:
+        """The step runner of the training or evaluation pipeline, laid out and built on first use."""
         if self._train is None:
             if self._layout is None:
-                resumed = self._pending.meta.get("plan") if self._pending is not None else None
                 self._layout = choose_layout(self.net, x, y, self.config, self.world_size, self.rank,
-                                             self.loss, self._optimizer_arg, resumed)
+                                             self.loss, self._optimizer_arg, self._checkpoints.resumed_plan)
                 if self._layout.report is not None:
                     self._check = PlanCheck(self._layout.report, self.world_size)
-            self.config, self.num_stages = self._layout.config, self._layout.num_stages
-            layers = self.config.layers_per_proc if self.num_stages > 1 else None
-            self._train = build_pipeline(self.net, x, self.num_stages, layers, self.config,
-                                         self.rank, self.world_size, self.loss, train=True,
-                                         device=self.device)
-            self._make_optimizer()
-            if self.config.on_nonfinite != "ignore":
-                self._watch = NonFiniteWatch(self._train)
-            mine = {id(p) for p in self._train.local_parameters}
-            for p in self.net.parameters():  # stale gradients elsewhere would make the
-                if id(p) not in mine:        # optimizer step parameters this rank does not train
-                    p.grad = None
+            self._build(self._layout, x)
+        assert self._train is not None
         if train:
             return self._train
         if self._eval is None:
-            self._eval = self._train.for_eval(self.net, x, self.loss)
+            pipe = self._train.pipe.for_eval(self.net, x, self.loss)
+            self._eval = StepRunner(pipe, self.net, self.metrics, self.device, train=False)
         return self._eval
 
-    def _make_optimizer(self) -> None:
-        assert self._train is not None
-        arg = self._optimizer_arg
-        if arg is None or isinstance(arg, torch.optim.Optimizer):
-            self.optimizer = arg
-        elif callable(arg):
-            self.optimizer = arg(self._train.local_parameters)
-        else:
-            raise ConfigError(
-                f"optimizer must be a torch.optim.Optimizer or a callable params -> optimizer, "
-                f"got {type(arg).__name__}"
-            )
+    def _build(self, layout: Layout, x: Any) -> None:
+        """This rank's training pipeline and optimizer for `layout`."""
+        self.config, self.num_stages = layout.config, layout.num_stages
+        layers = self.config.layers_per_proc if self.num_stages > 1 else None
+        pipe = build_pipeline(self.net, x, self.num_stages, layers, self.config, self.rank,
+                              self.world_size, self.loss, train=True, device=self.device)
+        self._train, self._eval = StepRunner(pipe, self.net, self.metrics, self.device, train=True), None
+        self.optimizer = _make_optimizer(self._optimizer_arg, pipe.local_parameters)
+        mine = {id(p) for p in pipe.local_parameters}
+        for p in self.net.parameters():  # stale gradients elsewhere would make the
+            if id(p) not in mine:        # optimizer step parameters this rank does not train
+                p.grad = None
 
     @property
     def plan(self) -> Plan:
         """The plan in use (made when the model first sees data)."""
-        if self._train is None:
-            raise PlaitError(
-                "the plan is made when the model first sees data: call fit, train_on_batch, "
-                "evaluate or predict (or build(x_sample)) first"
-            )
-        report = self._layout.report if self._layout is not None else None
+        runner = self._built()
+        report = self.plan_report
         if report is not None and report.feedback is not None:  # the closed loop has measured
-            return dataclasses.replace(self._train.plan, check=report.feedback.summary())
-        return self._train.plan
+            return dataclasses.replace(runner.pipe.plan, check=report.feedback.summary())
+        return runner.pipe.plan
 
     @property
     def plan_report(self) -> PlanReport | None:
         """The planner's choice (table, alternatives, JSON) and, after the first steps, the
         measured-vs-predicted check; None when the layout was given (layers_per_proc)."""
-        self.plan  # noqa: B018 - raises the same error before the model has seen data
+        self._built()
         return self._layout.report if self._layout is not None else None
 
-    def _rebuild(self, config: Config, x: Any) -> None:
-        """Build the pipeline again for `config`'s layers (the replan's new layout)."""
-        assert self._layout is not None
-        self._layout = dataclasses.replace(self._layout, config=config)
-        self._train = self._eval = None
-        self._watch = None
-        self._pipeline(x, train=True)
-
-    def _check_plan(self, pipe: Pipeline, x: Any) -> None:
-        """After a training step: the plan check, logged and kept; a replan when asked and due."""
-        assert self._check is not None
-        feedback = self._check.after_step(pipe.interpreter, self.step)
-        if feedback is None:
-            return
-        if self.rank == 0:
-            log.info("%s", feedback.summary())
-        report = self._layout.report if self._layout is not None else None
-        first_check = self._check.first_step == 0  # one replan per run; the new layout is only checked
-        if self.config.replan and first_check and report is not None and report.costs is not None \
-                and should_replan(feedback):
-            if replan(self, feedback, x):
-                self._check = PlanCheck(report, self.world_size, first_step=self.step)
+    def _built(self) -> StepRunner:
+        if self._train is None:
+            raise PlaitError(
+                "the plan is made when the model first sees data: call fit, train_on_batch, "
+                "evaluate or predict (or build(x_sample)) first"
+            )
+        return self._train
 
     def build(self, x_sample: Any) -> Plan:
         """Capture and split the model on a sample input without training; returns the plan."""
-        return self._pipeline(x_sample, train=True).plan
+        self._runner(x_sample, train=True)
+        return self.plan
 
     # -- one global batch ------------------------------------------------------------------------
 
-    def _microbatches(self, pipe: Pipeline, x: Any, y: Any) -> list[MicroBatch]:
-        """This replica's shard of a global batch, cut into micro-batches.
-
-        Each micro-batch's loss is scaled so the summed gradients are those of the global mean
-        loss ("mean"), or of this replica's own mean loss ("sum").
-        """
-        rows = batching.num_rows(x)
-        start, stop = batching.shard_bounds(rows, self.config.dp or 1)[pipe.replica]
-        if stop == start:
-            return []
-        denominator = rows if self.config.grad_reduction == "mean" else stop - start
-        x, y = batching.to_device(x, self.device), batching.to_device(y, self.device)
-        out = []
-        for a, b in batching.microbatch_bounds(stop - start, self.config.num_microbatches or 1):
-            xs = batching.slice_rows(x, start + a, start + b)
-            args, kwargs = batching.as_call(xs)
-            inputs = pipe.captured.bind(args, kwargs)
-            key = tuple(tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor))
-            target = None if y is None else batching.slice_rows(y, start + a, start + b)
-            out.append(MicroBatch(inputs, target, (b - a) / denominator, key))
-        return out
-
     def _run(self, x: Any, y: Any, train: bool, keep_outputs: bool) -> tuple[list[float], Any, bool]:
-        """Run one global batch on every replica.
+        """Run one global batch on every replica: the sums of loss and metrics over it (the same
+        on every rank), this rank's last-stage outputs (or None), and whether the optimizer step
+        was skipped."""
+        runner = self._runner(x, train, y)
+        if train:
+            if self.loss is None or self.optimizer is None:
+                missing = "loss" if self.loss is None else "optimizer"
+                raise ConfigError(f"training needs a {missing}: pass {missing}=... to plait.Model")
+            self._checkpoints.apply_pending(runner.pipe, self.optimizer)
+            if self._check is not None:
+                self._check.before_step(runner.pipe.interpreter, self.step + 1)
+        result = runner.run(x, y, keep_outputs, self.step, self.optimizer if train else None)
+        if train:
+            self.step += 1
+            if self._check is not None and not self._check.done:
+                self._after_measured_step(runner.pipe, x)
+        return result.sums, result.outputs, result.skipped
 
-        Returns, on every rank, [sum of loss x rows, then (correct, counted) per metric] over the
-        whole global batch, this rank's last-stage outputs (a list per micro-batch) or None, and
-        whether the optimizer step was skipped (a non-finite value with on_nonfinite="skip").
-        """
-        pipe = self._pipeline(x, train, y)
-        if train and (self.loss is None or self.optimizer is None):
-            missing = "loss" if self.loss is None else "optimizer"
-            raise ConfigError(f"training needs a {missing}: pass {missing}=... to plait.Model")
-        if train and self._pending is not None:
-            self._apply_pending(pipe)
-        mbs = self._microbatches(pipe, x, y)
-        watch = self._watch if train else None
-        was_training = self.net.training
-        self.net.train(train)
-        skipped = False
-        try:
-            if train:
-                if self._check is not None:
-                    self._check.before_step(pipe.interpreter, self.step + 1)
-                for p in pipe.local_parameters:
-                    p.grad = None
-                if pipe.sync is not None:
-                    pipe.sync.prepare(len(mbs))
-            for ex in pipe.executors.values():
-                ex.reset()
-            if watch is not None:
-                watch.start()
-            if mbs:
-                pipe.interpreter.run(pipe.program(len(mbs), train), mbs, train,
-                                     keep_outputs=keep_outputs or bool(self.metrics))
-            # The loss and metric sums travel while the gradients are still being all-reduced.
-            stats, outputs = self._local_stats(pipe, mbs, keep_outputs)
-            if train and pipe.sync is not None:
-                pipe.sync.flush()  # every bucket before the sums: they may share the default group
-            flags = [] if watch is None else watch.finish(pipe.last_executor.losses if pipe.is_last else {})
-            total = start_sum_floats(stats + flags)
-            run = pipe.interpreter.runs  # a failure below follows this run of the program, all done
-            label = f"training step {self.step + 1}" if train else f"an evaluation batch after step {self.step}"
-            done = len(pipe.program(len(mbs), train).get(self.rank, [])) if mbs else 0
-            if train:
-                tracer = pipe.interpreter.tracer
-                with tracer.span("allreduce", "gradients", step=run):
-                    try:
-                        if pipe.sync is not None:
-                            pipe.sync.finish()
-                        if pipe.ties is not None:
-                            pipe.ties.sum()
-                    except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
-                        raise self._failure(f"the gradient all-reduce of {label}", e, run, done) from e
-            sums = self._finish(total, label, run, done)
-            if train:
-                if watch is not None:  # raises NonFiniteError for "stop"
-                    skipped = verdict(sums[len(stats):], pipe.plan, self.step + 1, self.config.on_nonfinite, self.rank)
-                assert self.optimizer is not None
-                if not skipped:
-                    with tracer.span("compute", "optimizer", step=run, op="opt"):
-                        self.optimizer.step()
-                self.step += 1
-        finally:
-            self.net.train(was_training)
-        if train and self._check is not None and not self._check.done:
-            self._check_plan(pipe, x)
-        return sums[: len(stats)], outputs, skipped
+    def _after_measured_step(self, pipe: Pipeline, x: Any) -> None:
+        """The closed loop after a training step: the plan check, logged and kept; a replan when
+        asked and due (one per run; the new layout is only checked)."""
+        assert self._check is not None and self._layout is not None
+        feedback = self._check.after_step(pipe.interpreter, self.step)
+        report = self._layout.report
+        if feedback is None or report is None:
+            return
+        if self.rank == 0:
+            log.info("%s", feedback.summary())
+        report = dataclasses.replace(report, feedback=feedback)
+        self._layout = dataclasses.replace(self._layout, report=report)
+        if self.config.replan and self._check.first_step == 0 and report.costs is not None \
+                and should_replan(feedback):
+            self._replan(report, feedback, x)
 
-    def _failure(self, what: str, error: BaseException, run: int = -1, position: int = -1) -> PlaitError:
-        """The error of a collective that failed: names this rank, the step and the silent ranks."""
-        return failure_error(what, self.rank, error, self.config.timeout_s, run, position)
+    def _replan(self, report: PlanReport, feedback: Feedback, x: Any) -> None:
+        """Re-lay the model out on the replanned layers: save -> rebuild -> restore."""
+        new = replan(report, feedback, self.step, self.rank, self.world_size, self.config.timeout_s)
+        if new is None:
+            return
+        assert self._train is not None and self._layout is not None
+        layers = tuple(int(n) for n in new.chosen["layers_per_stage"])
+        layout = Layout(dataclasses.replace(self.config, layers_per_proc=layers), self.num_stages, new)
 
-    def _finish(self, total: Callable[[], list[float]], label: str, run: int, position: int) -> list[float]:
-        """The step's summed statistics; a dead or stalled peer becomes a PipelineError naming it."""
-        try:
-            return total()
-        except Exception as e:  # noqa: BLE001
-            raise self._failure(f"the loss all-reduce of {label}", e, run, position) from e
+        def rebuild() -> tuple[Pipeline, torch.optim.Optimizer | None]:
+            self._layout = layout
+            self._build(layout, x)
+            assert self._train is not None
+            return self._train.pipe, self.optimizer
 
-    def _local_stats(self, pipe: Pipeline, mbs: list[MicroBatch], keep_outputs: bool) -> tuple[list[float], Any]:
-        """This rank's [sum of loss x rows, (correct, counted) per metric] and kept outputs."""
-        stats = [0.0] * (1 + 2 * len(self.metrics))
-        outputs = None
-        if pipe.is_last:
-            ex = pipe.last_executor
-            for k, mb in enumerate(mbs):
-                if mb.target is None:
-                    continue
-                stats[0] += ex.losses.get(k, 0.0) * batching.num_rows(mb.target)
-                for i, name in enumerate(self.metrics):
-                    c, n = METRICS[name](ex.outputs[k], mb.target)
-                    stats[1 + 2 * i] += c
-                    stats[2 + 2 * i] += n
-            if keep_outputs:
-                outputs = [ex.outputs[k] for k in range(len(mbs))]
-            ex.outputs.clear()
-        return stats, outputs
+        self._checkpoints.carry_over(self.step, self._train.pipe, self.optimizer, self.config, rebuild)
+        self._check = PlanCheck(new, self.world_size, first_step=self.step)
 
     def _logs(self, sums: list[float], rows: float) -> dict[str, float]:
         logs = {"loss": sums[0] / rows}
@@ -333,8 +235,8 @@ class Model:
         order = batching.data_order(x, batch_size, shuffle, batches_per_epoch, self.config.seed)
         start: ResumePoint | None = None
         root = self.config.checkpoint_dir
-        if root is not None and self.step == 0 and self._pending is None:  # a fresh model resumes
-            found = self._checkpointer.choose(root)
+        if root is not None and self.step == 0 and self._checkpoints.pending is None:  # a fresh model resumes
+            found = self._checkpoints.choose(root)
             if found is not None:
                 start = resume_point(found, order)
                 self._restore(found)
@@ -349,7 +251,7 @@ class Model:
         for epoch in range(start.epoch if start else 0, epochs):
             for cb in cbs:
                 _call(cb, "on_epoch_begin", epoch, {})
-            totals = [0.0] * (1 + 2 * len(self.metrics))
+            totals = [0.0] * num_stats(self.metrics)
             rows_seen, skip = 0, 0
             if start is not None and epoch == start.epoch and start.totals is not None:
                 totals, rows_seen, skip = list(start.totals), start.rows_seen, start.batch
@@ -379,7 +281,7 @@ class Model:
             for cb in cbs:
                 _call(cb, "on_epoch_end", epoch, logs)
             last = self.config.checkpoint_every is None or epoch == epochs - 1
-            if root is not None and last and self._saved_step != self.step:
+            if root is not None and last and self._checkpoints.saved_step != self.step:
                 self._save(root, {**order, "epoch": epoch + 1, "batch": 0, "totals": None, "rows_seen": 0,
                                   "history_epochs": history.epoch, "history": history.history})
         self.write_trace()
@@ -392,11 +294,11 @@ class Model:
         """
         if self.config.trace_dir is None or self._train is None:
             return None
-        return str(self._train.interpreter.tracer.write(self.config.trace_dir))
+        return str(self._train.pipe.interpreter.tracer.write(self.config.trace_dir))
 
     def evaluate(self, x: Any, y: Any, batch_size: int | None = None) -> dict[str, float]:
         """Mean loss and metrics over all of x (every sample once); the same dict on every rank."""
-        totals = [0.0] * (1 + 2 * len(self.metrics))
+        totals = [0.0] * num_stats(self.metrics)
         for a, b in batching.row_ranges(x, batch_size):
             stats, _, _ = self._run(batching.slice_rows(x, a, b), batching.slice_rows(y, a, b),
                                  train=False, keep_outputs=False)
@@ -408,7 +310,7 @@ class Model:
         parts: list[list[Any]] = []  # flat output leaves of each batch, in row order
         for a, b in batching.row_ranges(x, batch_size):
             _, outputs, _ = self._run(batching.slice_rows(x, a, b), None, train=False, keep_outputs=True)
-            pipe = self._pipeline(x, train=False)
+            pipe = self._runner(x, train=False).pipe
             local = batching.join_rows([flatten_output(o)[0] for o in outputs]) if outputs else None
             shard_rows = [hi - lo for lo, hi in batching.shard_bounds(b - a, self.config.dp or 1)]
             try:
@@ -417,11 +319,11 @@ class Model:
                 raise
             except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
                 raise self._failure("gathering the outputs of predict", e) from e
-        return unflatten_output(batching.join_rows(parts), self._pipeline(x, train=False).output_spec)
+        return unflatten_output(batching.join_rows(parts), self._runner(x, train=False).pipe.output_spec)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsplit state dict (keys, shapes and dtypes of net.state_dict()) on every rank."""
-        owners = self._train.owner_of if self._train is not None else {}
+        owners = self._train.pipe.owner_of if self._train is not None else {}
         try:
             return gather_state_dict(self.net, owners)
         except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
@@ -450,18 +352,8 @@ class Model:
         return str(self._save(root, None))
 
     def _save(self, root: str | os.PathLike[str], data: dict[str, Any] | None) -> Path:
-        pipe = self._train
-        shard = train_state.snapshot(self.net, pipe.owner_of if pipe else {}, self.rank, self.optimizer)
-
-        def meta() -> dict[str, Any]:
-            plan = json.loads(pipe.plan.to_json()) if pipe is not None else None
-            return {"step": self.step, "world_size": self.world_size, "plan": plan, "config": self.config.to_dict(),
-                    **shard.index, "data": data, "torch": torch.__version__}
-
-        path = self._checkpointer.save(root, self.step, shard.tensors, shard.metadata, meta,
-                                       self.config.checkpoint_keep)
-        self._saved_step = self.step
-        return path
+        pipe = self._train.pipe if self._train is not None else None
+        return self._checkpoints.save(root, self.step, pipe, self.optimizer, self.config, data)
 
     def load(self, path: str | os.PathLike[str]) -> int:
         """Load a checkpoint, or a plain state-dict file, on every rank; returns its step.
@@ -475,28 +367,31 @@ class Model:
         if path.is_file():
             self.load_state_dict(checkpoint.read_plain(path))
             return self.step
-        found = self._checkpointer.choose(path)
+        found = self._checkpoints.choose(path)
         if found is None:
             raise CheckpointError(f"{path} holds no complete plait checkpoint (no step-*/ with a valid meta.json)")
         self._restore(found)
         return found.step
 
     def _restore(self, ckpt: checkpoint.Checkpoint) -> None:
-        values = checkpoint.read_parameters(ckpt)
-        train_state.copy_into(self.net, values, ckpt.meta["aliases"], f"checkpoint {ckpt.path}")
-        self.step = self._saved_step = ckpt.step
-        self._pending = ckpt
-        if self._train is not None:
-            self._apply_pending(self._train)
+        pipe = self._train.pipe if self._train is not None else None
+        self._checkpoints.restore(ckpt, pipe, self.optimizer)
+        self.step = ckpt.step
 
-    def _apply_pending(self, pipe: Pipeline) -> None:
-        """The optimizer state of this rank's parameters and, with the same layout, its RNG states."""
-        ckpt, self._pending = self._pending, None
-        assert ckpt is not None
-        same_layout = ckpt.same_layout(json.loads(pipe.plan.to_json()))
-        train_state.restore(ckpt, self.net, self.optimizer, pipe.local_parameters, self.rank, same_layout)
-        if not same_layout and self.rank == 0:
-            log.info("plait: %s was saved with another layout: RNG states not restored", ckpt.path)
+    def _failure(self, what: str, error: BaseException) -> PlaitError:
+        """The error of a collective that failed: names this rank, the step and the silent ranks."""
+        return failure_error(what, self.rank, error, self.config.timeout_s)
+
+
+def _make_optimizer(arg: OptimizerArg, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+    """The optimizer of this rank's parameters: the user's, or made by their callable."""
+    if arg is None or isinstance(arg, torch.optim.Optimizer):
+        return arg
+    if callable(arg):
+        return arg(params)
+    raise ConfigError(
+        f"optimizer must be a torch.optim.Optimizer or a callable params -> optimizer, got {type(arg).__name__}"
+    )
 
 
 def _call(cb: Any, hook: str, *args: Any) -> None:

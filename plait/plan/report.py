@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from plait.plan.network import Network
 __all__ = ["PlanReport"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlanReport:
     """The chosen candidate (`chosen`, a `Candidate.to_dict()`), the alternatives, and the
     profile and cluster they were priced with (None when replayed from a file)."""
@@ -36,7 +36,7 @@ class PlanReport:
     costs: LayerCosts | None = None
     cluster: Cluster | None = None
     feedback: Feedback | None = None
-    history: list[str] = field(default_factory=list)  # earlier layouts of this run (replans)
+    history: tuple[str, ...] = ()  # earlier layouts of this run (replans)
 
     @property
     def predicted_stage_s(self) -> list[float]:
@@ -74,7 +74,7 @@ class PlanReport:
         if self.feedback is not None:
             data["feedback"] = self.feedback.to_dict()
         if self.history:
-            data["earlier_layouts"] = self.history
+            data["earlier_layouts"] = list(self.history)
         return data
 
     @classmethod
@@ -89,7 +89,7 @@ class PlanReport:
             cluster = Cluster(Network.from_dict(c["network"]), float(c["memory_bytes"]),
                               float(c["optimizer_state_factor"]), float(c.get("bucket_bytes", DEFAULT_BUCKET_BYTES)))
         return cls(chosen, list(data.get("alternatives", [])), table, str(data.get("source", "")),
-                   int(data["global_batch"]), costs, cluster, history=list(data.get("earlier_layouts", [])))
+                   int(data["global_batch"]), costs, cluster, history=tuple(data.get("earlier_layouts", ())))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)

@@ -115,6 +115,4 @@ class PlanCheck:
         if len(predicted) != n:  # a report of another layout (cannot happen once planned)
             return None
         checks = tuple(StageCheck(s, predicted[s], measured[s]) for s in range(n))
-        feedback = Feedback(checks, self.report.predicted_step_s or 0.0, step_s)
-        self.report.feedback = feedback
-        return feedback
+        return Feedback(checks, self.report.predicted_step_s or 0.0, step_s)

@@ -121,7 +121,8 @@ def test_num_stages_alone_gets_the_optimal_partition_on_every_rank():
     from plait.plan.devices import device
 
     assert report["cluster"]["network"] != device("cpu").network.to_dict()
-    assert 0 < report["cluster"]["network"]["intra"]["bandwidth"] < 1e15
+    # (a loaded host can make the ping-pong fit's slope <= 0: the link is then "free", 1e15 B/s)
+    assert 0 < report["cluster"]["network"]["intra"]["bandwidth"] <= 1e15
 
 
 def save_then_replay(rank, world, path):

@@ -1,0 +1,122 @@
+"""`ModelCheckpoints`: a model's checkpoints — saving this step, restoring one, and moving to a new layout.
+
+The parameters of a restored checkpoint are copied into the net at once; the optimizer state of
+this rank's parameters and the RNG states wait (`pending`) until the pipeline and its optimizer
+exist, since which parameters a rank trains depends on the layout. Moving a running model to a
+new layout (a replan) is the same machinery, which loads any layout by name:
+
+    save a checkpoint of the old layout (each rank its own parameters and optimizer state)
+    -> rebuild the pipeline for the new layout (a fresh optimizer over its local parameters)
+    -> restore it: every parameter, and each rank's optimizer state for its new parameters
+
+The scratch checkpoint of such a move is written under Config.checkpoint_dir (in `.replan/`, not
+a resumable step) or in a temporary directory, and deleted after.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+from plait.checkpoint import train_state
+from plait.checkpoint.checkpointer import Checkpointer
+from plait.checkpoint.disk import Checkpoint, read_parameters
+from plait.config import Config
+from plait.runtime.agree import agree
+from plait.runtime.collectives import sum_floats
+
+if TYPE_CHECKING:
+    from plait.runtime.pipeline import Pipeline
+
+__all__ = ["ModelCheckpoints"]
+
+log = logging.getLogger("plait")
+
+Rebuild = Callable[[], tuple["Pipeline", "torch.optim.Optimizer | None"]]
+
+
+class ModelCheckpoints:
+    """Saves and restores one model's training state on this rank, in step with the others."""
+
+    def __init__(self, net: nn.Module, rank: int, world_size: int, timeout_s: float) -> None:
+        self.net, self.rank, self.world_size = net, rank, world_size
+        self.checkpointer = Checkpointer(rank, world_size, timeout_s)
+        self.pending: Checkpoint | None = None  # optimizer/RNG state awaiting the pipeline
+        self.saved_step: int | None = None  # the step of the last checkpoint saved or loaded
+
+    @property
+    def resumed_plan(self) -> dict[str, Any] | None:
+        """The plan of a restored checkpoint whose state still waits for the pipeline."""
+        return self.pending.meta.get("plan") if self.pending is not None else None
+
+    def choose(self, root: str | os.PathLike[str]) -> Checkpoint | None:
+        """The checkpoint to load under `root` (the same on every rank), or None."""
+        return self.checkpointer.choose(root)
+
+    def save(self, root: str | os.PathLike[str], step: int, pipe: Pipeline | None,
+             optimizer: torch.optim.Optimizer | None, config: Config, data: dict[str, Any] | None) -> Path:
+        """Write this rank's shard of step `step`; returns the checkpoint's path once complete."""
+        shard = train_state.snapshot(self.net, pipe.owner_of if pipe else {}, self.rank, optimizer)
+
+        def meta() -> dict[str, Any]:
+            plan = json.loads(pipe.plan.to_json()) if pipe is not None else None
+            return {"step": step, "world_size": self.world_size, "plan": plan, "config": config.to_dict(),
+                    **shard.index, "data": data, "torch": torch.__version__}
+
+        path = self.checkpointer.save(root, step, shard.tensors, shard.metadata, meta, config.checkpoint_keep)
+        self.saved_step = step
+        return path
+
+    def restore(self, ckpt: Checkpoint, pipe: Pipeline | None, optimizer: torch.optim.Optimizer | None) -> None:
+        """Copy the checkpoint's parameters into the net; its optimizer/RNG state follows with
+        `apply_pending` (at once when the pipeline exists)."""
+        values = read_parameters(ckpt)
+        train_state.copy_into(self.net, values, ckpt.meta["aliases"], f"checkpoint {ckpt.path}")
+        self.saved_step = ckpt.step
+        self.pending = ckpt
+        if pipe is not None:
+            self.apply_pending(pipe, optimizer)
+
+    def apply_pending(self, pipe: Pipeline, optimizer: torch.optim.Optimizer | None) -> None:
+        """The optimizer state of this rank's parameters and, with the same layout, its RNG states."""
+        ckpt, self.pending = self.pending, None
+        if ckpt is None:
+            return
+        same_layout = ckpt.same_layout(json.loads(pipe.plan.to_json()))
+        train_state.restore(ckpt, self.net, optimizer, pipe.local_parameters, self.rank, same_layout)
+        if not same_layout and self.rank == 0:
+            log.info("plait: %s was saved with another layout: RNG states not restored", ckpt.path)
+
+    def carry_over(self, step: int, pipe: Pipeline, optimizer: torch.optim.Optimizer | None,
+                   config: Config, rebuild: Rebuild) -> None:
+        """Move the training state to the layout `rebuild()` makes (see the module's picture).
+
+        Parameters and optimizer state go on exactly as they were; the scratch checkpoint is not
+        one of the run's (`saved_step` is kept) and is deleted after.
+        """
+        if config.checkpoint_dir is not None:
+            scratch = str(Path(config.checkpoint_dir) / ".replan")
+        else:  # rank 0 names it; one node (or a path every rank sees)
+            scratch = agree(self.rank, lambda: tempfile.mkdtemp(prefix="plait-replan-"), "replan directory", 60.0)
+        saved_step = self.saved_step
+        try:
+            path = self.save(scratch, step, pipe, optimizer, config, None)
+            found = self.choose(path)
+            assert found is not None
+            new_pipe, new_optimizer = rebuild()
+            self.restore(found, new_pipe, new_optimizer)
+            self.saved_step = saved_step
+            if self.world_size > 1:
+                sum_floats([0.0])  # every rank has read the checkpoint before it goes
+        finally:
+            if self.rank == 0:
+                shutil.rmtree(scratch, ignore_errors=True)
+

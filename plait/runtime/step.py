@@ -1,0 +1,189 @@
+"""`StepRunner`: one global batch through this rank's pipeline, from micro-batches to the optimizer step.
+
+A step, in order (every rank of the job runs the same sequence):
+
+    cut this replica's rows into micro-batches (each loss scaled for the global mean)
+    -> run the schedule's program for this rank (the interpreter)
+    -> this rank's loss/metric sums (last stage only) and non-finite flags, summed over the job
+       while the gradient buckets are still being all-reduced
+    -> finish the gradient all-reduces and the tied-parameter sums
+    -> the non-finite verdict (stop / skip / ignore), then the optimizer step
+
+A collective that fails in it becomes a `PipelineError` naming this rank, the step, and the
+ranks that went silent (`plait.runtime.report`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from plait import data as batching
+from plait.metrics import METRICS
+from plait.runtime.collectives import start_sum_floats
+from plait.runtime.interpreter import MicroBatch
+from plait.runtime.nonfinite import NonFiniteWatch, verdict
+from plait.runtime.pipeline import Pipeline
+from plait.runtime.report import failure_error
+
+__all__ = ["StepResult", "StepRunner", "num_stats"]
+
+
+def num_stats(metrics: Sequence[str]) -> int:
+    """Length of a step's sums: the loss x rows, then (correct, counted) per metric."""
+    return 1 + 2 * len(metrics)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one global batch gave, the same `sums` on every rank."""
+
+    sums: list[float]  # [sum of loss x rows, then (correct, counted) per metric] over the batch
+    outputs: list[Any] | None  # this rank's last-stage outputs, one per micro-batch (if kept)
+    skipped: bool  # a non-finite value with on_nonfinite="skip": no optimizer step
+
+
+class StepRunner:
+    """Runs global batches on one `Pipeline` (train or eval) for this rank."""
+
+    def __init__(self, pipe: Pipeline, net: nn.Module, metrics: Sequence[str], device: torch.device,
+                 train: bool) -> None:
+        self.pipe, self.net, self.metrics, self.device, self.train = pipe, net, list(metrics), device, train
+        config = pipe.config
+        self.watch = NonFiniteWatch(pipe) if train and config.on_nonfinite != "ignore" else None
+
+    def microbatches(self, x: Any, y: Any) -> list[MicroBatch]:
+        """This replica's shard of a global batch, cut into micro-batches.
+
+        Each micro-batch's loss is scaled so the summed gradients are those of the global mean
+        loss ("mean"), or of this replica's own mean loss ("sum").
+        """
+        pipe, config = self.pipe, self.pipe.config
+        rows = batching.num_rows(x)
+        start, stop = batching.shard_bounds(rows, pipe.plan.dp)[pipe.replica]
+        if stop == start:
+            return []
+        denominator = rows if config.grad_reduction == "mean" else stop - start
+        x, y = batching.to_device(x, self.device), batching.to_device(y, self.device)
+        out = []
+        for a, b in batching.microbatch_bounds(stop - start, pipe.plan.num_microbatches):
+            xs = batching.slice_rows(x, start + a, start + b)
+            args, kwargs = batching.as_call(xs)
+            inputs = pipe.captured.bind(args, kwargs)
+            key = tuple(tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor))
+            target = None if y is None else batching.slice_rows(y, start + a, start + b)
+            out.append(MicroBatch(inputs, target, (b - a) / denominator, key))
+        return out
+
+    def run(self, x: Any, y: Any, keep_outputs: bool, steps_done: int,
+            optimizer: torch.optim.Optimizer | None) -> StepResult:
+        """Run one global batch on every replica (training: one optimizer step).
+
+        `steps_done` counts the training steps before this one (it names the step in errors
+        and traces).
+        """
+        pipe, train = self.pipe, self.train
+        mbs = self.microbatches(x, y)
+        was_training = self.net.training
+        self.net.train(train)
+        try:
+            if train:
+                self._zero_grads(len(mbs))
+            for ex in pipe.executors.values():
+                ex.reset()
+            if self.watch is not None:
+                self.watch.start()
+            if mbs:
+                pipe.interpreter.run(pipe.program(len(mbs), train), mbs, train,
+                                     keep_outputs=keep_outputs or bool(self.metrics))
+            # The loss and metric sums travel while the gradients are still being all-reduced.
+            stats, outputs = self._local_stats(mbs, keep_outputs)
+            if train and pipe.sync is not None:
+                pipe.sync.flush()  # every bucket before the sums: they may share the default group
+            flags = [] if self.watch is None else self.watch.finish(
+                pipe.last_executor.losses if pipe.is_last else {})
+            total = start_sum_floats(stats + flags)
+            where = _Where(self, steps_done, len(mbs))
+            if train:
+                self._finish_gradients(where)
+            sums = where.guard("the loss all-reduce", total)
+            skipped = self._optimizer_step(sums[len(stats):], where, optimizer) if train else False
+        finally:
+            self.net.train(was_training)
+        return StepResult(sums[: len(stats)], outputs, skipped)
+
+    def _zero_grads(self, num_microbatches: int) -> None:
+        for p in self.pipe.local_parameters:
+            p.grad = None
+        if self.pipe.sync is not None:
+            self.pipe.sync.prepare(num_microbatches)
+
+    def _finish_gradients(self, where: "_Where") -> None:
+        """The data-parallel buckets' and the tied parameters' all-reduces, waited for."""
+        pipe = self.pipe
+
+        def finish() -> list[float]:
+            if pipe.sync is not None:
+                pipe.sync.finish()
+            if pipe.ties is not None:
+                pipe.ties.sum()
+            return []
+
+        with pipe.interpreter.tracer.span("allreduce", "gradients", step=where.run):
+            where.guard("the gradient all-reduce", finish)
+
+    def _optimizer_step(self, flags: list[float], where: "_Where",
+                        optimizer: torch.optim.Optimizer | None) -> bool:
+        """The non-finite verdict (raises NonFiniteError for "stop"), then the step; True if skipped."""
+        pipe = self.pipe
+        skipped = False
+        if self.watch is not None:
+            skipped = verdict(flags, pipe.plan, where.steps_done + 1, pipe.config.on_nonfinite, pipe.rank)
+        assert optimizer is not None
+        if not skipped:
+            with pipe.interpreter.tracer.span("compute", "optimizer", step=where.run, op="opt"):
+                optimizer.step()
+        return skipped
+
+    def _local_stats(self, mbs: list[MicroBatch], keep_outputs: bool) -> tuple[list[float], list[Any] | None]:
+        """This rank's [sum of loss x rows, (correct, counted) per metric] and kept outputs."""
+        stats = [0.0] * num_stats(self.metrics)
+        outputs = None
+        if self.pipe.is_last:
+            ex = self.pipe.last_executor
+            for k, mb in enumerate(mbs):
+                if mb.target is None:
+                    continue
+                stats[0] += ex.losses.get(k, 0.0) * batching.num_rows(mb.target)
+                for i, name in enumerate(self.metrics):
+                    c, n = METRICS[name](ex.outputs[k], mb.target)
+                    stats[1 + 2 * i] += c
+                    stats[2 + 2 * i] += n
+            if keep_outputs:
+                outputs = [ex.outputs[k] for k in range(len(mbs))]
+            ex.outputs.clear()
+        return stats, outputs
+
+
+class _Where:
+    """Where a step stands, for naming a failed collective: the step, the program run, its position."""
+
+    def __init__(self, runner: StepRunner, steps_done: int, num_microbatches: int) -> None:
+        pipe = runner.pipe
+        self.rank, self.timeout_s, self.steps_done = pipe.rank, pipe.config.timeout_s, steps_done
+        self.run = pipe.interpreter.runs  # a failure below follows this run of the program, all done
+        self.label = (f"training step {steps_done + 1}" if runner.train
+                      else f"an evaluation batch after step {steps_done}")
+        self.position = len(pipe.program(num_microbatches, runner.train).get(pipe.rank, [])) \
+            if num_microbatches else 0
+
+    def guard(self, what: str, call: Callable[[], list[float]]) -> list[float]:
+        """`call()`; a dead or stalled peer becomes a PipelineError naming it."""
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
+            raise failure_error(f"{what} of {self.label}", self.rank, e, self.timeout_s,
+                                self.run, self.position) from e
