@@ -9,13 +9,13 @@
 (b) A homogeneous MLP, GPipe: the planner's split should be the equal split, or measure within 5% of it.
 (c) Predicted against measured step time for several planned layouts of the CNN (1 or 2 stages,
     micro-batches, GPipe / 1F1B). Target: |predicted / measured - 1| <= 0.15 on at least 5 of them.
-    This machine's speed moves in phases (one process's step: ~197 ms for seconds, then ~143 ms),
-    so each round profiles again (both ranks at once, as planning does) and prices every layout
-    (`plait.plan.cost.predict`, the planner's model, on the plan's layout and network) just before
-    timing it (the median of 3 steps: single steps have spikes the profile's medians do not); the
-    ratio is the median over rounds. The plan-time prediction is printed beside it. Both are
-    priced as planning prices them: each profile round takes the slowest rank's whole-model
-    times (`plait.planner.profile`), as a step waits for its slowest rank.
+    A shared machine's speed moves in phases (a step can run a quarter faster or slower for
+    seconds at a time), so each round profiles again (both ranks at once, as planning does) and
+    prices every layout (`plait.plan.cost.predict`, the planner's model, on the plan's layout and
+    network) just before timing it (the median of 3 steps: single steps have spikes the profile's
+    medians do not); the ratio is the median over rounds. The plan-time prediction is printed
+    beside it. Both are priced as planning prices them: each profile round takes the slowest
+    rank's whole-model times (`plait.planner.profile`), as a step waits for its slowest rank.
 
 Times are medians over rounds of the slowest rank's step (a barrier before each step), in ms.
 Each configuration trains its own copy of the model; rounds visit them in turn, so the load of a
@@ -49,7 +49,7 @@ from plait.runtime.collectives import max_floats
 
 BATCH = 128  # global batch, rows
 MICROBATCHES = 8
-SCHEDULE = "gpipe"  # parts (a), (b): 1F1B's messages stall on this machine's gloo (README), by split
+SCHEDULE = "gpipe"  # parts (a), (b): fewer hand-overs on the critical path than 1F1B
 
 
 def cnn() -> nn.Sequential:
@@ -186,8 +186,8 @@ def part_b(rounds: int, out: list[str]) -> None:
     models = {k: make(mlp, plait.Config(layers_per_proc=[k, n - k], num_microbatches=MICROBATCHES,
                                         schedule=SCHEDULE))
               for k in sorted({auto, equal})}
-    # Two models of ~60 ms steps whose true ratio is near 1: 30 rounds left the paired median
-    # +-5% from run to run (0.93-1.05), 100 take ~15 s.
+    # Two models whose true ratio is near 1: 30 rounds left the paired median swinging +-5% from
+    # run to run (docs/benchmarks.md), so part (b) takes 10 x rounds.
     times = timed_rounds(models, x, y, 10 * rounds)
     measured = medians(times)
     ratio = paired(times, auto, equal)

@@ -187,7 +187,7 @@ def _destroy() -> None:
     # A gloo worker thread that finished the last collective may still hold its work, and
     # releasing the work's tensors takes the GIL: during interpreter finalization that kills
     # the thread and aborts the process (seen with gdb after `model.state_dict()`'s broadcasts
-    # on 10-30% of clean 2-rank runs). The interpreter is still whole here: let it go first.
+    # on some clean 2-rank runs). The interpreter is still whole here: let it go first.
     time.sleep(_RELEASE_S)
 
 

@@ -7,11 +7,11 @@ One step of a layout (pp stages x dp replicas, m micro-batches of `rows` rows ea
                the activation bytes (= the gradient bytes coming back) over the cut's link;
                `plait.schedule.steptime` on the generator's own program, or the closed form
                that the partition minimises (`partition_problem`)
-    all-reduce each rank's gradients over its dp replicas (ring, ANCHORS.md, on the link the
-               backend's all-reduce was measured at), in buckets (`plait.plan.buckets`): they
-               start when the rank's last gradient pass starts, so they overlap that pass
-               only, and the last bucket -- the first layers' gradients -- cannot start before
-               the pass has ended
+    all-reduce each rank's gradients over its dp replicas (ring: 2(p-1)/p x bytes / bandwidth,
+               Thakur et al. 2005; on the link the backend's all-reduce was measured at), in
+               buckets (`plait.plan.buckets`): they start when the rank's last gradient pass
+               starts, so they overlap that pass only, and the last bucket -- the first
+               layers' gradients -- cannot start before the pass has ended
     closing    every rank's loss and metric sums, one small all-reduce over all ranks after
                its gradients: the step's one point where every rank meets
     optimizer  the rank's optimizer step, after the closing all-reduce
@@ -149,11 +149,12 @@ def microbatch_rows(global_batch: int, dp: int, num_microbatches: int) -> int:
 
 
 def peak_activations(setting: Setting) -> tuple[float, ...]:
-    """Micro-batches each rank holds at once (ANCHORS.md): GPipe m, 1F1B stage s min(p - s, m),
-    ZB-H1 min(p, m) (F done, W not yet). Interleaved: rank r runs w = 2(p - r - 1) + (v - 1)G
-    warmup forwards (G the largest micro-batch group; all m v when m = p) and then holds one
-    more chunk before its first backward; a chunk counts 1/v. A test checks all four against
-    `simulate` on the generators' programs."""
+    """Micro-batches each rank holds at once: GPipe m (Huang et al. 2019), 1F1B stage s
+    min(p - s, m) (Narayanan et al. 2021), ZB-H1 min(p, m) (Qi et al. 2023; F done, W not yet).
+    Interleaved: rank r runs w = 2(p - r - 1) + (v - 1)G warmup forwards (G the largest
+    micro-batch group; all m v when m = p) and then holds one more chunk before its first
+    backward; a chunk counts 1/v. A test checks all four against `simulate` on the generators'
+    programs."""
     p, m, v = setting.pp, setting.num_microbatches, setting.num_virtual_stages
     if setting.schedule == "gpipe":
         return (float(m),) * p

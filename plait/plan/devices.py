@@ -53,12 +53,12 @@ def _gpu_node(intra_gbs: float, inter_gbs: float, per_node: int = 8) -> Network:
 
 DEVICES: dict[str, Device] = {
     # V100 SXM2 16GB: 125 TFLOP/s fp16 tensor cores, 900 GB/s HBM2. Megatron-LM (2019) sustained
-    # 39 TFLOP/s on one V100, about 30% of peak. Alpa's cluster (ANCHORS.md): p3.16xlarge,
+    # 39 TFLOP/s on one V100, about 30% of peak. Alpa's cluster (Zheng et al. 2022): p3.16xlarge,
     # 8 per node on NVLink (assumed ~100 GB/s NCCL bus bandwidth), 25 Gbit/s between nodes.
     "v100-16gb": Device("v100-16gb", 125e12, 0.30, 16 * GIB, 900e9,
                         _gpu_node(100, 25 / 8), 100e-6),
-    # A100 SXM 40GB: 312 TFLOP/s bf16, 1555 GB/s. Megatron-LM (SC'21, ANCHORS.md) sustains
-    # 44-52% of peak; DGX A100: NVLink3 (~230 GB/s bus bandwidth), one 200 Gbit/s HDR per GPU.
+    # A100 SXM 40GB: 312 TFLOP/s bf16, 1555 GB/s. Megatron-LM (Narayanan et al. 2021, Table 1)
+    # sustains 44-52% of peak; DGX A100: NVLink3 (~230 GB/s bus bandwidth), one 200 Gbit/s HDR per GPU.
     "a100-40gb": Device("a100-40gb", 312e12, 0.45, 40 * GIB, 1555e9, _gpu_node(230, 25), 50e-6),
     "a100-80gb": Device("a100-80gb", 312e12, 0.45, 80 * GIB, 2039e9, _gpu_node(230, 25), 50e-6),
     # H100 SXM 80GB: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3; NVLink4 (~360 GB/s bus bandwidth),

@@ -1,7 +1,8 @@
-"""Links and collectives: the time to move bytes, latency + bytes / bandwidth (ANCHORS.md).
+"""Links and collectives: the time to move bytes, latency + bytes / bandwidth (Hockney 1994).
 
 Collective costs for V bytes per device on p devices over links of bandwidth B and latency
-alpha (Megatron/Optimus analysis, seed 003), with one alpha per message step of the ring or tree:
+alpha (Thakur et al. 2005, MPICH's ring and tree algorithms), with one alpha per message step
+of the ring or tree:
 
     point to point      alpha + V/B
     ring all-reduce     2(p-1) alpha + 2(p-1)V/(pB)
@@ -57,8 +58,8 @@ class Network:
     Rank r sits on node r // devices_per_node (ranks fill nodes in order, as launchers do).
     `reduce_intra` / `reduce_inter`: the link as the backend's all-reduce sees it, fitted to the
     ring formula from timed all-reduces (a library's all-reduce has costs of its own that a
-    ping-pong does not show: gloo's of 3.4 MB between two idle CPU ranks took 4.1 ms where the
-    ping-pong's link prices 1.2); None: the point-to-point link.
+    ping-pong does not show; docs/benchmarks.md has a measured case); None: the point-to-point
+    link.
     """
 
     intra: Link

@@ -4,9 +4,9 @@ One message of n bytes costs alpha + n / beta (`plait.plan.network.Link`). Rank 
 bytes to rank b, which sends them back; half the round trip, median of `repeats`, for sizes
 from 1 KiB to a few MiB, then a least-squares line through (n, seconds) gives alpha (the
 intercept) and beta (one over the slope). An all-reduce is timed the same way, on the same
-pair, and fitted to the ring formula 2(p-1) alpha + 2(p-1) n / (p beta): a library's collective
-has costs of its own (gloo's all-reduce of 3.4 MB between two idle CPU ranks took 4.1 ms where
-the ping-pong's link prices 1.2). Every rank of the group calls `measure_link` and
+pair, and fitted to the ring formula 2(p-1) alpha + 2(p-1) n / (p beta) (Thakur et al. 2005):
+a library's collective has costs of its own that a ping-pong does not show (docs/benchmarks.md
+has a measured case). Every rank of the group calls `measure_link` and
 `measure_all_reduce` (the others only wait for the broadcast result); `calibrate` measures a
 pair inside a node and, on several nodes, a pair across, and caches the `Network` as JSON keyed
 by backend and hosts.

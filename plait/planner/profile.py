@@ -12,17 +12,15 @@ sample's rows and at a quarter of them (times are affine in rows, `LayerCosts`):
               alive at once, as a pipeline stage holds micro-batches; every layer's F is
               scaled by the whole forward over the layers' sum, B and W by the whole backward
               over theirs (a layer alone runs from cache)
+    saved     bytes autograd saves for the backward (saved_tensors_hooks), parameters excluded
+    optimizer one step of `optimizer` on copies of the layer's parameters
 
 Each of `repeats` rounds times every layer, then the whole pass; a layer's cost is the median
 over rounds of its scaled times, so a host whose speed drifts moves a round's parts alike.
 With `slowest` (planning: every rank profiles at once), each round's whole-pass times are the
 slowest rank's: a synchronous step waits for its slowest rank, and on a shared host which
-rank is slow changes from step to step (on 2 CPU ranks one rank's step ran 150 ms while the
-other's ran 215, and the next step the other way round), so one rank's own times price every
-step short (benchmarks/planner.py (c): 0.82-0.94 of the measured steps alone; with the slowest
-rank's, 0.78-1.07 over eight runs, 47 of 48 layouts within 15%).
-    saved     bytes autograd saves for the backward (saved_tensors_hooks), parameters excluded
-    optimizer one step of `optimizer` on copies of the layer's parameters
+rank is slow changes from step to step, so one rank's own times price every step short
+(benchmarks/planner.py part (c) measures both; docs/benchmarks.md has the figures).
 
 The user's model is left as it was: parameters untouched, buffers restored, RNG state forked.
 Results are cached in memory by a model signature (module tree, parameter shapes, input

@@ -283,8 +283,7 @@ def _handover() -> None:
     gloo pairs a send with the peer's posted receive, and pushes the data, on its own device
     thread. When every core is busy computing (a pipeline rank per core), that thread waits for
     the compute thread's time slice to end, and the peer waits with it: a 1F1B step on two CPU
-    ranks stalled for milliseconds at a time. Yielding once lets the device thread run at once:
-    in a two-rank probe (1 ms of compute, send, wait for the peer's message) the waits over
-    1 ms fell from about 30% to about 5%, and plait's 1F1B step by about 10% (paired, one job).
+    ranks stalled for milliseconds at a time. Yielding once lets the device thread run at once
+    (docs/benchmarks.md, "The send yield", has the probe that measured it).
     """
     time.sleep(0)

@@ -104,7 +104,8 @@ def simulate(
     activation or gradient between different ranks. Each rank runs its list in order; an
     action starts when its rank is free and its inputs have arrived.
 
-    For uniform costs and t_w = 0, GPipe and 1F1B take (m + p - 1)(t_f + t_b) (ANCHORS.md).
+    For uniform costs and t_w = 0, GPipe and 1F1B take (m + p - 1)(t_f + t_b)
+    (Narayanan et al. 2021, section 2.2: m(t_f + t_b) of work and a (p - 1)(t_f + t_b) bubble).
     (Eight parameters, beyond the house limit of six: they are the cost model's own inputs,
     named as in the papers, and the last four have defaults.)
     """

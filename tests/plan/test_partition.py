@@ -122,8 +122,8 @@ def test_optimal_partition_equals_brute_force(seed):
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_objective_is_simulates_step_time_for_uniform_stages(p, m, schedule):
-    # Alpa's T = sum t + (m - 1) max t with t = t_f + t_b is the (m + p - 1)(t_f + t_b) of
-    # ANCHORS.md: one layer per stage, every layer the same
+    # Alpa's T = sum t + (m - 1) max t (Zheng et al. 2022) with t = t_f + t_b is Megatron's
+    # (m + p - 1)(t_f + t_b) (Narayanan et al. 2021) with one layer per stage, every layer the same
     t_f, t_b = 2, 3
     problem = PartitionProblem(time=[t_f + t_b] * p, fill=[t_f + t_b] * p, cut_time=[0] * (p - 1),
                                bottleneck_count=m - 1, num_stages=p, fixed=[0] * p,

@@ -105,7 +105,8 @@ def peak_in_flight(program: Program, rank: int) -> int:
 @pytest.mark.parametrize("p", range(1, 7))
 @pytest.mark.parametrize("m", range(1, 10))
 def test_peak_activations_on_stage_0(p: int, m: int) -> None:
-    # ANCHORS: GPipe holds m micro-batches on stage 0, 1F1B min(p, m)
+    # GPipe (Huang et al. 2019) holds m micro-batches on stage 0, 1F1B (Narayanan et al. 2021)
+    # min(p, m)
     assert peak_in_flight(gpipe(p, m), 0) == m
     assert peak_in_flight(one_f_one_b(p, m), 0) == min(p, m)
     assert peak_in_flight(generate("1f1b", p, m), 0) == min(p, m)

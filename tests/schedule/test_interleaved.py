@@ -103,14 +103,14 @@ def peak_chunks(program: Program, rank: int) -> int:
 @pytest.mark.parametrize("v", range(1, 5))
 @pytest.mark.parametrize("groups", range(1, 5))
 def test_closed_forms_when_m_is_a_multiple_of_p(p: int, v: int, groups: int) -> None:
-    # ANCHORS (Narayanan et al. 2021): bubble / ideal = (1/v)(p - 1)/m; with one cycle per
+    # Narayanan et al. 2021 (interleaved 1F1B): bubble / ideal = (1/v)(p - 1)/m; with one cycle per
     # chunk's F and B the ideal is 2 m v cycles, so the bubble is 2(p - 1) cycles on each rank
     m = groups * p
     program = interleaved(p * v, m, v)
     start = clock_cycles(program, p * v)
     step = max(start.values()) + 1
     assert step - 2 * m * v == 2 * (p - 1)
-    # ANCHORS: rank 0 holds p(1 + (p - 1)/(p v)) micro-batches = p v + p - 1 chunks, once
+    # Narayanan et al. 2021: rank 0 holds p(1 + (p - 1)/(p v)) micro-batches = p v + p - 1 chunks, once
     # there are that many (m = p runs every forward first: all m v chunks)
     expected = min(m * v, p * v + p - 1) if v > 1 else min(p, m)
     assert peak_chunks(program, 0) == expected

@@ -1,4 +1,4 @@
-"""Tests of the event simulation against the closed forms of ANCHORS.md, exactly, no processes."""
+"""Tests of the event simulation against the published closed forms, exactly, no processes."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from plait.schedule.timing import clock_cycles
 @pytest.mark.parametrize("p", range(1, 7))
 @pytest.mark.parametrize("m", range(1, 17))
 def test_gpipe_and_1f1b(p: int, m: int) -> None:
-    # ANCHORS: step (m + p - 1)(t_f + t_b), bubble fraction (p - 1)/(m + p - 1); peak on
-    # stage 0: m for GPipe, min(p, m) for 1F1B
+    # GPipe (Huang et al. 2019), 1F1B (Narayanan et al. 2021): step (m + p - 1)(t_f + t_b),
+    # bubble fraction (p - 1)/(m + p - 1); peak on stage 0: m for GPipe, min(p, m) for 1F1B
     t_f, t_b = 2, 3
     for name, peak in (("gpipe", m), ("1f1b", min(p, m))):
         sim = simulate(name, p, m, t_f, t_b)
@@ -40,7 +40,7 @@ def test_unsplit_schedules_run_w_inside_b(p: int, m: int) -> None:
 @pytest.mark.parametrize("p", range(1, 7))
 @pytest.mark.parametrize("m", range(1, 17))
 def test_zbh1(p: int, m: int) -> None:
-    # ANCHORS (Qi et al. 2023): bubble (p - 1)(t_f + t_b - t_w), a third of 1F1B's when the
+    # ZB-H1 (Qi et al. 2023): bubble (p - 1)(t_f + t_b - t_w), a third of 1F1B's when the
     # three are equal, for m >= p; peak p micro-batches, as 1F1B
     sim = simulate("zbh1", p, m, 1, 1, 1)
     one_f_one_b_sim = simulate("1f1b", p, m, 1, 1, 1)
@@ -65,7 +65,7 @@ def test_zbh1_unequal_costs(t_f: int, t_b: int, t_w: int, p: int, m: int) -> Non
 @pytest.mark.parametrize("v", range(1, 5))
 @pytest.mark.parametrize("groups", range(1, 5))
 def test_interleaved(p: int, v: int, groups: int) -> None:
-    # ANCHORS (Narayanan et al. 2021): bubble / ideal = (1/v)(p - 1)/m; peak on rank 0
+    # interleaved 1F1B (Narayanan et al. 2021): bubble / ideal = (1/v)(p - 1)/m; peak on rank 0
     # p(1 + (p - 1)/(p v)) micro-batches (a chunk counts 1/v) once m >= 2p, all m when m = p
     m = groups * p
     t_f, t_b = 2 * v, 3 * v  # each chunk's F and B take 2 and 3: every time an integer

@@ -14,7 +14,7 @@ from plait.schedule.timing import clock_cycles, compute_needs, format_timeline, 
 @pytest.mark.parametrize("p", range(1, 6))
 @pytest.mark.parametrize("m", range(1, 10))
 def test_step_length_and_bubble(p: int, m: int) -> None:
-    # ANCHORS / Megatron: batch time (m + p - 1)(t_f + t_b); bubble (p - 1)(t_f + t_b) per stage
+    # Narayanan et al. 2021 (Megatron-LM): batch time (m + p - 1)(t_f + t_b); bubble (p - 1)(t_f + t_b) per stage
     for make in (gpipe, one_f_one_b):
         start = clock_cycles(make(p, m), p)
         step = max(start.values()) + 1
