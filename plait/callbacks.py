@@ -1,12 +1,12 @@
-"""Training callbacks: the progress bar and the history."""
+"""Training callbacks: the progress bar, the history, and the plan printed after the first step."""
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from typing import Any, Callable, Iterable, TextIO
 
-__all__ = ["Callback", "ProgressBar", "History"]
+__all__ = ["Callback", "ProgressBar", "History", "PlanPrinter", "call_hooks"]
 
 Logs = dict[str, float]
 
@@ -120,3 +120,33 @@ class History(Callback):
 
     def __repr__(self) -> str:
         return f"History(epochs={len(self.epoch)}, keys={sorted(self.history)})"
+
+
+class PlanPrinter(Callback):
+    """Prints the plan and the planner's report after the first step, and the plan check once
+    it has measured; `describe()` gives (the plan, the report or None) as they are now."""
+
+    def __init__(self, describe: Callable[[], tuple[Any, Any]], enabled: bool = True) -> None:
+        self.describe, self.enabled = describe, enabled
+        self.shown: set[str] = set()
+
+    def on_batch_end(self, step: int, logs: Logs | None = None) -> None:
+        if not self.enabled:
+            return
+        plan, report = self.describe()
+        if "plan" not in self.shown:
+            print(plan, flush=True)
+            if report is not None:
+                print(report, flush=True)
+            self.shown.add("plan")
+        if "check" not in self.shown and report is not None and report.feedback is not None:
+            print(report.feedback.summary(), flush=True)
+            self.shown.add("check")
+
+
+def call_hooks(callbacks: Iterable[Any], hook: str, *args: Any) -> None:
+    """Call `hook` on every callback that has it (a callback need not subclass Callback)."""
+    for cb in callbacks:
+        fn = getattr(cb, hook, None)
+        if fn is not None:
+            fn(*args)

@@ -10,7 +10,7 @@ import torch
 
 from plait.errors import ConfigError
 
-__all__ = ["METRICS", "logits_of", "check_metrics"]
+__all__ = ["METRICS", "logits_of", "check_metrics", "logs_of"]
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -48,3 +48,14 @@ def check_metrics(names: Sequence[str] | None) -> list[str]:
     if unknown:
         raise ConfigError(f"unknown metrics {unknown}; plait knows {sorted(METRICS)}")
     return names
+
+
+def logs_of(names: Sequence[str], sums: Sequence[float], rows: float) -> dict[str, float]:
+    """The logs of summed step statistics: the mean loss over `rows`, then each metric's ratio.
+
+    `sums` is [sum of loss x rows, then (correct, counted) per metric in `names`' order].
+    """
+    logs = {"loss": sums[0] / rows}
+    for i, name in enumerate(names):
+        logs[name] = sums[1 + 2 * i] / max(sums[2 + 2 * i], 1.0)
+    return logs

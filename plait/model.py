@@ -3,42 +3,38 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from plait import data as batching
-from plait.callbacks import History, ProgressBar
+from plait.callbacks import History, PlanPrinter, ProgressBar, call_hooks
 from plait.capture.output import flatten_output, unflatten_output
 from plait.checkpoint import disk as checkpoint
 from plait.checkpoint import train_state
 from plait.checkpoint.model_checkpoints import ModelCheckpoints
 from plait.checkpoint.resume import ResumePoint, resume_point
 from plait.config import Config
-from plait.errors import CheckpointError, ConfigError, PlaitError
+from plait.errors import ConfigError, PlaitError
 from plait.job.process_group import init_process_group
-from plait.metrics import check_metrics
+from plait.metrics import check_metrics, logs_of
 from plait.plan import Plan
-from plait.plan.feedback import Feedback, should_replan
 from plait.plan.report import PlanReport
-from plait.planner.check import PlanCheck
+from plait.planner.closed_loop import ClosedLoop
 from plait.planner.layout import Layout, choose_layout
-from plait.planner.replan import replan
 from plait.runtime.collectives import broadcast_state, gather_state_dict, local_device
 from plait.runtime.pipeline import Pipeline, build_pipeline
 from plait.runtime.report import failure_error
-from plait.runtime.step import StepRunner, num_stats
+from plait.runtime.step import OptimizerArg, StepRunner, make_optimizer, num_stats
 
 __all__ = ["Model"]
 
 log = logging.getLogger("plait")
-
-OptimizerArg = torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None
-
 
 class Model:
     """Train `net` as a pipeline over every rank of the job; the same script runs on each rank.
@@ -81,7 +77,7 @@ class Model:
         self.step = 0  # training steps (global batches) run, counted on from a loaded checkpoint
         self._checkpoints = ModelCheckpoints(net, self.rank, self.world_size, self.config.timeout_s)
         self._layout: Layout | None = None  # the planned layout, the same on every rank
-        self._check: PlanCheck | None = None  # the closed loop: first steps against the plan
+        self._loop: ClosedLoop | None = None  # the planned run's first steps against the plan
 
     # -- building ------------------------------------------------------------------------------
 
@@ -92,7 +88,8 @@ class Model:
                 self._layout = choose_layout(self.net, x, y, self.config, self.world_size, self.rank,
                                              self.loss, self._optimizer_arg, self._checkpoints.resumed_plan)
                 if self._layout.report is not None:
-                    self._check = PlanCheck(self._layout.report, self.world_size)
+                    self._loop = ClosedLoop(self._layout.report, self.rank, self.world_size,
+                                            self.config.timeout_s, self.config.replan)
             self._build(self._layout, x)
         assert self._train is not None
         if train:
@@ -109,7 +106,7 @@ class Model:
         pipe = build_pipeline(self.net, x, self.num_stages, layers, self.config, self.rank,
                               self.world_size, self.loss, train=True, device=self.device)
         self._train, self._eval = StepRunner(pipe, self.net, self.metrics, self.device, train=True), None
-        self.optimizer = _make_optimizer(self._optimizer_arg, pipe.local_parameters)
+        self.optimizer = make_optimizer(self._optimizer_arg, pipe.local_parameters)
         mine = {id(p) for p in pipe.local_parameters}
         for p in self.net.parameters():  # stale gradients elsewhere would make the
             if id(p) not in mine:        # optimizer step parameters this rank does not train
@@ -129,7 +126,7 @@ class Model:
         """The planner's choice (table, alternatives, JSON) and, after the first steps, the
         measured-vs-predicted check; None when the layout was given (layers_per_proc)."""
         self._built()
-        return self._layout.report if self._layout is not None else None
+        return self._loop.report if self._loop is not None else None
 
     def _built(self) -> StepRunner:
         if self._train is None:
@@ -156,39 +153,22 @@ class Model:
                 missing = "loss" if self.loss is None else "optimizer"
                 raise ConfigError(f"training needs a {missing}: pass {missing}=... to plait.Model")
             self._checkpoints.apply_pending(runner.pipe, self.optimizer)
-            if self._check is not None:
-                self._check.before_step(runner.pipe.interpreter, self.step + 1)
+            if self._loop is not None:
+                self._loop.before_step(runner.pipe.interpreter, self.step + 1)
         result = runner.run(x, y, keep_outputs, self.step, self.optimizer if train else None)
         if train:
             self.step += 1
-            if self._check is not None and not self._check.done:
-                self._after_measured_step(runner.pipe, x)
+            if self._loop is not None and not self._loop.done:
+                replanned = self._loop.after_step(runner.pipe.interpreter, self.step)
+                if replanned is not None:
+                    self._relayout(replanned, x)
         return result.sums, result.outputs, result.skipped
 
-    def _after_measured_step(self, pipe: Pipeline, x: Any) -> None:
-        """The closed loop after a training step: the plan check, logged and kept; a replan when
-        asked and due (one per run; the new layout is only checked)."""
-        assert self._check is not None and self._layout is not None
-        feedback = self._check.after_step(pipe.interpreter, self.step)
-        report = self._layout.report
-        if feedback is None or report is None:
-            return
-        if self.rank == 0:
-            log.info("%s", feedback.summary())
-        report = dataclasses.replace(report, feedback=feedback)
-        self._layout = dataclasses.replace(self._layout, report=report)
-        if self.config.replan and self._check.first_step == 0 and report.costs is not None \
-                and should_replan(feedback):
-            self._replan(report, feedback, x)
-
-    def _replan(self, report: PlanReport, feedback: Feedback, x: Any) -> None:
-        """Re-lay the model out on the replanned layers: save -> rebuild -> restore."""
-        new = replan(report, feedback, self.step, self.rank, self.world_size, self.config.timeout_s)
-        if new is None:
-            return
-        assert self._train is not None and self._layout is not None
-        layers = tuple(int(n) for n in new.chosen["layers_per_stage"])
-        layout = Layout(dataclasses.replace(self.config, layers_per_proc=layers), self.num_stages, new)
+    def _relayout(self, report: PlanReport, x: Any) -> None:
+        """Move the model to the replanned layout: save -> rebuild -> restore (checkpoint machinery)."""
+        assert self._train is not None
+        layers = tuple(int(n) for n in report.chosen["layers_per_stage"])
+        layout = Layout(dataclasses.replace(self.config, layers_per_proc=layers), self.num_stages, report)
 
         def rebuild() -> tuple[Pipeline, torch.optim.Optimizer | None]:
             self._layout = layout
@@ -197,13 +177,6 @@ class Model:
             return self._train.pipe, self.optimizer
 
         self._checkpoints.carry_over(self.step, self._train.pipe, self.optimizer, self.config, rebuild)
-        self._check = PlanCheck(new, self.world_size, first_step=self.step)
-
-    def _logs(self, sums: list[float], rows: float) -> dict[str, float]:
-        logs = {"loss": sums[0] / rows}
-        for i, name in enumerate(self.metrics):
-            logs[name] = sums[1 + 2 * i] / max(sums[2 + 2 * i], 1.0)
-        return logs
 
     def train_on_batch(self, x: Any, y: Any) -> float:
         """One optimizer step on one global batch; returns its mean loss (same on every rank)."""
@@ -233,59 +206,58 @@ class Model:
         history = History()
         batches_per_epoch = batching.count_batches(x, batch_size)
         order = batching.data_order(x, batch_size, shuffle, batches_per_epoch, self.config.seed)
-        start: ResumePoint | None = None
-        root = self.config.checkpoint_dir
-        if root is not None and self.step == 0 and self._checkpoints.pending is None:  # a fresh model resumes
-            found = self._checkpoints.choose(root)
-            if found is not None:
-                start = resume_point(found, order)
-                self._restore(found)
-                history.epoch, history.history = start.history_epochs, start.history
-                if self.rank == 0:
-                    log.info("plait: resumed from %s (step %d, epoch %d, batch %d)", found.path,
-                             found.step, start.epoch, start.batch)
         cbs: list[Any] = list(callbacks) + [history]
-        if verbose:
+        if verbose:  # the plan is printed first, then the step's progress
+            cbs.insert(0, PlanPrinter(lambda: (self.plan, self.plan_report), enabled=self.rank == 0))
             cbs.append(ProgressBar(batches_per_epoch, epochs, enabled=self.rank == 0))
-        printed_plan = printed_check = False
+        fit = _Fit(x, y, batch_size, shuffle, order, history, cbs)
+
+        # resume: a fresh model with a checkpoint_dir goes on from the latest checkpoint there
+        start = self._resume(order, history)
+
+        # epochs of global batches, a checkpoint every checkpoint_every steps and at the end
         for epoch in range(start.epoch if start else 0, epochs):
-            for cb in cbs:
-                _call(cb, "on_epoch_begin", epoch, {})
-            totals = [0.0] * num_stats(self.metrics)
-            rows_seen, skip = 0, 0
-            if start is not None and epoch == start.epoch and start.totals is not None:
-                totals, rows_seen, skip = list(start.totals), start.rows_seen, start.batch
-            batches = batching.epoch_batches(x, y, batch_size, shuffle, self.config.seed, epoch, skip)
-            for step, (xb, yb) in enumerate(batches, start=skip):
-                stats, _, skipped = self._run(xb, yb, train=True, keep_outputs=False)
-                if verbose and not printed_plan and self.rank == 0:
-                    print(self.plan, flush=True)
-                    if self.plan_report is not None:
-                        print(self.plan_report, flush=True)
-                    printed_plan = True
-                report = self.plan_report
-                if verbose and not printed_check and report and report.feedback and self.rank == 0:
-                    print(report.feedback.summary(), flush=True)
-                    printed_check = True
-                if not skipped:  # a skipped step's NaN loss stays out of the epoch's logs
-                    rows_seen += batching.num_rows(xb)
-                    totals = [t + s for t, s in zip(totals, stats)]
-                for cb in cbs:
-                    _call(cb, "on_batch_end", step, self._logs(totals, max(rows_seen, 1)))
-                every = self.config.checkpoint_every
-                if root is not None and every is not None and self.step % every == 0:
-                    self._save(root, {**order, "epoch": epoch, "batch": step + 1, "totals": totals,
-                                      "rows_seen": rows_seen, "history_epochs": history.epoch,
-                                      "history": history.history})
-            logs = self._logs(totals, max(rows_seen, 1))
-            for cb in cbs:
-                _call(cb, "on_epoch_end", epoch, logs)
+            call_hooks(fit.callbacks, "on_epoch_begin", epoch, {})
+            logs = self._epoch(fit, epoch, start if start is not None and epoch == start.epoch else None)
+            call_hooks(fit.callbacks, "on_epoch_end", epoch, logs)
             last = self.config.checkpoint_every is None or epoch == epochs - 1
-            if root is not None and last and self._checkpoints.saved_step != self.step:
-                self._save(root, {**order, "epoch": epoch + 1, "batch": 0, "totals": None, "rows_seen": 0,
-                                  "history_epochs": history.epoch, "history": history.history})
+            if self.config.checkpoint_dir is not None and last and self._checkpoints.saved_step != self.step:
+                self._save(self.config.checkpoint_dir, fit.position(epoch + 1, 0, None, 0))
         self.write_trace()
         return history
+
+    def _resume(self, order: dict[str, Any], history: History) -> ResumePoint | None:
+        """Restore the latest checkpoint under Config.checkpoint_dir into a fresh model; where to go on."""
+        root = self.config.checkpoint_dir
+        if root is None or self.step != 0 or self._checkpoints.pending is not None:
+            return None
+        found = self._checkpoints.choose(root)
+        if found is None:
+            return None
+        start = resume_point(found, order)
+        self._restore(found)
+        history.epoch, history.history = start.history_epochs, start.history
+        if self.rank == 0:
+            log.info("plait: resumed from %s (step %d, epoch %d, batch %d)", found.path,
+                     found.step, start.epoch, start.batch)
+        return start
+
+    def _epoch(self, fit: "_Fit", epoch: int, start: ResumePoint | None) -> dict[str, float]:
+        """One epoch's steps (from a resumed position inside it, if `start`); its logs."""
+        totals, rows_seen, skip = [0.0] * num_stats(self.metrics), 0, 0
+        if start is not None and start.totals is not None:
+            totals, rows_seen, skip = list(start.totals), start.rows_seen, start.batch
+        batches = batching.epoch_batches(fit.x, fit.y, fit.batch_size, fit.shuffle, self.config.seed, epoch, skip)
+        for step, (xb, yb) in enumerate(batches, start=skip):
+            stats, _, skipped = self._run(xb, yb, train=True, keep_outputs=False)
+            if not skipped:  # a skipped step's NaN loss stays out of the epoch's logs
+                rows_seen += batching.num_rows(xb)
+                totals = [t + s for t, s in zip(totals, stats)]
+            call_hooks(fit.callbacks, "on_batch_end", step, logs_of(self.metrics, totals, max(rows_seen, 1)))
+            every, root = self.config.checkpoint_every, self.config.checkpoint_dir
+            if root is not None and every is not None and self.step % every == 0:
+                self._save(root, fit.position(epoch, step + 1, totals, rows_seen))
+        return logs_of(self.metrics, totals, max(rows_seen, 1))
 
     def write_trace(self) -> str | None:
         """Write this rank's timeline to `Config.trace_dir` (fit does it at its end); returns the path.
@@ -303,7 +275,7 @@ class Model:
             stats, _, _ = self._run(batching.slice_rows(x, a, b), batching.slice_rows(y, a, b),
                                  train=False, keep_outputs=False)
             totals = [t + s for t, s in zip(totals, stats)]
-        return self._logs(totals, batching.num_rows(x))
+        return logs_of(self.metrics, totals, batching.num_rows(x))
 
     def predict(self, x: Any, batch_size: int | None = None) -> Any:
         """The model's outputs for all of x, on every rank (tensor leaves joined along dim 0)."""
@@ -363,15 +335,11 @@ class Model:
         with weights_only=True). A checkpoint restores the parameters, the optimizer state of
         this rank's parameters (whatever layout saved it) and, with the same layout, the RNGs.
         """
-        path = Path(path)
-        if path.is_file():
+        if Path(path).is_file():
             self.load_state_dict(checkpoint.read_plain(path))
             return self.step
-        found = self._checkpoints.choose(path)
-        if found is None:
-            raise CheckpointError(f"{path} holds no complete plait checkpoint (no step-*/ with a valid meta.json)")
-        self._restore(found)
-        return found.step
+        self._restore(self._checkpoints.find(path))
+        return self.step
 
     def _restore(self, ckpt: checkpoint.Checkpoint) -> None:
         pipe = self._train.pipe if self._train is not None else None
@@ -383,18 +351,19 @@ class Model:
         return failure_error(what, self.rank, error, self.config.timeout_s)
 
 
-def _make_optimizer(arg: OptimizerArg, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
-    """The optimizer of this rank's parameters: the user's, or made by their callable."""
-    if arg is None or isinstance(arg, torch.optim.Optimizer):
-        return arg
-    if callable(arg):
-        return arg(params)
-    raise ConfigError(
-        f"optimizer must be a torch.optim.Optimizer or a callable params -> optimizer, got {type(arg).__name__}"
-    )
+@dataclass
+class _Fit:
+    """One call of `fit`: its data, order, history and callbacks, and what it has printed."""
 
+    x: Any
+    y: Any
+    batch_size: int | None
+    shuffle: bool
+    order: dict[str, Any]
+    history: History
+    callbacks: list[Any]
 
-def _call(cb: Any, hook: str, *args: Any) -> None:
-    fn = getattr(cb, hook, None)
-    if fn is not None:
-        fn(*args)
+    def position(self, epoch: int, batch: int, totals: list[float] | None, rows_seen: int) -> dict[str, Any]:
+        """The data position a checkpoint saves (`plait.checkpoint.resume` reads it back)."""
+        return {**self.order, "epoch": epoch, "batch": batch, "totals": totals, "rows_seen": rows_seen,
+                "history_epochs": self.history.epoch, "history": self.history.history}

@@ -30,6 +30,7 @@ from plait.checkpoint import train_state
 from plait.checkpoint.checkpointer import Checkpointer
 from plait.checkpoint.disk import Checkpoint, read_parameters
 from plait.config import Config
+from plait.errors import CheckpointError
 from plait.runtime.agree import agree
 from plait.runtime.collectives import sum_floats
 
@@ -60,6 +61,13 @@ class ModelCheckpoints:
     def choose(self, root: str | os.PathLike[str]) -> Checkpoint | None:
         """The checkpoint to load under `root` (the same on every rank), or None."""
         return self.checkpointer.choose(root)
+
+    def find(self, path: str | os.PathLike[str]) -> Checkpoint:
+        """The checkpoint `path` names (a directory of checkpoints, or one step's); an error if none."""
+        found = self.choose(path)
+        if found is None:
+            raise CheckpointError(f"{path} holds no complete plait checkpoint (no step-*/ with a valid meta.json)")
+        return found
 
     def save(self, root: str | os.PathLike[str], step: int, pipe: Pipeline | None,
              optimizer: torch.optim.Optimizer | None, config: Config, data: dict[str, Any] | None) -> Path:

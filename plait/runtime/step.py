@@ -16,12 +16,13 @@ ranks that went silent (`plait.runtime.report`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from plait import data as batching
+from plait.errors import ConfigError
 from plait.metrics import METRICS
 from plait.runtime.collectives import start_sum_floats
 from plait.runtime.interpreter import MicroBatch
@@ -29,12 +30,26 @@ from plait.runtime.nonfinite import NonFiniteWatch, verdict
 from plait.runtime.pipeline import Pipeline
 from plait.runtime.report import failure_error
 
-__all__ = ["StepResult", "StepRunner", "num_stats"]
+__all__ = ["OptimizerArg", "StepResult", "StepRunner", "make_optimizer", "num_stats"]
+
+# The user's optimizer: an instance (over the whole net), or a callable made over this rank's parameters.
+OptimizerArg = torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None
 
 
 def num_stats(metrics: Sequence[str]) -> int:
     """Length of a step's sums: the loss x rows, then (correct, counted) per metric."""
     return 1 + 2 * len(metrics)
+
+
+def make_optimizer(arg: OptimizerArg, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+    """The optimizer of this rank's parameters: the user's, or made by their callable."""
+    if arg is None or isinstance(arg, torch.optim.Optimizer):
+        return arg
+    if callable(arg):
+        return arg(params)
+    raise ConfigError(
+        f"optimizer must be a torch.optim.Optimizer or a callable params -> optimizer, got {type(arg).__name__}"
+    )
 
 
 @dataclass(frozen=True)
