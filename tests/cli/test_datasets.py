@@ -12,7 +12,7 @@ import torch
 
 from plait.cli import datasets
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"  # ../shared/data/mnist from the project root
 
 

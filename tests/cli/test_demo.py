@@ -10,7 +10,7 @@ import torch
 
 from plait.cli.demo import PaperCNN
 
-MNIST = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
+MNIST = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mnist"
 
 
 @pytest.mark.parametrize("side, flat", [(28, 9216), (8, 256)])

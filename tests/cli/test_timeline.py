@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from plait.cli import main as cli
+from plait.cli.main import main as plait_main
 from plait.cli import timeline
 from plait.schedule import simulate
 from plait.runtime.trace import Tracer
@@ -169,7 +169,7 @@ def test_draw_measured_and_simulation(tmp_path: Path, small_trace: Path) -> None
 def test_cli_timeline_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace_dir = measured_trace(tmp_path / "run", "1f1b", 4, 8)
     out, merged = tmp_path / "timeline.png", tmp_path / "all.json"
-    assert cli.main(["timeline", str(trace_dir), "-o", str(out), "--perfetto", str(merged)]) == 0
+    assert plait_main(["timeline", str(trace_dir), "-o", str(out), "--perfetto", str(merged)]) == 0
     bubble = timeline.bubble_fraction(timeline.load(trace_dir), 1)
     assert capsys.readouterr().out == (f"step 1: measured bubble {bubble:.1%}; wrote {out}\n"
                                        f"wrote {merged}\n")
@@ -178,9 +178,9 @@ def test_cli_timeline_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert len(events) == sum(len(json.loads(f.read_text())["traceEvents"])
                               for f in trace_dir.iterdir())
     assert {e["pid"] for e in events} == {0, 1, 2, 3}
-    assert cli.main(["timeline", str(trace_dir), "-o", str(out), "--step", "5"]) == 1
+    assert plait_main(["timeline", str(trace_dir), "-o", str(out), "--step", "5"]) == 1
     assert "step 5 is not a complete training step" in capsys.readouterr().err
-    assert cli.main(["timeline", str(tmp_path / "none"), "-o", str(out)]) == 1
+    assert plait_main(["timeline", str(tmp_path / "none"), "-o", str(out)]) == 1
     assert "none does not exist; point at" in capsys.readouterr().err
 
 
@@ -217,7 +217,7 @@ def test_cli_simulate_prints_and_draws(tmp_path: Path, capsys: pytest.CaptureFix
                              "peak activations  8, 8, 8, 8 (micro-batches held at once, per rank)\n"
                              f"wrote {out}\n")
     assert_png(out)
-    assert cli.main(["simulate", "--schedule", "nope", "--stages", "4", "--microbatches", "8",
+    assert plait_main(["simulate", "--schedule", "nope", "--stages", "4", "--microbatches", "8",
                      "--t-f", "1", "--t-b", "2"]) == 1
     assert capsys.readouterr().err.startswith(
         "plait simulate: error: unknown schedule 'nope'; known schedules: 1f1b, gpipe")
@@ -233,7 +233,7 @@ def test_cli_simulate_rejects_bad_numbers(args: list[str], message: str,
     base = {"--stages": "4", "--microbatches": "8", "--t-f": "1", "--t-b": "2"}
     base.update(zip(args[::2], args[1::2]))
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["simulate", *[x for kv in base.items() for x in kv]])
+        plait_main(["simulate", *[x for kv in base.items() for x in kv]])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 

@@ -1,4 +1,5 @@
-"""Tests for plait.job.launch and `plait run`: argument building, and real 2-rank launches."""
+"""Tests for plait.job.launch and `plait run`: argument building, and real 2-rank launches (the
+command line itself: tests/cli/test_main.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from plait.job import launch
-from plait.cli.main import build_parser
 from tests.launching import PROC, clean_env, listening_addresses
 
 
@@ -60,18 +60,6 @@ def test_launch_spec_rejects_bad_values(kwargs: dict[str, int], message: str) ->
     fields = {"target": "t.py", "target_args": (), "nproc": 2, **kwargs}
     with pytest.raises(ValueError, match=message):
         launch.LaunchSpec(**fields)  # type: ignore[arg-type]
-
-
-def test_cli_run_passes_everything_after_the_script() -> None:
-    args = build_parser().parse_args(["run", "-n", "2", "--max-restarts", "1", "train.py", "-n", "5", "--x"])
-    assert (args.nproc, args.max_restarts, args.script) == (2, 1, "train.py")
-    assert args.script_args == ["-n", "5", "--x"]
-
-
-def test_cli_several_nodes() -> None:
-    args = build_parser().parse_args(["run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "node0",
-                                      "--master-port", "29400", "-n", "4", "t.py"])
-    assert (args.nnodes, args.node_rank, args.master_addr, args.master_port, args.nproc) == (2, 1, "node0", 29400, 4)
 
 
 @pytest.mark.timeout(100)
