@@ -15,6 +15,7 @@ from torch import nn
 from plait import data as batching
 from plait.callbacks import History, PlanPrinter, ProgressBar, call_hooks
 from plait.capture.output import flatten_output, unflatten_output
+from plait.capture.trace import CapturedGraph, capture_batch
 from plait.checkpoint import disk as checkpoint
 from plait.checkpoint import train_state
 from plait.checkpoint.model_checkpoints import ModelCheckpoints
@@ -26,7 +27,7 @@ from plait.metrics import check_metrics, logs_of
 from plait.plan import Plan
 from plait.plan.report import PlanReport
 from plait.planner.closed_loop import ClosedLoop
-from plait.planner.layout import Layout, choose_layout
+from plait.planner.layout import Layout, Workload, choose_layout, layout_of
 from plait.runtime.collectives import broadcast_state, gather_state_dict, local_device
 from plait.runtime.pipeline import Pipeline, build_pipeline
 from plait.runtime.report import failure_error
@@ -77,34 +78,45 @@ class Model:
         self.step = 0  # training steps (global batches) run, counted on from a loaded checkpoint
         self._checkpoints = ModelCheckpoints(net, self.rank, self.world_size, self.config.timeout_s)
         self._layout: Layout | None = None  # the planned layout, the same on every rank
+        self._captured: CapturedGraph | None = None  # the model captured in train mode, once
         self._loop: ClosedLoop | None = None  # the planned run's first steps against the plan
 
     # -- building ------------------------------------------------------------------------------
 
     def _runner(self, x: Any, train: bool, y: Any = None) -> StepRunner:
-        """The step runner of the training or evaluation pipeline, laid out and built on first use."""
+        """The step runner of the training or evaluation pipeline, laid out and built on first use.
+
+        The model is captured once (train mode) on the first batch it sees; the planner and the
+        pipeline take that graph. Evaluation captures it once more, in eval mode.
+        """
         if self._train is None:
             if self._layout is None:
-                self._layout = choose_layout(self.net, x, y, self.config, self.world_size, self.rank,
-                                             self.loss, self._optimizer_arg, self._checkpoints.resumed_plan)
+                work = Workload(self.net, capture_batch(self.net, x, train=True), x, y, self.loss,
+                                self._optimizer_arg)
+                self._layout = choose_layout(work, self.config, self.world_size, self.rank,
+                                             self._checkpoints.resumed_plan)
                 if self._layout.report is not None:
                     self._loop = ClosedLoop(self._layout.report, self.rank, self.world_size,
                                             self.config.timeout_s, self.config.replan)
-            self._build(self._layout, x)
+                self._captured = work.captured
+            self._build(self._layout)
         assert self._train is not None
         if train:
             return self._train
         if self._eval is None:
-            pipe = self._train.pipe.for_eval(self.net, x, self.loss)
+            captured = self._train.pipe.captured
+            if captured.method == "torch.export":  # the mode is baked into the graph
+                captured = capture_batch(self.net, x, train=False)
+            pipe = self._train.pipe.for_eval(captured, self.loss)
             self._eval = StepRunner(pipe, self.net, self.metrics, self.device, train=False)
         return self._eval
 
-    def _build(self, layout: Layout, x: Any) -> None:
+    def _build(self, layout: Layout) -> None:
         """This rank's training pipeline and optimizer for `layout`."""
+        assert self._captured is not None
         self.config, self.num_stages = layout.config, layout.num_stages
-        layers = self.config.layers_per_proc if self.num_stages > 1 else None
-        pipe = build_pipeline(self.net, x, self.num_stages, layers, self.config, self.rank,
-                              self.world_size, self.loss, train=True, device=self.device)
+        pipe = build_pipeline(self.net, self._captured, layout.plan, self.config, self.rank, self.loss,
+                              self.device)
         self._train, self._eval = StepRunner(pipe, self.net, self.metrics, self.device, train=True), None
         self.optimizer = make_optimizer(self._optimizer_arg, pipe.local_parameters)
         mine = {id(p) for p in pipe.local_parameters}
@@ -167,12 +179,14 @@ class Model:
     def _relayout(self, report: PlanReport, x: Any) -> None:
         """Move the model to the replanned layout: save -> rebuild -> restore (checkpoint machinery)."""
         assert self._train is not None
+        assert self._captured is not None
         layers = tuple(int(n) for n in report.chosen["layers_per_stage"])
-        layout = Layout(dataclasses.replace(self.config, layers_per_proc=layers), self.num_stages, report)
+        work = Workload(self.net, self._captured, x)
+        layout = layout_of(dataclasses.replace(self.config, layers_per_proc=layers), work, self.world_size, report)
 
         def rebuild() -> tuple[Pipeline, torch.optim.Optimizer | None]:
             self._layout = layout
-            self._build(layout, x)
+            self._build(layout)
             assert self._train is not None
             return self._train.pipe, self.optimizer
 

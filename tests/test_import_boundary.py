@@ -6,7 +6,8 @@ along the order written here, so that the packages form a chain, never a loop):
 
     base        errors, config, data, metrics, callbacks  (the top-level modules but model)
     pure        capture, schedule, plan                   (no torch.distributed)
-    job-side    runtime -> planner, checkpoint, job       (runtime is beneath the other three)
+    job-side    runtime, job -> planner, checkpoint       (planner and checkpoint use runtime's
+                                                          collectives; planner reads job's ranks)
     model       model                                     (the public Model)
     cli         cli                                       (the `plait` command)
 """
@@ -30,7 +31,7 @@ ALLOWED = {
     "schedule": BASE,
     "plan": BASE | {"schedule"},
     "runtime": BASE | {"capture", "schedule", "plan"},
-    "planner": BASE | {"capture", "schedule", "plan", "runtime"},
+    "planner": BASE | {"capture", "schedule", "plan", "runtime", "job"},
     "checkpoint": BASE | {"runtime"},
     "job": BASE,
     "model": BASE | {"capture", "schedule", "plan", "runtime", "planner", "checkpoint", "job"},

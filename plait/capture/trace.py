@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -13,11 +12,12 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from plait import data as batching
 from plait.capture.layers import LayerAssignment, assign_layers
 from plait.capture.output import OutputSpec, flatten_output, unflatten_output
 from plait.errors import CaptureError
 
-__all__ = ["CapturedGraph", "capture", "is_local"]
+__all__ = ["CapturedGraph", "capture", "capture_batch", "sample_rows", "is_local"]
 
 log = logging.getLogger("plait")
 
@@ -40,6 +40,7 @@ class CapturedGraph:
     layers: LayerAssignment
     bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]]
     finish: Callable[[Any], Any]
+    output_spec: OutputSpec | None = None  # the structure of net's output (`capture_batch` sets it)
 
 
 def is_local(node: fx.Node) -> bool:
@@ -51,10 +52,6 @@ def is_local(node: fx.Node) -> bool:
     if node.op == "call_method" and node.target == "size":
         return isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
     return False
-
-
-# Captures of live modules, so a second Model of the same module does not trace it again.
-_CACHE: "weakref.WeakKeyDictionary[nn.Module, dict[Any, CapturedGraph]]" = weakref.WeakKeyDictionary()
 
 
 def _fingerprint(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -82,17 +79,8 @@ def capture(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Ca
 
     torch.export(strict=False) handles most real models (transformers with RoPE, masks, output
     dataclasses); torch.fx.symbolic_trace is the fallback. Both failing raises CaptureError with
-    the construct each tracer stopped at. A module captured before with the same fingerprint
-    (mode, module tree and flags, parameter objects, input kinds) reuses that capture.
+    the construct each tracer stopped at.
     """
-    key = _fingerprint(net, args, kwargs)
-    known = _CACHE.setdefault(net, {})
-    if key not in known:
-        known[key] = _capture(net, args, kwargs)
-    return known[key]
-
-
-def _capture(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CapturedGraph:
     try:
         return _capture_export(net, args, kwargs)
     except Exception as export_error:  # noqa: BLE001 - every tracer failure leads to the fallback
@@ -106,6 +94,36 @@ def _capture(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> C
                 f"{_first_line(fx_error)}. Make that construct traceable (for example avoid "
                 "data-dependent Python control flow on tensor values), or wrap it in a leaf module"
             ) from fx_error
+
+
+def sample_rows(x: Any) -> Any:
+    """Two rows of a batch (one duplicated if there is only one): a size-1 batch would fix dim 0."""
+    if batching.num_rows(x) >= 2:
+        return batching.slice_rows(x, 0, 2)
+    return batching.take(x, torch.tensor([0, 0]))
+
+
+def capture_batch(net: nn.Module, x: Any, train: bool = True) -> CapturedGraph:
+    """Capture `net` on two rows of `x` (a batch as `fit` takes it) in train or eval mode (a
+    torch.export graph bakes the mode in), with the structure of its output; `net` keeps its mode.
+
+    A model is captured once in train mode (`Model` passes the graph to the planner and the
+    pipeline) and, for evaluation, once in eval mode.
+    """
+    args, kwargs = batching.as_call(sample_rows(x))
+    was_training = net.training
+    net.train(train)
+    try:
+        captured = capture(net, args, kwargs)
+    finally:
+        net.train(was_training)
+    with torch.no_grad(), torch.random.fork_rng():
+        net.eval()
+        try:
+            _, output_spec = flatten_output(net(*args, **kwargs))
+        finally:
+            net.train(was_training)
+    return replace(captured, output_spec=output_spec)
 
 
 def _first_line(error: BaseException) -> str:

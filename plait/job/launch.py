@@ -12,6 +12,8 @@ import socket
 import uuid
 from typing import TYPE_CHECKING, Iterator
 
+from plait.job.ranks import threads_per_rank
+
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
@@ -139,14 +141,6 @@ def _register_loopback_rendezvous() -> None:
     rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, _create_loopback_handler)  # idempotent
 
 
-def _threads_per_rank(nproc: int) -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))  # the cores this process may use
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // nproc)
-
-
 @contextlib.contextmanager
 def _child_env(spec: LaunchSpec) -> Iterator[None]:
     """Set the ranks' environment (unless the user did), and restore ours afterwards.
@@ -156,7 +150,7 @@ def _child_env(spec: LaunchSpec) -> Iterator[None]:
     """
     from plait.job.process_group import loopback_interface_env
 
-    wanted = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(_threads_per_rank(spec.nproc))}
+    wanted = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(threads_per_rank(spec.nproc))}
     if spec.nnodes == 1:
         wanted.update(loopback_interface_env())
     os.environ.update(wanted)

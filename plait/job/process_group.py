@@ -18,6 +18,7 @@ from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-
 
 from plait.errors import ConfigError
 from plait.job.ranks import RankInfo, is_loopback, resolve_ranks
+from plait.job.ranks import local_world_size as local_world_size_of_env
 
 __all__ = ["init_process_group", "choose_backend", "resolve_ranks", "RankInfo", "create_store",
            "loopback_interface_env"]
@@ -31,8 +32,7 @@ def choose_backend(local_world_size: int | None = None) -> str:
     `local_world_size` defaults to LOCAL_WORLD_SIZE from the environment, else 1.
     """
     if local_world_size is None:
-        value = os.environ.get("LOCAL_WORLD_SIZE", "")
-        local_world_size = int(value) if value.isdigit() else 1
+        local_world_size = local_world_size_of_env()
     if torch.cuda.is_available():
         devices = torch.cuda.device_count()
         if devices >= local_world_size:

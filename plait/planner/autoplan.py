@@ -22,11 +22,13 @@ from plait import data as batching
 from plait.plan.buckets import DEFAULT_BUCKET_BYTES
 from plait.plan.cost import Cluster
 from plait.plan.devices import device
+from plait.capture.trace import CapturedGraph
+from plait.job.ranks import threads_per_rank
 from plait.plan.network import Network
 from plait.plan.search import Candidate, SearchSpace, format_table, search
 from plait.planner.profile import LayerProfile, OptimizerFactory, Slowest, profile
 
-__all__ = ["PlanOptions", "PlanResult", "plan_model", "profile_sample", "local_cluster", "threads_per_rank"]
+__all__ = ["PlanOptions", "PlanResult", "plan_model", "profile_sample", "local_cluster"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class PlanOptions:
     loss: Callable[[Any, Any], torch.Tensor] | None = None
     target: Any = None  # with `loss`: the sample's targets, so the last layer includes the loss
     slowest: Slowest | None = None
+    captured: CapturedGraph | None = None  # the model as captured (train mode); None: capture here
 
 
 @dataclass(frozen=True)
@@ -94,15 +97,6 @@ class PlanResult:
         return json.dumps(self.to_dict(), indent=1)
 
 
-def threads_per_rank(local_ranks: int) -> int:
-    """This machine's cores shared by `local_ranks` processes (what `plait run` gives each)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_ranks))
-
-
 def local_cluster(local_ranks: int, network: Network | None = None, memory_bytes: float | None = None,
                   optimizer_state_factor: float = 2.0, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> Cluster:
     """This machine as a cluster: its RAM shared by `local_ranks` processes (90% of it), and
@@ -128,7 +122,8 @@ def profile_sample(net: nn.Module, sample: Any, world_size: int, options: PlanOp
     return profile(net, args, kwargs, options.loss, target, options.repeats,
                    optimizer=options.optimizer,
                    threads=options.threads or threads_per_rank(world_size),
-                   cache_dir=options.cache_dir, reuse=options.reuse_profile, slowest=options.slowest)
+                   cache_dir=options.cache_dir, reuse=options.reuse_profile, slowest=options.slowest,
+                   captured=options.captured)
 
 
 def plan_model(net: nn.Module, sample: Any, world_size: int, global_batch: int,

@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from plait.job.ranks import local_world_size
 from plait.plan.network import Link, Network
 from plait.runtime.collectives import all_gather_text, broadcast_json, make_group
 
@@ -112,7 +113,7 @@ def calibrate(cache_dir: str | os.PathLike[str] | None = None, repeats: int = 5)
     node size and host names under `cache_dir`.
     """
     world = dist.get_world_size()
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+    per_node = local_world_size(world)
     hosts = all_gather_text(socket.gethostname())
     key = f"{dist.get_backend()}-{world}-{per_node}-{'-'.join(sorted(set(hosts)))}"
     path = Path(cache_dir) / f"network-{key}.json" if cache_dir is not None else None

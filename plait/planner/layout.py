@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -29,8 +28,11 @@ import torch
 from torch import nn
 
 from plait import data as batching
+from plait.capture.trace import CapturedGraph
+from plait.job.ranks import local_world_size
+from plait.plan import Plan
 from plait.planner.autoplan import PlanOptions, local_cluster, plan_model, profile_sample
-from plait.capture.trace import capture
+from plait.planner.resolve import resolve_plan
 from plait.config import SCHEDULE_NAMES, Config
 from plait.errors import ConfigError, PartitionError
 from plait.plan.cost import Cluster
@@ -41,42 +43,64 @@ from plait.runtime.agree import agree
 from plait.planner.calibrate import calibrate
 from plait.runtime.collectives import max_floats
 
-__all__ = ["Layout", "choose_layout", "candidate_fields", "load_plan_file"]
+__all__ = ["Workload", "Layout", "choose_layout", "layout_of", "candidate_fields", "load_plan_file"]
 
 log = logging.getLogger("plait")
 
-_LAYOUT_FIELDS = ("layers_per_proc", "num_stages", "dp", "num_microbatches", "schedule",
-                  "num_virtual_stages", "recompute")
+@dataclass(frozen=True)
+class Workload:
+    """What a run plans for: the model, its capture (train mode), a sample batch as `fit` takes it
+    (its rows are the global batch), the targets, the loss and the user's optimizer argument."""
+
+    net: nn.Module
+    captured: CapturedGraph
+    x: Any
+    y: Any = None
+    loss: Callable[[Any, Any], torch.Tensor] | None = None
+    optimizer: Any = None
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(self.captured.layers.layer_names)
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The config with every layout field set, and the planner's report (None: not planned)."""
+    """The config with every layout field set, the complete plan it resolves to, and the
+    planner's report (None: not planned)."""
 
     config: Config
-    num_stages: int  # ranks per pipeline
+    plan: Plan
     report: PlanReport | None
 
+    @property
+    def num_stages(self) -> int:
+        """Ranks per pipeline."""
+        return self.plan.pp
 
-def choose_layout(net: nn.Module, x: Any, y: Any, config: Config, world_size: int, rank: int,
-                  loss: Callable[[Any, Any], torch.Tensor] | None, optimizer: Any,
+
+def layout_of(config: Config, work: Workload, world_size: int, report: PlanReport | None = None) -> Layout:
+    """`config` (its sizes set) with the complete plan it gives on `world_size` ranks."""
+    return Layout(config, resolve_plan(config, world_size, work.captured, work.net), report)
+
+
+def choose_layout(work: Workload, config: Config, world_size: int, rank: int,
                   resumed_plan: dict[str, Any] | None = None) -> Layout:
     """The layout of this run (see the module's list); every rank returns the same one."""
     if world_size == 1:
-        return Layout(replace(config.with_defaults(), layers_per_proc=None, num_stages=None), 1, None)
+        return layout_of(replace(config.with_defaults(), layers_per_proc=None, num_stages=None), work, 1)
     if config.layers_per_proc is not None:
-        resolved = config.with_defaults()
-        return Layout(resolved, resolved.stages_for(world_size), None)
+        return layout_of(config.with_defaults(), work, world_size)
 
     network = None
     if config.plan is None and (resumed_plan is None or _resumed_fields(
-            resumed_plan, config, world_size, _layer_names(net, x)) is None):
+            resumed_plan, config, world_size, work.layer_names) is None):
         network = calibrate()  # rank 0 will search: it prices messages with this backend's link
         if rank != 0:
-            _profile_alongside(net, x, y, config, world_size, loss, optimizer)
+            _profile_alongside(work, config, world_size)
 
     def decide() -> dict[str, Any]:
-        return _decide(net, x, y, config, world_size, loss, optimizer, resumed_plan, network)
+        return _decide(work, config, world_size, resumed_plan, network)
 
     # Rank 0's profile may take longer than a step's waits: give it ten times as long.
     answer = agree(rank, decide, "layout plan", max(10 * config.timeout_s, 120.0))
@@ -88,7 +112,7 @@ def choose_layout(net: nn.Module, x: Any, y: Any, config: Config, world_size: in
     report = None if answer["report"] is None else PlanReport.from_dict(answer["report"], answer["table"])
     if rank == 0:
         log.info("plait: layout %s (%s)", fields, report.source if report else answer["source"])
-    return Layout(resolved, resolved.stages_for(world_size), report)
+    return layout_of(resolved, work, world_size, report)
 
 
 def candidate_fields(candidate: dict[str, Any]) -> dict[str, Any]:
@@ -100,22 +124,21 @@ def candidate_fields(candidate: dict[str, Any]) -> dict[str, Any]:
             "recompute": bool(candidate.get("recompute", False))}
 
 
-def _decide(net: nn.Module, x: Any, y: Any, config: Config, world_size: int,
-            loss: Callable[[Any, Any], torch.Tensor] | None, optimizer: Any,
-            resumed_plan: dict[str, Any] | None, network: Network | None = None) -> dict[str, Any]:
+def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[str, Any] | None,
+            network: Network | None = None) -> dict[str, Any]:
     """Rank 0's choice as JSON: {"fields", "report", "table", "source"}."""
     if config.plan is not None:
-        fields, report = load_plan_file(config.plan, _layer_names(net, x), world_size)
+        fields, report = load_plan_file(config.plan, work.layer_names, world_size)
         return {"fields": fields, "report": report.to_dict() if report else None,
                 "table": report.table if report else "", "source": f"plan file {config.plan}"}
     if resumed_plan is not None:
-        kept = _resumed_fields(resumed_plan, config, world_size, _layer_names(net, x))
+        kept = _resumed_fields(resumed_plan, config, world_size, work.layer_names)
         if kept is not None:
             return {"fields": kept, "report": None, "table": "", "source": "the resumed checkpoint"}
-    space, source, cluster = _search_inputs(config, world_size, x, optimizer, network)
-    options = replace(_profile_options(y, loss, optimizer), space=space)
+    space, source, cluster = _search_inputs(config, world_size, work, network)
+    options = replace(_profile_options(work), space=space)
     try:
-        result = plan_model(net, x, world_size, batching.num_rows(x), cluster, options)
+        result = plan_model(work.net, work.x, world_size, batching.num_rows(work.x), cluster, options)
     except (ConfigError, PartitionError):
         if config.plans_everything:
             raise
@@ -137,25 +160,25 @@ def _decide(net: nn.Module, x: Any, y: Any, config: Config, world_size: int,
     return {"fields": chosen, "report": report.to_dict(), "table": report.table, "source": source}
 
 
-def _search_inputs(config: Config, world_size: int, x: Any, optimizer: Any,
+def _search_inputs(config: Config, world_size: int, work: Workload,
                    network: Network | None) -> tuple[SearchSpace, str, Cluster]:
     """What the search may choose, the source it will report, and the cluster it prices with."""
-    space, source = _space(config, world_size, batching.num_rows(x))
-    cluster = local_cluster(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), network=network,
+    space, source = _space(config, world_size, batching.num_rows(work.x))
+    cluster = local_cluster(local_world_size(world_size), network=network,
                             memory_bytes=config.memory_limit_bytes,
-                            optimizer_state_factor=_state_factor(optimizer),
+                            optimizer_state_factor=_state_factor(work.optimizer),
                             bucket_bytes=config.bucket_cap_mb * 2**20)
     return space, source, cluster
 
 
-def _profile_options(y: Any, loss: Callable[[Any, Any], torch.Tensor] | None, optimizer: Any) -> PlanOptions:
+def _profile_options(work: Workload) -> PlanOptions:
     """A planning profile: every rank of the job (planning runs on several) profiles at once."""
-    return PlanOptions(optimizer=_optimizer_factory(optimizer), loss=loss, target=y if loss is not None else None,
-                       slowest=max_floats)
+    return PlanOptions(optimizer=_optimizer_factory(work.optimizer), loss=work.loss,
+                       target=work.y if work.loss is not None else None, slowest=max_floats,
+                       captured=work.captured)
 
 
-def _profile_alongside(net: nn.Module, x: Any, y: Any, config: Config, world_size: int,
-                       loss: Callable[[Any, Any], torch.Tensor] | None, optimizer: Any) -> None:
+def _profile_alongside(work: Workload, config: Config, world_size: int) -> None:
     """Run rank 0's profile on this rank too, at the same time, and drop the result.
 
     Ranks sharing a host share its caches and memory bandwidth: on 2 CPU ranks, a profile taken
@@ -168,11 +191,11 @@ def _profile_alongside(net: nn.Module, x: Any, y: Any, config: Config, world_siz
     report: it runs the same profile.
     """
     try:
-        _search_inputs(config, world_size, x, optimizer, None)
+        _search_inputs(config, world_size, work, None)
     except (ConfigError, PartitionError):
         return
     try:
-        profile_sample(net, x, world_size, _profile_options(y, loss, optimizer))
+        profile_sample(work.net, work.x, world_size, _profile_options(work))
     except Exception as error:  # noqa: BLE001 - rank 0 raises the same error in its own profile
         log.debug("plait: rank-side profile failed (rank 0 reports it): %s", error)
 
@@ -205,18 +228,6 @@ def _optimizer_factory(optimizer: Any) -> Any:
         kind, defaults = type(optimizer), dict(optimizer.defaults)
         return lambda params: kind(params, **defaults)
     return optimizer if callable(optimizer) else torch.optim.Adam
-
-
-def _layer_names(net: nn.Module, x: Any) -> tuple[str, ...]:
-    """The captured layer names, as the pipeline will capture them (train mode)."""
-    rows = batching.num_rows(x)
-    sample = batching.slice_rows(x, 0, 2) if rows >= 2 else batching.take(x, torch.tensor([0, 0]))
-    was_training = net.training
-    net.train(True)
-    try:
-        return tuple(capture(net, *batching.as_call(sample)).layers.layer_names)
-    finally:
-        net.train(was_training)
 
 
 def _resumed_fields(plan: dict[str, Any], config: Config, world_size: int,

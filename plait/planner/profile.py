@@ -45,7 +45,7 @@ from torch import nn
 
 from plait import data as batching
 from plait.capture.split import split
-from plait.capture.trace import _fingerprint, capture
+from plait.capture.trace import CapturedGraph, _fingerprint, capture
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
 
@@ -83,6 +83,7 @@ def profile(
     cache_dir: str | os.PathLike[str] | None = None,
     reuse: bool = True,
     slowest: Slowest | None = None,
+    captured: CapturedGraph | None = None,
 ) -> LayerProfile:
     """Measure every captured layer of `net` on the sample batch `net(*sample_args, **kwargs)`.
 
@@ -93,6 +94,7 @@ def profile(
     `slowest`: called by every rank profiling at once, with the same values in the same order
     (`plait.runtime.collectives.max_floats`): each round's whole-model times become the slowest
     rank's, and a cached profile is used only when every rank has one (else all measure).
+    `captured`: `net` as captured in train mode (`Model` captures once); None captures it here.
     """
     kwargs = dict(sample_kwargs or {})
     if not isinstance(repeats, int) or repeats < 1:
@@ -115,7 +117,8 @@ def profile(
     try:
         with torch.random.fork_rng():
             net.train(True)
-            costs = _measure(net, sample_args, kwargs, rows, loss, target, repeats, optimizer, slowest)
+            costs = _measure(net, sample_args, kwargs, rows, loss, target, repeats, optimizer, slowest,
+                             captured)
     finally:
         net.train(was_training)
         with torch.no_grad():
@@ -177,8 +180,9 @@ def _leaf(x: Any) -> Any:
 
 def _measure(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int,
              loss: Callable[[Any, Any], torch.Tensor] | None, target: Any, repeats: int,
-             optimizer: OptimizerFactory, slowest: Slowest | None) -> LayerCosts:
-    captured = capture(net, args, kwargs)
+             optimizer: OptimizerFactory, slowest: Slowest | None,
+             captured: CapturedGraph | None) -> LayerCosts:
+    captured = captured if captured is not None else capture(net, args, kwargs)
     names = captured.layers.layer_names
     stages = split(captured, list(range(len(names))))
     small = max(1, rows // 4)

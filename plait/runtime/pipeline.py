@@ -1,7 +1,7 @@
 """`Pipeline`: the captured model cut into stages, and this rank's share of running it.
 
-Building one is the straight sequence of phases of the data flow:
-capture -> partition (Plan) -> split into stage modules -> schedule programs -> executor/interpreter.
+Building one is the straight sequence of phases of the data flow, from a captured model and a
+complete plan: split into stage modules -> schedule programs -> executors and the interpreter.
 """
 
 from __future__ import annotations
@@ -13,13 +13,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from plait import data as batching
-from plait.capture.output import OutputSpec, flatten_output
+from plait.capture.output import OutputSpec
 from plait.capture.split import StageModule, split, stage_of_layers
-from plait.capture.trace import CapturedGraph, capture
+from plait.capture.trace import CapturedGraph
 from plait.config import Config
-from plait.errors import ConfigError, PartitionError
-from plait.plan import Plan, balance, check_partition
+from plait.plan import Plan
 from plait.runtime.collectives import TiedGradients, make_group
 from plait.runtime.grad_sync import GradientBuckets
 from plait.runtime.executor import StageExecutor
@@ -76,16 +74,11 @@ class Pipeline:
             )
         return self._programs[key]
 
-    def for_eval(self, net: nn.Module, x: Any, loss: Callable[[Any, Any], torch.Tensor] | None) -> "Pipeline":
-        """The same split for evaluation: torch.export bakes train/eval mode into the graph."""
+    def for_eval(self, captured: CapturedGraph, loss: Callable[[Any, Any], torch.Tensor] | None) -> "Pipeline":
+        """The same split for evaluation on `captured`, the model captured in eval mode (torch.export
+        bakes the mode into the graph; a torch.fx graph serves both, so it is kept)."""
         if self.captured.method != "torch.export":
             return self
-        was_training = net.training
-        net.eval()
-        try:
-            captured = capture(net, *batching.as_call(_sample(x)))
-        finally:
-            net.train(was_training)
         by_name = dict(zip(self.plan.layer_names, self.layer_stage))
         layer_stage, current = [], 0
         for name in captured.layers.layer_names:  # layers missing in train mode join their predecessor
@@ -127,74 +120,14 @@ class Pipeline:
         return out
 
 
-def _sample(x: Any) -> Any:
-    """Two rows of x (one duplicated if there is only one): a size-1 batch would fix dim 0."""
-    rows = batching.num_rows(x)
-    if rows >= 2:
-        return batching.slice_rows(x, 0, 2)
-    return batching.take(x, torch.tensor([0, 0]))
+def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, config: Config, rank: int,
+                   loss: Callable[[Any, Any], torch.Tensor] | None, device: torch.device) -> Pipeline:
+    """This rank's share of running `plan` on the captured model: its stage modules, executors,
+    interpreter, gradient buckets and tied-parameter sums (`net` owns the parameters).
 
-
-def build_pipeline(
-    net: nn.Module,
-    x: Any,
-    num_stages: int,
-    layers_per_stage: Sequence[int] | None,
-    config: Config,
-    rank: int,
-    world_size: int,
-    loss: Callable[[Any, Any], torch.Tensor] | None,
-    train: bool,
-    device: torch.device,
-) -> Pipeline:
-    """Capture `net` on a sample of `x`, partition it and make this rank's executors.
-
-    `num_stages` is the number of ranks per pipeline; with config.num_virtual_stages = v the
-    model is cut into num_stages x v stages, v per rank.
+    The plan is complete (`plait.planner.resolve`): nothing is decided here.
     """
-    virtual = config.num_virtual_stages if world_size > 1 else 1
-    num_stages *= virtual
-    sample = _sample(x)
-    args, kwargs = batching.as_call(sample)
-    was_training = net.training
-    net.train(train)
-    try:
-        captured = capture(net, args, kwargs)
-    finally:
-        net.train(was_training)
-    with torch.no_grad(), torch.random.fork_rng():
-        net.eval()
-        try:
-            _, output_spec = flatten_output(net(*args, **kwargs))
-        finally:
-            net.train(was_training)
-
-    # partition
-    names = captured.layers.layer_names
-    regions = captured.layers.uncuttable
-    if num_stages > len(names):
-        raise PartitionError(
-            f"{num_stages} stages ({num_stages // virtual} ranks x num_virtual_stages={virtual}) "
-            f"but the model has only {len(names)} layers ({', '.join(names)}); use at most "
-            f"{len(names) // virtual} ranks per pipeline or fewer virtual stages"
-        )
-    if layers_per_stage is None:
-        costs = [1.0 + _layer_params(net, name) for name in names]
-        layers_per_stage = balance(costs, num_stages, regions)
-    else:
-        check_partition(layers_per_stage, names, regions)
-    plan = Plan(
-        layer_names=names,
-        layers_per_stage=tuple(layers_per_stage),
-        num_microbatches=config.num_microbatches or 1,  # None: not planned, the default
-        schedule=config.schedule or "1f1b",
-        world_size=world_size,
-        capture_method=captured.method,
-        uncuttable=regions,
-        dp=config.dp or 1,
-        num_virtual_stages=virtual,
-        recompute=recomputed_stages(config, num_stages, virtual),
-    )
+    assert captured.output_spec is not None, "capture with capture_batch: the pipeline rebuilds outputs"
     layer_stage = stage_of_layers(plan.layers_per_stage)
     wire = Wire(config.timeout_s, device)
     tracer: Tracer | NullTracer = NULL_TRACER
@@ -206,45 +139,7 @@ def build_pipeline(
             "stage_to_rank": list(plan.stage_to_rank), "recompute": list(plan.recompute),
         })
     return _assemble(captured, layer_stage, plan, rank, loss, wire, ties="make",
-                     output_spec=output_spec, config=config, tracer=tracer)
-
-
-def recomputed_stages(config: Config, num_stages: int, num_virtual_stages: int) -> tuple[int, ...]:
-    """The stages that recompute their forward, from `config.recompute` (see Config).
-
-    "auto" picks the stages whose rank holds activations of more than one micro-batch at once
-    under the schedule (the simulator's peak, with unit costs): there recomputation saves
-    memory; on a stage that holds one micro-batch at a time it would only cost a forward.
-    """
-    r = config.recompute
-    if r is False:
-        return ()
-    if r is True:
-        return tuple(range(num_stages))
-    if r == "auto":
-        from plait.schedule import simulate
-
-        pp = num_stages // num_virtual_stages
-        sim = simulate(config.schedule or "1f1b", pp, config.num_microbatches or 1, t_f=1.0, t_b=1.0,
-                       num_virtual_stages=num_virtual_stages)
-        return tuple(s for s in range(num_stages) if sim.peak_activations[s % pp] > 1)
-    assert isinstance(r, tuple)
-    unknown = [s for s in r if s >= num_stages]
-    if unknown:
-        raise ConfigError(
-            f"recompute={list(r)} names stages {unknown}, but the model has {num_stages} stages "
-            f"(0..{num_stages - 1}); list existing stages or use recompute=True / 'auto'"
-        )
-    return tuple(sorted(set(r)))
-
-
-def _layer_params(net: nn.Module, layer_name: str) -> float:
-    module_name = layer_name.split("#")[0]
-    try:
-        module = net.get_submodule("" if module_name == "<net>" else module_name)
-    except AttributeError:
-        return 0.0
-    return float(sum(p.numel() for p in module.parameters()))
+                     output_spec=captured.output_spec, config=config, tracer=tracer)
 
 
 def _assemble(

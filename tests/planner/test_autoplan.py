@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from plait.planner.autoplan import PlanOptions, local_cluster, plan_model, threads_per_rank
+from plait.job.ranks import threads_per_rank
+from plait.planner.autoplan import PlanOptions, local_cluster, plan_model
 from plait.config import Config
 from plait.cli.demo import PaperCNN
 from plait.plan.search import SearchSpace

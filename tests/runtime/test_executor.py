@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import plait
-from plait.runtime.pipeline import recomputed_stages
+from plait.planner.resolve import recomputed_stages
 
 
 class _Box:

@@ -1,0 +1,97 @@
+"""Resolving a run's layout into a complete `Plan`: every stage's layers, micro-batches, schedule, recomputation.
+
+The planner's answer is a `Config` with every size set (`plait.planner.layout`); this turns it
+and the captured layers into the `Plan` the runtime builds from, so that pipeline assembly only
+assembles: no partition, no default and no recomputation decision is left to it.
+
+    one process          one stage of every layer (a size given is ignored, with a warning)
+    layers_per_proc      the user's or the planner's cut, checked against the uncuttable regions
+    none (one rank each) a balanced cut by parameter count (num_stages given, search not possible)
+"""
+
+from __future__ import annotations
+
+
+
+from torch import nn
+
+from plait.capture.trace import CapturedGraph
+from plait.config import Config
+from plait.errors import ConfigError, PartitionError
+from plait.plan import Plan, balance, check_partition
+from plait.schedule import simulate
+
+__all__ = ["resolve_plan", "recomputed_stages"]
+
+
+def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: nn.Module) -> Plan:
+    """The complete plan of `config` (every size set) on `world_size` ranks for `captured`."""
+    config = config.with_defaults()
+    pp = config.stages_for(world_size) if world_size > 1 else 1
+    virtual = config.num_virtual_stages if world_size > 1 else 1
+    num_stages = pp * virtual  # model stages (chunks), num_virtual_stages per rank
+    names = captured.layers.layer_names
+    regions = captured.layers.uncuttable
+    if num_stages > len(names):
+        raise PartitionError(
+            f"{num_stages} stages ({pp} ranks x num_virtual_stages={virtual}) "
+            f"but the model has only {len(names)} layers ({', '.join(names)}); use at most "
+            f"{len(names) // virtual} ranks per pipeline or fewer virtual stages"
+        )
+    if config.layers_per_proc is not None and pp > 1:
+        layers = tuple(config.layers_per_proc)
+        check_partition(layers, names, regions)
+    else:
+        layers = tuple(balance([1.0 + _layer_params(net, name) for name in names], num_stages, regions))
+    assert config.num_microbatches is not None and config.schedule is not None
+    return Plan(
+        layer_names=names,
+        layers_per_stage=layers,
+        num_microbatches=config.num_microbatches,
+        schedule=config.schedule,
+        world_size=world_size,
+        capture_method=captured.method,
+        uncuttable=regions,
+        dp=config.dp or 1,
+        num_virtual_stages=virtual,
+        recompute=recomputed_stages(config, num_stages, virtual),
+    )
+
+
+def recomputed_stages(config: Config, num_stages: int, num_virtual_stages: int) -> tuple[int, ...]:
+    """The stages that recompute their forward, from `config.recompute` (see Config).
+
+    "auto" picks the stages whose rank holds activations of more than one micro-batch at once
+    under the schedule (the simulator's peak, with unit costs): there recomputation saves
+    memory; on a stage that holds one micro-batch at a time it would only cost a forward.
+    """
+    r = config.recompute
+    if r is False or r is None:
+        return ()
+    if r is True:
+        return tuple(range(num_stages))
+    if r == "auto":
+        pp = num_stages // num_virtual_stages
+        sim = simulate(config.schedule or "1f1b", pp, config.num_microbatches or 1, t_f=1.0, t_b=1.0,
+                       num_virtual_stages=num_virtual_stages)
+        return tuple(s for s in range(num_stages) if sim.peak_activations[s % pp] > 1)
+    assert isinstance(r, tuple)
+    unknown = [s for s in r if s >= num_stages]
+    if unknown:
+        raise ConfigError(
+            f"recompute={list(r)} names stages {unknown}, but the model has {num_stages} stages "
+            f"(0..{num_stages - 1}); list existing stages or use recompute=True / 'auto'"
+        )
+    return tuple(sorted(set(r)))
+
+
+def _layer_params(net: nn.Module, layer_name: str) -> float:
+    """Parameters of the module a layer is named after (a layer's weight in a balanced cut)."""
+    module_name = layer_name.split("#")[0]
+    try:
+        module = net.get_submodule("" if module_name == "<net>" else module_name)
+    except AttributeError:
+        return 0.0
+    return float(sum(p.numel() for p in module.parameters()))
+
+
