@@ -5,6 +5,9 @@ Usage (any Python >= 3.10, standard library only):
     python3 dev.py demo [plait demo options]    # e.g. python3 dev.py demo --epochs 2
     python3 dev.py test [pytest options]        # e.g. python3 dev.py test -k launch
 
+The test summary gives the reason of every skipped test. With PLAIT_NO_SKIP=1 (as CI runs it)
+a skip fails instead (tests/conftest.py).
+
 The environment lives in `.venv` beside this file. It is built once: torch is pinned to the CPU
 build first (a bare `torch` requirement could make pip resolve a multi-GB CUDA build), then plait
 is installed in editable mode with its `dev` extra. A stamp file holding a hash of
@@ -79,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     python = ensure_venv()
     if command == "demo":
         return subprocess.call([str(_bin("plait")), "demo", *rest], cwd=ROOT)
-    return subprocess.call([str(python), "-m", "pytest", "-q", *rest], cwd=ROOT)
+    # -rsx: the summary lists every skipped test and expected failure with its reason.
+    return subprocess.call([str(python), "-m", "pytest", "-q", "-rsx", *rest], cwd=ROOT)
 
 
 if __name__ == "__main__":
