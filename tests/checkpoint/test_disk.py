@@ -122,8 +122,6 @@ def test_a_damaged_latest_falls_back_to_the_previous_complete_one(tmp_path, dama
         disk.open_checkpoint(step2, verify=True)
 
 
-
-
 # -- names, meta.json and the Checkpoint ---------------------------------------------------------
 
 

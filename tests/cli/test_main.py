@@ -23,7 +23,6 @@ def test_cli_several_nodes() -> None:
     assert (args.nnodes, args.node_rank, args.master_addr, args.master_port, args.nproc) == (2, 1, "node0", 29400, 4)
 
 
-
 def test_run_takes_a_module_with_m() -> None:
     args = build_parser().parse_args(["run", "-m", "plait.cli.demo", "--epochs", "1"])
     assert (args.module, args.script, args.script_args, args.nproc) == (True, "plait.cli.demo", ["--epochs", "1"], 1)

@@ -1,9 +1,8 @@
-"""The cost model: collective formulas, schedule memory, closed forms against `simulate`, and a
-layout's step and memory worked out by hand."""
+"""The cost model: schedule memory, closed forms against `simulate`, and a layout's step and memory
+worked out by hand (the collective formulas: tests/plan/test_network.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -13,36 +12,12 @@ from plait.plan.cost import (
     Cluster, Setting, microbatch_rows, partition_problem, peak_activations, pipeline_lower_bound,
     predict,
 )
-from plait.plan.layer_costs import LayerCosts
-from plait.plan.network import (
-    Link, Network, all_gather, all_reduce, broadcast, point_to_point, reduce_scatter,
-)
+from plait.plan.network import Link, Network
 from plait.plan.partition import optimal_partition
 from plait.schedule import simulate
 from tests.plan.factory import layer_costs, random_costs
 
 FREE = Network(Link(0.0, 1e30), Link(0.0, 1e30), 1)
-
-
-def test_collectives_follow_anchors_formulas() -> None:
-    link = Link(latency_s=1e-5, bandwidth=1e9)
-    v = 8e6  # bytes per device
-    assert point_to_point(v, link) == pytest.approx(1e-5 + 8e-3)
-    assert point_to_point(0, link) == 0.0
-    assert all_reduce(v, 4, link) == pytest.approx(2 * 3 * 1e-5 + 2 * 3 * v / (4 * 1e9))
-    assert all_gather(v, 4, link) == pytest.approx(3 * 1e-5 + 3 * v / 1e9)
-    assert reduce_scatter(v, 4, link) == pytest.approx(3 * 1e-5 + 3 * v / (4 * 1e9))
-    assert broadcast(v, 8, link) == pytest.approx(3 * (1e-5 + v / 1e9))
-    assert all_reduce(v, 1, link) == 0.0  # nothing to reduce with one replica
-
-
-def test_network_uses_the_slowest_link_crossed() -> None:
-    net = Network(Link(1e-6, 100e9), Link(1e-5, 3e9), devices_per_node=4)
-    assert net.link([0, 3]).bandwidth == 100e9
-    assert net.link([3, 4]).bandwidth == 3e9
-    assert Network.from_dict(json.loads(json.dumps(net.to_dict()))) == net
-    with pytest.raises(ConfigError, match="bandwidth"):
-        Link(1e-6, 0)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1", "interleaved"])
@@ -184,15 +159,3 @@ def test_rows_and_settings() -> None:
         Setting(2, 1, 4, "pipedream")
     with pytest.raises(ConfigError, match="does not cut 4 layers into 2 stages"):
         predict(layer_costs(4), Setting(2, 1, 1), Cluster(FREE, 1.0), 1, (1, 1, 2))
-
-
-def test_layer_costs_check_themselves_and_round_trip() -> None:
-    costs = layer_costs(3, activation=5.0)
-    assert LayerCosts.from_json(costs.to_json()) == costs
-    with pytest.raises(ConfigError, match="has 2 entries for 3 layers"):
-        LayerCosts.from_dict({**costs.to_dict(), "param_bytes": [1.0, 2.0]})
-    with pytest.raises(ConfigError, match="finite and >= 0"):
-        LayerCosts.from_dict({**costs.to_dict(), "optimizer_s": [1.0, -2.0, 0.0]})
-    with pytest.raises(ConfigError, match="uncuttable region"):
-        LayerCosts.from_dict({**costs.to_dict(), "uncuttable": [[1, 5]]})
-    assert costs.forward(4) == [4.0] * 3 and costs.backward(2) == [4.0] * 3

@@ -1,0 +1,61 @@
+"""Tests for plait.plan.devices: the presets' published numbers, sustained FLOP/s and usable memory,
+lookup by name, and devices that cannot be."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.errors import ConfigError
+from plait.plan.devices import DEVICES, GIB, Device, device
+from plait.plan.network import Link, Network
+
+NET = Network(Link(0.0, 1.0), Link(0.0, 1.0), 1)
+
+
+def test_presets() -> None:
+    for name in ("v100-16gb", "a100-40gb", "a100-80gb", "h100-80gb", "mi250x", "cpu"):
+        dev = DEVICES[name]
+        assert dev.flops < dev.peak_flops and dev.usable_memory() < dev.memory_bytes
+    assert device("V100-16GB").name == "v100-16gb"
+    assert device("v100-16gb").network.inter.bandwidth == pytest.approx(25e9 / 8)  # Alpa: 25 Gbps
+    with pytest.raises(ConfigError, match="presets: a100-40gb, a100-80gb"):
+        device("tpu-v4")
+
+
+def test_the_presets_and_their_numbers() -> None:
+    assert sorted(DEVICES) == ["a100-40gb", "a100-80gb", "cpu", "h100-80gb", "mi250x", "v100-16gb"]
+    assert all(DEVICES[name].name == name for name in DEVICES)
+    v100 = device("v100-16gb")
+    assert (v100.peak_flops, v100.efficiency, v100.memory_bytes, v100.dtype_bytes) == (125e12, 0.30, 16 * GIB, 2)
+    assert v100.flops == pytest.approx(37.5e12)  # Megatron-LM's 39 TFLOP/s on one V100, about 30%
+    assert v100.network.devices_per_node == 8 and v100.network.intra == Link(10e-6, 100e9)
+    cpu = device("cpu")
+    assert (cpu.dtype_bytes, cpu.flops, cpu.network.intra) == (4, 50e9, Link(50e-6, 2e9))
+
+
+def test_usable_memory_keeps_a_share_free() -> None:
+    dev = device("a100-40gb")
+    assert dev.usable_memory() == pytest.approx(0.9 * 40 * GIB)
+    assert dev.usable_memory(0.5) == 20 * GIB
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"efficiency": 0.0}, "efficiency of test must be in (0, 1], got 0.0"),
+    ({"efficiency": 1.5}, "efficiency of test must be in (0, 1], got 1.5"),
+    ({"peak_flops": 0.0}, "device test: peak_flops, memory and bandwidth must be > 0"),
+    ({"memory_bytes": -1.0}, "device test: peak_flops, memory and bandwidth must be > 0"),
+    ({"memory_bandwidth": 0.0}, "device test: peak_flops, memory and bandwidth must be > 0"),
+])
+def test_a_device_that_cannot_be_is_named(changes: dict, message: str) -> None:
+    fields = dict(name="test", peak_flops=1e12, efficiency=0.5, memory_bytes=GIB, memory_bandwidth=1e9,
+                  network=NET, kernel_overhead_s=0.0)
+    fields.update(changes)
+    with pytest.raises(ConfigError) as info:
+        Device(**fields)  # type: ignore[arg-type]
+    assert str(info.value) == message
+
+
+def test_an_unknown_device_lists_the_presets() -> None:
+    with pytest.raises(ConfigError) as info:
+        device("rtx-4090")
+    assert str(info.value) == "unknown device 'rtx-4090'; presets: a100-40gb, a100-80gb, cpu, h100-80gb, mi250x, v100-16gb"

@@ -1,0 +1,105 @@
+"""Tests for plait.plan.report: what a `PlanReport` reads off the chosen candidate, its JSON round
+trip (the file `Config(plan=...)` replays), and its printed form."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from plait.plan.cost import Cluster, Setting
+from plait.plan.feedback import Feedback, StageCheck
+from plait.plan.network import Link, Network
+from plait.plan.report import PlanReport
+from plait.plan.search import SearchSpace, format_table, search
+from tests.plan.factory import layer_costs
+
+COSTS = layer_costs(4, forward=1.0, backward=2.0, activation=1.0, params=10.0)
+CLUSTER = Cluster(Network(Link(0.0, 1e9), Link(0.0, 1e9), 2), 1e6)
+GLOBAL_BATCH = 8
+
+
+def planned(**extra: object) -> PlanReport:
+    """The report of a search on 2 ranks: 2 stages of 2 layers, 4 micro-batches of 2 rows."""
+    space = SearchSpace(pp=(2,), schedules=("1f1b", "gpipe"), num_microbatches=(4,))
+    candidates = search(COSTS, 2, GLOBAL_BATCH, CLUSTER, space)
+    return PlanReport(candidates[0].to_dict(), [c.to_dict() for c in candidates[1:]], format_table(candidates),
+                      "planned", GLOBAL_BATCH, COSTS, CLUSTER, **extra)  # type: ignore[arg-type]
+
+
+FEEDBACK = Feedback((StageCheck(0, 12.0, 13.2), StageCheck(1, 12.0, 12.0)), 60.0, 66.0)
+
+
+def test_what_the_report_reads_off_the_chosen_candidate() -> None:
+    report = planned()
+    assert report.chosen["layers_per_stage"] == [2, 2] and report.chosen["schedule"] == "1f1b"
+    # per stage, one micro-batch of 2 rows: 2 layers x (forward 1 + backward 2 per row) x 2 rows
+    assert report.predicted_stage_s == [12.0, 12.0]
+    assert report.predicted_step_s == pytest.approx(60.0)  # 1F1B, p=2, m=4: (m + p - 1) x 12
+    assert report.setting() == Setting(2, 1, 4, "1f1b", 1, False)
+    prediction = report.prediction()
+    assert prediction.step_time_s == report.predicted_step_s
+    assert [s.end - s.start for s in prediction.stages] == [2, 2]
+
+
+def test_a_report_replayed_without_a_prediction() -> None:
+    chosen = {"pp": 2, "dp": 2, "num_microbatches": 8, "schedule": "interleaved", "num_virtual_stages": 2,
+              "recompute": True, "layers_per_stage": [1, 1, 1, 1]}
+    report = PlanReport(chosen, [], "", "plan file p.json", 16)
+    assert report.predicted_stage_s == [] and report.predicted_step_s is None
+    assert report.setting() == Setting(2, 2, 8, "interleaved", 2, True)
+    minimal = PlanReport({"pp": 1, "dp": 1, "num_microbatches": 1, "schedule": "gpipe"}, [], "", "x", 1)
+    assert minimal.setting() == Setting(1, 1, 1, "gpipe")  # v and recompute default to 1 and False
+
+
+def test_to_dict_is_the_chosen_fields_plus_the_context() -> None:
+    report = planned()
+    data = report.to_dict()
+    assert set(data) == set(report.chosen) | {"alternatives", "global_batch", "source", "costs", "cluster"}
+    assert {k: data[k] for k in report.chosen} == report.chosen
+    assert (data["global_batch"], data["source"], len(data["alternatives"])) == (8, "planned", 3)
+    assert data["costs"] == COSTS.to_dict()
+    assert data["cluster"] == {"network": CLUSTER.network.to_dict(), "memory_bytes": 1e6,
+                               "optimizer_state_factor": 2.0, "bucket_bytes": CLUSTER.bucket_bytes}
+    with_check = planned(feedback=FEEDBACK, history=("2 stages: [3, 1]",)).to_dict()
+    assert with_check["feedback"] == FEEDBACK.to_dict()
+    assert with_check["earlier_layouts"] == ["2 stages: [3, 1]"]
+
+
+def test_the_json_round_trip_keeps_everything_but_the_check() -> None:
+    report = planned(feedback=FEEDBACK, history=("2 stages: [3, 1]",))
+    back = PlanReport.from_dict(json.loads(report.to_json()), report.table)
+    assert back.feedback is None  # the check belongs to the run that measured it
+    assert (back.chosen, back.alternatives, back.table, back.source, back.global_batch) == (
+        report.chosen, report.alternatives, report.table, report.source, report.global_batch)
+    assert back.costs == COSTS and back.cluster == CLUSTER
+    assert list(back.history) == ["2 stages: [3, 1]"]
+    assert back.prediction() == report.prediction()
+
+
+def test_a_file_without_costs_replays_with_none() -> None:
+    data = planned().to_dict()
+    for key in ("costs", "cluster"):
+        del data[key]
+    back = PlanReport.from_dict(data, "table")
+    assert (back.costs, back.cluster, back.table, list(back.history)) == (None, None, "table", [])
+
+
+def test_save_writes_to_json(tmp_path: Path) -> None:
+    report = planned()
+    out = report.save(tmp_path / "plan.json")
+    assert out == tmp_path / "plan.json"
+    assert out.read_text() == report.to_json() == json.dumps(report.to_dict(), indent=1)
+
+
+def test_printed_it_is_the_table_then_the_check_then_earlier_layouts() -> None:
+    report = planned(feedback=FEEDBACK, history=("2 stages: [3, 1]", "2 stages: [1, 3]"))
+    assert str(report).splitlines() == [
+        "plait planner (planned), global batch 8:",
+        *report.table.splitlines(),
+        FEEDBACK.summary(),
+        "earlier layout: 2 stages: [3, 1]",
+        "earlier layout: 2 stages: [1, 3]",
+    ]
+    assert str(planned()) == "plait planner (planned), global batch 8:\n" + planned().table

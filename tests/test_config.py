@@ -1,0 +1,165 @@
+"""Tests for plait.config: defaults, what is planned, stages for a world size, the JSON round trip,
+and errors naming the bad value (more of them: tests/test_model.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from plait.config import NONFINITE_ACTIONS, REPLAN_ENV, SCHEDULE_NAMES, Config
+from plait.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def no_replan_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(REPLAN_ENV, raising=False)
+
+
+def test_defaults_leave_the_layout_to_the_planner() -> None:
+    config = Config()
+    assert (config.layers_per_proc, config.num_stages, config.dp, config.num_microbatches, config.schedule,
+            config.recompute, config.plan) == (None,) * 7
+    assert (config.num_virtual_stages, config.seed, config.timeout_s, config.grad_reduction, config.bucket_cap_mb,
+            config.checkpoint_keep, config.on_nonfinite, config.replan, config.batch_weight_grads) == (
+        1, 0, 300.0, "mean", 25.0, 2, "stop", False, False)
+    assert config.plans_everything
+    assert SCHEDULE_NAMES == ("gpipe", "1f1b", "interleaved", "zbh1")
+    assert NONFINITE_ACTIONS == ("stop", "skip", "ignore")
+
+
+@pytest.mark.parametrize("size", [{"layers_per_proc": [1, 1]}, {"num_stages": 2}, {"dp": 1},
+                                  {"num_microbatches": 4}, {"plan": "plan.json"}])
+def test_any_size_given_means_the_planner_does_not_choose_everything(size: dict) -> None:
+    assert not Config(**size).plans_everything
+
+
+def test_not_sizes_leave_everything_to_the_planner() -> None:
+    assert Config(schedule="gpipe", recompute=True, seed=3, trace_dir="t").plans_everything
+
+
+def test_with_defaults_fills_only_what_is_open() -> None:
+    assert dataclasses.astuple(Config().with_defaults()) == dataclasses.astuple(
+        Config(dp=1, num_microbatches=1, schedule="1f1b", recompute=False))
+    given = Config(dp=2, num_microbatches=8, schedule="gpipe", recompute="auto").with_defaults()
+    assert (given.dp, given.num_microbatches, given.schedule, given.recompute) == (2, 8, "gpipe", "auto")
+
+
+def test_replan_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(REPLAN_ENV, "1")
+    assert REPLAN_ENV == "PLAIT_REPLAN"
+    assert Config().replan is True and Config(replan=False).replan is False
+    monkeypatch.setenv(REPLAN_ENV, "yes")  # only "1" turns it on
+    assert Config().replan is False
+
+
+def test_lists_and_paths_are_normalised(tmp_path: Path) -> None:
+    config = Config(layers_per_proc=[2, 3], recompute=[1], trace_dir=tmp_path / "t", checkpoint_dir=tmp_path / "c")
+    assert config.layers_per_proc == (2, 3) and config.recompute == (1,)
+    assert (config.trace_dir, config.checkpoint_dir) == (str(tmp_path / "t"), str(tmp_path / "c"))
+    assert Config(plan=tmp_path / "p.json").plan == str(tmp_path / "p.json")
+
+
+def test_a_config_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().seed = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"layers_per_proc": "2,3"}, "layers_per_proc must be a list of layer counts, one per stage, got '2,3'; "
+                                 "for example layers_per_proc=[2, 3, 3]"),
+    ({"layers_per_proc": []}, "layers_per_proc=[] must hold one positive integer per stage (bad entries: []); "
+                              "every stage needs at least one layer"),
+    ({"layers_per_proc": [2, True]}, "layers_per_proc=[2, True] must hold one positive integer per stage "
+                                     "(bad entries: [True]); every stage needs at least one layer"),
+    ({"layers_per_proc": [1, 1, 1, 1], "schedule": "interleaved", "num_virtual_stages": 2, "num_stages": 3},
+     "num_stages=3 x num_virtual_stages=2 = 6 chunks but layers_per_proc=[1, 1, 1, 1] has 4 entries; "
+     "make them agree"),
+    ({"num_stages": 0}, "num_stages must be a positive integer or None, got 0"),
+    ({"num_microbatches": True}, "num_microbatches must be a positive integer, got True"),
+    ({"num_virtual_stages": 2, "schedule": "gpipe"}, "num_virtual_stages=2 needs schedule='interleaved', "
+                                                     "got schedule='gpipe'"),
+    ({"recompute": 1.5}, "recompute=1.5 is not known; use True, False, 'auto' or a list of stage indices"),
+    ({"trace_dir": 3}, "trace_dir must be a directory path or None, got 3"),
+    ({"dp": 0}, "dp must be a positive integer (data-parallel replicas), got 0"),
+    ({"dp": True}, "dp must be a positive integer (data-parallel replicas), got True"),
+    ({"grad_reduction": "max"}, "grad_reduction='max' is not known; choose 'mean' or 'sum'"),
+    ({"bucket_cap_mb": 0}, "bucket_cap_mb must be a positive number, got 0"),
+    ({"bucket_cap_mb": True}, "bucket_cap_mb must be a positive number, got True"),
+    ({"timeout_s": "60"}, "timeout_s must be a positive number of seconds, got '60'"),
+    ({"seed": 1.0}, "seed must be an integer (it seeds the shuffle order), got 1.0"),
+    ({"checkpoint_every": 0}, "checkpoint_every must be a positive number of steps or None (every epoch), got 0"),
+    ({"checkpoint_keep": 0}, "checkpoint_keep must be a positive integer (2 keeps a fallback), got 0"),
+    ({"on_nonfinite": "warn"}, "on_nonfinite='warn' is not known; choose one of ['stop', 'skip', 'ignore']"),
+    ({"memory_limit_bytes": -1}, "memory_limit_bytes must be a positive number of bytes or None, got -1"),
+])
+def test_errors_name_the_bad_value(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Config(**kwargs)
+    assert str(info.value) == message
+
+
+# -- stages for a world size --------------------------------------------------------------------
+
+
+def test_stages_for_a_world_size() -> None:
+    assert Config().stages_for(4) == 4  # nothing given: one pipeline over every rank
+    assert Config(dp=2).stages_for(6) == 3
+    assert Config(layers_per_proc=[2, 3, 3]).stages_for(3) == 3
+    assert Config(layers_per_proc=[2, 3, 3], dp=2).stages_for(6) == 3
+    assert Config(num_stages=2, dp=2).stages_for(4) == 2
+    interleaved = Config(layers_per_proc=[1, 1, 1, 1], schedule="interleaved", num_virtual_stages=2)
+    assert interleaved.stages_for(2) == 2  # 4 chunks, 2 per rank
+
+
+def test_stages_for_a_world_that_does_not_fit_prints_every_factor() -> None:
+    with pytest.raises(ConfigError) as info:
+        Config(layers_per_proc=[2, 3, 3], dp=2).stages_for(4)
+    assert str(info.value) == (
+        "the config asks for 3 pipeline stages x dp=2 replicas = 6 ranks (layers_per_proc=[2, 3, 3], "
+        "num_stages=None, dp=2) but the world size is 4; launch 6 ranks (plait run -n 6 ...) or change the config")
+    with pytest.raises(ConfigError) as info:
+        Config(dp=2).stages_for(5)
+    assert str(info.value) == ("world size 5 does not divide by dp=2; launch a multiple of 2 ranks, "
+                               "or set dp to a factor of 5")
+
+
+# -- JSON ---------------------------------------------------------------------------------------
+
+
+def test_to_dict_is_json_ready_and_round_trips() -> None:
+    config = Config(layers_per_proc=[2, 3], num_microbatches=4, schedule="zbh1", recompute=[0],
+                    dp=2, bucket_cap_mb=1.5, checkpoint_dir="ckpt", on_nonfinite="skip", replan=True)
+    data = config.to_dict()
+    assert data["layers_per_proc"] == [2, 3] and data["recompute"] == [0]
+    assert json.loads(json.dumps(data)) == data
+    assert sorted(data) == sorted(f.name for f in dataclasses.fields(Config))
+    assert Config.from_dict(data) == config
+    assert Config.from_json(config.to_json()) == config
+    assert Config.from_json(Config().to_json()) == Config()
+
+
+def test_from_dict_fills_missing_fields_with_defaults() -> None:
+    assert Config.from_dict({"dp": 2}) == Config(dp=2)
+    assert Config.from_json(b'{"seed": 7}') == Config(seed=7)
+
+
+def test_from_dict_names_unknown_fields() -> None:
+    with pytest.raises(ConfigError) as info:
+        Config.from_dict({"dp": 1, "stages": 2, "lr": 0.1})
+    known = sorted(f.name for f in dataclasses.fields(Config))
+    assert str(info.value) == f"unknown Config fields ['lr', 'stages']; known: {known}"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[1, 2]", "a Config is a JSON object of its fields, got list"),
+    ('"dp"', "a Config is a JSON object of its fields, got str"),
+    ("{dp: 1}", "not a plait Config: not JSON (JSONDecodeError: "),
+    ('{"dp": 0}', "dp must be a positive integer (data-parallel replicas), got 0"),
+])
+def test_from_json_of_anything_else_is_a_config_error(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Config.from_json(text)
+    assert str(info.value).startswith(message)
