@@ -3,6 +3,10 @@
 Every rank trains plait and, on the side, the deep copy in one process; each compares what it
 holds and returns the mismatches. fp32 tolerances: rtol 1e-5, atol 1e-6 on parameters and
 outputs; gradients are sums over micro-batches in another order, so they get atol 1e-5.
+
+Every case gives its cut (`tests.models.even_cut`), so a failure reproduces: with no
+layers_per_proc the planner would profile and cut by this run's timings. The planner's own cuts
+are checked against one process in tests/planner/test_layout.py.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 
 import plait
 from tests.harness import run_ranks
-from tests.models import MODELS, make
+from tests.models import LAYERS, MODELS, even_cut, make
 
 BATCH = 10
 
@@ -55,8 +59,10 @@ def check_case(rank, world, name, schedule, microbatches, opt_kind, check_output
             p.grad = None
     ref = copy.deepcopy(net)
     ref_opt = _optimizer(opt_kind, ref.parameters())
+    # The cut is given, so a failure reproduces: a planned cut would follow this run's timings.
+    cut = even_cut(LAYERS[name], world * config.get("num_virtual_stages", 1))
     model = plait.Model(net, config=plait.Config(num_stages=world, num_microbatches=microbatches,
-                                                 schedule=schedule, **config),
+                                                 schedule=schedule, layers_per_proc=cut, **config),
                         optimizer=_optimizer(opt_kind, net.parameters()), loss=loss_fn)
     problems = []
     rows = y.shape[0]
@@ -145,9 +151,6 @@ MORE_SCHEDULES = [
     ("zbh1", 5, {"batch_weight_grads": True}),
     ("interleaved", 5, {"num_virtual_stages": 2, "batch_weight_grads": True}),
 ]
-
-
-LAYERS = {"mlp": 11, "cnn": 7, "skip": 6, "tupledict": 4, "gpt": 16}  # captured layers of each
 
 
 def more_cases(rank, world, models):

@@ -20,6 +20,7 @@ from torch import nn
 
 import plait
 from tests.harness import run_ranks
+from tests.models import even_cut
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,6 +30,9 @@ VOCAB, SEQ = 64, 8
 TWO_STAGE_MODELS = ["gpt2", "bert", "llama", "resnet"]
 # The name a tied embedding/LM-head weight has in the plan: first stage (embedding) and last (head).
 TIED = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
+# Captured layers of each model: the cut is given (`even_cut`), so a failure reproduces; the
+# planner would cut by this run's timings.
+LAYERS = {"gpt2": 23, "bert": 31, "llama": 24, "resnet": 19}
 
 
 # -- the models ------------------------------------------------------------------------------
@@ -177,13 +181,14 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 # -- the check each rank runs -------------------------------------------------------------------
 
 
-def train_and_compare(name: str) -> dict[str, Any]:
-    """Train `name` with plait and in one process; the mismatches, and what the plan says."""
+def train_and_compare(name: str, world: int) -> dict[str, Any]:
+    """Train `name` with plait on `world` stages and in one process; the mismatches, and what the plan says."""
     case = make(name)
     ref = copy.deepcopy(case.net)
     ref_opt = _sgd(ref.parameters())
     # A short wire timeout: a hang shows as a report naming rank, action and peer, not as a kill.
-    config = plait.Config(num_microbatches=MICROBATCHES, schedule="1f1b", timeout_s=60.0)
+    config = plait.Config(layers_per_proc=even_cut(LAYERS[name], world), num_microbatches=MICROBATCHES,
+                          schedule="1f1b", timeout_s=60.0)
     model = plait.Model(case.net, config=config, optimizer=_sgd(case.net.parameters()), loss=case.loss)
     problems = []
     a = 0
@@ -232,7 +237,7 @@ def train_all(rank: int, world: int, names: list[str]) -> dict[str, dict[str, An
     report = {}
     for name in names:
         try:
-            report[name] = train_and_compare(name)
+            report[name] = train_and_compare(name, world)
         except Exception as e:
             raise RuntimeError(f"{name} on {world} ranks: {type(e).__name__}: {e}") from e
     return report
