@@ -12,6 +12,7 @@ from plait.errors import (
     PlaitError,
     ScheduleError,
 )
+from plait.job.process_group import init_process_group
 from plait.model import Model
 from plait.plan import Plan
 
@@ -21,6 +22,7 @@ __all__ = [
     "Model",
     "Config",
     "Plan",
+    "init_process_group",
     "PlaitError",
     "ConfigError",
     "CaptureError",

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from plait.errors import ConfigError
 
-REPLAN_ENV = "PLAIT_REPLAN"  # `plait run --replan` sets it to 1 for the ranks
+__all__ = ["Config", "SCHEDULE_NAMES", "SEARCH_ORDER", "NONFINITE_ACTIONS"]
 
-__all__ = ["Config", "SCHEDULE_NAMES", "NONFINITE_ACTIONS"]
-
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zbh1")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zbh1")  # the one list (plait.schedule has a generator each)
+SEARCH_ORDER = ("1f1b", "gpipe", "zbh1", "interleaved")  # the planner's order: equal predictions go to the first
+assert sorted(SEARCH_ORDER) == sorted(SCHEDULE_NAMES)
 NONFINITE_ACTIONS = ("stop", "skip", "ignore")
 
 
@@ -53,8 +52,8 @@ class Config:
         a stage or the step is off by more than 15%, rank 0 re-partitions the layers with costs
         corrected by the measurements and the run goes on in the new layout (parameters and
         optimizer state carried over exactly, through a checkpoint in checkpoint_dir, or in a
-        temporary directory, which must then be on a file system every rank sees). Default:
-        True when the environment has PLAIT_REPLAN=1 (`plait run --replan`), else False.
+        temporary directory, which must then be on a file system every rank sees). None (the
+        default): as `plait run --replan` says (`plait.job.run_options`), else False.
     batch_weight_grads: linear layers compute their weight gradients once per step over all
         micro-batches (one GEMM over every row instead of one per micro-batch; see
         plait/runtime/batched_wgrad.py). Faster where small GEMMs are slow (CPUs); keeps each
@@ -95,7 +94,7 @@ class Config:
     on_nonfinite: str = "stop"
     plan: str | None = None
     memory_limit_bytes: float | None = None
-    replan: bool = field(default_factory=lambda: os.environ.get(REPLAN_ENV) == "1")
+    replan: bool | None = None
     batch_weight_grads: bool = False
 
     def __post_init__(self) -> None:
@@ -194,8 +193,8 @@ class Config:
         limit = self.memory_limit_bytes
         if limit is not None and not (_is_number(limit) and limit > 0):
             raise ConfigError(f"memory_limit_bytes must be a positive number of bytes or None, got {limit!r}")
-        if not isinstance(self.replan, bool):
-            raise ConfigError(f"replan must be True or False, got {self.replan!r}")
+        if self.replan is not None and not isinstance(self.replan, bool):
+            raise ConfigError(f"replan must be True, False or None (as `plait run --replan` says), got {self.replan!r}")
         if not isinstance(self.batch_weight_grads, bool):
             raise ConfigError(f"batch_weight_grads must be True or False, got {self.batch_weight_grads!r}")
 

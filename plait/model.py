@@ -23,6 +23,7 @@ from plait.checkpoint.resume import ResumePoint, resume_point
 from plait.config import Config
 from plait.errors import ConfigError, PlaitError
 from plait.job.process_group import init_process_group
+from plait.job.run_options import apply_run_options
 from plait.metrics import check_metrics, logs_of
 from plait.plan import Plan
 from plait.plan.report import PlanReport
@@ -55,9 +56,10 @@ class Model:
         if not isinstance(net, nn.Module):
             raise ConfigError(f"plait.Model needs a torch.nn.Module, got {type(net).__name__}")
         self.net = net
-        self.config = config if config is not None else Config()
-        if not isinstance(self.config, Config):
-            raise ConfigError(f"config must be a plait.Config, got {type(self.config).__name__}")
+        config = config if config is not None else Config()
+        if not isinstance(config, Config):
+            raise ConfigError(f"config must be a plait.Config, got {type(config).__name__}")
+        self.config = apply_run_options(config)  # the fields `plait run` may set, left open here
         self.loss = loss
         self.metrics = check_metrics(metrics)
         self._optimizer_arg = optimizer

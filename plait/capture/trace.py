@@ -17,7 +17,7 @@ from plait.capture.layers import LayerAssignment, assign_layers
 from plait.capture.output import OutputSpec, flatten_output, unflatten_output
 from plait.errors import CaptureError
 
-__all__ = ["CapturedGraph", "capture", "capture_batch", "sample_rows", "is_local"]
+__all__ = ["CapturedGraph", "capture", "fingerprint", "capture_batch", "sample_rows", "is_local"]
 
 log = logging.getLogger("plait")
 
@@ -54,7 +54,7 @@ def is_local(node: fx.Node) -> bool:
     return False
 
 
-def _fingerprint(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def fingerprint(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What a capture depends on besides the code: mode, module tree, flags, tensors, input kinds."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     inputs = tuple(

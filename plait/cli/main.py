@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from plait.job import launch
-from plait.config import REPLAN_ENV
+from plait.job.run_options import run_options_env
 from plait.errors import PlaitError
 
 __all__ = ["main", "build_parser"]
@@ -42,8 +42,8 @@ def _add_launch_options(parser: argparse.ArgumentParser, default_nproc: int) -> 
                              "(default on one node: any free port)")
     parser.add_argument("--replan", action="store_true",
                         help="re-partition once when the first steps are more than 15%% off the "
-                             "planner's prediction (sets PLAIT_REPLAN=1: the default of "
-                             "plait.Config(replan=...))")
+                             "planner's prediction (for every rank whose Config leaves replan "
+                             "open; see plait.job.run_options)")
 
 
 def _count(text: str) -> int:
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         demo.parse_args(rest, prog="plait demo")
         start, target, target_args = launch.run_module, "plait.cli.demo", rest
     if args.replan:
-        os.environ[REPLAN_ENV] = "1"  # the ranks inherit it; Config(replan=...) defaults to it
+        os.environ.update(run_options_env(replan=True))  # the ranks inherit it (plait.job.run_options)
     try:
         return start(target, target_args, args.nproc, args.max_restarts,
                      args.nnodes, args.node_rank, args.master_addr, args.master_port)

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from plait.config import SCHEDULE_NAMES
 from plait.errors import ConfigError
 from plait.plan.buckets import DEFAULT_BUCKET_BYTES, assign_buckets
 from plait.plan.layer_costs import LayerCosts
@@ -42,7 +43,6 @@ from plait.schedule.steptime import compile_schedule, time_step
 __all__ = ["Setting", "Cluster", "StageCost", "Prediction", "microbatch_rows",
            "peak_activations", "partition_problem", "pipeline_lower_bound", "predict"]
 
-SCHEDULES = ("gpipe", "1f1b", "zbh1", "interleaved")
 CLOSING_BYTES = 64.0  # the step's loss and metric sums (and non-finite flags): a few float64s
 
 
@@ -62,8 +62,8 @@ class Setting:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"schedule={self.schedule!r} is not known; choose one of {list(SCHEDULES)}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ConfigError(f"schedule={self.schedule!r} is not known; choose one of {list(SCHEDULE_NAMES)}")
         if self.num_virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError(
                 f"num_virtual_stages={self.num_virtual_stages} needs schedule='interleaved'"

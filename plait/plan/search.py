@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from plait.config import SEARCH_ORDER
 from plait.errors import ConfigError, PartitionError
 from plait.plan.cost import (
     Cluster, Prediction, Setting, partition_problem, pipeline_lower_bound, predict,
@@ -34,7 +35,7 @@ class SearchSpace:
 
     pp: tuple[int, ...] | None = None  # None: every divisor of the world size, up to the layers
     num_microbatches: tuple[int, ...] | None = None  # None: powers of two and multiples of pp
-    schedules: tuple[str, ...] = ("1f1b", "gpipe", "zbh1", "interleaved")
+    schedules: tuple[str, ...] = SEARCH_ORDER
     num_virtual_stages: int = 2  # chunks per rank of "interleaved"
     recompute: tuple[bool, ...] = (False, True)
     keep: int = 5  # candidates returned

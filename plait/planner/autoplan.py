@@ -26,7 +26,7 @@ from plait.capture.trace import CapturedGraph
 from plait.job.ranks import threads_per_rank
 from plait.plan.network import Network
 from plait.plan.search import Candidate, SearchSpace, format_table, search
-from plait.planner.profile import LayerProfile, OptimizerFactory, Slowest, profile
+from plait.planner.profile import LayerProfile, OptimizerFactory, ProfileOptions, Slowest, profile
 
 __all__ = ["PlanOptions", "PlanResult", "plan_model", "profile_sample", "local_cluster"]
 
@@ -68,14 +68,6 @@ class PlanResult:
     @property
     def best(self) -> Candidate:
         return self.candidates[0]
-
-    def config_fields(self, candidate: Candidate | None = None) -> dict[str, Any]:
-        """The candidate (default: the best) as `Config` fields: `replace(config, **fields)`."""
-        c = candidate or self.best
-        st = c.setting
-        return {"layers_per_proc": tuple(c.layers_per_stage), "num_stages": st.pp, "dp": st.dp,
-                "num_microbatches": st.num_microbatches, "schedule": st.schedule,
-                "num_virtual_stages": st.num_virtual_stages, "recompute": st.recompute}
 
     def table(self, top: int = 5) -> str:
         return format_table(self.candidates, top)
@@ -119,11 +111,10 @@ def profile_sample(net: nn.Module, sample: Any, world_size: int, options: PlanOp
     target = options.target
     if target is not None:
         target = batching.slice_rows(target, 0, min(rows, options.profile_rows))
-    return profile(net, args, kwargs, options.loss, target, options.repeats,
-                   optimizer=options.optimizer,
-                   threads=options.threads or threads_per_rank(world_size),
-                   cache_dir=options.cache_dir, reuse=options.reuse_profile, slowest=options.slowest,
-                   captured=options.captured)
+    return profile(net, args, kwargs, ProfileOptions(
+        options.loss, target, options.repeats, options.optimizer,
+        threads=options.threads or threads_per_rank(world_size), cache_dir=options.cache_dir,
+        reuse=options.reuse_profile, slowest=options.slowest, captured=options.captured))
 
 
 def plan_model(net: nn.Module, sample: Any, world_size: int, global_batch: int,

@@ -33,7 +33,7 @@ from plait.job.ranks import local_world_size
 from plait.plan import Plan
 from plait.planner.autoplan import PlanOptions, local_cluster, plan_model, profile_sample
 from plait.planner.resolve import resolve_plan
-from plait.config import SCHEDULE_NAMES, Config
+from plait.config import SCHEDULE_NAMES, SEARCH_ORDER, Config
 from plait.errors import ConfigError, PartitionError
 from plait.plan.cost import Cluster
 from plait.plan.network import Network
@@ -204,7 +204,7 @@ def _space(config: Config, world_size: int, global_batch: int) -> tuple[SearchSp
     """What the search may choose: everything open (Config()), or the layers of a given layout."""
     recompute = (False, True) if config.recompute is None else (config.recompute is True,)
     if config.plans_everything:
-        schedules = (config.schedule,) if config.schedule else ("1f1b", "gpipe", "zbh1", "interleaved")
+        schedules = (config.schedule,) if config.schedule else SEARCH_ORDER
         return SearchSpace(schedules=schedules, recompute=recompute), "planned"
     c = config.with_defaults()
     pp, v = c.stages_for(world_size), c.num_virtual_stages

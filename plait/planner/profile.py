@@ -45,11 +45,11 @@ from torch import nn
 
 from plait import data as batching
 from plait.capture.split import split
-from plait.capture.trace import CapturedGraph, _fingerprint, capture
+from plait.capture.trace import CapturedGraph, fingerprint, capture
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
 
-__all__ = ["LayerProfile", "profile"]
+__all__ = ["LayerProfile", "ProfileOptions", "profile"]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 Slowest = Callable[[list[float]], list[float]]  # every rank's values -> the element-wise maximum
@@ -70,43 +70,51 @@ class LayerProfile:
     cached: bool = False
 
 
-def profile(
-    net: nn.Module,
-    sample_args: tuple[Any, ...],
-    sample_kwargs: dict[str, Any] | None = None,
-    loss: Callable[[Any, Any], torch.Tensor] | None = None,
-    target: Any = None,
-    repeats: int = 5,
-    *,
-    optimizer: OptimizerFactory = torch.optim.Adam,
-    threads: int | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    reuse: bool = True,
-    slowest: Slowest | None = None,
-    captured: CapturedGraph | None = None,
-) -> LayerProfile:
-    """Measure every captured layer of `net` on the sample batch `net(*sample_args, **kwargs)`.
+@dataclass(frozen=True)
+class ProfileOptions:
+    """How to measure a profile.
 
-    With `loss` and `target`, the last layer's forward and backward include the loss;
-    otherwise every layer's backward starts from random output gradients. `threads`: the
-    intra-op threads to measure with (default: the current setting), as each rank will run.
-    `reuse=False` measures again even when a cached profile exists (and caches the new one).
-    `slowest`: called by every rank profiling at once, with the same values in the same order
-    (`plait.runtime.collectives.max_floats`): each round's whole-model times become the slowest
-    rank's, and a cached profile is used only when every rank has one (else all measure).
-    `captured`: `net` as captured in train mode (`Model` captures once); None captures it here.
+    loss, target: with both, the last layer's forward and backward include the loss; otherwise
+        every layer's backward starts from random output gradients.
+    repeats: rounds; each layer's time is the median over them.
+    optimizer: the optimizer whose step is timed per layer's parameters.
+    threads: the intra-op threads to measure with (None: the current setting), as each rank runs.
+    cache_dir: where profiles are kept by signature (None: in memory only).
+    reuse: False measures again even when a cached profile exists (and caches the new one).
+    slowest: called by every rank profiling at once, with the same values in the same order
+        (`plait.runtime.collectives.max_floats`): each round's whole-model times become the
+        slowest rank's, and a cached profile is used only when every rank has one (else all measure).
+    captured: the model as captured in train mode (`Model` captures once); None: captured here.
     """
+
+    loss: Callable[[Any, Any], torch.Tensor] | None = None
+    target: Any = None
+    repeats: int = 5
+    optimizer: OptimizerFactory = torch.optim.Adam
+    threads: int | None = None
+    cache_dir: str | os.PathLike[str] | None = None
+    reuse: bool = True
+    slowest: Slowest | None = None
+    captured: CapturedGraph | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.repeats, int) or isinstance(self.repeats, bool) or self.repeats < 1:
+            raise ConfigError(f"repeats must be an integer >= 1, got {self.repeats!r}")
+
+
+def profile(net: nn.Module, sample_args: tuple[Any, ...], sample_kwargs: dict[str, Any] | None = None,
+            options: ProfileOptions = ProfileOptions()) -> LayerProfile:
+    """Measure every captured layer of `net` on the sample batch `net(*sample_args, **kwargs)`
+    (see `ProfileOptions`); `net` is left as it was (mode, buffers, RNG)."""
     kwargs = dict(sample_kwargs or {})
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ConfigError(f"repeats must be an integer >= 1, got {repeats!r}")
     rows = batching.num_rows((sample_args, kwargs))
     old_threads = torch.get_num_threads()
-    threads = threads or old_threads
-    key = _signature(net, sample_args, kwargs, rows, repeats, threads, loss is not None, optimizer,
-                     "slowest rank" if slowest is not None else "this process")
-    path = Path(cache_dir) / f"profile-{key}.json" if cache_dir is not None else None
-    found = _cached(key, path, rows, repeats, threads) if reuse else None
-    if slowest is not None and slowest([0.0 if found else 1.0])[0] > 0:
+    threads = options.threads or old_threads
+    key = _signature(net, sample_args, kwargs, rows, options.repeats, threads, options.loss is not None,
+                     options.optimizer, "slowest rank" if options.slowest is not None else "this process")
+    path = Path(options.cache_dir) / f"profile-{key}.json" if options.cache_dir is not None else None
+    found = _cached(key, path, rows, options.repeats, threads) if options.reuse else None
+    if options.slowest is not None and options.slowest([0.0 if found else 1.0])[0] > 0:
         found = None  # a rank without it measures, and every other rank measures beside it
     if found is not None:
         return found
@@ -117,15 +125,14 @@ def profile(
     try:
         with torch.random.fork_rng():
             net.train(True)
-            costs = _measure(net, sample_args, kwargs, rows, loss, target, repeats, optimizer, slowest,
-                             captured)
+            costs = _measure(net, sample_args, kwargs, rows, options)
     finally:
         net.train(was_training)
         with torch.no_grad():
             for name, b in net.named_buffers():
                 b.copy_(saved[name])
         torch.set_num_threads(old_threads)
-    result = LayerProfile(costs, rows, repeats, threads, time.perf_counter() - start, key)
+    result = LayerProfile(costs, rows, options.repeats, threads, time.perf_counter() - start, key)
     _CACHE[key] = result
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +159,7 @@ def _cached(key: str, path: Path | None, rows: int, repeats: int, threads: int) 
 
 def _signature(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *extra: Any) -> str:
     """A stable hash of the capture fingerprint without object ids, and of how we measure."""
-    spec, inputs, modules, tensors = _fingerprint(net, args, kwargs)
+    spec, inputs, modules, tensors = fingerprint(net, args, kwargs)
     stable = (
         spec, inputs,
         tuple((name, f"{t.__module__}.{t.__qualname__}", training, flags)
@@ -179,17 +186,17 @@ def _leaf(x: Any) -> Any:
 
 
 def _measure(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int,
-             loss: Callable[[Any, Any], torch.Tensor] | None, target: Any, repeats: int,
-             optimizer: OptimizerFactory, slowest: Slowest | None,
-             captured: CapturedGraph | None) -> LayerCosts:
-    captured = captured if captured is not None else capture(net, args, kwargs)
+             options: ProfileOptions) -> LayerCosts:
+    """The layers' costs: every layer timed on `rows` and on a quarter of them, fitted affine in rows."""
+    captured = options.captured if options.captured is not None else capture(net, args, kwargs)
     names = captured.layers.layer_names
     stages = split(captured, list(range(len(names))))
     small = max(1, rows // 4)
-    big_run = _Run(captured, stages, args, kwargs, rows, loss, target, repeats, slowest)
+    big_run = _Run(captured, stages, args, kwargs, rows, options)
     small_run = big_run if small == rows else _Run(
         captured, stages, batching.slice_rows(args, 0, small), batching.slice_rows(kwargs, 0, small),
-        small, loss, target, repeats, slowest)
+        small, options)
+    repeats, slowest, optimizer = options.repeats, options.slowest, options.optimizer
     fixed: dict[str, list[float]] = {k: [] for k in ("f", "b", "w")}
     per_row: dict[str, list[float]] = {k: [] for k in ("f", "b", "w")}
     bigs, scale_big = big_run.measure()
@@ -253,11 +260,11 @@ class _Run:
     """The per-layer chain on one sample: each layer's inputs, then its timings on demand."""
 
     def __init__(self, captured: Any, stages: Sequence[Any], args: tuple[Any, ...],
-                 kwargs: dict[str, Any], rows: int, loss: Callable[[Any, Any], torch.Tensor] | None,
-                 target: Any, repeats: int, slowest: Slowest | None = None) -> None:
-        self.captured, self.stages, self.repeats, self.rows = captured, stages, repeats, rows
-        self.slowest = slowest
-        self.loss = loss
+                 kwargs: dict[str, Any], rows: int, options: ProfileOptions) -> None:
+        self.captured, self.stages, self.repeats, self.rows = captured, stages, options.repeats, rows
+        self.slowest = options.slowest
+        self.loss = options.loss
+        target = options.target
         self.target = None if target is None else batching.slice_rows(target, 0, rows)
         model_inputs = captured.bind(args, kwargs)
         self.inputs: list[tuple[list[Any], list[Any]]] = []  # (received, model inputs) per layer

@@ -86,94 +86,113 @@ def backward_input(
     (None for a scalar loss), `inputs` the received leaves, `params` the stage's parameters.
     """
     grads = [torch.ones_like(o) if g is None else g for o, g in zip(outputs, grad_outputs)]
-    out_edges = [get_gradient_edge(o) for o in outputs]
-    children = _graph([e.node for e in out_edges])
-    parents: dict[Node, list[Node]] = defaultdict(list)
-    for node, kids in children.items():
-        for kid in kids:
-            parents[kid].append(node)
-    input_nodes = [n for n in (get_gradient_edge(x).node for x in inputs) if n in children]
-    on_input_path = _reach(input_nodes, lambda n: parents.get(n, []))  # D
-    param_of = {get_gradient_edge(p).node: p for p in params if p.requires_grad}
-    param_of = {n: p for n, p in param_of.items() if n in children}
-
-    below: dict[Node, frozenset[Node]] = {}  # weight-only node -> parameter nodes below it
-
-    def params_below(node: Node) -> frozenset[Node]:
-        if node not in below:
-            found = {node} if node in param_of else set()
-            for kid in _children(node):  # no descendant of a weight-only node is in D
-                found |= params_below(kid)
-            below[node] = frozenset(found)
-        return below[node]
-
-    # Roots of W: D nodes with a weight-only child, and outputs that do not depend on the inputs.
-    roots: dict[Node, frozenset[Node]] = {}
-    for node in on_input_path:
-        reached: frozenset[Node] = frozenset()
-        for kid in children[node]:
-            if kid not in on_input_path:
-                reached |= params_below(kid)
-        if reached:
-            roots[node] = reached
-    output_roots = [
-        (edge, grad) for edge, grad in zip(out_edges, grads)
-        if edge.node not in on_input_path and params_below(edge.node)
-    ]
-
-    # Group roots that share a parameter (union-find over parameters), then check no group's W
-    # would walk back into D.
-    group_of: dict[Node, Node] = {}
-
-    def find(n: Node) -> Node:
-        while group_of.setdefault(n, n) is not n:
-            n = group_of[n]
-        return n
-
-    for reached in list(roots.values()) + [params_below(e.node) for e, _ in output_roots]:
-        first = next(iter(reached))
-        for p in reached:
-            group_of[find(p)] = find(first)
-    safe = True
-    for node, reached in roots.items():
-        strictly_below = _reach([k for k in children[node] if k in on_input_path],
-                                lambda n: [k for k in children[n] if k in on_input_path])
-        for d in strictly_below:
-            kids_params = set().union(*(params_below(k) for k in children[d] if k not in on_input_path))
-            if any(find(p) is find(next(iter(reached))) for p in kids_params):
-                safe = False
-    if not safe:  # whole backward now; W does nothing
+    split = _Split(outputs, grads, inputs, params)
+    if not split.separable():  # whole backward now; W does nothing
         torch.autograd.backward(list(outputs), grads)
         return [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs], WeightGradients([])
+    input_grads, kept = _input_grads_keeping(outputs, grads, inputs, list(split.roots))
+    return input_grads, split.weight_gradients(kept)
 
+
+def _input_grads_keeping(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                         inputs: Sequence[torch.Tensor],
+                         roots: Sequence[Node]) -> tuple[list[torch.Tensor], dict[Node, tuple[Any, ...]]]:
+    """B: the gradients of `inputs` (zeros where unused), keeping the gradient flowing into each root."""
     kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-    handles = [
-        node.register_prehook(lambda g, node=node: kept.__setitem__(node, g)) for node in roots
-    ]
+    handles = [node.register_prehook(lambda g, node=node: kept.__setitem__(node, g)) for node in roots]
     try:
-        if inputs:
-            found = torch.autograd.grad(list(outputs), list(inputs), grads, retain_graph=True,
-                                        allow_unused=True)
-            input_grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, found)]
-        else:
-            input_grads = []
+        if not inputs:
+            return [], kept
+        found = torch.autograd.grad(list(outputs), list(inputs), list(grads), retain_graph=True,
+                                    allow_unused=True)
+        return [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, found)], kept
     finally:
         for handle in handles:
             handle.remove()
 
-    calls: dict[Node, tuple[list[GradientEdge], list[torch.Tensor], set[Node]]] = {}
-    for node, reached in roots.items():
-        edges, gs, ps = calls.setdefault(find(next(iter(reached))), ([], [], set()))
-        for i, g in enumerate(kept.get(node, ())):
-            if g is not None:
-                edges.append(GradientEdge(node, i))
-                gs.append(g)
-        ps |= reached
-    for edge, grad in output_roots:
-        edges, gs, ps = calls.setdefault(find(next(iter(params_below(edge.node)))), ([], [], set()))
-        edges.append(edge)
-        gs.append(grad)
-        ps |= params_below(edge.node)
-    return input_grads, WeightGradients([
-        (edges, gs, [param_of[p] for p in ps]) for edges, gs, ps in calls.values() if edges
-    ])
+
+class _Split:
+    """One stage's autograd graph seen from its outputs: the nodes on a path to the inputs (D),
+    the parameters, the roots of W and their groups (see the module's picture)."""
+
+    def __init__(self, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                 inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+        out_edges = [get_gradient_edge(o) for o in outputs]
+        self.children = _graph([e.node for e in out_edges])
+        parents: dict[Node, list[Node]] = defaultdict(list)
+        for node, kids in self.children.items():
+            for kid in kids:
+                parents[kid].append(node)
+        input_nodes = [n for n in (get_gradient_edge(x).node for x in inputs) if n in self.children]
+        self.on_input_path = _reach(input_nodes, lambda n: parents.get(n, []))  # D
+        param_of = {get_gradient_edge(p).node: p for p in params if p.requires_grad}
+        self.param_of = {n: p for n, p in param_of.items() if n in self.children}
+        self._below: dict[Node, frozenset[Node]] = {}  # weight-only node -> parameter nodes below it
+        self.roots = self._roots()
+        self.output_roots = [  # outputs that do not depend on the inputs: W runs them whole
+            (edge, grad) for edge, grad in zip(out_edges, grads)
+            if edge.node not in self.on_input_path and self.params_below(edge.node)
+        ]
+        self._group_of: dict[Node, Node] = {}
+        for reached in list(self.roots.values()) + [self.params_below(e.node) for e, _ in self.output_roots]:
+            first = next(iter(reached))
+            for p in reached:
+                self._group_of[self.find(p)] = self.find(first)
+
+    def params_below(self, node: Node) -> frozenset[Node]:
+        if node not in self._below:
+            found = {node} if node in self.param_of else set()
+            for kid in _children(node):  # no descendant of a weight-only node is in D
+                found |= self.params_below(kid)
+            self._below[node] = frozenset(found)
+        return self._below[node]
+
+    def _roots(self) -> dict[Node, frozenset[Node]]:
+        """D nodes with a weight-only child, and the parameters each reaches through them."""
+        roots: dict[Node, frozenset[Node]] = {}
+        for node in self.on_input_path:
+            reached: frozenset[Node] = frozenset()
+            for kid in self.children[node]:
+                if kid not in self.on_input_path:
+                    reached |= self.params_below(kid)
+            if reached:
+                roots[node] = reached
+        return roots
+
+    def find(self, n: Node) -> Node:
+        """The group of a parameter node (union-find: roots sharing a parameter are one W call)."""
+        while self._group_of.setdefault(n, n) is not n:
+            n = self._group_of[n]
+        return n
+
+    def separable(self) -> bool:
+        """Whether no group's W would walk back into D (else a gradient would count twice)."""
+        for node, reached in self.roots.items():
+            in_d = self.on_input_path
+            strictly_below = _reach([k for k in self.children[node] if k in in_d],
+                                    lambda n: [k for k in self.children[n] if k in in_d])
+            group = self.find(next(iter(reached)))
+            for d in strictly_below:
+                kids_params = set().union(*(self.params_below(k) for k in self.children[d] if k not in in_d))
+                if any(self.find(p) is group for p in kids_params):
+                    return False
+        return True
+
+    def weight_gradients(self, kept: dict[Node, tuple[Any, ...]]) -> WeightGradients:
+        """W: one backward call per group, from its roots' kept gradients and its whole outputs."""
+        calls: dict[Node, tuple[list[GradientEdge], list[torch.Tensor], set[Node]]] = {}
+        for node, reached in self.roots.items():
+            edges, gs, ps = calls.setdefault(self.find(next(iter(reached))), ([], [], set()))
+            for i, g in enumerate(kept.get(node, ())):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    gs.append(g)
+            ps |= reached
+        for edge, grad in self.output_roots:
+            edges, gs, ps = calls.setdefault(self.find(next(iter(self.params_below(edge.node)))), ([], [], set()))
+            edges.append(edge)
+            gs.append(grad)
+            ps |= self.params_below(edge.node)
+        return WeightGradients([
+            (edges, gs, [self.param_of[p] for p in ps]) for edges, gs, ps in calls.values() if edges
+        ])

@@ -72,83 +72,82 @@ class Interpreter:
         train: bool,
         keep_outputs: bool = False,
     ) -> None:
-        """Run this rank's part of `program` over `microbatches`."""
+        """Run this rank's part of `program` over `microbatches`: the one loop every schedule runs in."""
         actions = program.get(self.rank, [])
         self.runs += 1
-        inbox: dict[tuple[int, int], list[Any]] = {}  # (stage, mb) -> received activations
-        outbox: dict[tuple[int, int], list[Any]] = {}  # (stage, mb) -> activations to send
-        grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}
-        grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
-        sent_like: dict[tuple[int, int], list[torch.Tensor]] = {}  # what SF sent, for RB shapes
-        # Receives posted ahead (see wire.py): at most `window` at a time, so a 1F1B stage holds
-        # no more incoming buffers than it holds micro-batches in flight.
-        receives = [i for i, a in enumerate(actions) if a.op in (Op.RECV_F, Op.RECV_B)]
-        window, posted = self.num_stages + 1, 0
-        split = any(a.op is Op.WEIGHT for a in actions)
-        tracer, step = self.tracer, self.runs
+        run = _Run(microbatches, train, keep_outputs, split=any(a.op is Op.WEIGHT for a in actions))
+        ahead = _ReceivesAhead(actions, window=self.num_stages + 1)
+        step = self.runs
         for position, action in enumerate(actions):
-            s, k, op = action.stage_index, action.microbatch_index, action.op
-            mb = microbatches[k]
-            done = bisect.bisect_left(receives, position)  # receives already taken
-            while posted < len(receives) and posted - done < window:
-                ahead = actions[receives[posted]]
-                with tracer.span("recv", f"post {ahead}", step=step, stage=ahead.stage_index,
-                                 op="P" + ahead.op.value, mb=ahead.microbatch_index):
-                    self._post(ahead, microbatches, train)
-                posted += 1
+            for posted in ahead.due(position):
+                with self.tracer.span("recv", f"post {posted}", step=step, stage=posted.stage_index,
+                                      op="P" + posted.op.value, mb=posted.microbatch_index):
+                    self._post(posted, microbatches, train)
             try:
-                with tracer.span(_STREAM[op], str(action), step=step, stage=s, op=op.value, mb=k):
-                    if op is Op.RECV_F:
-                        peer = self.stage_to_rank[s - 1]
-                        inbox[(s, k)], _ = self.wire.recv(peer, ("F", s - 1, train, mb.key), self._tag(k, s - 1, 0))
-                    elif op is Op.FORWARD:
-                        received = inbox.pop((s, k), None)
-                        if received is None:  # producer on this rank: handed over locally
-                            received = outbox.pop((s - 1, k), []) if s > 0 else []
-                        ex = self.executors[s]
-                        inputs = [mb.inputs[i] for i in ex.stage.input_indices]
-                        out = ex.forward(k, received, inputs, mb.target, mb.scale, train, keep_outputs)
-                        if not ex.stage.is_last:
-                            outbox[(s, k)] = out
-                    elif op is Op.SEND_F:
-                        values = outbox.pop((s, k))
-                        self.wire.send(values, self.stage_to_rank[s + 1], ("F", s, train, mb.key), self._tag(k, s, 0))
-                        if train:
-                            sent_like[(s, k)] = grad_leaves(values)
-                    elif op is Op.RECV_B:
-                        like = sent_like.pop((s, k))
-                        grads_in[(s, k)] = self.wire.recv_tensors(like, self.stage_to_rank[s + 1], self._tag(k, s + 1, 1))
-                    elif op is Op.BACKWARD:
-                        grads = grads_in.pop((s, k), None)
-                        if grads is None:
-                            grads = grads_out.pop((s + 1, k), [])
-                        ex = self.executors[s]
-                        grads_out[(s, k)] = ex.backward_input(k, grads) if split else ex.backward(k, grads)
-                    elif op is Op.WEIGHT:
-                        self.executors[s].backward_weight(k)
-                    elif op is Op.SEND_B:
-                        self.wire.send_tensors(grads_out.pop((s, k)), self.stage_to_rank[s - 1], self._tag(k, s, 1))
-                    else:  # pragma: no cover - the validator rejects unknown actions
-                        raise AssertionError(f"unknown action {action}")
+                with self.tracer.span(_STREAM[action.op], str(action), step=step, stage=action.stage_index,
+                                      op=action.op.value, mb=action.microbatch_index):
+                    self._execute(action, run)
             except PlaitError:  # the user's mistake (a loss that is not a scalar...): as it is
                 raise
             except Exception as e:  # noqa: BLE001 - every failure gets the rank/action/peer report
                 raise self._failure(program, position, action, e) from e
+        self._finish(program, len(actions), train)
+
+    def _execute(self, action: Action, run: "_Run") -> None:
+        """One action: a receive, a compute (F, B, W) or a send, on the run's buffers."""
+        s, k, op = action.stage_index, action.microbatch_index, action.op
+        mb = run.microbatches[k]
+        if op is Op.RECV_F:
+            peer = self.stage_to_rank[s - 1]
+            run.inbox[(s, k)], _ = self.wire.recv(peer, ("F", s - 1, run.train, mb.key), self._tag(k, s - 1, 0))
+        elif op is Op.FORWARD:
+            received = run.inbox.pop((s, k), None)
+            if received is None:  # producer on this rank: handed over locally
+                received = run.outbox.pop((s - 1, k), []) if s > 0 else []
+            ex = self.executors[s]
+            inputs = [mb.inputs[i] for i in ex.stage.input_indices]
+            out = ex.forward(k, received, inputs, mb.target, mb.scale, run.train, run.keep_outputs)
+            if not ex.stage.is_last:
+                run.outbox[(s, k)] = out
+        elif op is Op.SEND_F:
+            values = run.outbox.pop((s, k))
+            self.wire.send(values, self.stage_to_rank[s + 1], ("F", s, run.train, mb.key), self._tag(k, s, 0))
+            if run.train:
+                run.sent_like[(s, k)] = grad_leaves(values)
+        elif op is Op.RECV_B:
+            like = run.sent_like.pop((s, k))
+            run.grads_in[(s, k)] = self.wire.recv_tensors(like, self.stage_to_rank[s + 1], self._tag(k, s + 1, 1))
+        elif op is Op.BACKWARD:
+            grads = run.grads_in.pop((s, k), None)
+            if grads is None:
+                grads = run.grads_out.pop((s + 1, k), [])
+            ex = self.executors[s]
+            run.grads_out[(s, k)] = ex.backward_input(k, grads) if run.split else ex.backward(k, grads)
+        elif op is Op.WEIGHT:
+            self.executors[s].backward_weight(k)
+        elif op is Op.SEND_B:
+            self.wire.send_tensors(run.grads_out.pop((s, k)), self.stage_to_rank[s - 1], self._tag(k, s, 1))
+        else:  # pragma: no cover - the validator rejects unknown actions
+            raise AssertionError(f"unknown action {action}")
+
+    def _finish(self, program: Program, num_actions: int, train: bool) -> None:
+        """After the last action: batched weight gradients (training), then every send delivered."""
+        step = self.runs
         if train:
             try:
                 for s, ex in self.executors.items():
                     if ex.weight_batch is not None:
-                        with tracer.span("compute", "batched weight gradients", step=step, stage=s):
+                        with self.tracer.span("compute", "batched weight gradients", step=step, stage=s):
                             ex.finish_step()
             except PlaitError:
                 raise
             except Exception as e:  # noqa: BLE001
-                raise self._failure(program, len(actions), None, e) from e
+                raise self._failure(program, num_actions, None, e) from e
         try:
-            with tracer.span("wait", "sends done", step=step):
+            with self.tracer.span("wait", "sends done", step=step):
                 self.wire.drain()
         except Exception as e:  # noqa: BLE001
-            raise self._failure(program, len(actions), None, e) from e
+            raise self._failure(program, num_actions, None, e) from e
 
     def _post(self, action: Action, microbatches: Sequence[MicroBatch], train: bool) -> None:
         """Post one receive ahead, if its message's shapes are known (from the second step on)."""
@@ -188,3 +187,37 @@ class Interpreter:
             f"{failures.describe()}\n"
             f"where each rank stood in the schedule (marked):\n{grid}"
         )
+
+
+@dataclass
+class _Run:
+    """One run of a program: its micro-batches and the buffers between its actions."""
+
+    microbatches: Sequence[MicroBatch]
+    train: bool
+    keep_outputs: bool
+    split: bool  # the program has W actions: B computes input gradients only
+    inbox: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # (stage, mb) -> received activations
+    outbox: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # (stage, mb) -> activations to send
+    grads_in: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    grads_out: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    sent_like: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # what SF sent, for RB shapes
+
+
+class _ReceivesAhead:
+    """Receives posted ahead (see wire.py): at most `window` at a time, so a 1F1B stage holds no
+    more incoming buffers than it holds micro-batches in flight."""
+
+    def __init__(self, actions: Sequence[Action], window: int) -> None:
+        self.actions = actions
+        self.receives = [i for i, a in enumerate(actions) if a.op in (Op.RECV_F, Op.RECV_B)]
+        self.window, self.posted = window, 0
+
+    def due(self, position: int) -> list[Action]:
+        """The receives to post before the action at `position`."""
+        done = bisect.bisect_left(self.receives, position)  # receives already taken
+        out = []
+        while self.posted < len(self.receives) and self.posted - done < self.window:
+            out.append(self.actions[self.receives[self.posted]])
+            self.posted += 1
+        return out

@@ -84,9 +84,9 @@ class Pipeline:
         for name in captured.layers.layer_names:  # layers missing in train mode join their predecessor
             current = by_name.get(name, current)
             layer_stage.append(current)
-        return _assemble(captured, layer_stage, self.plan, self.rank, loss, self.interpreter.wire,
-                         ties=None, output_spec=self.output_spec, config=self.config,
-                         tracer=self.interpreter.tracer)
+        parts = _Parts(self.plan, self.rank, loss, self.config, self.interpreter.wire,
+                       self.interpreter.tracer, self.output_spec)
+        return _assemble(captured, layer_stage, parts, make_ties=False)
 
     def gather_outputs(self, leaves: list[Any] | None, shard_rows: Sequence[int], key: Any) -> list[list[Any]]:
         """Every replica's last-stage output leaves, on every rank, in replica order.
@@ -128,8 +128,6 @@ def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, config: 
     The plan is complete (`plait.planner.resolve`): nothing is decided here.
     """
     assert captured.output_spec is not None, "capture with capture_batch: the pipeline rebuilds outputs"
-    layer_stage = stage_of_layers(plan.layers_per_stage)
-    wire = Wire(config.timeout_s, device)
     tracer: Tracer | NullTracer = NULL_TRACER
     if config.trace_dir is not None:
         tracer = Tracer(rank, {
@@ -138,24 +136,48 @@ def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, config: 
             "world_size": plan.world_size, "num_microbatches": plan.num_microbatches,
             "stage_to_rank": list(plan.stage_to_rank), "recompute": list(plan.recompute),
         })
-    return _assemble(captured, layer_stage, plan, rank, loss, wire, ties="make",
-                     output_spec=captured.output_spec, config=config, tracer=tracer)
+    parts = _Parts(plan, rank, loss, config, Wire(config.timeout_s, device), tracer, captured.output_spec)
+    return _assemble(captured, stage_of_layers(plan.layers_per_stage), parts, make_ties=True)
 
 
-def _assemble(
-    captured: CapturedGraph,
-    layer_stage: list[int],
-    plan: Plan,
-    rank: int,
-    loss: Callable[[Any, Any], torch.Tensor] | None,
-    wire: Wire,
-    ties: Any,
-    output_spec: OutputSpec,
-    config: Config,
-    tracer: Tracer | NullTracer,
-) -> Pipeline:
+@dataclass(frozen=True)
+class _Parts:
+    """What the training and the evaluation pipeline of one model share on this rank."""
+
+    plan: Plan
+    rank: int
+    loss: Callable[[Any, Any], torch.Tensor] | None
+    config: Config
+    wire: Wire
+    tracer: Tracer | NullTracer
+    output_spec: OutputSpec
+
+
+def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, make_ties: bool) -> Pipeline:
+    """Split `captured` by `layer_stage` and make this rank's executors and interpreter; the
+    training pipeline (`make_ties`) also gets its tied-parameter sums and gradient buckets."""
+    plan, rank, config = parts.plan, parts.rank, parts.config
     stages = split(captured, layer_stage)
-    # Which stages hold each parameter/buffer: more than one means a tied (reused) parameter.
+    holders, tensors = _holders(stages)
+    owner_of = {i: plan.rank_of(min(s), 0) for i, s in holders.items()}
+    mine = plan.stages_of(rank)
+    local = list({id(p): p for s in mine for p in stages[s].module.parameters()}.values())
+    ties, sync = None, None
+    if make_ties:
+        plan, ties, sync = _ties_and_buckets(captured, parts, holders, tensors, local)
+    executors = {
+        s: StageExecutor(stages[s], captured.finish, parts.loss, recompute=s in plan.recompute,
+                         batch_weight_grads=config.batch_weight_grads) for s in mine
+    }
+    replica = plan.position_of(rank)[1]
+    stage_to_rank = [plan.rank_of(s, replica) for s in range(plan.num_stages)]
+    interpreter = Interpreter(rank, executors, stage_to_rank, parts.wire, parts.tracer)
+    return Pipeline(captured, stages, plan, rank, executors, interpreter, ties, local, owner_of,
+                    parts.output_spec, layer_stage, sync, config)
+
+
+def _holders(stages: Sequence[StageModule]) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
+    """Which stages hold each parameter/buffer (by id; more than one: a tied, reused tensor)."""
     holders: dict[int, list[int]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for st in stages:
@@ -163,44 +185,40 @@ def _assemble(
             if st.stage_index not in holders.setdefault(id(t), []):
                 holders[id(t)].append(st.stage_index)
             tensors[id(t)] = t
-    owner_of = {i: plan.rank_of(min(s), 0) for i, s in holders.items()}
+    return holders, tensors
+
+
+def _ties_and_buckets(captured: CapturedGraph, parts: _Parts, holders: dict[int, list[int]],
+                      tensors: dict[int, torch.Tensor],
+                      local: list[nn.Parameter]) -> tuple[Plan, TiedGradients | None, GradientBuckets | None]:
+    """The plan with its tied parameters named, their gradient sums, and the data-parallel buckets."""
+    plan, rank, config = parts.plan, parts.rank, parts.config
     params = {i: t for i, t in tensors.items() if isinstance(t, nn.Parameter)}
-    position, replica = plan.position_of(rank)
-    mine = plan.stages_of(rank)
-    local = list({id(p): p for s in mine for p in stages[s].module.parameters()}.values())
+    names = {id(p): n for n, p in captured.root.named_parameters()}
+    tied = sorted(
+        ((params[i], ss) for i, ss in holders.items() if len(ss) > 1 and i in params),
+        key=lambda item: names.get(id(item[0]), ""),
+    )
+    plan = Plan(**{**plan.__dict__, "tied_parameters": tuple(
+        (_user_name(names.get(id(p), "?")), tuple(ss)) for p, ss in tied
+    )})
+    ties = None
+    if plan.world_size > 1:
+        # One all-reduce over every stage and every replica holding a tied parameter
+        # sums both the tie (layer reuse) and the data-parallel contributions.
+        ties = TiedGradients([
+            (p, list(dict.fromkeys(plan.rank_of(s, r) for s in ss for r in range(plan.dp))))
+            for p, ss in tied
+        ], rank)
     sync = None
-    if ties == "make":
-        names = {id(p): n for n, p in captured.root.named_parameters()}
-        tied = sorted(
-            ((params[i], ss) for i, ss in holders.items() if len(ss) > 1 and i in params),
-            key=lambda item: names.get(id(item[0]), ""),
-        )
-        plan = Plan(**{**plan.__dict__, "tied_parameters": tuple(
-            (_user_name(names.get(id(p), "?")), tuple(ss)) for p, ss in tied
-        )})
-        ties = None
-        if plan.world_size > 1:
-            # One all-reduce over every stage and every replica holding a tied parameter
-            # sums both the tie (layer reuse) and the data-parallel contributions.
-            ties = TiedGradients([
-                (p, list(dict.fromkeys(plan.rank_of(s, r) for s in ss for r in range(plan.dp))))
-                for p, ss in tied
-            ], rank)
-        if plan.dp > 1:
-            groups = [  # every rank makes every group, in the same order
-                make_group([plan.rank_of(s, r) for r in range(plan.dp)]) for s in range(plan.pp)
-            ]
-            tied_ids = {id(p) for p, _ in tied}
-            sync = GradientBuckets([p for p in local if id(p) not in tied_ids], groups[position],
-                                   int(config.bucket_cap_mb * 2**20), config.timeout_s)
-    executors = {
-        s: StageExecutor(stages[s], captured.finish, loss, recompute=s in plan.recompute,
-                         batch_weight_grads=config.batch_weight_grads) for s in mine
-    }
-    stage_to_rank = [plan.rank_of(s, replica) for s in range(plan.num_stages)]
-    interpreter = Interpreter(rank, executors, stage_to_rank, wire, tracer)
-    return Pipeline(captured, stages, plan, rank, executors, interpreter, ties, local, owner_of,
-                    output_spec, layer_stage, sync, config)
+    if plan.dp > 1:
+        groups = [  # every rank makes every group, in the same order
+            make_group([plan.rank_of(s, r) for r in range(plan.dp)]) for s in range(plan.pp)
+        ]
+        tied_ids = {id(p) for p, _ in tied}
+        sync = GradientBuckets([p for p in local if id(p) not in tied_ids], groups[plan.position_of(rank)[0]],
+                               int(config.bucket_cap_mb * 2**20), config.timeout_s)
+    return plan, ties, sync
 
 
 def _user_name(name: str) -> str:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from plait.errors import PipelineError
 
-__all__ = ["Failures", "gather_failures", "gather_positions", "report_wait", "failure_error"]
+__all__ = ["Failures", "gather_failures", "report_wait", "failure_error"]
 
 
 def report_wait(timeout_s: float) -> float:
@@ -81,11 +81,6 @@ def gather_failures(run_id: int, rank: int, position: int, wait_s: float = 3.0) 
     except Exception as e:  # noqa: BLE001 - the store may be gone with a dead rank; report what we have
         failures.store_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
     return failures
-
-
-def gather_positions(run_id: int, rank: int, position: int, wait_s: float = 3.0) -> dict[int, int]:
-    """Post this rank's position for run `run_id`; return every position posted in time."""
-    return gather_failures(run_id, rank, position, wait_s).positions
 
 
 def failure_error(what: str, rank: int, error: BaseException, timeout_s: float,

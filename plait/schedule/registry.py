@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from plait.config import SCHEDULE_NAMES
 from plait.errors import ScheduleError
 from plait.schedule.action import Op, Program
 from plait.schedule.generators import forward_only as forward_only_program
@@ -20,10 +21,12 @@ SCHEDULES: dict[str, Callable[..., Program]] = {
     "interleaved": interleaved,
     "zbh1": zbh1,
 }
-"""Schedule name (as written in a config) -> generator of its compute-only program.
+"""Schedule name -> generator of its compute-only program: one generator for each name of
+`plait.config.SCHEDULE_NAMES`, the one list of schedule names.
 
 Each takes (num_stages, num_microbatches); "interleaved" also takes num_virtual_stages.
 """
+assert tuple(SCHEDULES) == SCHEDULE_NAMES, "a schedule name without a generator, or one more"
 
 
 def _compute_program(

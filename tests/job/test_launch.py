@@ -157,8 +157,10 @@ def test_plait_run_replan_reaches_every_rank_config(tmp_path: Path) -> None:
     script.write_text(textwrap.dedent("""
         import os, sys
         import plait
+        from plait.job.run_options import apply_run_options  # what Model applies to its config
         with open(os.path.join(sys.argv[1], "rank%s.txt" % os.environ["RANK"]), "w") as f:
-            f.write("%s %s" % (plait.Config().replan, plait.Config(replan=False).replan))
+            f.write("%s %s" % (apply_run_options(plait.Config()).replan,
+                           apply_run_options(plait.Config(replan=False)).replan))
     """))
     result = plait_cli("run", "-n", "2", "--replan", str(script), str(tmp_path), cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from plait.job.ranks import threads_per_rank
+from plait.planner.layout import candidate_fields
 from plait.planner.autoplan import PlanOptions, local_cluster, plan_model
 from plait.config import Config
 from plait.cli.demo import PaperCNN
@@ -17,7 +18,7 @@ from plait.plan.search import SearchSpace
 
 
 @pytest.mark.timeout(120)
-def test_plan_model_gives_config_fields_and_json():
+def test_plan_model_gives_a_config_layout_and_json():
     torch.manual_seed(0)
     net = PaperCNN(in_hw=8)
     x = torch.randn(200, 1, 8, 8)
@@ -27,10 +28,10 @@ def test_plan_model_gives_config_fields_and_json():
     result = plan_model(net, x, world_size=2, global_batch=200, cluster=cluster, options=options)
     best = result.best
     assert best.feasible and best.setting.pp == 2 and result.profile.rows == 64
-    fields = result.config_fields()
-    config = dataclasses.replace(Config(), **fields)  # the integration's use: a valid Config
+    fields = candidate_fields(best.to_dict())  # what the run's layout takes from the planner
+    config = dataclasses.replace(Config(), **fields)  # a valid Config
     assert config.stages_for(2) == 2 and sum(config.layers_per_proc) == 11
-    assert fields["layers_per_proc"] == best.layers_per_stage
+    assert tuple(fields["layers_per_proc"]) == best.layers_per_stage
     data = json.loads(result.to_json())
     assert data["pp"] == 2 and data["world_size"] == 2 and len(data["alternatives"]) >= 1
     assert "stage  0 (rank 0)" in result.table()

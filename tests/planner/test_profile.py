@@ -13,7 +13,7 @@ import plait.planner.profile as profiling
 from plait.capture.split import split
 from plait.capture.trace import capture
 from plait.cli.demo import PaperCNN
-from plait.planner.profile import profile
+from plait.planner.profile import ProfileOptions, profile
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def cnn():
     torch.manual_seed(0)
     net = PaperCNN(in_hw=16)  # conv 32 @14x14, conv 64 @12x12, pool -> 6x6, dense 2304 -> 128 -> 10
     x = torch.randn(32, 1, 16, 16)
-    return net, x, profile(net, (x,), repeats=3, threads=1)
+    return net, x, profile(net, (x,), options=ProfileOptions(repeats=3, threads=1))
 
 
 @pytest.mark.timeout(120)
@@ -59,22 +59,22 @@ def test_cut_bytes_are_what_split_sends(cnn):
 def test_second_call_is_cached_in_memory_and_on_disk(cnn, tmp_path):
     net, x, prof = cnn
     start = time.perf_counter()
-    again = profile(net, (x,), repeats=3, threads=1)
+    again = profile(net, (x,), options=ProfileOptions(repeats=3, threads=1))
     assert again.cached and again.costs == prof.costs and time.perf_counter() - start < 0.5
-    other_batch = profile(net, (x[:16],), repeats=3, threads=1, cache_dir=tmp_path)
+    other_batch = profile(net, (x[:16],), options=ProfileOptions(repeats=3, threads=1, cache_dir=tmp_path))
     assert not other_batch.cached and other_batch.signature != prof.signature
     profiling._CACHE.pop(other_batch.signature)
-    from_disk = profile(net, (x[:16],), repeats=3, threads=1, cache_dir=tmp_path)
+    from_disk = profile(net, (x[:16],), options=ProfileOptions(repeats=3, threads=1, cache_dir=tmp_path))
     assert from_disk.cached and from_disk.costs == other_batch.costs
     assert len(list(tmp_path.glob("profile-*.json"))) == 1
 
 
 def test_reuse_false_measures_again_and_caches_the_new_profile(cnn, tmp_path):
     net, x, _ = cnn
-    first = profile(net, (x[:8],), repeats=1, threads=1, cache_dir=tmp_path)
-    again = profile(net, (x[:8],), repeats=1, threads=1, cache_dir=tmp_path, reuse=False)
+    first = profile(net, (x[:8],), options=ProfileOptions(repeats=1, threads=1, cache_dir=tmp_path))
+    again = profile(net, (x[:8],), options=ProfileOptions(repeats=1, threads=1, cache_dir=tmp_path, reuse=False))
     assert not again.cached and again.signature == first.signature
-    assert profile(net, (x[:8],), repeats=1, threads=1).costs == again.costs  # the new one is kept
+    assert profile(net, (x[:8],), options=ProfileOptions(repeats=1, threads=1)).costs == again.costs  # the new one is kept
 
 
 class Normed(nn.Sequential):
@@ -88,7 +88,7 @@ def test_model_left_as_it_was_and_loss_included():
     before = {k: v.clone() for k, v in net.state_dict().items()}
     x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
     torch.manual_seed(7)
-    prof = profile(net, (x,), loss=nn.CrossEntropyLoss(), target=y, repeats=2)
+    prof = profile(net, (x,), options=ProfileOptions(loss=nn.CrossEntropyLoss(), target=y, repeats=2))
     after_profile = torch.rand(3)
     torch.manual_seed(7)
     assert torch.equal(torch.rand(3), after_profile)  # the profile consumed no random numbers
@@ -102,7 +102,7 @@ def test_model_left_as_it_was_and_loss_included():
 
 def test_bad_repeats():
     with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
-        profile(nn.Linear(2, 2), (torch.randn(4, 2),), repeats=0)
+        ProfileOptions(repeats=0)
 
 
 @pytest.mark.timeout(120)
@@ -130,7 +130,7 @@ def test_layer_times_sum_to_the_whole_model_pass(monkeypatch):
 
     monkeypatch.setattr(profiling._Run, "sample_layers", sample_layers)
     monkeypatch.setattr(profiling._Run, "whole", whole)
-    costs = profile(net, (x,), repeats=3, threads=1).costs
+    costs = profile(net, (x,), options=ProfileOptions(repeats=3, threads=1)).costs
     assert sum(costs.forward(16)) == pytest.approx(2 * last[16][0], rel=1e-6)
     assert sum(costs.backward(16)) + sum(costs.weight(16)) == pytest.approx(3 * last[16][1], rel=1e-6)
     assert "x 2.00 / 2.00 (forward), x 3.00 / 3.00 (backward)" in costs.source
@@ -155,7 +155,7 @@ def test_a_layer_is_the_median_of_rounds_each_scaled_to_its_own_whole_pass(monke
 
     monkeypatch.setattr(profiling._Run, "sample_layers", sample_layers)
     monkeypatch.setattr(profiling._Run, "whole", whole)
-    costs = profile(net, (x,), repeats=3, threads=1).costs
+    costs = profile(net, (x,), options=ProfileOptions(repeats=3, threads=1)).costs
     assert costs.forward(8) == pytest.approx([1.5e-3] * costs.num_layers, rel=1e-6)
     assert costs.backward(8) == pytest.approx([2e-3] * costs.num_layers, rel=1e-6)
 
@@ -171,7 +171,7 @@ def test_the_whole_pass_keeps_held_micro_batches_alive(monkeypatch):
     x = torch.randn(8, 5)
     cap = capture(net, (x,), {})
     run = profiling._Run(cap, split(cap, stage_of_layers([1] * len(cap.layers.layer_names))),
-                         (x,), {}, 8, None, None, 1)
+                         (x,), {}, 8, ProfileOptions(repeats=1))
     events: list[str] = []
     real_grad, real_chain = torch.autograd.grad, run._forward_chain
     monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: (events.append("B"), real_grad(*a, **k))[1])
@@ -203,14 +203,14 @@ def test_with_slowest_each_round_takes_the_slowest_ranks_whole_pass(monkeypatch)
 
     monkeypatch.setattr(profiling._Run, "sample_layers", sample_layers)
     monkeypatch.setattr(profiling._Run, "whole", whole)
-    costs = profile(net, (x,), repeats=3, threads=1, slowest=slowest).costs
+    costs = profile(net, (x,), options=ProfileOptions(repeats=3, threads=1, slowest=slowest)).costs
     n = costs.num_layers
     assert sum(costs.forward(16)) == pytest.approx(1.5 * 4e-3 * n, rel=1e-6)
     assert sum(costs.backward(16)) + sum(costs.weight(16)) == pytest.approx(1.5 * 5e-3 * n, rel=1e-6)
     assert calls[0] == [1.0]  # no rank has it cached here: everyone measures
     assert len(calls) == 1 + 2 * 3 and all(len(c) == 2 for c in calls[1:])
     assert "(the slowest rank's)" in costs.source
-    alone = profile(net, (x,), repeats=3, threads=1).costs  # its own signature: measured alone
+    alone = profile(net, (x,), options=ProfileOptions(repeats=3, threads=1)).costs  # its own signature: measured alone
     assert sum(alone.forward(16)) == pytest.approx(4e-3 * n, rel=1e-6)
 
 
@@ -219,16 +219,16 @@ def test_with_slowest_a_cached_profile_is_used_only_when_every_rank_has_one():
     net = nn.Sequential(nn.Linear(23, 19), nn.ReLU(), nn.Linear(19, 2))
     x = torch.randn(8, 23)
     alone = lambda values: list(values)  # noqa: E731 - one rank: the values as they are
-    first = profile(net, (x,), repeats=1, threads=1, slowest=alone)
+    first = profile(net, (x,), options=ProfileOptions(repeats=1, threads=1, slowest=alone))
     assert not first.cached
-    assert profile(net, (x,), repeats=1, threads=1, slowest=alone).cached
+    assert profile(net, (x,), options=ProfileOptions(repeats=1, threads=1, slowest=alone)).cached
     decided: list[list[float]] = []
 
     def another_rank_lacks_it(values):
         decided.append(list(values))
         return [1.0] if len(values) == 1 else list(values)
 
-    again = profile(net, (x,), repeats=1, threads=1, slowest=another_rank_lacks_it)
+    again = profile(net, (x,), options=ProfileOptions(repeats=1, threads=1, slowest=another_rank_lacks_it))
     assert decided[0] == [0.0]  # this rank had it...
     assert not again.cached  # ...another did not: this rank measured beside it, as it must
 
@@ -244,8 +244,8 @@ def profile_with_one_rank_cached(rank, world):
         net = nn.Sequential(nn.Linear(17, 13), nn.ReLU(), nn.Linear(13, 2))
         x = torch.randn(8, 17)
         if rank == 0:  # only rank 0 has this profile cached
-            profile(net, (x,), repeats=1, threads=1, slowest=lambda values: list(values))
-        both = profile(net, (x,), repeats=1, threads=1, slowest=max_floats)
+            profile(net, (x,), options=ProfileOptions(repeats=1, threads=1, slowest=lambda values: list(values)))
+        both = profile(net, (x,), options=ProfileOptions(repeats=1, threads=1, slowest=max_floats))
         return both.cached
     finally:
         dist.destroy_process_group()
