@@ -9,13 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from plait.config import NONFINITE_ACTIONS, REPLAN_ENV, SCHEDULE_NAMES, Config
+from plait.config import NONFINITE_ACTIONS, SCHEDULE_NAMES, SEARCH_ORDER, Config
 from plait.errors import ConfigError
-
-
-@pytest.fixture(autouse=True)
-def no_replan_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(REPLAN_ENV, raising=False)
 
 
 def test_defaults_leave_the_layout_to_the_planner() -> None:
@@ -24,9 +19,10 @@ def test_defaults_leave_the_layout_to_the_planner() -> None:
             config.recompute, config.plan) == (None,) * 7
     assert (config.num_virtual_stages, config.seed, config.timeout_s, config.grad_reduction, config.bucket_cap_mb,
             config.checkpoint_keep, config.on_nonfinite, config.replan, config.batch_weight_grads) == (
-        1, 0, 300.0, "mean", 25.0, 2, "stop", False, False)
+        1, 0, 300.0, "mean", 25.0, 2, "stop", None, False)  # replan: as `plait run --replan` says
     assert config.plans_everything
     assert SCHEDULE_NAMES == ("gpipe", "1f1b", "interleaved", "zbh1")
+    assert sorted(SEARCH_ORDER) == sorted(SCHEDULE_NAMES) and SEARCH_ORDER[0] == "1f1b"
     assert NONFINITE_ACTIONS == ("stop", "skip", "ignore")
 
 
@@ -47,12 +43,12 @@ def test_with_defaults_fills_only_what_is_open() -> None:
     assert (given.dp, given.num_microbatches, given.schedule, given.recompute) == (2, 8, "gpipe", "auto")
 
 
-def test_replan_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(REPLAN_ENV, "1")
-    assert REPLAN_ENV == "PLAIT_REPLAN"
-    assert Config().replan is True and Config(replan=False).replan is False
-    monkeypatch.setenv(REPLAN_ENV, "yes")  # only "1" turns it on
-    assert Config().replan is False
+def test_replan_is_not_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Options of `plait run` are applied in one place (plait.job.run_options), not by Config.
+    monkeypatch.setenv("PLAIT_REPLAN", "1")
+    assert Config().replan is None and Config(replan=False).replan is False
+    with pytest.raises(ConfigError, match="replan must be True, False or None"):
+        Config(replan="yes")
 
 
 def test_lists_and_paths_are_normalised(tmp_path: Path) -> None:
