@@ -124,7 +124,7 @@ def test_loss_that_is_not_a_scalar():
     ({"checkpoint_dir": 3}, "checkpoint_dir must be a directory path or None, got 3"),
     ({"plan": 3}, "plan must be the path of a plan JSON file or None, got 3"),
     ({"plan": "p.json", "layers_per_proc": [1, 1]}, r"plan='p.json' and layers_per_proc=\[1, 1\] both give"),
-    ({"replan": "yes"}, "replan must be True or False, got 'yes'"),
+    ({"replan": "yes"}, r"replan must be True, False or None \(as `plait run --replan` says\), got 'yes'"),
 ])
 def test_config_errors_name_the_value(kwargs, message):
     with pytest.raises(plait.ConfigError, match=message):
