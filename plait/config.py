@@ -98,43 +98,60 @@ class Config:
     batch_weight_grads: bool = False
 
     def __post_init__(self) -> None:
+        self._check_layout()
+        self._check_schedule()
+        self._check_recompute()
+        self._check_running()
+        self._check_checkpoints()
+        self._check_planning()
+
+    def _check_layout(self) -> None:
+        """layers_per_proc, num_stages and dp: sizes, and layers_per_proc against the stages."""
         if self.layers_per_proc is not None:
-            lpp = self.layers_per_proc
-            if isinstance(lpp, (str, bytes)) or not hasattr(lpp, "__iter__"):
-                raise ConfigError(
-                    f"layers_per_proc must be a list of layer counts, one per stage, got {lpp!r}; "
-                    "for example layers_per_proc=[2, 3, 3]"
-                )
-            counts = tuple(lpp)
-            bad = [c for c in counts if not isinstance(c, int) or isinstance(c, bool) or c < 1]
-            if not counts or bad:
-                raise ConfigError(
-                    f"layers_per_proc={list(counts)} must hold one positive integer per stage "
-                    f"(bad entries: {bad}); every stage needs at least one layer"
-                )
-            object.__setattr__(self, "layers_per_proc", counts)
-            v = self.num_virtual_stages if isinstance(self.num_virtual_stages, int) else 1
-            if v > 1 and len(counts) % v:
-                raise ConfigError(
-                    f"layers_per_proc={list(counts)} has {len(counts)} entries, not a multiple of "
-                    f"num_virtual_stages={v}; with interleaving it lists every model chunk "
-                    f"(num_stages x {v} entries)"
-                )
-            if v > 1 and self.num_stages is not None and self.num_stages * v != len(counts):
-                raise ConfigError(
-                    f"num_stages={self.num_stages} x num_virtual_stages={v} = "
-                    f"{self.num_stages * v} chunks but layers_per_proc={list(counts)} has "
-                    f"{len(counts)} entries; make them agree"
-                )
-            if v == 1 and self.num_stages is not None and self.num_stages != len(counts):
-                raise ConfigError(
-                    f"num_stages={self.num_stages} but layers_per_proc={list(counts)} has "
-                    f"{len(counts)} entries; give one of them, or make them agree"
-                )
+            self._check_layers()
         if self.num_stages is not None and (
             not isinstance(self.num_stages, int) or self.num_stages < 1
         ):
             raise ConfigError(f"num_stages must be a positive integer or None, got {self.num_stages!r}")
+        if self.dp is not None and (not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1):
+            raise ConfigError(f"dp must be a positive integer (data-parallel replicas), got {self.dp!r}")
+
+    def _check_layers(self) -> None:
+        lpp = self.layers_per_proc
+        if isinstance(lpp, (str, bytes)) or not hasattr(lpp, "__iter__"):
+            raise ConfigError(
+                f"layers_per_proc must be a list of layer counts, one per stage, got {lpp!r}; "
+                "for example layers_per_proc=[2, 3, 3]"
+            )
+        counts = tuple(lpp)
+        bad = [c for c in counts if not isinstance(c, int) or isinstance(c, bool) or c < 1]
+        if not counts or bad:
+            raise ConfigError(
+                f"layers_per_proc={list(counts)} must hold one positive integer per stage "
+                f"(bad entries: {bad}); every stage needs at least one layer"
+            )
+        object.__setattr__(self, "layers_per_proc", counts)
+        v = self.num_virtual_stages if isinstance(self.num_virtual_stages, int) else 1
+        if v > 1 and len(counts) % v:
+            raise ConfigError(
+                f"layers_per_proc={list(counts)} has {len(counts)} entries, not a multiple of "
+                f"num_virtual_stages={v}; with interleaving it lists every model chunk "
+                f"(num_stages x {v} entries)"
+            )
+        if v > 1 and self.num_stages is not None and self.num_stages * v != len(counts):
+            raise ConfigError(
+                f"num_stages={self.num_stages} x num_virtual_stages={v} = "
+                f"{self.num_stages * v} chunks but layers_per_proc={list(counts)} has "
+                f"{len(counts)} entries; make them agree"
+            )
+        if v == 1 and self.num_stages is not None and self.num_stages != len(counts):
+            raise ConfigError(
+                f"num_stages={self.num_stages} but layers_per_proc={list(counts)} has "
+                f"{len(counts)} entries; give one of them, or make them agree"
+            )
+
+    def _check_schedule(self) -> None:
+        """num_microbatches, schedule and num_virtual_stages."""
         m = self.num_microbatches
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise ConfigError(
@@ -152,15 +169,15 @@ class Config:
                 f"num_virtual_stages={v} needs schedule='interleaved', got schedule="
                 f"{self.schedule or '1f1b'!r}{'' if self.schedule else ' (the default)'}"
             )
-        self._check_recompute()
+
+    def _check_running(self) -> None:
+        """trace_dir, grad_reduction, bucket_cap_mb, timeout_s and seed."""
         if self.trace_dir is not None and not isinstance(self.trace_dir, (str, bytes)) and not hasattr(
             self.trace_dir, "__fspath__"
         ):
             raise ConfigError(f"trace_dir must be a directory path or None, got {self.trace_dir!r}")
         if self.trace_dir is not None:
             object.__setattr__(self, "trace_dir", str(self.trace_dir))
-        if self.dp is not None and (not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1):
-            raise ConfigError(f"dp must be a positive integer (data-parallel replicas), got {self.dp!r}")
         if self.grad_reduction not in ("mean", "sum"):
             raise ConfigError(
                 f"grad_reduction={self.grad_reduction!r} is not known; choose 'mean' or 'sum'"
@@ -171,8 +188,6 @@ class Config:
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"seed must be an integer (it seeds the shuffle order), got {self.seed!r}")
-        self._check_checkpoints()
-        self._check_planning()
 
     def _path(self, name: str, what: str) -> str | None:
         """Field `name` as a str path (any os.PathLike is accepted), or None."""

@@ -208,22 +208,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         if rest:
             parser.error(f"unrecognized arguments before the script: {' '.join(rest)}")
-        start, target, target_args = (launch.run_module if args.module else launch.run,
-                                      args.script, args.script_args)
+        module, target, target_args = args.module, args.script, args.script_args
     else:
         # demo: check the demo's own options here, once, rather than on every rank. Imported
         # here so that `plait run` does not import the model code.
         from plait.cli import demo
 
         demo.parse_args(rest, prog="plait demo")
-        start, target, target_args = launch.run_module, "plait.cli.demo", rest
+        module, target, target_args = True, "plait.cli.demo", rest
     if args.replan:
         os.environ.update(run_options_env(replan=True))  # the ranks inherit it (plait.job.run_options)
     try:
-        return start(target, target_args, args.nproc, args.max_restarts,
-                     args.nnodes, args.node_rank, args.master_addr, args.master_port)
+        spec = launch.LaunchSpec(target, tuple(target_args), args.nproc, module, args.max_restarts,
+                                 args.nnodes, args.node_rank, args.master_addr, args.master_port)
     except ValueError as err:  # a bad launch option (LaunchSpec says which and why)
         parser.error(str(err))
+    return launch.start(spec)
 
 
 if __name__ == "__main__":

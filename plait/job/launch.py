@@ -17,7 +17,7 @@ from plait.job.ranks import threads_per_rank
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
-__all__ = ["LaunchSpec", "build_args", "run", "run_module", "free_port", "LOOPBACK_RENDEZVOUS"]
+__all__ = ["LaunchSpec", "build_args", "start", "free_port", "LOOPBACK_RENDEZVOUS"]
 
 log = logging.getLogger("plait")
 
@@ -27,7 +27,7 @@ LOOPBACK_RENDEZVOUS = "plait-loopback"  # the rendezvous backend of a one-node j
 
 @dataclasses.dataclass(frozen=True)
 class LaunchSpec:
-    """What to start and where: the arguments of `run` / `run_module`, checked."""
+    """What to start and where (`plait run`'s options), checked: `start(spec)` runs it."""
 
     target: str  # a script path, or a module name when `module` is true
     target_args: tuple[str, ...]
@@ -170,7 +170,8 @@ def _exit_code(code: int) -> int:
     return 1  # the rank "failed" with code 0: still a failure of the job
 
 
-def _launch(spec: LaunchSpec) -> int:
+def start(spec: LaunchSpec) -> int:
+    """Run the spec's target on its local ranks; 0, or the failing rank's exit code."""
     # Run torchrun in this process rather than as a subprocess: its ChildFailedError tells
     # which ranks failed and how, so the report below is one line per rank instead of
     # torchrun's own traceback. Imported here because it is slow and only `plait run` needs it.
@@ -205,33 +206,3 @@ def _launch(spec: LaunchSpec) -> int:
         log.error("plait run: stopped by %s; every rank of %s was stopped", err.sigval.name, spec.target)
         return 128 + int(err.sigval)
     return 0
-
-
-def run(
-    script: str,
-    script_args: list[str],
-    nproc: int,
-    max_restarts: int = 0,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    master_addr: str | None = None,
-    master_port: int | None = None,
-) -> int:
-    """Run `python script *script_args` on `nproc` local ranks; 0, or the failing rank's exit code."""
-    return _launch(LaunchSpec(script, tuple(script_args), nproc, False, max_restarts,
-                              nnodes, node_rank, master_addr, master_port))
-
-
-def run_module(
-    module: str,
-    module_args: list[str],
-    nproc: int,
-    max_restarts: int = 0,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    master_addr: str | None = None,
-    master_port: int | None = None,
-) -> int:
-    """Run `python -m module *module_args` on `nproc` local ranks; like `run`."""
-    return _launch(LaunchSpec(module, tuple(module_args), nproc, True, max_restarts,
-                              nnodes, node_rank, master_addr, master_port))
