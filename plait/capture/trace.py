@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -17,7 +18,7 @@ from plait.capture.layers import LayerAssignment, assign_layers
 from plait.capture.output import OutputSpec, flatten_output, unflatten_output
 from plait.errors import CaptureError
 
-__all__ = ["CapturedGraph", "capture", "fingerprint", "capture_batch", "sample_rows", "is_local"]
+__all__ = ["CapturedGraph", "capture", "fingerprint", "in_mode", "capture_batch", "sample_rows", "is_local"]
 
 log = logging.getLogger("plait")
 
@@ -111,19 +112,28 @@ def capture_batch(net: nn.Module, x: Any, train: bool = True) -> CapturedGraph:
     pipeline) and, for evaluation, once in eval mode.
     """
     args, kwargs = batching.as_call(sample_rows(x))
-    was_training = net.training
-    net.train(train)
-    try:
+    with in_mode(net, train):
         captured = capture(net, args, kwargs)
-    finally:
-        net.train(was_training)
-    with torch.no_grad(), torch.random.fork_rng():
-        net.eval()
-        try:
-            _, output_spec = flatten_output(net(*args, **kwargs))
-        finally:
-            net.train(was_training)
+    with torch.no_grad(), torch.random.fork_rng(), in_mode(net, False):
+        _, output_spec = flatten_output(net(*args, **kwargs))
     return replace(captured, output_spec=output_spec)
+
+
+@contextlib.contextmanager
+def in_mode(net: nn.Module, train: bool) -> Iterator[None]:
+    """`net` in train or eval mode inside, then every module's own flag as it was.
+
+    A net already in that mode is left as it is, so a submodule the user put in eval mode inside
+    a training model (a frozen dropout or batch norm) stays in eval mode, as in one process.
+    """
+    modes = [(m, m.training) for m in net.modules()]
+    if net.training != train:
+        net.train(train)
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def _first_line(error: BaseException) -> str:

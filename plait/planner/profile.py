@@ -45,7 +45,7 @@ from torch import nn
 
 from plait import data as batching
 from plait.capture.split import split
-from plait.capture.trace import CapturedGraph, fingerprint, capture
+from plait.capture.trace import CapturedGraph, capture, fingerprint, in_mode
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
 
@@ -120,14 +120,11 @@ def profile(net: nn.Module, sample_args: tuple[Any, ...], sample_kwargs: dict[st
         return found
     start = time.perf_counter()
     torch.set_num_threads(threads)
-    was_training = net.training
     saved = {name: b.detach().clone() for name, b in net.named_buffers()}
     try:
-        with torch.random.fork_rng():
-            net.train(True)
+        with torch.random.fork_rng(), in_mode(net, True):
             costs = _measure(net, sample_args, kwargs, rows, options)
     finally:
-        net.train(was_training)
         with torch.no_grad():
             for name, b in net.named_buffers():
                 b.copy_(saved[name])

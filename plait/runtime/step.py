@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from plait import data as batching
+from plait.capture.trace import in_mode
 from plait.errors import ConfigError
 from plait.metrics import METRICS
 from plait.runtime.collectives import start_sum_floats
@@ -102,9 +103,7 @@ class StepRunner:
         """
         pipe, train = self.pipe, self.train
         mbs = self.microbatches(x, y)
-        was_training = self.net.training
-        self.net.train(train)
-        try:
+        with in_mode(self.net, train):  # each module's own flag comes back after
             if train:
                 self._zero_grads(len(mbs))
             for ex in pipe.executors.values():
@@ -126,8 +125,6 @@ class StepRunner:
                 self._finish_gradients(where)
             sums = where.guard("the loss all-reduce", total)
             skipped = self._optimizer_step(sums[len(stats):], where, optimizer) if train else False
-        finally:
-            self.net.train(was_training)
         return StepResult(sums[: len(stats)], outputs, skipped)
 
     def _zero_grads(self, num_microbatches: int) -> None:
