@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import warnings
 from typing import Any, Iterator
@@ -165,11 +166,34 @@ def row_ranges(x: Any, batch_size: int | None) -> list[tuple[int, int]]:
     return [(int(i[0]), int(i[-1]) + 1) for i in index_batches(rows, batch_size or rows, False, 0)]
 
 
-def data_order(x: Any, batch_size: int | None, shuffle: bool, batches_per_epoch: int, seed: int) -> dict[str, Any]:
-    """What fixes the order of the batches: a resumed fit must be given the same."""
+def data_order(x: Any, y: Any, batch_size: int | None, shuffle: bool, batches_per_epoch: int,
+               seed: int) -> dict[str, Any]:
+    """What fixes the batches and their order: a resumed fit must be given the same."""
     rows = None if isinstance(x, (Dataset, DataLoader)) else num_rows(x)
     return {"seed": seed, "shuffle": bool(shuffle), "batch_size": batch_size,
-            "rows": rows, "batches_per_epoch": batches_per_epoch}
+            "rows": rows, "batches_per_epoch": batches_per_epoch, "data_fingerprint": fingerprint(x, y)}
+
+
+FINGERPRINT_ROWS = 64  # rows hashed, evenly spaced: cheap on any data set, and any edit of them shows
+
+
+def fingerprint(x: Any, y: Any) -> str | None:
+    """A short hash of in-memory data (shapes, dtypes and up to FINGERPRINT_ROWS evenly spaced rows
+    of every tensor of x and y); None for a Dataset or DataLoader (it is not read twice)."""
+    if isinstance(x, (Dataset, DataLoader)):
+        return None
+    rows = num_rows(x)
+    index = torch.linspace(0, max(rows - 1, 0), min(rows, FINGERPRINT_ROWS)).round().long().unique()
+    leaves, spec = pytree.tree_flatten((x, y))
+    digest = hashlib.sha256(str(spec).encode())  # the structure (dict keys, tuple lengths) counts
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            digest.update(f"{tuple(leaf.shape)} {leaf.dtype}".encode())
+            sample = leaf.detach()[index.to(leaf.device)] if leaf.dim() > 0 else leaf.detach()
+            digest.update(sample.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(leaf).encode())
+    return digest.hexdigest()[:16]
 
 
 def epoch_batches(x: Any, y: Any, batch_size: int | None, shuffle: bool, seed: int, epoch: int,

@@ -221,7 +221,7 @@ class Model:
             raise ConfigError(f"epochs must be a non-negative integer, got {epochs!r}")
         history = History()
         batches_per_epoch = batching.count_batches(x, batch_size)
-        order = batching.data_order(x, batch_size, shuffle, batches_per_epoch, self.config.seed)
+        order = batching.data_order(x, y, batch_size, shuffle, batches_per_epoch, self.config.seed)
         cbs: list[Any] = list(callbacks) + [history]
         if verbose:  # the plan is printed first, then the step's progress
             cbs.insert(0, PlanPrinter(lambda: (self.plan, self.plan_report), enabled=self.rank == 0))

@@ -53,9 +53,25 @@ def test_epoch_batches_name_bad_targets():
 
 def test_data_order_records_what_fixes_the_order():
     x, _ = rows(10)
-    assert data.data_order(x, 4, True, 3, seed=7) == {
-        "seed": 7, "shuffle": True, "batch_size": 4, "rows": 10, "batches_per_epoch": 3}
-    assert data.data_order(TensorDataset(x), 4, False, 3, seed=7)["rows"] is None
+    y = torch.arange(10)
+    assert data.data_order(x, y, 4, True, 3, seed=7) == {
+        "seed": 7, "shuffle": True, "batch_size": 4, "rows": 10, "batches_per_epoch": 3,
+        "data_fingerprint": data.fingerprint(x, y)}
+    loader = data.data_order(TensorDataset(x), None, 4, False, 3, seed=7)
+    assert loader["rows"] is None and loader["data_fingerprint"] is None  # a Dataset is not read twice
+
+
+def test_the_fingerprint_follows_the_values_shapes_and_dtypes_of_x_and_y():
+    x, y = torch.arange(200.0).reshape(100, 2), torch.arange(100)
+    same = data.fingerprint(x.clone(), y.clone())
+    assert data.fingerprint(x, y) == same and len(same) == 16
+    edited = x.clone()
+    edited[99, 1] += 1  # the last row is always among the rows hashed
+    assert data.fingerprint(edited, y) != same
+    assert data.fingerprint(x, y + 1) != same
+    assert data.fingerprint(x.double(), y) != same
+    assert data.fingerprint(x[:99], y[:99]) != same
+    assert data.fingerprint({"a": x}, y) != data.fingerprint({"b": x}, y)  # the structure counts
 
 
 def test_join_rows_concatenates_tensors_along_rows_and_keeps_the_first_of_other_leaves():

@@ -2,8 +2,8 @@
 
 A checkpoint's data position is (epoch, batches done); it is only meaningful for the data it was
 saved with. plait checks what fixes the order of the batches (seed, shuffle, batch_size, rows,
-batches per epoch), not the data's values: other data with as many rows would resume silently,
-trained on as if it were the rest of the first run's epochs.
+batches per epoch) and a fingerprint of the data's values: other data with as many rows would
+otherwise resume silently, trained on as if it were the rest of the first run's epochs.
 """
 
 from __future__ import annotations
@@ -46,10 +46,6 @@ def test_the_same_data_resumes(tmp_path):
     assert epochs.epochs == [1] and resumed.step == 10  # steps 6..10: the first epoch is not trained again
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="plait.checkpoint.resume checks the order of the batches (seed, shuffle, "
-                          "batch_size, rows), not a fingerprint of the data: other data of the same "
-                          "size resumes silently")
 def test_other_data_of_the_same_size_is_an_error_naming_the_fix(tmp_path):
     x, y = data(seed=0)
     model(tmp_path).fit(x, y, epochs=1, batch_size=5, verbose=0)

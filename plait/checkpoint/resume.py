@@ -37,7 +37,9 @@ def resume_point(ckpt: Checkpoint, order: dict[str, Any]) -> ResumePoint:
             f"{ckpt.path} was saved outside fit (model.save), so it has no data position; load it "
             f"with model.load() and fit without checkpoint_dir, or resume from a checkpoint fit saved"
         )
-    changed = {k: (data.get(k), v) for k, v in order.items() if data.get(k) != v}
+    # (a checkpoint of an earlier plait has no data fingerprint: only the order is checked)
+    changed = {k: (data.get(k), v) for k, v in order.items()
+               if data.get(k) != v and (k in data or k != "data_fingerprint")}
     if changed:
         text = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in changed.items())
         raise CheckpointError(

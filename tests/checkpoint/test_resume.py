@@ -53,6 +53,18 @@ def test_every_change_to_the_order_of_the_batches_is_named() -> None:
         "shuffle and Config.seed, or start a new run in another checkpoint_dir")
 
 
+def test_other_data_of_the_same_size_is_named_by_its_fingerprint() -> None:
+    saved = {**DATA, "data_fingerprint": "0123456789abcdef"}
+    with pytest.raises(CheckpointError, match=r"data_fingerprint: saved '0123456789abcdef', now 'fedcba9876543210'"):
+        resume_point(ckpt(saved), {**ORDER, "data_fingerprint": "fedcba9876543210"})
+    assert resume_point(ckpt(saved), {**ORDER, "data_fingerprint": "0123456789abcdef"}).epoch == 2
+
+
+def test_a_checkpoint_without_a_fingerprint_resumes_on_its_order_alone() -> None:
+    # checkpoints of an earlier plait saved no fingerprint: their order is still checked
+    assert resume_point(ckpt(DATA), {**ORDER, "data_fingerprint": "fedcba9876543210"}).epoch == 2
+
+
 def test_an_order_key_the_checkpoint_lacks_counts_as_changed() -> None:
     with pytest.raises(CheckpointError, match=r"\(dataset: saved None, now 'digits'\)"):
         resume_point(ckpt(DATA), {**ORDER, "dataset": "digits"})
