@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from plait.callbacks import Callback, History, ProgressBar
+from plait.callbacks import Callback, History, PlanPrinter, ProgressBar, call_hooks
 
 
 class FakeTTY(io.StringIO):
@@ -78,3 +78,49 @@ def test_history_collects_epoch_logs() -> None:
 
 def test_callback_base_is_a_no_op() -> None:
     run_epochs(Callback(), epochs=1, steps=2)
+
+
+class _Report:
+    def __init__(self, feedback=None):
+        self.feedback = feedback
+
+    def __str__(self) -> str:
+        return "the planner's table"
+
+
+class _Feedback:
+    def summary(self) -> str:
+        return "measured against predicted"
+
+
+def test_plan_printer_prints_the_plan_once_then_the_check_once(capsys) -> None:
+    state = {"report": _Report()}
+    printer = PlanPrinter(lambda: ("the plan", state["report"]))
+    printer.on_batch_end(0)
+    printer.on_batch_end(1)
+    assert capsys.readouterr().out.splitlines() == ["the plan", "the planner's table"]
+    state["report"] = _Report(_Feedback())  # the closed loop has measured
+    printer.on_batch_end(2)
+    printer.on_batch_end(3)
+    assert capsys.readouterr().out.splitlines() == ["measured against predicted"]
+
+
+def test_plan_printer_without_a_report_and_when_disabled(capsys) -> None:
+    PlanPrinter(lambda: ("the plan", None)).on_batch_end(0)
+    assert capsys.readouterr().out == "the plan\n"
+    PlanPrinter(lambda: ("the plan", None), enabled=False).on_batch_end(0)
+    assert capsys.readouterr().out == ""
+
+
+def test_call_hooks_calls_the_callbacks_that_have_the_hook_in_order() -> None:
+    calls = []
+
+    class Some:
+        def on_epoch_end(self, epoch, logs):
+            calls.append(("some", epoch, logs))
+
+    class Other:  # no on_epoch_end: skipped, as Keras does for callbacks without the hook
+        pass
+
+    call_hooks([Some(), Other(), Some()], "on_epoch_end", 3, {"loss": 1.0})
+    assert calls == [("some", 3, {"loss": 1.0})] * 2

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 import plait
-from plait.planner.resolve import recomputed_stages
 
 
 class _Box:
@@ -56,23 +55,3 @@ def test_a_recomputed_stage_keeps_only_its_inputs_and_trains_the_same():
     assert recomputed < 0.5 * kept, (recomputed, kept)
     for name, value in state.items():
         torch.testing.assert_close(state_r[name], value, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("schedule, stages, m, want", [
-    ("1f1b", 4, 8, (0, 1, 2)),   # stage s holds min(p - s, m) micro-batches: the last holds one
-    ("1f1b", 4, 2, (0, 1, 2)),   # stages 0-2 hold 2 at once, stage 3 one
-    ("gpipe", 3, 4, (0, 1, 2)),  # GPipe holds all m on every stage
-    ("gpipe", 3, 1, ()),         # one micro-batch: nothing to save
-    ("1f1b", 2, 1, ()),
-])
-def test_auto_recomputes_the_stages_that_hold_more_than_one_microbatch(schedule, stages, m, want):
-    config = plait.Config(schedule=schedule, num_microbatches=m, recompute="auto")
-    assert recomputed_stages(config, stages, 1) == want
-
-
-def test_recompute_lists_and_errors():
-    assert recomputed_stages(plait.Config(recompute=[2, 0, 2]), 3, 1) == (0, 2)
-    assert recomputed_stages(plait.Config(recompute=True), 3, 1) == (0, 1, 2)
-    assert recomputed_stages(plait.Config(recompute=False), 3, 1) == ()
-    with pytest.raises(plait.ConfigError, match=r"names stages \[3\], but the model has 3 stages"):
-        recomputed_stages(plait.Config(recompute=[3]), 3, 1)

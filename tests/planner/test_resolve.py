@@ -1,0 +1,79 @@
+"""Tests for plait.planner.resolve: a run's config becomes a complete Plan (cut, sizes, recomputation),
+so that pipeline assembly decides nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import plait
+from plait.capture.trace import capture_batch
+from plait.config import Config
+from plait.planner.resolve import recomputed_stages, resolve_plan
+
+
+def net_and_graph():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+    return net, capture_batch(net, torch.randn(6, 4))
+
+
+def test_one_process_is_one_stage_of_every_layer_with_the_defaults_filled():
+    net, graph = net_and_graph()
+    plan = resolve_plan(Config(), 1, graph, net)
+    assert plan.layers_per_stage == (len(graph.layers.layer_names),)
+    assert (plan.num_stages, plan.dp, plan.num_microbatches, plan.schedule, plan.recompute) == (1, 1, 1, "1f1b", ())
+    assert plan.capture_method == graph.method and plan.layer_names == tuple(graph.layers.layer_names)
+
+
+def test_a_given_cut_is_kept_and_the_sizes_come_from_the_config():
+    net, graph = net_and_graph()
+    n = len(graph.layers.layer_names)
+    config = Config(layers_per_proc=(2, n - 2), dp=2, num_microbatches=4, schedule="gpipe", recompute=True)
+    plan = resolve_plan(config, 4, graph, net)
+    assert plan.layers_per_stage == (2, n - 2)
+    assert (plan.num_stages, plan.dp, plan.world_size, plan.num_microbatches, plan.schedule) == (2, 2, 4, 4, "gpipe")
+    assert plan.recompute == (0, 1)
+
+
+def test_without_a_cut_the_layers_are_balanced_by_parameters():
+    net, graph = net_and_graph()  # the 64 x 64 layer in the middle outweighs the others
+    plan = resolve_plan(Config(num_stages=2), 2, graph, net)
+    assert sum(plan.layers_per_stage) == len(graph.layers.layer_names) and plan.num_stages == 2
+    first = plan.stage_layers(0)
+    assert any(name.startswith("2") for name in first) != any(name.startswith("2") for name in plan.stage_layers(1))
+
+
+def test_interleaving_cuts_num_stages_x_v_chunks():
+    net, graph = net_and_graph()
+    plan = resolve_plan(Config(num_stages=2, schedule="interleaved", num_virtual_stages=2), 2, graph, net)
+    assert (plan.num_stages, plan.num_chunks, plan.num_virtual_stages) == (2, 4, 2)
+
+
+def test_more_chunks_than_layers_is_an_error_naming_both():
+    net, graph = net_and_graph()
+    n = len(graph.layers.layer_names)
+    with pytest.raises(plait.PartitionError, match=rf"{n + 1} stages \({n + 1} ranks x num_virtual_stages=1\) "
+                                                   rf"but the model has only {n} layers"):
+        resolve_plan(Config(num_stages=n + 1), n + 1, graph, net)
+
+
+@pytest.mark.parametrize("schedule, stages, m, want", [
+    ("1f1b", 4, 8, (0, 1, 2)),   # stage s holds min(p - s, m) micro-batches: the last holds one
+    ("1f1b", 4, 2, (0, 1, 2)),   # stages 0-2 hold 2 at once, stage 3 one
+    ("gpipe", 3, 4, (0, 1, 2)),  # GPipe holds all m on every stage
+    ("gpipe", 3, 1, ()),         # one micro-batch: nothing to save
+    ("1f1b", 2, 1, ()),
+])
+def test_auto_recomputes_the_stages_that_hold_more_than_one_microbatch(schedule, stages, m, want):
+    config = plait.Config(schedule=schedule, num_microbatches=m, recompute="auto")
+    assert recomputed_stages(config, stages, 1) == want
+
+
+def test_recompute_lists_and_errors():
+    assert recomputed_stages(plait.Config(recompute=[2, 0, 2]), 3, 1) == (0, 2)
+    assert recomputed_stages(plait.Config(recompute=True), 3, 1) == (0, 1, 2)
+    assert recomputed_stages(plait.Config(recompute=False), 3, 1) == ()
+    with pytest.raises(plait.ConfigError, match=r"names stages \[3\], but the model has 3 stages"):
+        recomputed_stages(plait.Config(recompute=[3]), 3, 1)
