@@ -118,6 +118,8 @@ class Config:
 
     def _check_layers(self) -> None:
         lpp = self.layers_per_proc
+        if lpp is None:
+            return
         if isinstance(lpp, (str, bytes)) or not hasattr(lpp, "__iter__"):
             raise ConfigError(
                 f"layers_per_proc must be a list of layer counts, one per stage, got {lpp!r}; "

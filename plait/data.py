@@ -183,7 +183,8 @@ def fingerprint(x: Any, y: Any) -> str | None:
     if isinstance(x, (Dataset, DataLoader)):
         return None
     rows = num_rows(x)
-    index = torch.linspace(0, max(rows - 1, 0), min(rows, FINGERPRINT_ROWS)).round().long().unique()
+    count = min(rows, FINGERPRINT_ROWS)
+    index = torch.tensor(sorted({round(i * (rows - 1) / max(count - 1, 1)) for i in range(count)}), dtype=torch.long)
     leaves, spec = pytree.tree_flatten((x, y))
     digest = hashlib.sha256(str(spec).encode())  # the structure (dict keys, tuple lengths) counts
     for leaf in leaves:

@@ -99,7 +99,7 @@ class Model:
                                              self._checkpoints.resumed_plan)
                 if self._layout.report is not None:
                     self._loop = ClosedLoop(self._layout.report, self.rank, self.world_size,
-                                            self.config.timeout_s, self.config.replan)
+                                            self.config.timeout_s, bool(self.config.replan))
                 self._captured = work.captured
             self._build(self._layout)
         assert self._train is not None

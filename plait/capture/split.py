@@ -51,7 +51,7 @@ def stage_of_layers(layers_per_stage: Sequence[int]) -> list[int]:
 
 def split(captured: CapturedGraph, layer_stage: Sequence[int]) -> list[StageModule]:
     """Build the stage modules given the stage of every layer (non-decreasing)."""
-    num_stages = max(layer_stage) + 1
+    num_chunks = max(layer_stage) + 1
     if any(b < a for a, b in zip(layer_stage, layer_stage[1:])):
         raise PartitionError(f"stages of layers must not decrease, got {list(layer_stage)}")
     node_stage: dict[fx.Node, int] = {
@@ -59,7 +59,7 @@ def split(captured: CapturedGraph, layer_stage: Sequence[int]) -> list[StageModu
     }
     order = {n: i for i, n in enumerate(captured.graph.nodes)}
     output = next(n for n in captured.graph.nodes if n.op == "output")
-    last = num_stages - 1
+    last = num_chunks - 1
 
     # needed[s]: non-local values stage s uses that an earlier stage makes.
     crossing: set[fx.Node] = set()
@@ -77,13 +77,13 @@ def split(captured: CapturedGraph, layer_stage: Sequence[int]) -> list[StageModu
                 last_use[src] = max(last_use.get(src, s), s)
                 first_use[src] = min(first_use.get(src, s), s)
     boundaries: list[list[fx.Node]] = []
-    for b in range(num_stages - 1):
+    for b in range(num_chunks - 1):
         carried = [n for n in crossing if node_stage[n] <= b < last_use[n]]
         boundaries.append(sorted(carried, key=order.__getitem__))
 
     placeholders = [n for n in captured.graph.nodes if n.op == "placeholder"]
     stages = []
-    for s in range(num_stages):
+    for s in range(num_chunks):
         recv = boundaries[s - 1] if s > 0 else []
         send = boundaries[s] if s < last else []
         ops = [n for n in captured.ops if node_stage[n] == s]

@@ -70,7 +70,7 @@ class Setting:
             )
 
     @property
-    def num_stages(self) -> int:
+    def num_chunks(self) -> int:
         """Model stages (chunks): pp x num_virtual_stages."""
         return self.pp * self.num_virtual_stages
 
@@ -186,7 +186,7 @@ def _boundary_links(setting: Setting, network: Network) -> list[Link]:
     return [
         network.link([r for d in range(setting.dp)
                       for r in (setting.rank_of(s, d), setting.rank_of(s + 1, d))])
-        for s in range(setting.num_stages - 1)
+        for s in range(setting.num_chunks - 1)
     ]
 
 
@@ -234,10 +234,10 @@ def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, glo
     act = [a * rows for a in costs.activation_row_bytes]
     entry = [costs.input_row_bytes * rows] + [o * rows for o in costs.output_row_bytes[:-1]]
     peaks = peak_activations(setting)
-    held = [peaks[s % setting.pp] for s in range(setting.num_stages)]
+    held = [peaks[s % setting.pp] for s in range(setting.num_chunks)]
     return PartitionProblem(
         time=time, fill=fill, last_fill=last_fill, cut_time=cuts, bottleneck_count=count,
-        num_stages=setting.num_stages, fixed=state, held=held,
+        num_chunks=setting.num_chunks, fixed=state, held=held,
         per_held=[0.0] * len(act) if setting.recompute else act,
         once=act if setting.recompute else (), entry=entry if setting.recompute else (),
         memory_limit=cluster.memory_bytes / v, uncuttable=costs.uncuttable, names=costs.names,
@@ -249,7 +249,7 @@ def pipeline_lower_bound(costs: LayerCosts, setting: Setting, global_batch: int)
     extra and a slowest stage no slower than the average one (max >= mean)."""
     rows = microbatch_rows(global_batch, setting.dp, setting.num_microbatches)
     time, fill, _, count = _latency_terms(costs, setting, rows)
-    return sum(fill) + count * sum(time) / setting.num_stages
+    return sum(fill) + count * sum(time) / setting.num_chunks
 
 
 def _stages(costs: LayerCosts, setting: Setting, cluster: Cluster, rows: int,
@@ -275,10 +275,10 @@ def _stages(costs: LayerCosts, setting: Setting, cluster: Cluster, rows: int,
 def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int,
             layers_per_stage: Sequence[int], simulate: bool = True) -> Prediction:
     """Step time and memory of one layout; `simulate=False` times the pipeline by the closed form."""
-    if sum(layers_per_stage) != costs.num_layers or len(layers_per_stage) != setting.num_stages:
+    if sum(layers_per_stage) != costs.num_layers or len(layers_per_stage) != setting.num_chunks:
         raise ConfigError(
             f"layers_per_stage={list(layers_per_stage)} does not cut {costs.num_layers} layers "
-            f"into {setting.num_stages} stages"
+            f"into {setting.num_chunks} stages"
         )
     rows = microbatch_rows(global_batch, setting.dp, setting.num_microbatches)
     stages = _stages(costs, setting, cluster, rows, layers_per_stage)
@@ -299,7 +299,7 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         if math.isinf(pipeline):  # the layout exceeds memory; time it anyway
             pipeline = _unbounded(costs, setting, cluster, global_batch).objective(layers_per_stage)
         ends = [pipeline] * p
-        grad_starts = [pipeline - max(grad_pass[s] for s in range(r, setting.num_stages, p)) for r in range(p)]
+        grad_starts = [pipeline - max(grad_pass[s] for s in range(r, setting.num_chunks, p)) for r in range(p)]
         method = "closed form"
     allreduce, optimizer, memory, reach = [], [], [], []
     for r in range(p):

@@ -29,27 +29,27 @@ def _cuts_allowed(num_layers: int, uncuttable: Sequence[tuple[int, int]]) -> lis
 
 
 def balance(
-    costs: Sequence[float], num_stages: int, uncuttable: Sequence[tuple[int, int]] = ()
+    costs: Sequence[float], num_chunks: int, uncuttable: Sequence[tuple[int, int]] = ()
 ) -> list[int]:
     """Layers per stage minimising the most expensive stage (contiguous, each stage >= 1 layer).
 
     An exact dynamic program over cut positions: best[s][i] = the smallest possible maximum stage
-    cost when the first i layers form s stages. O(num_stages * n^2), n = len(costs).
+    cost when the first i layers form s stages. O(num_chunks * n^2), n = len(costs).
     """
     n = len(costs)
     allowed = _cuts_allowed(n, uncuttable)
-    if num_stages > n or num_stages < 1:
+    if num_chunks > n or num_chunks < 1:
         raise PartitionError(
-            f"cannot cut {n} layers into {num_stages} stages; use between 1 and {n} stages"
+            f"cannot cut {n} layers into {num_chunks} stages; use between 1 and {n} stages"
         )
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
     inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    choice = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best = [[inf] * (n + 1) for _ in range(num_chunks + 1)]
+    choice = [[0] * (n + 1) for _ in range(num_chunks + 1)]
     best[0][0] = 0.0
-    for s in range(1, num_stages + 1):
+    for s in range(1, num_chunks + 1):
         for i in range(s, n + 1):
             if i < n and not allowed[i - 1]:
                 continue  # a stage may not end after layer i-1
@@ -59,14 +59,14 @@ def balance(
                 value = max(best[s - 1][j], prefix[i] - prefix[j])
                 if value < best[s][i]:
                     best[s][i], choice[s][i] = value, j
-    if best[num_stages][n] == inf:
+    if best[num_chunks][n] == inf:
         raise PartitionError(
-            f"no way to cut {n} layers into {num_stages} stages without splitting an uncuttable "
+            f"no way to cut {n} layers into {num_chunks} stages without splitting an uncuttable "
             f"region {list(uncuttable)}; use fewer stages"
         )
     sizes = []
     i = n
-    for s in range(num_stages, 0, -1):
+    for s in range(num_chunks, 0, -1):
         j = choice[s][i]
         sizes.append(i - j)
         i = j
@@ -111,7 +111,7 @@ def check_partition(
 
 @dataclass(frozen=True)
 class PartitionProblem:
-    """Cut n layers into `num_stages` contiguous ranges minimising a pipeline's latency
+    """Cut n layers into `num_chunks` contiguous ranges minimising a pipeline's latency
 
         T = sum_s fill(s) + sum_cuts cut_time + bottleneck_count * max_s time(s)
 
@@ -132,7 +132,7 @@ class PartitionProblem:
     fill: Sequence[float]
     cut_time: Sequence[float]  # n - 1: the objective's cost of a cut after layer k
     bottleneck_count: float
-    num_stages: int
+    num_chunks: int
     fixed: Sequence[float]
     per_held: Sequence[float]
     held: Sequence[float]  # one per stage
@@ -149,9 +149,9 @@ class PartitionProblem:
         sizes.update({k: len(v) for k, v in (("once", self.once), ("entry", self.entry),
                                              ("last_fill", self.last_fill)) if len(v)})
         wrong = {k: v for k, v in sizes.items() if v != n}
-        if wrong or len(self.cut_time) != max(n - 1, 0) or len(self.held) != self.num_stages:
+        if wrong or len(self.cut_time) != max(n - 1, 0) or len(self.held) != self.num_chunks:
             raise PartitionError(
-                f"partition problem of {n} layers and {self.num_stages} stages has arrays of "
+                f"partition problem of {n} layers and {self.num_chunks} stages has arrays of "
                 f"the wrong length ({wrong}, cut_time: {len(self.cut_time)}, held: "
                 f"{len(self.held)}); give n per-layer values, n - 1 cut times, one held per stage"
             )
@@ -166,7 +166,7 @@ class PartitionProblem:
             j, i = bounds[s], bounds[s + 1]
             if self.memory(s, j, i) > self.memory_limit:
                 return math.inf
-            total += sum(self.fill[j:i]) + (sum(self.last_fill[j:i]) if s == self.num_stages - 1
+            total += sum(self.fill[j:i]) + (sum(self.last_fill[j:i]) if s == self.num_chunks - 1
                                             and self.last_fill else 0.0)
             worst = max(worst, sum(self.time[j:i]))
         return total + self.bottleneck_count * worst
@@ -222,9 +222,9 @@ class _Tables:
     def __init__(self, problem: PartitionProblem) -> None:
         self.p = problem
         n = self.n = len(problem.time)
-        if not 1 <= problem.num_stages <= n:
+        if not 1 <= problem.num_chunks <= n:
             raise PartitionError(
-                f"cannot cut {n} layers into {problem.num_stages} stages; use between 1 and {n}"
+                f"cannot cut {n} layers into {problem.num_chunks} stages; use between 1 and {n}"
             )
         allowed = [True] + _cuts_allowed(n, problem.uncuttable) + [True]  # boundary k: after layer k-1
         start = np.arange(n + 1)[:, None]
@@ -262,8 +262,8 @@ class _Tables:
         choices = []
         columns = np.arange(n + 1)
         bounded = self.time <= t_max
-        for s in range(p.num_stages):
-            fill = self.fill + self.last_fill if s == p.num_stages - 1 else self.fill
+        for s in range(p.num_chunks):
+            fill = self.fill + self.last_fill if s == p.num_chunks - 1 else self.fill
             cand = np.where(self.fits[s] & bounded, best[:, None] + fill + self.cut, inf)
             arg = cand.argmin(axis=0)
             best = cand[arg, columns]
@@ -278,7 +278,7 @@ class _Tables:
         """The smallest possible slowest-stage time of a layout that fits (balance with memory)."""
         best = np.full(self.n + 1, math.inf)
         best[0] = 0.0
-        for s in range(self.p.num_stages):
+        for s in range(self.p.num_chunks):
             cand = np.where(self.fits[s], np.maximum(best[:, None], self.time), math.inf)
             best = cand.min(axis=0)
         return float(best[self.n])
@@ -291,7 +291,7 @@ class _Tables:
 
     def _walk(self, choices: list[npt.NDArray[np.intp]]) -> list[int]:
         sizes, i = [], self.n
-        for s in range(self.p.num_stages - 1, -1, -1):
+        for s in range(self.p.num_chunks - 1, -1, -1):
             j = int(choices[s][i])
             sizes.append(i - j)
             i = j
@@ -301,7 +301,7 @@ class _Tables:
         """The smallest achievable peak memory over all layouts (a min-max program)."""
         best = np.full(self.n + 1, math.inf)
         best[0] = 0.0
-        for s in range(self.p.num_stages):
+        for s in range(self.p.num_chunks):
             need = np.where(self.valid, self.base + self.p.held[s] * self.per, math.inf)
             best = np.maximum(best[:, None], need).min(axis=0)
         return float(best[self.n])
@@ -323,10 +323,10 @@ class _Tables:
             )
         least = self.least_memory()
         if math.isinf(least):
-            return (f"no way to cut {n} layers into {p.num_stages} stages without splitting an "
+            return (f"no way to cut {n} layers into {p.num_chunks} stages without splitting an "
                     f"uncuttable region {list(p.uncuttable)}; use fewer stages")
         return (
-            f"every split of {n} layers into {p.num_stages} stages needs at least "
+            f"every split of {n} layers into {p.num_chunks} stages needs at least "
             f"{least / gib:.2f} GiB on some device, more than its {p.memory_limit / gib:.2f} GiB: "
             f"use more pipeline stages, recomputation or smaller micro-batches, or tensor "
             f"parallelism"
@@ -344,8 +344,8 @@ def _ranges(sizes: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def brute_force_partition(problem: PartitionProblem) -> PartitionResult | None:
-    """Every composition of n into num_stages parts, for tests and tiny models: the optimum."""
-    n, stages = len(problem.time), problem.num_stages
+    """Every composition of n into num_chunks parts, for tests and tiny models: the optimum."""
+    n, stages = len(problem.time), problem.num_chunks
     best: PartitionResult | None = None
     for cuts in itertools.combinations(range(1, n), stages - 1):
         bounds = (0, *cuts, n)

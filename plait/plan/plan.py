@@ -45,23 +45,29 @@ class Plan:
                 f"plan has layers_per_stage={list(self.layers_per_stage)} for "
                 f"{len(self.layer_names)} layers"
             )
-        if self.num_stages % self.num_virtual_stages:
+        if self.num_chunks % self.num_virtual_stages:
             raise ConfigError(
-                f"plan has {self.num_stages} stages, not a multiple of num_virtual_stages="
+                f"plan has {self.num_chunks} stages, not a multiple of num_virtual_stages="
                 f"{self.num_virtual_stages}; every rank holds the same number of chunks"
             )
         if not self.stage_to_rank:
-            object.__setattr__(self, "stage_to_rank", tuple(self.rank_of(s, 0) for s in range(self.num_stages)))
+            object.__setattr__(self, "stage_to_rank", tuple(self.rank_of(s, 0) for s in range(self.num_chunks)))
 
     @property
-    def num_stages(self) -> int:
-        """Model stages (chunks), num_virtual_stages per rank of a pipeline."""
+    def num_chunks(self) -> int:
+        """The model's pieces (its stages): num_stages x num_virtual_stages, one entry of
+        layers_per_stage each."""
         return len(self.layers_per_stage)
 
     @property
+    def num_stages(self) -> int:
+        """Ranks per pipeline replica (as in Config); each runs num_virtual_stages chunks."""
+        return self.num_chunks // self.num_virtual_stages
+
+    @property
     def pp(self) -> int:
-        """Ranks per pipeline replica."""
-        return self.num_stages // self.num_virtual_stages
+        """Ranks per pipeline replica: the pipeline-parallel degree (= num_stages)."""
+        return self.num_stages
 
     def rank_of(self, stage_index: int, replica: int) -> int:
         """The rank that runs `stage_index` of pipeline replica `replica`.
@@ -84,7 +90,7 @@ class Plan:
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages a rank runs, in model order."""
         position = rank % self.pp
-        return tuple(range(position, self.num_stages, self.pp))
+        return tuple(range(position, self.num_chunks, self.pp))
 
     def stage_layers(self, stage_index: int) -> tuple[str, ...]:
         """Names of the layers on one stage."""
@@ -120,13 +126,13 @@ class Plan:
 
     def __str__(self) -> str:
         lines = [
-            f"plait plan: {self.num_stages} stage(s)"
+            f"plait plan: {self.num_chunks} stage(s)"
             f"{f' ({self.num_virtual_stages} per rank)' if self.num_virtual_stages > 1 else ''}"
             f" x {self.dp} replica(s) on {self.world_size} rank(s), schedule "
             f"{self.schedule}, {self.num_microbatches} micro-batch(es), captured with "
             f"{self.capture_method}, {len(self.layer_names)} layers"
         ]
-        for s in range(self.num_stages):
+        for s in range(self.num_chunks):
             names = self.stage_layers(s)
             shown = ", ".join(names) if len(names) <= 8 else (
                 ", ".join(names[:3]) + f", ... ({len(names) - 6} more) ..., " + ", ".join(names[-3:])

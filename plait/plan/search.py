@@ -203,7 +203,7 @@ def _refine(costs: LayerCosts, ranked: list[Candidate], cluster: Cluster, global
 def _actions(setting: Setting) -> int:
     """F, B (and W) of every micro-batch on every stage: the program the simulation walks."""
     ops = 3 if setting.schedule == "zbh1" and not setting.recompute else 2
-    return ops * setting.num_stages * setting.num_microbatches
+    return ops * setting.num_chunks * setting.num_microbatches
 
 
 def format_table(candidates: list[Candidate], top: int = 5) -> str:

@@ -52,10 +52,10 @@ class StageClock:
 
     enabled = True
 
-    def __init__(self, inner: Any, num_stages: int) -> None:
+    def __init__(self, inner: Any, num_chunks: int) -> None:
         self.inner = inner
-        self.seconds = [0.0] * num_stages
-        self.forwards = [0] * num_stages
+        self.seconds = [0.0] * num_chunks
+        self.forwards = [0] * num_chunks
 
     def span(self, stream: str, name: str, **args: Any) -> ContextManager[None]:
         inner: ContextManager[None] = self.inner.span(stream, name, **args)
@@ -78,7 +78,7 @@ class PlanCheck:
 
     def __init__(self, report: PlanReport, world_size: int, first_step: int = 0) -> None:
         self.report = report
-        self.num_stages = len(report.chosen["layers_per_stage"])
+        self.num_chunks = len(report.chosen["layers_per_stage"])
         self.world_size = world_size
         self.first_step = first_step  # steps before it belong to an earlier layout
         self.clock: StageClock | None = None
@@ -91,7 +91,7 @@ class PlanCheck:
         if self.done or step - self.first_step <= WARMUP_STEPS:
             return
         if self.clock is None:
-            self.clock = StageClock(interpreter.tracer, self.num_stages)
+            self.clock = StageClock(interpreter.tracer, self.num_chunks)
             interpreter.tracer = self.clock
         self._start = time.perf_counter()
 
@@ -108,7 +108,7 @@ class PlanCheck:
         clock = self.clock
         local = [*clock.seconds, *map(float, clock.forwards), sum(self._step_s) / len(self._step_s)]
         total = sum_floats(local) if self.world_size > 1 else local
-        n = self.num_stages
+        n = self.num_chunks
         measured = [total[s] / total[n + s] if total[n + s] else 0.0 for s in range(n)]
         step_s = total[2 * n] / self.world_size
         predicted = self.report.predicted_stage_s

@@ -29,12 +29,12 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
     config = config.with_defaults()
     pp = config.stages_for(world_size) if world_size > 1 else 1
     virtual = config.num_virtual_stages if world_size > 1 else 1
-    num_stages = pp * virtual  # model stages (chunks), num_virtual_stages per rank
+    num_chunks = pp * virtual  # model stages (chunks), num_virtual_stages per rank
     names = captured.layers.layer_names
     regions = captured.layers.uncuttable
-    if num_stages > len(names):
+    if num_chunks > len(names):
         raise PartitionError(
-            f"{num_stages} stages ({pp} ranks x num_virtual_stages={virtual}) "
+            f"{num_chunks} stages ({pp} ranks x num_virtual_stages={virtual}) "
             f"but the model has only {len(names)} layers ({', '.join(names)}); use at most "
             f"{len(names) // virtual} ranks per pipeline or fewer virtual stages"
         )
@@ -42,7 +42,7 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         layers = tuple(config.layers_per_proc)
         check_partition(layers, names, regions)
     else:
-        layers = tuple(balance([1.0 + _layer_params(net, name) for name in names], num_stages, regions))
+        layers = tuple(balance([1.0 + _layer_params(net, name) for name in names], num_chunks, regions))
     assert config.num_microbatches is not None and config.schedule is not None
     return Plan(
         layer_names=names,
@@ -54,11 +54,11 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         uncuttable=regions,
         dp=config.dp or 1,
         num_virtual_stages=virtual,
-        recompute=recomputed_stages(config, num_stages, virtual),
+        recompute=recomputed_stages(config, num_chunks, virtual),
     )
 
 
-def recomputed_stages(config: Config, num_stages: int, num_virtual_stages: int) -> tuple[int, ...]:
+def recomputed_stages(config: Config, num_chunks: int, num_virtual_stages: int) -> tuple[int, ...]:
     """The stages that recompute their forward, from `config.recompute` (see Config).
 
     "auto" picks the stages whose rank holds activations of more than one micro-batch at once
@@ -69,18 +69,18 @@ def recomputed_stages(config: Config, num_stages: int, num_virtual_stages: int) 
     if r is False or r is None:
         return ()
     if r is True:
-        return tuple(range(num_stages))
+        return tuple(range(num_chunks))
     if r == "auto":
-        pp = num_stages // num_virtual_stages
+        pp = num_chunks // num_virtual_stages
         sim = simulate(config.schedule or "1f1b", pp, config.num_microbatches or 1, t_f=1.0, t_b=1.0,
                        num_virtual_stages=num_virtual_stages)
-        return tuple(s for s in range(num_stages) if sim.peak_activations[s % pp] > 1)
+        return tuple(s for s in range(num_chunks) if sim.peak_activations[s % pp] > 1)
     assert isinstance(r, tuple)
-    unknown = [s for s in r if s >= num_stages]
+    unknown = [s for s in r if s >= num_chunks]
     if unknown:
         raise ConfigError(
-            f"recompute={list(r)} names stages {unknown}, but the model has {num_stages} stages "
-            f"(0..{num_stages - 1}); list existing stages or use recompute=True / 'auto'"
+            f"recompute={list(r)} names stages {unknown}, but the model has {num_chunks} stages "
+            f"(0..{num_chunks - 1}); list existing stages or use recompute=True / 'auto'"
         )
     return tuple(sorted(set(r)))
 

@@ -61,7 +61,7 @@ class Interpreter:
         self.tracer = tracer
         self.executors = executors
         self.stage_to_rank = list(stage_to_rank)
-        self.num_stages = len(stage_to_rank)
+        self.num_chunks = len(stage_to_rank)
         self.wire = wire
         self.runs = 0  # programs run so far: names this run's failure reports in the store
 
@@ -76,7 +76,7 @@ class Interpreter:
         actions = program.get(self.rank, [])
         self.runs += 1
         run = _Run(microbatches, train, keep_outputs, split=any(a.op is Op.WEIGHT for a in actions))
-        ahead = _ReceivesAhead(actions, window=self.num_stages + 1)
+        ahead = _ReceivesAhead(actions, window=self.num_chunks + 1)
         step = self.runs
         for position, action in enumerate(actions):
             for posted in ahead.due(position):
@@ -160,7 +160,7 @@ class Interpreter:
 
     def _tag(self, microbatch_index: int, sender: int, backward: int) -> int:
         """Message tag of micro-batch k sent by stage `sender`, forward (0) or backward (1)."""
-        return 2 * (microbatch_index * self.num_stages + sender) + backward
+        return 2 * (microbatch_index * self.num_chunks + sender) + backward
 
     def _peer(self, action: Action) -> int | None:
         s = action.stage_index

@@ -29,8 +29,8 @@ class NonFiniteWatch:
     """Flags kept during one training step for the stages of one rank."""
 
     def __init__(self, pipe: Pipeline):
-        self.num_stages = pipe.plan.num_stages
-        self.flags = [0.0] * (self.num_stages + 1)
+        self.num_chunks = pipe.plan.num_chunks
+        self.flags = [0.0] * (self.num_chunks + 1)
         self.active = False
         self._handles = [ex.stage.module.register_forward_hook(partial(self._check, s))
                          for s, ex in pipe.executors.items()]
@@ -45,7 +45,7 @@ class NonFiniteWatch:
                     return
 
     def start(self) -> None:
-        self.flags = [0.0] * (self.num_stages + 1)
+        self.flags = [0.0] * (self.num_chunks + 1)
         self.active = True
 
     def finish(self, losses: dict[int, float]) -> list[float]:
@@ -75,7 +75,7 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 def first_nonfinite(flags: list[float]) -> int | None:
-    """The first stage whose output was flagged, num_stages for the loss alone, or None."""
+    """The first stage whose output was flagged, num_chunks for the loss alone, or None."""
     return next((i for i, f in enumerate(flags) if f), None)
 
 
@@ -84,11 +84,11 @@ def verdict(flags: list[float], plan: Plan, step: int, action: str, rank: int) -
     first = first_nonfinite(flags)
     if first is None:
         return False
-    if first < plan.num_stages:
+    if first < plan.num_chunks:
         ranks = sorted({plan.rank_of(first, r) for r in range(plan.dp)})
         where = f"the output of stage {first} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
     else:
-        where = f"the loss (every stage output was finite; the loss is computed on stage {plan.num_stages - 1})"
+        where = f"the loss (every stage output was finite; the loss is computed on stage {plan.num_chunks - 1})"
     text = f"step {step}: a NaN or infinite value first appeared in {where}"
     if action == "stop":
         raise NonFiniteError(

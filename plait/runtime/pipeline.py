@@ -53,11 +53,11 @@ class Pipeline:
     @property
     def is_last(self) -> bool:
         """Whether this rank runs the model's last stage (it computes the loss)."""
-        return self.plan.num_stages - 1 in self.executors
+        return self.plan.num_chunks - 1 in self.executors
 
     @property
     def last_executor(self) -> StageExecutor:
-        return self.executors[self.plan.num_stages - 1]
+        return self.executors[self.plan.num_chunks - 1]
 
     @property
     def replica(self) -> int:
@@ -68,7 +68,7 @@ class Pipeline:
         key = (num_microbatches, train)
         if key not in self._programs:
             self._programs[key] = generate(
-                self.plan.schedule, self.plan.num_stages, num_microbatches,
+                self.plan.schedule, self.plan.num_chunks, num_microbatches,
                 forward_only=not train, stage_to_rank=dict(enumerate(self.interpreter.stage_to_rank)),
                 num_virtual_stages=self.plan.num_virtual_stages,
             )
@@ -95,7 +95,7 @@ class Pipeline:
         described once per peer); replicas without rows send nothing.
         """
         plan, wire = self.plan, self.interpreter.wire
-        last = plan.num_stages - 1
+        last = plan.num_chunks - 1
         if plan.world_size == 1:
             assert leaves is not None
             return [leaves]
@@ -131,7 +131,7 @@ def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, config: 
     tracer: Tracer | NullTracer = NULL_TRACER
     if config.trace_dir is not None:
         tracer = Tracer(rank, {
-            "schedule": plan.schedule, "num_stages": plan.num_stages, "pp": plan.pp,
+            "schedule": plan.schedule, "num_stages": plan.num_stages, "num_chunks": plan.num_chunks, "pp": plan.pp,
             "num_virtual_stages": plan.num_virtual_stages, "dp": plan.dp,
             "world_size": plan.world_size, "num_microbatches": plan.num_microbatches,
             "stage_to_rank": list(plan.stage_to_rank), "recompute": list(plan.recompute),
@@ -170,7 +170,7 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
                          batch_weight_grads=config.batch_weight_grads) for s in mine
     }
     replica = plan.position_of(rank)[1]
-    stage_to_rank = [plan.rank_of(s, replica) for s in range(plan.num_stages)]
+    stage_to_rank = [plan.rank_of(s, replica) for s in range(plan.num_chunks)]
     interpreter = Interpreter(rank, executors, stage_to_rank, parts.wire, parts.tracer)
     return Pipeline(captured, stages, plan, rank, executors, interpreter, ties, local, owner_of,
                     parts.output_spec, layer_stage, sync, config)

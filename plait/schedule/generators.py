@@ -67,7 +67,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Program:
     Backwards run in ascending micro-batch order (B0 first), the order in which the last stage
     finished the forwards, so every stage pops activations first-in first-out.
     """
-    check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches, "num_stages")
     return {s: _stage_order(s, num_microbatches, num_microbatches) for s in range(num_stages)}
 
 
@@ -77,7 +77,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Program:
     Stage s runs min(p - s - 1, m) warmup forwards, then alternates F then B while forwards
     remain, then the cooldown backwards, all in ascending micro-batch order.
     """
-    check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches, "num_stages")
     return {
         s: _stage_order(s, num_microbatches, min(num_stages - s - 1, num_microbatches))
         for s in range(num_stages)
@@ -93,7 +93,7 @@ def zbh1(num_stages: int, num_microbatches: int) -> Program:
     does, and fills the cooldown bubbles of 1F1B with W: the bubble drops from
     (p-1)(t_f + t_b + t_w) to (p-1)(t_f + t_b - t_w), a third when all three are equal.
     """
-    check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches, "num_stages")
     program: Program = {}
     for s in range(num_stages):
         order: list[Action] = []
@@ -108,7 +108,7 @@ def zbh1(num_stages: int, num_microbatches: int) -> Program:
 
 def forward_only(num_stages: int, num_microbatches: int) -> Program:
     """Inference (evaluate, predict): each stage runs F0..F(m-1) and no backward."""
-    check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches, "num_stages")
     return {
         s: [Action(s, Op.FORWARD, k) for k in range(num_microbatches)]
         for s in range(num_stages)

@@ -71,26 +71,26 @@ def microbatch_table(
 
 
 def interleaved(
-    num_stages: int, num_microbatches: int, num_virtual_stages: int, *, forward_only: bool = False
+    num_chunks: int, num_microbatches: int, num_virtual_stages: int, *, forward_only: bool = False
 ) -> Program:
-    """Interleaved 1F1B of S = `num_stages` stages, `num_virtual_stages` (v) on each of p ranks.
+    """Interleaved 1F1B of S = `num_chunks` stages, `num_virtual_stages` (v) on each of p ranks.
 
     Keyed by pipeline position r = 0..p-1, which holds stages r, r + p, ...; v = 1 is 1F1B.
     `forward_only=True` gives the inference order: every forward of the table, no backward.
     """
-    check_sizes(num_stages, num_microbatches)
+    check_sizes(num_chunks, num_microbatches)
     v = num_virtual_stages
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ScheduleError(f"num_virtual_stages must be an int >= 1, got {v!r}")
-    if num_stages % v:
+    if num_chunks % v:
         raise ScheduleError(
-            f"num_stages={num_stages} is not a multiple of num_virtual_stages={v}: interleaved "
-            f"1F1B puts v stages on each of p = num_stages / v ranks; pass num_stages = p * v "
-            f"(e.g. {v * max(1, num_stages // v)} or {v * (num_stages // v + 1)})"
+            f"num_chunks={num_chunks} is not a multiple of num_virtual_stages={v}: interleaved "
+            f"1F1B puts v stages on each of p = num_chunks / v ranks; pass num_chunks = p * v "
+            f"(e.g. {v * max(1, num_chunks // v)} or {v * (num_chunks // v + 1)})"
         )
-    p = num_stages // v
+    p = num_chunks // v
     if v == 1 and not forward_only:
-        return one_f_one_b(num_stages, num_microbatches)
+        return one_f_one_b(num_chunks, num_microbatches)
     table = microbatch_table(num_microbatches, p, v)
     largest_group = max(group_sizes(num_microbatches, p))
     program: Program = {}

@@ -23,24 +23,24 @@ from plait.schedule.timing import clock_cycles
 __all__ = ["lower_communication", "place_stages", "check_sizes", "resolve_stage_to_rank"]
 
 
-def check_sizes(num_stages: int, num_microbatches: int) -> None:
-    """Raise ScheduleError unless both counts are ints >= 1."""
-    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+def check_sizes(count: int, num_microbatches: int, count_name: str = "num_chunks") -> None:
+    """Raise ScheduleError unless both counts (the stages or chunks, and micro-batches) are ints >= 1."""
+    for name, value in ((count_name, count), ("num_microbatches", num_microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(f"{name} must be an int >= 1, got {value!r}")
 
 
-def resolve_stage_to_rank(num_stages: int, stage_to_rank: dict[int, int] | None) -> dict[int, int]:
+def resolve_stage_to_rank(num_chunks: int, stage_to_rank: dict[int, int] | None) -> dict[int, int]:
     """`stage_to_rank` checked to map exactly the stages 0..S-1 to ranks >= 0 (None: stage s
     on rank s)."""
     if stage_to_rank is None:
-        return {s: s for s in range(num_stages)}
-    expected = set(range(num_stages))
+        return {s: s for s in range(num_chunks)}
+    expected = set(range(num_chunks))
     missing = sorted(expected - set(stage_to_rank))
     unknown = sorted(set(stage_to_rank) - expected)
     if missing or unknown:
         raise ScheduleError(
-            f"stage_to_rank must map every stage 0..{num_stages - 1} to a rank, got "
+            f"stage_to_rank must map every stage 0..{num_chunks - 1} to a rank, got "
             f"{stage_to_rank} (missing stages: {missing}, stages that do not exist: {unknown})"
         )
     bad = {
@@ -53,7 +53,7 @@ def resolve_stage_to_rank(num_stages: int, stage_to_rank: dict[int, int] | None)
 
 
 def place_stages(
-    program: Program, num_stages: int, stage_to_rank: dict[int, int] | None = None
+    program: Program, num_chunks: int, stage_to_rank: dict[int, int] | None = None
 ) -> Program:
     """Move each stage's actions from where the generator put them to `stage_to_rank[s]`.
 
@@ -65,15 +65,15 @@ def place_stages(
     starts strictly earlier than what needs it, so the merged order keeps every dependency
     ahead of its consumer and adds no deadlock.
     """
-    check_sizes(num_stages, 1)
-    ranks = resolve_stage_to_rank(num_stages, stage_to_rank)
+    check_sizes(num_chunks, 1)
+    ranks = resolve_stage_to_rank(num_chunks, stage_to_rank)
     position_of: dict[int, int] = {}
     for position, actions in sorted(program.items()):
         for step, action in enumerate(actions):
             s = action.stage_index
-            if action.op not in COMPUTE_OPS or s >= num_stages:
+            if action.op not in COMPUTE_OPS or s >= num_chunks:
                 raise ScheduleError(
-                    f"place_stages takes a compute-only program of {num_stages} stages, but "
+                    f"place_stages takes a compute-only program of {num_chunks} stages, but "
                     f"rank {position} step {step} holds {action}; pass the program a generator "
                     f"returned"
                 )
@@ -89,22 +89,22 @@ def place_stages(
             placed[ranks[action.stage_index]].append(action)
             sources[ranks[action.stage_index]].add(position)
     if any(len(positions) > 1 for positions in sources.values()):
-        start = clock_cycles(program, num_stages)
+        start = clock_cycles(program, num_chunks)
         for actions in placed.values():
             actions.sort(key=lambda a: (start[a], a.stage_index))
     return placed
 
 
 def lower_communication(
-    program: Program, num_stages: int, stage_to_rank: dict[int, int] | None = None
+    program: Program, num_chunks: int, stage_to_rank: dict[int, int] | None = None
 ) -> Program:
     """Insert RF / SF around each F and RB / SB around each B whose peer stage is on another rank.
 
     Takes a compute-only program (F, B and W, each on the rank `stage_to_rank` gives its stage)
     and returns a new program; the input is not changed. W needs nothing from another rank.
     """
-    check_sizes(num_stages, 1)
-    ranks = resolve_stage_to_rank(num_stages, stage_to_rank)
+    check_sizes(num_chunks, 1)
+    ranks = resolve_stage_to_rank(num_chunks, stage_to_rank)
     lowered: Program = {}
     for rank, actions in program.items():
         out: list[Action] = []
@@ -115,10 +115,10 @@ def lower_communication(
                     f"lower_communication takes a compute-only program (F, B, W), but rank "
                     f"{rank} step {step} holds {action}; lower a program only once"
                 )
-            if s >= num_stages:
+            if s >= num_chunks:
                 raise ScheduleError(
-                    f"rank {rank} step {step} holds {action}, but there are only {num_stages} "
-                    f"stages (0..{num_stages - 1}); generate the program for {num_stages} stages"
+                    f"rank {rank} step {step} holds {action}, but there are only {num_chunks} "
+                    f"stages (0..{num_chunks - 1}); generate the program for {num_chunks} stages"
                 )
             if ranks[s] != rank:
                 raise ScheduleError(
@@ -126,7 +126,7 @@ def lower_communication(
                     f"on rank {ranks[s]}; call place_stages before lower_communication"
                 )
             previous_remote = s > 0 and ranks[s - 1] != rank
-            next_remote = s < num_stages - 1 and ranks[s + 1] != rank
+            next_remote = s < num_chunks - 1 and ranks[s + 1] != rank
             if action.op is Op.WEIGHT:
                 out.append(action)
             elif action.op is Op.FORWARD:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from plait.config import SCHEDULE_NAMES
 from plait.errors import ScheduleError
 from plait.schedule.action import Op, Program
 from plait.schedule.generators import forward_only as forward_only_program
@@ -22,15 +21,15 @@ SCHEDULES: dict[str, Callable[..., Program]] = {
     "zbh1": zbh1,
 }
 """Schedule name -> generator of its compute-only program: one generator for each name of
-`plait.config.SCHEDULE_NAMES`, the one list of schedule names.
+`plait.config.SCHEDULE_NAMES`, the one list of schedule names (tests/schedule/test_registry.py
+checks they agree; this package imports nothing of plait but its errors).
 
-Each takes (num_stages, num_microbatches); "interleaved" also takes num_virtual_stages.
+Each takes (num_chunks, num_microbatches); "interleaved" also takes num_virtual_stages.
 """
-assert tuple(SCHEDULES) == SCHEDULE_NAMES, "a schedule name without a generator, or one more"
 
 
 def _compute_program(
-    name: str, num_stages: int, num_microbatches: int, forward_only: bool, num_virtual_stages: int
+    name: str, num_chunks: int, num_microbatches: int, forward_only: bool, num_virtual_stages: int
 ) -> tuple[Program, dict[int, int] | None]:
     """The generator's program (keyed by pipeline position) and its default stage_to_rank."""
     if name not in SCHEDULES:
@@ -39,10 +38,10 @@ def _compute_program(
         )
     if name == "interleaved":
         program = interleaved(
-            num_stages, num_microbatches, num_virtual_stages, forward_only=forward_only
+            num_chunks, num_microbatches, num_virtual_stages, forward_only=forward_only
         )
-        p = num_stages // num_virtual_stages
-        return program, {s: s % p for s in range(num_stages)}
+        p = num_chunks // num_virtual_stages
+        return program, {s: s % p for s in range(num_chunks)}
     if num_virtual_stages != 1:
         raise ScheduleError(
             f"schedule {name!r} runs one stage per rank, but num_virtual_stages="
@@ -50,12 +49,12 @@ def _compute_program(
             f"or num_virtual_stages=1"
         )
     make = forward_only_program if forward_only else SCHEDULES[name]
-    return make(num_stages, num_microbatches), None
+    return make(num_chunks, num_microbatches), None
 
 
 def generate(
     name: str,
-    num_stages: int,
+    num_chunks: int,
     num_microbatches: int,
     *,
     forward_only: bool = False,
@@ -64,7 +63,7 @@ def generate(
 ) -> Program:
     """The runnable program of schedule `name`: generated, placed, lowered and validated.
 
-    `num_stages` counts model stages: with "interleaved" that is S = p * v for p pipeline
+    `num_chunks` counts model chunks (stages of the model): with "interleaved" that is S = p * v for p pipeline
     ranks of `num_virtual_stages` (v) stages each, stage s on rank s % p unless `stage_to_rank`
     says otherwise; every other schedule has v = 1 and stage s on rank s by default.
     `forward_only=True` gives the inference program (no backward) whatever the name, but the
@@ -72,14 +71,14 @@ def generate(
     actions are then merged in clock-cycle order (`place_stages`) and the hand-overs between
     them are local, so no SF/RF or SB/RB is inserted for them.
     """
-    check_sizes(num_stages, num_microbatches)
+    check_sizes(num_chunks, num_microbatches)
     compute, default_ranks = _compute_program(
-        name, num_stages, num_microbatches, forward_only, num_virtual_stages
+        name, num_chunks, num_microbatches, forward_only, num_virtual_stages
     )
     ranks = default_ranks if stage_to_rank is None else stage_to_rank
-    placed = place_stages(compute, num_stages, ranks)
-    program = lower_communication(placed, num_stages, ranks)
-    validate(program, num_stages, num_microbatches, ranks, forward_only=forward_only)
+    placed = place_stages(compute, num_chunks, ranks)
+    program = lower_communication(placed, num_chunks, ranks)
+    validate(program, num_chunks, num_microbatches, ranks, forward_only=forward_only)
     return program
 
 

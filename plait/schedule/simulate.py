@@ -61,19 +61,19 @@ def _cost(name: str, value: object) -> Fraction:
 
 
 def _stage_costs(
-    name: str, value: float | Sequence[float], num_ranks: int, num_chunks: int
+    name: str, value: float | Sequence[float], num_ranks: int, v: int
 ) -> list[Fraction]:
-    """Cost of each of the p * v stages: a rank's cost (one number, or one per rank) split
+    """Cost of each of the p * v chunks: a rank's cost (one number, or one per rank) split
     evenly over its v chunks, or one number per chunk given in stage order."""
-    num_stages = num_ranks * num_chunks
+    num_chunks = num_ranks * v
     if isinstance(value, str) or not isinstance(value, Sequence):
-        return [_cost(name, value) / num_chunks] * num_stages
-    if len(value) == num_stages:  # one per stage; with v = 1 also one per rank
-        return [_cost(f"{name}[{s}]", value[s]) for s in range(num_stages)]
+        return [_cost(name, value) / v] * num_chunks
+    if len(value) == num_chunks:  # one per chunk; with v = 1 also one per rank
+        return [_cost(f"{name}[{s}]", value[s]) for s in range(num_chunks)]
     if len(value) == num_ranks:
-        return [_cost(f"{name}[{s % num_ranks}]", value[s % num_ranks]) / num_chunks
-                for s in range(num_stages)]
-    per_chunk = f" or {num_stages} (one per chunk, in stage order)" if num_chunks > 1 else ""
+        return [_cost(f"{name}[{s % num_ranks}]", value[s % num_ranks]) / v
+                for s in range(num_chunks)]
+    per_chunk = f" or {num_chunks} (one per chunk, in stage order)" if v > 1 else ""
     raise ScheduleError(
         f"{name} has {len(value)} entries, but the pipeline has {num_ranks} stages; give one "
         f"number, or a list of {num_ranks} (one per pipeline stage){per_chunk}"
@@ -109,7 +109,7 @@ def simulate(
     (Eight parameters, beyond the house limit of six: they are the cost model's own inputs,
     named as in the papers, and the last four have defaults.)
     """
-    check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches, "num_stages")
     v = num_virtual_stages
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ScheduleError(f"num_virtual_stages must be an int >= 1, got {v!r}")

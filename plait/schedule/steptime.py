@@ -49,7 +49,7 @@ class CompiledSchedule:
     peak_activations: tuple[float, ...]
 
     @property
-    def num_stages(self) -> int:
+    def num_chunks(self) -> int:
         return self.num_ranks * self.num_virtual_stages
 
 
@@ -83,7 +83,7 @@ def compile_schedule(
     name: str, num_ranks: int, num_microbatches: int, num_virtual_stages: int = 1
 ) -> CompiledSchedule:
     """The integer tables of schedule `name` on `num_ranks` ranks (stage s on rank s % p)."""
-    check_sizes(num_ranks, num_microbatches)
+    check_sizes(num_ranks, num_microbatches, "num_ranks")
     p, m, v = num_ranks, num_microbatches, num_virtual_stages
     program = _program(name, p, m, v)
     stages = p * v
@@ -139,7 +139,7 @@ def time_step(
     forward or backward hand-over across it when the two stages sit on different ranks. A
     schedule that does not split the backward runs W inside B (its B costs t_b + t_w).
     """
-    stages = compiled.num_stages
+    stages = compiled.num_chunks
     f = _per_stage("t_f", t_f, stages)
     w = _per_stage("t_w", t_w, stages)
     b = [x + (0.0 if compiled.splits_backward else y) for x, y in zip(_per_stage("t_b", t_b, stages), w)]

@@ -11,7 +11,7 @@ from plait.schedule.action import COMPUTE_OPS, Action, Op, Program
 __all__ = ["compute_needs", "time_actions", "clock_cycles", "format_timeline"]
 
 
-def compute_needs(action: Action, num_stages: int) -> list[Action]:
+def compute_needs(action: Action, num_chunks: int) -> list[Action]:
     """The compute actions whose results `action` (an F, B or W) consumes.
 
     F(s, k) reads the output of F(s-1, k); B(s, k) reads its own F(s, k) (saved activations)
@@ -24,14 +24,14 @@ def compute_needs(action: Action, num_stages: int) -> list[Action]:
     if action.op is Op.WEIGHT:
         return [Action(s, Op.BACKWARD, k)]
     needs = [Action(s, Op.FORWARD, k)]
-    if s < num_stages - 1:
+    if s < num_chunks - 1:
         needs.append(Action(s + 1, Op.BACKWARD, k))
     return needs
 
 
 def time_actions(
     program: Program,
-    num_stages: int,
+    num_chunks: int,
     duration: Callable[[Action], Fraction],
     transfer: Fraction = Fraction(0),
 ) -> dict[Action, tuple[Fraction, Fraction]]:
@@ -59,7 +59,7 @@ def time_actions(
         for rank, actions in program.items():
             while positions[rank] < len(actions):
                 action = actions[positions[rank]]
-                needs = compute_needs(action, num_stages)
+                needs = compute_needs(action, num_chunks)
                 if any(need not in times for need in needs):
                     break
                 begin = max([free_at[rank]] + [
@@ -79,7 +79,7 @@ def time_actions(
     return times
 
 
-def clock_cycles(program: Program, num_stages: int) -> dict[Action, int]:
+def clock_cycles(program: Program, num_chunks: int) -> dict[Action, int]:
     """The clock cycle at which each action starts when every F, B and W takes one cycle.
 
     `time_actions` with unit costs and free communication. With one stage per rank GPipe and
@@ -87,11 +87,11 @@ def clock_cycles(program: Program, num_stages: int) -> dict[Action, int]:
     (p-1)/(m+p-1) bubble fraction of GPipe (Huang et al. 2019) and PipeDream-Flush (Narayanan
     et al. 2021).
     """
-    times = time_actions(program, num_stages, lambda action: Fraction(1))
+    times = time_actions(program, num_chunks, lambda action: Fraction(1))
     return {action: int(start) for action, (start, _) in times.items()}
 
 
-def format_timeline(program: Program, num_stages: int) -> str:
+def format_timeline(program: Program, num_chunks: int) -> str:
     """Draw a compute-only program against the clock, one row per rank (torchgpipe style).
 
     For `one_f_one_b(2, 2)`:
@@ -100,7 +100,7 @@ def format_timeline(program: Program, num_stages: int) -> str:
         rank 0 | 0F0  0F1       0B0       0B1
         rank 1 |      1F0  1B0  1F1  1B1
     """
-    start = clock_cycles(program, num_stages)
+    start = clock_cycles(program, num_chunks)
     num_cycles = max(start.values(), default=-1) + 1
     width = max([len(str(a)) for a in start] + [len(str(num_cycles - 1))]) + 2
     label_width = max([len(f"rank {r}") for r in program] + [len("clock")])

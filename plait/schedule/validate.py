@@ -18,7 +18,7 @@ _MAX_LISTED = 12  # problems listed in one error; the rest are counted
 _BACKWARD_OPS = (Op.BACKWARD, Op.WEIGHT, Op.SEND_B, Op.RECV_B)
 
 
-def needs(action: Action, stage_to_rank: dict[int, int], num_stages: int) -> list[Action]:
+def needs(action: Action, stage_to_rank: dict[int, int], num_chunks: int) -> list[Action]:
     """The actions that must have run before `action` can run, on its rank or a peer's."""
     s, k = action.stage_index, action.microbatch_index
     op = action.op
@@ -29,7 +29,7 @@ def needs(action: Action, stage_to_rank: dict[int, int], num_stages: int) -> lis
         return [Action(s - 1, Op.FORWARD, k) if local else Action(s, Op.RECV_F, k)]
     if op is Op.BACKWARD:
         out = [Action(s, Op.FORWARD, k)]
-        if s < num_stages - 1:
+        if s < num_chunks - 1:
             local = stage_to_rank[s + 1] == stage_to_rank[s]
             out.append(Action(s + 1, Op.BACKWARD, k) if local else Action(s, Op.RECV_B, k))
         return out
@@ -67,7 +67,7 @@ def _raise_if(problems: list[str], headline: str) -> None:
 
 
 def _check_placement(
-    program: Program, ranks: dict[int, int], num_stages: int, num_microbatches: int,
+    program: Program, ranks: dict[int, int], num_chunks: int, num_microbatches: int,
     forward_only: bool,
 ) -> None:
     """Every action names an existing stage and micro-batch and sits on its stage's rank."""
@@ -75,8 +75,8 @@ def _check_placement(
     for rank, actions in sorted(program.items()):
         for step, a in enumerate(actions):
             s, where = a.stage_index, f"rank {rank} step {step}: {a}"
-            if s >= num_stages:
-                problems.append(f"{where} names stage {s}, but stages are 0..{num_stages - 1}")
+            if s >= num_chunks:
+                problems.append(f"{where} names stage {s}, but stages are 0..{num_chunks - 1}")
             elif a.microbatch_index >= num_microbatches:
                 problems.append(
                     f"{where} names micro-batch {a.microbatch_index}, but micro-batches are "
@@ -88,7 +88,7 @@ def _check_placement(
                 problems.append(f"{where} is a backward action in a forward-only program")
             elif a.op not in COMPUTE_OPS:
                 peer = s + 1 if a.op in (Op.SEND_F, Op.RECV_B) else s - 1
-                if not 0 <= peer < num_stages:
+                if not 0 <= peer < num_chunks:
                     problems.append(f"{where} talks to stage {peer}, which does not exist")
                 elif ranks[peer] == rank:
                     problems.append(
@@ -117,7 +117,7 @@ def _index(program: Program) -> dict[Action, tuple[int, int]]:
 
 
 def _check_complete(
-    where: dict[Action, tuple[int, int]], ranks: dict[int, int], num_stages: int,
+    where: dict[Action, tuple[int, int]], ranks: dict[int, int], num_chunks: int,
     num_microbatches: int, forward_only: bool,
 ) -> None:
     """Every (stage, micro-batch) has its F, its B unless forward-only, and its W if any W exists.
@@ -132,12 +132,12 @@ def _check_complete(
         ops, passes = (Op.FORWARD, Op.BACKWARD), "forward and backward"
     missing = [
         f"{a} on rank {ranks[s]}"
-        for s in range(num_stages) for k in range(num_microbatches) for op in ops
+        for s in range(num_chunks) for k in range(num_microbatches) for op in ops
         if (a := Action(s, op, k)) not in where
     ]
     _raise_if(
         missing,
-        f"missing compute actions (each of the {num_stages} stages runs each of the "
+        f"missing compute actions (each of the {num_chunks} stages runs each of the "
         f"{num_microbatches} micro-batches {passes} exactly once; generate the program with a "
         f"schedule generator):",
     )
@@ -145,7 +145,7 @@ def _check_complete(
 
 def _check_order(
     program: Program, where: dict[Action, tuple[int, int]], ranks: dict[int, int],
-    num_stages: int,
+    num_chunks: int,
 ) -> None:
     """Sends and receives pair up, every need exists, and local needs come earlier in the list."""
     problems: list[str] = []
@@ -161,7 +161,7 @@ def _check_order(
                         f"{ranks[other.stage_index]}; add it there (lower_communication does)"
                     )
                     continue
-            for need in needs(a, ranks, num_stages):
+            for need in needs(a, ranks, num_chunks):
                 need_rank = ranks[need.stage_index]
                 if need not in where:
                     problems.append(
@@ -177,7 +177,7 @@ def _check_order(
 
 
 def _simulate(
-    program: Program, ranks: dict[int, int], num_stages: int, num_microbatches: int
+    program: Program, ranks: dict[int, int], num_chunks: int, num_microbatches: int
 ) -> None:
     """Run every rank's list in one process; raise with a grid if no rank can progress."""
     done: set[Action] = set()
@@ -188,7 +188,7 @@ def _simulate(
         for rank, actions in program.items():
             while positions[rank] < len(actions):
                 action = actions[positions[rank]]
-                if any(n not in done for n in needs(action, ranks, num_stages)):
+                if any(n not in done for n in needs(action, ranks, num_chunks)):
                     break
                 done.add(action)
                 positions[rank] += 1
@@ -198,7 +198,7 @@ def _simulate(
         return
     lines = [
         f"deadlock: no rank can progress after {len(done)} of {total} actions "
-        f"(num_stages={num_stages}, num_microbatches={num_microbatches})"
+        f"(num_chunks={num_chunks}, num_microbatches={num_microbatches})"
     ]
     for rank, actions in sorted(program.items()):
         if positions[rank] == len(actions):
@@ -206,7 +206,7 @@ def _simulate(
             continue
         action = actions[positions[rank]]
         waits = []
-        for need in needs(action, ranks, num_stages):
+        for need in needs(action, ranks, num_chunks):
             if need not in done:
                 peer = ranks[need.stage_index]
                 peer_step = positions[peer]
@@ -228,7 +228,7 @@ def _simulate(
 
 def validate(
     program: Program,
-    num_stages: int,
+    num_chunks: int,
     num_microbatches: int,
     stage_to_rank: dict[int, int] | None = None,
     *,
@@ -242,10 +242,10 @@ def validate(
     its receive on the peer rank and vice versa; every action's inputs exist and the local
     ones come earlier (F before B before W); then the dry run.
     """
-    check_sizes(num_stages, num_microbatches)
-    ranks = resolve_stage_to_rank(num_stages, stage_to_rank)
-    _check_placement(program, ranks, num_stages, num_microbatches, forward_only)
+    check_sizes(num_chunks, num_microbatches)
+    ranks = resolve_stage_to_rank(num_chunks, stage_to_rank)
+    _check_placement(program, ranks, num_chunks, num_microbatches, forward_only)
     where = _index(program)
-    _check_complete(where, ranks, num_stages, num_microbatches, forward_only)
-    _check_order(program, where, ranks, num_stages)
-    _simulate(program, ranks, num_stages, num_microbatches)
+    _check_complete(where, ranks, num_chunks, num_microbatches, forward_only)
+    _check_order(program, where, ranks, num_chunks)
+    _simulate(program, ranks, num_chunks, num_microbatches)

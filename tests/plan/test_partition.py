@@ -92,7 +92,7 @@ def random_problem(rng: random.Random) -> PartitionProblem:
     recompute = rng.random() < 0.3
     return PartitionProblem(
         time=ints(n, 1, 9), fill=ints(n, 0, 9), cut_time=ints(n - 1, 0, 3),
-        bottleneck_count=rng.randint(0, 9), num_stages=stages,
+        bottleneck_count=rng.randint(0, 9), num_chunks=stages,
         fixed=ints(n, 0, 5), per_held=ints(n, 0, 3), held=sorted(ints(stages, 1, 4), reverse=True),
         memory_limit=rng.choice([math.inf, 10, 15, 25]),
         once=ints(n, 0, 3) if recompute else (), entry=ints(n, 0, 2) if recompute else (),
@@ -113,7 +113,7 @@ def test_optimal_partition_equals_brute_force(seed):
     got = optimal_partition(problem)
     assert got.objective == want.objective
     assert problem.objective(got.layers_per_stage) == got.objective  # it reports its own layout
-    assert len(got.layers_per_stage) == problem.num_stages and min(got.layers_per_stage) >= 1
+    assert len(got.layers_per_stage) == problem.num_chunks and min(got.layers_per_stage) >= 1
     check_partition(got.layers_per_stage, [f"l{i}" for i in range(len(problem.time))],
                     problem.uncuttable)
 
@@ -126,7 +126,7 @@ def test_objective_is_simulates_step_time_for_uniform_stages(p, m, schedule):
     # (m + p - 1)(t_f + t_b) (Narayanan et al. 2021) with one layer per stage, every layer the same
     t_f, t_b = 2, 3
     problem = PartitionProblem(time=[t_f + t_b] * p, fill=[t_f + t_b] * p, cut_time=[0] * (p - 1),
-                               bottleneck_count=m - 1, num_stages=p, fixed=[0] * p,
+                               bottleneck_count=m - 1, num_chunks=p, fixed=[0] * p,
                                per_held=[0] * p, held=[1] * p)
     best = optimal_partition(problem)
     assert best.layers_per_stage == (1,) * p
@@ -137,7 +137,7 @@ def test_many_microbatches_balance_the_slowest_stage():
     # with a large count the bottleneck dominates: the optimum's max is balance's min-max
     costs = [4, 1, 1, 3, 2, 2, 5, 1]
     problem = PartitionProblem(time=costs, fill=costs, cut_time=[0] * 7, bottleneck_count=1000,
-                               num_stages=3, fixed=[0] * 8, per_held=[0] * 8, held=[1] * 3)
+                               num_chunks=3, fixed=[0] * 8, per_held=[0] * 8, held=[1] * 3)
     sizes = balance(costs, 3)
     bounds = [0, *itertools.accumulate(sizes)]
     assert optimal_partition(problem).max_time == max(
@@ -148,7 +148,7 @@ def test_memory_moves_layers_off_the_stage_holding_most_microbatches():
     # 1F1B: stage 0 holds 2 micro-batches, stage 1 one; activations of 4 bytes per layer and
     # micro-batch, limit 12: stage 0 fits one layer (8), stage 1 three (12)
     problem = PartitionProblem(time=[1] * 4, fill=[1] * 4, cut_time=[0] * 3, bottleneck_count=9,
-                               num_stages=2, fixed=[0] * 4, per_held=[4] * 4, held=[2, 1],
+                               num_chunks=2, fixed=[0] * 4, per_held=[4] * 4, held=[2, 1],
                                memory_limit=12)
     assert optimal_partition(problem).layers_per_stage == (1, 3)
     assert least_memory(problem) == 12
@@ -157,7 +157,7 @@ def test_memory_moves_layers_off_the_stage_holding_most_microbatches():
 def test_a_layer_too_large_for_any_device_needs_tensor_parallelism():
     gib = 2**30
     problem = PartitionProblem(time=[1, 1], fill=[1, 1], cut_time=[0], bottleneck_count=1,
-                               num_stages=2, fixed=[3 * gib, gib], per_held=[0, 0], held=[2, 1],
+                               num_chunks=2, fixed=[3 * gib, gib], per_held=[0, 0], held=[2, 1],
                                memory_limit=2 * gib, names=["wte", "head"])
     with pytest.raises(PartitionError) as info:
         optimal_partition(problem)
@@ -167,7 +167,7 @@ def test_a_layer_too_large_for_any_device_needs_tensor_parallelism():
 
 def test_uncuttable_region_leaves_no_layout():
     problem = PartitionProblem(time=[1, 1, 1], fill=[1, 1, 1], cut_time=[0, 0],
-                               bottleneck_count=1, num_stages=2, fixed=[0] * 3, per_held=[0] * 3,
+                               bottleneck_count=1, num_chunks=2, fixed=[0] * 3, per_held=[0] * 3,
                                held=[1, 1], uncuttable=[(0, 2)])
     with pytest.raises(PartitionError, match="uncuttable region"):
         optimal_partition(problem)
@@ -175,5 +175,5 @@ def test_uncuttable_region_leaves_no_layout():
 
 def test_arrays_of_the_wrong_length():
     with pytest.raises(PartitionError, match="wrong length"):
-        PartitionProblem(time=[1, 1], fill=[1], cut_time=[0], bottleneck_count=1, num_stages=1,
+        PartitionProblem(time=[1, 1], fill=[1], cut_time=[0], bottleneck_count=1, num_chunks=1,
                          fixed=[0, 0], per_held=[0, 0], held=[1])

@@ -73,7 +73,7 @@ def test_refined_candidates_are_simulated_and_sorted() -> None:
     assert "stage  0 (rank 0)" in table and "F+B+W" in table and "GiB" in table
     data = found[0].to_dict()
     assert REQUIRED <= set(data) and data["feasible"] is True and "reason" not in data
-    assert len(data["stages"]) == found[0].setting.num_stages
+    assert len(data["stages"]) == found[0].setting.num_chunks
     json.dumps(data)
 
 

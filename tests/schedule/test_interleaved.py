@@ -149,7 +149,7 @@ def test_short_last_group_would_deadlock() -> None:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ScheduleError, match="num_stages=5 is not a multiple of "
+    with pytest.raises(ScheduleError, match="num_chunks=5 is not a multiple of "
                        "num_virtual_stages=2"):
         interleaved(5, 4, 2)
     with pytest.raises(ScheduleError, match="num_virtual_stages must be an int >= 1, got True"):

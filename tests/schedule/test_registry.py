@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from plait.config import SCHEDULE_NAMES
+
 from plait.errors import ScheduleError
 from plait.schedule import (
     SCHEDULES, Op, Program, format_program, generate, gpipe, interleaved, one_f_one_b,
@@ -19,6 +21,7 @@ def test_schedules_registry() -> None:
     assert SCHEDULES == {
         "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zbh1": zbh1,
     }
+    assert tuple(SCHEDULES) == SCHEDULE_NAMES  # the one list of names: a generator for each
 
 
 def test_generate_lowers_and_validates() -> None:
@@ -129,8 +132,8 @@ def test_virtual_stages_need_the_interleaved_schedule(name: str) -> None:
 
 
 def test_interleaved_stage_count_must_divide() -> None:
-    with pytest.raises(ScheduleError, match=r"num_stages=6 is not a multiple of "
-                       r"num_virtual_stages=4: .* pass num_stages = p \* v \(e.g. 4 or 8\)"):
+    with pytest.raises(ScheduleError, match=r"num_chunks=6 is not a multiple of "
+                       r"num_virtual_stages=4: .* pass num_chunks = p \* v \(e.g. 4 or 8\)"):
         generate("interleaved", 6, 4, num_virtual_stages=4)
     with pytest.raises(ScheduleError, match="num_virtual_stages must be an int >= 1, got 0"):
         generate("interleaved", 4, 4, num_virtual_stages=0)

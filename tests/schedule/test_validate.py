@@ -79,7 +79,7 @@ def test_deadlock_when_both_ranks_receive_first() -> None:
         validate(program, 2, 1)
     message = str(info.value)
     assert message.startswith("deadlock: no rank can progress after 0 of 8 actions "
-                              "(num_stages=2, num_microbatches=1)")
+                              "(num_chunks=2, num_microbatches=1)")
     assert ("rank 0 is blocked at step 0 on 0RB0, waiting for 1SB0 on rank 1 "
             "(rank 1 is blocked at step 0 on 1RF0)") in message
     assert ("rank 1 is blocked at step 0 on 1RF0, waiting for 0SF0 on rank 0 "
