@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 __all__ = ["clean_env", "listening_addresses", "descendants", "PROC", "TRAIN_SCRIPT"]
@@ -22,6 +24,19 @@ def clean_env(**extra: str) -> dict[str, str]:
            if k not in LAUNCHER_NAMES and not k.startswith(LAUNCHER_PREFIXES)}
     return {**env, **extra}
 LISTEN = "0A"  # TCP state code in /proc/net/tcp
+
+
+def wait_for_files(proc: subprocess.Popen, directory: Path, pattern: str, count: int, timeout_s: float,
+                   what: str) -> None:
+    """Poll until `count` files match `pattern` in `directory` (the job's ranks report in);
+    fail with the job's output if it ended first, or with `what` once `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while len(list(directory.glob(pattern))) < count:
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the job ended before {what}:\n{out or ''}{err or ''}")
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s"
+        time.sleep(0.1)
 
 
 def descendants(root: int) -> list[int]:

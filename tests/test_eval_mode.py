@@ -121,7 +121,7 @@ def test_a_submodule_frozen_in_eval_mode_trains_as_in_one_process():
         loss = F.cross_entropy(ref(x), y)
         loss.backward()
         opt.step()
-        want.append(float(loss))
+        want.append(loss.item())
     for got in run_ranks(2, train_with_frozen_dropouts, timeout=110):
         assert got["losses"] == pytest.approx(want, rel=1e-5)
         for name, value in ref.state_dict().items():

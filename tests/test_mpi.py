@@ -6,12 +6,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.launching import PROC, TRAIN_SCRIPT, clean_env, listening_addresses
+from tests.launching import PROC, TRAIN_SCRIPT, clean_env, listening_addresses, wait_for_files
 
 MPIRUN = shutil.which("mpirun")
 
@@ -36,11 +35,7 @@ def test_mpirun_four_ranks_train_a_four_stage_pipeline_equal_to_one_process(tmp_
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 160
-        while len(list(tmp_path.glob("rank*.txt"))) < 4:
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, "the 4 ranks did not finish training"
-            time.sleep(0.2)
+        wait_for_files(proc, tmp_path, "rank*.txt", 4, 160, "the 4 ranks finished training")
         listening = listening_addresses(proc.pid)
         programs = {pid: (PROC / str(pid) / "cmdline").read_bytes().split(b"\0")[0].decode() for pid in listening}
     finally:

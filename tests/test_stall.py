@@ -104,21 +104,27 @@ def test_a_stalled_peer_is_named_within_timeout_s(tmp_path, victim, name, waited
 # -- a peer that never starts its step ------------------------------------------------------------
 
 
-def stall(rank, world):
-    """Rank 2 never runs its part: ranks 0 and 1 fail within timeout_s, each report marks both."""
+def stalled_step(rank: int, config: plait.Config, silent: int, sleep_s: float) -> str:
+    """One training step in which rank `silent` never runs its part (it sleeps past the others'
+    timeout_s and their report collection); the others' error text, or "slept"."""
     x, y = data()
-    # timeout_s: long enough that the healthy ranks' own first messages arrive on a loaded machine
-    model = plait.Model(mlp(), plait.Config(layers_per_proc=(3, 4, 4), num_microbatches=2, timeout_s=6),
-                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
-    if rank == 2:
+    model = plait.Model(mlp(), config, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
+    if rank == silent:
         model.build(x)
-        time.sleep(16)  # past the others' timeout_s and their report collection
-        return None
+        time.sleep(sleep_s)
+        return "slept"
     try:
         model.train_on_batch(x, y)
     except plait.PipelineError as e:
         return str(e)
     return "no error"
+
+
+def stall(rank, world):
+    """Rank 2 never runs its part: ranks 0 and 1 fail within timeout_s, each report marks both."""
+    # timeout_s: long enough that the healthy ranks' own first messages arrive on a loaded machine
+    return stalled_step(rank, plait.Config(layers_per_proc=(3, 4, 4), num_microbatches=2, timeout_s=6),
+                        silent=2, sleep_s=16)
 
 
 @pytest.mark.timeout(90)
@@ -134,19 +140,8 @@ def test_a_stalled_peer_gives_a_report_not_a_hang():
 
 def stall_zero_bubble(rank, world):
     """ZB-H1 on 2 ranks, rank 1 never runs: rank 0's wait ends in a report, not a hang."""
-    x, y = data()
-    model = plait.Model(mlp(), plait.Config(layers_per_proc=(5, 6), num_microbatches=3, timeout_s=6,
-                                            schedule="zbh1"),
-                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
-    if rank == 1:
-        model.build(x)
-        time.sleep(18)
-        return "slept"
-    try:
-        model.train_on_batch(x, y)
-    except plait.PipelineError as e:
-        return str(e)
-    return "no error"
+    return stalled_step(rank, plait.Config(layers_per_proc=(5, 6), num_microbatches=3, timeout_s=6,
+                                           schedule="zbh1"), silent=1, sleep_s=18)
 
 
 @pytest.mark.timeout(90)

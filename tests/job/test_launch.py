@@ -6,13 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 from plait.job import launch
-from tests.launching import PROC, clean_env, listening_addresses
+from tests.launching import PROC, clean_env, listening_addresses, wait_for_files
 
 
 def plait_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -133,11 +132,7 @@ def test_plait_run_listens_on_loopback_only(tmp_path: Path) -> None:
                             cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
-        deadline = time.monotonic() + 80
-        while len(list(tmp_path.glob("ready*"))) < 2:
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "the ranks did not come up"
-            time.sleep(0.1)
+        wait_for_files(proc, tmp_path, "ready*", 2, 80, "the ranks came up")
         listening = listening_addresses(proc.pid)
     finally:
         (tmp_path / "go").touch()

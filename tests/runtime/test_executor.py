@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import weakref
 
-import pytest
 import torch
 from torch import nn
 
