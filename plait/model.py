@@ -14,7 +14,7 @@ from torch import nn
 
 from plait import data as batching
 from plait.callbacks import History, PlanPrinter, ProgressBar, call_hooks
-from plait.capture.output import flatten_output, unflatten_output
+from plait.capture.output import unflatten_output
 from plait.capture.trace import CapturedGraph, capture_batch
 from plait.checkpoint import disk as checkpoint
 from plait.checkpoint import train_state
@@ -106,11 +106,7 @@ class Model:
         if train:
             return self._train
         if self._eval is None:
-            captured = self._train.pipe.captured
-            if captured.method == "torch.export":  # the mode is baked into the graph
-                captured = capture_batch(self.net, x, train=False)
-            pipe = self._train.pipe.for_eval(captured, self.loss)
-            self._eval = StepRunner(pipe, self.net, self.metrics, self.device, train=False)
+            self._eval = self._train.for_eval(self.loss, lambda: capture_batch(self.net, x, train=False))
         return self._eval
 
     def _build(self, layout: Layout) -> None:
@@ -121,10 +117,6 @@ class Model:
                               self.device)
         self._train, self._eval = StepRunner(pipe, self.net, self.metrics, self.device, train=True), None
         self.optimizer = make_optimizer(self._optimizer_arg, pipe.local_parameters)
-        mine = {id(p) for p in pipe.local_parameters}
-        for p in self.net.parameters():  # stale gradients elsewhere would make the
-            if id(p) not in mine:        # optimizer step parameters this rank does not train
-                p.grad = None
 
     @property
     def plan(self) -> Plan:
@@ -298,15 +290,7 @@ class Model:
         parts: list[list[Any]] = []  # flat output leaves of each batch, in row order
         for a, b in batching.row_ranges(x, batch_size):
             _, outputs, _ = self._run(batching.slice_rows(x, a, b), None, train=False, keep_outputs=True)
-            pipe = self._runner(x, train=False).pipe
-            local = batching.join_rows([flatten_output(o)[0] for o in outputs]) if outputs else None
-            shard_rows = [hi - lo for lo, hi in batching.shard_bounds(b - a, self.config.dp or 1)]
-            try:
-                parts.append(batching.join_rows(pipe.gather_outputs(local, shard_rows, ("predict", a, b))))
-            except PlaitError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
-                raise self._failure("gathering the outputs of predict", e) from e
+            parts.append(self._runner(x, train=False).gather_outputs(outputs, b - a))
         return unflatten_output(batching.join_rows(parts), self._runner(x, train=False).pipe.output_spec)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -315,7 +299,8 @@ class Model:
         try:
             return gather_state_dict(self.net, owners)
         except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
-            raise self._failure(f"gathering the state dict after step {self.step}", e) from e
+            raise failure_error(f"gathering the state dict after step {self.step}", self.rank, e,
+                                self.config.timeout_s) from e
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load a plain state dict (net.state_dict(), or `plait export` output) on every rank.
@@ -353,18 +338,14 @@ class Model:
         """
         if Path(path).is_file():
             self.load_state_dict(checkpoint.read_plain(path))
-            return self.step
-        self._restore(self._checkpoints.find(path))
+        else:
+            self._restore(self._checkpoints.find(path))
         return self.step
 
     def _restore(self, ckpt: checkpoint.Checkpoint) -> None:
         pipe = self._train.pipe if self._train is not None else None
         self._checkpoints.restore(ckpt, pipe, self.optimizer)
         self.step = ckpt.step
-
-    def _failure(self, what: str, error: BaseException) -> PlaitError:
-        """The error of a collective that failed: names this rank, the step and the silent ranks."""
-        return failure_error(what, self.rank, error, self.config.timeout_s)
 
 
 @dataclass

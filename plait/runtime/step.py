@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from plait import data as batching
-from plait.capture.trace import in_mode
-from plait.errors import ConfigError
+from plait.capture.output import flatten_output
+from plait.capture.trace import CapturedGraph, in_mode
+from plait.errors import ConfigError, PlaitError
 from plait.metrics import METRICS
 from plait.runtime.collectives import start_sum_floats
 from plait.runtime.interpreter import MicroBatch
@@ -70,6 +71,34 @@ class StepRunner:
         self.pipe, self.net, self.metrics, self.device, self.train = pipe, net, list(metrics), device, train
         config = pipe.config
         self.watch = NonFiniteWatch(pipe) if train and config.on_nonfinite != "ignore" else None
+        if train:
+            mine = {id(p) for p in pipe.local_parameters}
+            for p in net.parameters():  # stale gradients elsewhere would make the
+                if id(p) not in mine:   # optimizer step parameters this rank does not train
+                    p.grad = None
+
+    def for_eval(self, loss: Callable[[Any, Any], torch.Tensor] | None,
+                 capture_eval: Callable[[], CapturedGraph]) -> "StepRunner":
+        """The runner of the same split for evaluation; a torch.export graph bakes the mode in,
+        so the model is captured once more in eval mode (`capture_eval`); a torch.fx one serves both."""
+        captured = capture_eval() if self.pipe.captured.method == "torch.export" else self.pipe.captured
+        return StepRunner(self.pipe.for_eval(captured, loss), self.net, self.metrics, self.device, train=False)
+
+    def gather_outputs(self, outputs: list[Any] | None, rows: int) -> list[Any]:
+        """The flat output leaves of a batch of `rows` rows from every replica, joined in row order,
+        on every rank (`outputs`: this rank's last-stage outputs, one per micro-batch, if any).
+
+        Messages are keyed by the batch's rows, so batches of one size reuse their description.
+        """
+        pipe = self.pipe
+        local = batching.join_rows([flatten_output(o)[0] for o in outputs]) if outputs else None
+        shard_rows = [hi - lo for lo, hi in batching.shard_bounds(rows, pipe.plan.dp)]
+        try:
+            return batching.join_rows(pipe.gather_outputs(local, shard_rows, ("predict", rows)))
+        except PlaitError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
+            raise failure_error("gathering the outputs of predict", pipe.rank, e, pipe.config.timeout_s) from e
 
     def microbatches(self, x: Any, y: Any) -> list[MicroBatch]:
         """This replica's shard of a global batch, cut into micro-batches.
