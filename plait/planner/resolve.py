@@ -43,7 +43,7 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         check_partition(layers, names, regions)
     else:
         layers = tuple(balance([1.0 + _layer_params(net, name) for name in names], num_chunks, regions))
-    assert config.num_microbatches is not None and config.schedule is not None
+    assert config.num_microbatches is not None and config.schedule is not None and config.dp is not None
     return Plan(
         layer_names=names,
         layers_per_stage=layers,
@@ -52,7 +52,7 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         world_size=world_size,
         capture_method=captured.method,
         uncuttable=regions,
-        dp=config.dp or 1,
+        dp=config.dp,
         num_virtual_stages=virtual,
         recompute=recomputed_stages(config, num_chunks, virtual),
     )
