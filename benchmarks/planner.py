@@ -7,15 +7,19 @@
     is measured, round-robin, and compared with the equal-layer split and the planner's split
     (`Config(num_stages=2)`), GPipe. Targets: equal / planner >= 1.3, planner / best measured <= 1.05.
 (b) A homogeneous MLP, GPipe: the planner's split should be the equal split, or measure within 5% of it.
-(c) Predicted against measured step time for several planned layouts of the CNN (1 or 2 stages,
-    micro-batches, GPipe / 1F1B). Target: |predicted / measured - 1| <= 0.15 on at least 5 of them.
-    A shared machine's speed moves in phases (a step can run a quarter faster or slower for
-    seconds at a time), so each round profiles again (both ranks at once, as planning does) and
-    prices every layout (`plait.plan.cost.predict`, the planner's model, on the plan's layout and
-    network) just before timing it (the median of 3 steps: single steps have spikes the profile's
-    medians do not); the ratio is the median over rounds. The plan-time prediction is printed
-    beside it. Both are priced as planning prices them: each profile round takes the slowest
-    rank's whole-model times (`plait.planner.profile`), as a step waits for its slowest rank.
+(c) The planner's prediction against measurement, for several planned layouts of the CNN (1 or 2
+    stages, micro-batches, GPipe / 1F1B): each layout's plan-time prediction
+    (`model.plan_report.predicted_step_s`, what the planner predicted when it chose the layout,
+    from the profile it took then) against its measured step (the median over rounds of each
+    round's median of 3 steps: single steps have spikes the profile's medians do not). Target:
+    |plan-time / measured - 1| <= 0.15 on at least 5 of them. Secondary, not the target: a
+    shared machine's speed moves in phases (a step can run a quarter faster or slower for
+    seconds at a time), so each round also profiles again (both ranks at once, as planning
+    does) and prices every layout (`plait.plan.cost.predict`, the planner's model, on the plan's
+    layout and network) just before timing it; the median over rounds of that re-priced /
+    measured ratio shows how much of the plan-time gap is the host drifting since planning.
+    Both are priced as planning prices them: a profile takes the slowest rank's whole-model
+    times (`plait.planner.profile`), as a step waits for its slowest rank.
 
 Times are medians over rounds of the slowest rank's step (a barrier before each step), in ms.
 Each configuration trains its own copy of the model; rounds visit them in turn, so the load of a
@@ -212,8 +216,9 @@ def part_c(rounds: int, out: list[str]) -> None:
     for model in models.values():  # plans (its profile: both ranks measuring), then warms up
         for _ in range(2):
             model.train_on_batch(x, y)
-    # Each round profiles again, as planning does (every rank at once), prices each layout from
-    # that profile, then times each layout: prediction and measurement within seconds.
+    # The headline is each plan's own prediction. Beside it, each round profiles again, as
+    # planning does (every rank at once), prices each layout from that profile, then times each
+    # layout: prediction and measurement within seconds, the host's drift left out.
     options = PlanOptions(optimizer=lambda p: torch.optim.SGD(p, lr=0.01), loss=nn.CrossEntropyLoss(),
                           target=y, reuse_profile=False, slowest=max_floats)
     probe = cnn()
@@ -227,21 +232,24 @@ def part_c(rounds: int, out: list[str]) -> None:
             predicted[key].append(1e3 * predict(costs, report.setting(), report.cluster, report.global_batch,
                                                 report.chosen["layers_per_stage"]).step_time_s)
             measured[key].append(statistics.median(step_ms(models[key], x, y) for _ in range(STEPS_PER_ROUND)))
-    out.append("(c) CNN: predicted vs measured step time (ms; medians over rounds)")
-    out.append("| layout | layers | at plan time | predicted | measured | predicted / measured | verdict |")
+    out.append("(c) CNN: the planner's plan-time prediction vs the measured step (ms; medians over rounds)")
+    out.append("| layout | layers | predicted at plan time | measured | plan-time / measured | verdict "
+               "| re-priced in the round / measured |")
     out.append("|---|---|---|---|---|---|---|")
     passed = 0
     for label, model in models.items():
         at_plan = 1e3 * (model.plan_report.predicted_step_s or 0.0)
-        ratio = ratio_by_round(predicted[label], measured[label])
+        step = statistics.median(measured[label])
+        ratio = at_plan / step
         ok = abs(ratio - 1) <= 0.15
         passed += ok
-        out.append(f"| {label} | {list(model.plan.layers_per_stage)} | {at_plan:.1f} | "
-                   f"{statistics.median(predicted[label]):.1f} | {statistics.median(measured[label]):.1f} | "
-                   f"{ratio:.2f} | {verdict(ok)} |")
-    out.append(f"{passed} of {len(models)} within 15% (target: at least 5 configurations): {verdict(passed >= 5)}")
-    out.append("predicted: the layout priced from a profile taken in the same round as its measurement "
-               "(the ratio is paired by round); at plan time: from the run's own profile, minutes earlier")
+        out.append(f"| {label} | {list(model.plan.layers_per_stage)} | {at_plan:.1f} | {step:.1f} | "
+                   f"{ratio:.2f} | {verdict(ok)} | {ratio_by_round(predicted[label], measured[label]):.2f} |")
+    out.append(f"{passed} of {len(models)} plan-time predictions within 15% of the measured step "
+               f"(target: at least 5): {verdict(passed >= 5)}")
+    out.append("re-priced in the round (not the target): the layout priced from a profile taken in the same "
+               "round as its measurement, paired by round; the host's drift since planning is the gap between "
+               "the two ratios")
 
 
 def rank_main(rank: int, port: int, parts: str, rounds: int, result_path: str) -> None:

@@ -1,4 +1,4 @@
-"""Measured step time and activation memory of plait's schedules against what the simulator predicts.
+"""Measured step time and activation memory of plait's schedules against what the planner predicts.
 
 One job, spawned here: `--ranks` gloo ranks on 127.0.0.1, one CPU thread each, one pipeline
 (stage s on rank s). The model is `--layers` x (Linear(width, width), ReLU), the loss a mean MSE,
@@ -6,12 +6,15 @@ the optimizer SGD. Every schedule trains its own copy with `Config(trace_dir=...
 the schedules one after another (the order rotated each round), every step after a barrier, its
 time the slowest rank's.
 
-Prediction: for each schedule, the trace of its own run gives each stage's mean F, B and W time
-(a send's posting time counted in the F or B that made it), the hand-over time t_comm (from the
-end of a send to the end of the receive that waited for it) and the optimizer step, and
-`plait.schedule.simulate` turns those costs into a step time (plus the optimizer). The check is on ratios between
-schedules, as the issue asks: (measured s / measured 1F1B) / (predicted s / predicted 1F1B) must
-be within 1 +- 0.15.
+Prediction, as the planner makes it and before anything is timed: after the warm-up steps (in
+which each model plans its layers), every rank at once measures the link
+(`plait.planner.calibrate.calibrate`) and profiles the model once (`profile_sample`, each round
+the slowest rank's whole-model times, as planning profiles); then each schedule's layout (its
+plan's layers per stage) is priced by the planner's cost model, `plait.plan.cost.predict` with
+the schedule simulated on the generator's own program. The timed runs' traces are written for
+`plait timeline` only: no prediction reads them. The check is on ratios between schedules:
+(measured s / measured 1F1B) / (predicted s / predicted 1F1B) must be within 1 +- 0.15; the
+absolute predicted / measured of each schedule is printed beside it.
 
 Memory: the bytes of activations autograd saves for backward, live at once on each rank, are
 counted with `torch.autograd.graph.saved_tensors_hooks` (a saved tensor counts until autograd
@@ -32,7 +35,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,8 +47,10 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import plait
 from job import join_job, leave_job, mlp, regression_batch, run_job
-from plait.cli import timeline
-from plait.schedule import simulate
+from plait.plan import cost
+from plait.planner.autoplan import PlanOptions, local_cluster, profile_sample
+from plait.planner.calibrate import calibrate
+from plait.runtime.collectives import max_floats
 
 SEED = 1234
 LR = 1e-3
@@ -128,8 +133,8 @@ def _rank_main(rank: int, port: int, setting: Setting, result_path: str) -> None
             with saved.hooks():
                 model.train_on_batch(*make_batch(setting, 0))
             peaks[name] = saved.peak - base
+        predicted = predictions(setting, models)
         walls: dict[str, list[float]] = defaultdict(list)
-        first_timed = {name: model._train.interpreter.runs + 1 for name, model in models.items()}  # type: ignore[union-attr]
         names = list(models)
         for r in range(setting.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
@@ -139,55 +144,63 @@ def _rank_main(rank: int, port: int, setting: Setting, result_path: str) -> None
         gathered: list[Any] = [None] * setting.ranks
         dist.all_gather_object(gathered, peaks)
         if rank == 0:
-            Path(result_path).write_text(json.dumps({"walls": walls, "peaks": gathered,
-                                                     "first_timed": first_timed}))
+            Path(result_path).write_text(json.dumps({"walls": walls, "peaks": gathered, **predicted}))
     finally:
         leave_job()
 
 
-def profiled_costs(trace_dir: Path, first_step: int) -> tuple[dict[str, list[float]], float, float]:
-    """Per-stage F, B, W time (ms; a send's posting time folded into the F or B that made it),
-    the hand-over time and the optimizer's, each the median over the timed steps' means."""
-    trace = timeline.load(trace_dir)
-    steps = [k for k in trace.complete_steps() if k >= first_step]
-    per_step = []
-    for step in steps:
-        compute, sends = timeline.stage_times(trace, step), timeline.send_times(trace, step)
-        per_step.append({"F": [c + x for c, x in zip(compute["F"], sends["F"])],
-                         "B": [c + x for c, x in zip(compute["B"], sends["B"])],
-                         "W": compute["W"]})
-    costs = {op: [statistics.median(c[op][i] for c in per_step) for i in range(len(per_step[0][op]))]
-             for op in ("F", "B", "W")}
-    comm = statistics.median(timeline.transfer_time(trace, step) for step in steps)
-    optimizer = [s.end - s.start for spans in trace.spans.values() for s in spans
-                 if s.op == "opt" and (s.step or 0) >= first_step]
-    return costs, comm, statistics.median(optimizer) if optimizer else 0.0
+def predictions(setting: Setting, models: dict[str, plait.Model]) -> dict[str, Any]:
+    """Every rank at once: the link and one profile of the model, then each schedule's layout
+    priced by the planner's cost model. JSON-ready: {"predicted": {name: priced layout}, "link"}."""
+    network = calibrate()
+    x, y = make_batch(setting, 0)
+    options = PlanOptions(optimizer=lambda p: torch.optim.SGD(p, lr=LR), loss=nn.functional.mse_loss,
+                          target=y, reuse_profile=False, threads=1, slowest=max_floats)
+    costs = profile_sample(make_net(setting), x, setting.ranks, options).costs
+    cluster = local_cluster(setting.ranks, network=network, optimizer_state_factor=0.0)  # plain SGD
+    predicted = {}
+    for name, model in models.items():
+        plan = model.plan
+        layout = cost.Setting(plan.pp, plan.dp, plan.num_microbatches, plan.schedule,
+                              plan.num_virtual_stages, bool(plan.recompute))
+        priced = cost.predict(costs, layout, cluster, setting.batch, plan.layers_per_stage, simulate=True)
+        predicted[name] = {
+            "layers": list(plan.layers_per_stage), "recompute": list(plan.recompute),
+            "step_s": priced.step_time_s, "pipeline_s": priced.pipeline_s,
+            "optimizer_s": max(priced.optimizer_s), "closing_s": priced.closing_s,
+            "stages": [[st.forward_s, st.backward_s, st.weight_s, st.send_s] for st in priced.stages],
+        }
+    link = network.link([0, 1])
+    return {"predicted": predicted, "link": [link.latency_s, link.bandwidth]}
 
 
 def report(setting: Setting, result: dict[str, Any]) -> bool:
     p, m = setting.ranks, setting.microbatches
     measured = {name: statistics.median(w) * 1e3 for name, w in result["walls"].items()}
-    predicted, profiles = {}, {}
-    for name, extra in SCHEDULES.items():
-        costs, comm, opt = profiled_costs(Path(setting.trace_dir) / name, result["first_timed"][name])
-        sim = simulate(name, p, m, t_f=costs["F"], t_b=costs["B"], t_w=costs["W"], t_comm=comm,
-                       num_virtual_stages=extra.get("num_virtual_stages", 1))
-        predicted[name] = sim.step_time + opt
-        profiles[name] = (costs, comm, opt)
+    priced = result["predicted"]
+    predicted = {name: priced[name]["step_s"] * 1e3 for name in SCHEDULES}
     print(f"\n{setting.layers} x (Linear({setting.width}) + ReLU), batch {setting.batch} in {m} "
-          f"micro-batches, {p} ranks x 1 thread; medians of {setting.rounds} rounds, ms")
-    print(f"{'schedule':12s} {'measured':>9s} {'predicted':>9s} {'meas/1f1b':>9s} {'pred/1f1b':>9s} "
-          f"{'agreement':>9s}")
+          f"micro-batches, {p} ranks x 1 thread; measured: medians of {setting.rounds} rounds; "
+          "predicted: the planner's cost model on a profile taken before them; ms")
+    print(f"{'schedule':12s} {'measured':>9s} {'predicted':>9s} {'pred/meas':>9s} {'meas/1f1b':>9s} "
+          f"{'pred/1f1b':>9s} {'agreement':>9s}")
     ok = True
     for name in SCHEDULES:
         mr, pr = measured[name] / measured["1f1b"], predicted[name] / predicted["1f1b"]
         agree = mr / pr
         ok &= abs(agree - 1) <= TOLERANCE
-        print(f"{name:12s} {measured[name]:9.2f} {predicted[name]:9.2f} {mr:9.3f} {pr:9.3f} {agree:9.3f}")
-    print("profiled per stage (ms): F, B, W with sends folded in; t_comm; optimizer")
-    for name, (costs, comm, opt) in profiles.items():
-        print(f"{name:12s} F {_fmt(costs['F'])}  B {_fmt(costs['B'])}  W {_fmt(costs['W'])}  "
-              f"t_comm {comm:.2f}  opt {opt:.2f}")
+        print(f"{name:12s} {measured[name]:9.2f} {predicted[name]:9.2f} {predicted[name] / measured[name]:9.3f} "
+              f"{mr:9.3f} {pr:9.3f} {agree:9.3f}")
+    latency, bandwidth = result["link"]
+    print(f"priced per stage, ms (one micro-batch; B holds W except in zbh1; send: the hand-over on a "
+          f"link of {latency * 1e6:.0f} us + bytes / {bandwidth / 1e9:.2f} GB/s), the pipeline and the optimizer")
+    for name in SCHEDULES:
+        layout = priced[name]
+        f, b, w, send = zip(*layout["stages"])
+        recompute = f"  recompute {layout['recompute']}" if layout["recompute"] else ""
+        print(f"{name:12s} layers {layout['layers']}  F {_fmt(f)}  B {_fmt(b)}  W {_fmt(w)}  "
+              f"send {_fmt(send[:-1])}  pipeline {layout['pipeline_s'] * 1e3:.2f}  "
+              f"opt {layout['optimizer_s'] * 1e3:.2f}{recompute}")
     peaks = result["peaks"]
     print("\nactivation bytes saved for backward, peak per rank (MB):")
     for name in SCHEDULES:
@@ -202,8 +215,8 @@ def report(setting: Setting, result: dict[str, Any]) -> bool:
     return ok and mem_ok
 
 
-def _fmt(values: list[float]) -> str:
-    return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
+def _fmt(seconds: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{1e3 * v:.2f}" for v in seconds) + "]"
 
 
 def parse_args(argv: list[str] | None = None) -> Setting:

@@ -1,5 +1,5 @@
 """The search: exact on small random cost arrays, the right splits, infeasible reasons, tables,
-JSON, and the Alpa GPT suite planned in under 2 seconds each."""
+JSON, and the Alpa GPT suite's plans (their search time is `benchmarks/overheads.py`'s)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import itertools
 import json
 import math
 import random
-import time
 
 import pytest
 
@@ -88,14 +87,11 @@ def test_a_layer_larger_than_the_device_needs_tensor_parallelism() -> None:
 
 
 @pytest.mark.parametrize("gpus", sorted(ALPA_GPT_SUITE))
-def test_alpa_gpt_suite_plans_in_under_two_seconds(gpus: int) -> None:
+def test_alpa_gpt_suite_plans(gpus: int) -> None:
     label, spec = ALPA_GPT_SUITE[gpus]
     dev = device("v100-16gb")
-    start = time.perf_counter()
     cluster = Cluster(dev.network, dev.usable_memory(), optimizer_state_factor("adam", dev.dtype_bytes))
     found = search(gpt_costs(spec, dev), gpus, 1024, cluster)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 2.0, f"GPT-{label} on {gpus} GPUs took {elapsed:.2f} s"
     best = found[0]
     if gpus <= 32:
         assert best.feasible, best.reason

@@ -3,7 +3,6 @@ left as it was, and the in-memory and on-disk caches."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -58,9 +57,8 @@ def test_cut_bytes_are_what_split_sends(cnn):
 
 def test_second_call_is_cached_in_memory_and_on_disk(cnn, tmp_path):
     net, x, prof = cnn
-    start = time.perf_counter()
     again = profile(net, (x,), options=ProfileOptions(repeats=3, threads=1))
-    assert again.cached and again.costs == prof.costs and time.perf_counter() - start < 0.5
+    assert again.cached and again.costs == prof.costs
     other_batch = profile(net, (x[:16],), options=ProfileOptions(repeats=3, threads=1, cache_dir=tmp_path))
     assert not other_batch.cached and other_batch.signature != prof.signature
     profiling._CACHE.pop(other_batch.signature)
