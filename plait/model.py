@@ -106,7 +106,8 @@ class Model:
         if train:
             return self._train
         if self._eval is None:
-            self._eval = self._train.for_eval(self.loss, lambda: capture_batch(self.net, x, train=False))
+            self._eval = self._train.for_eval(
+                self.loss, lambda method: capture_batch(self.net, x, train=False, method=method))
         return self._eval
 
     def _build(self, layout: Layout) -> None:

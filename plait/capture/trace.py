@@ -104,16 +104,20 @@ def sample_rows(x: Any) -> Any:
     return batching.take(x, torch.tensor([0, 0]))
 
 
-def capture_batch(net: nn.Module, x: Any, train: bool = True) -> CapturedGraph:
-    """Capture `net` on two rows of `x` (a batch as `fit` takes it) in train or eval mode (a
-    torch.export graph bakes the mode in), with the structure of its output; `net` keeps its mode.
+def capture_batch(net: nn.Module, x: Any, train: bool = True, method: str | None = None) -> CapturedGraph:
+    """Capture `net` on two rows of `x` (a batch as `fit` takes it) in train or eval mode, with
+    the structure of its output; `net` keeps its mode.
 
-    A model is captured once in train mode (`Model` passes the graph to the planner and the
-    pipeline) and, for evaluation, once in eval mode.
+    Both tracers bake the mode in: torch.export records the ops of that mode, and torch.fx reads
+    `self.training` once while tracing (`F.dropout(x, p, self.training)`, `if self.training:`).
+    So a model is captured once in train mode (`Model` passes the graph to the planner and the
+    pipeline) and, for evaluation, once in eval mode with the training graph's `method`:
+    "torch.fx" goes straight to the fallback that export already failed once (then both graphs
+    name their layers the same way); None or "torch.export" tries torch.export first.
     """
     args, kwargs = batching.as_call(sample_rows(x))
     with in_mode(net, train):
-        captured = capture(net, args, kwargs)
+        captured = _capture_fx_again(net, train) if method == "torch.fx" else capture(net, args, kwargs)
     with torch.no_grad(), torch.random.fork_rng(), in_mode(net, False):
         _, output_spec = flatten_output(net(*args, **kwargs))
     return replace(captured, output_spec=output_spec)
@@ -238,6 +242,19 @@ def _capture_fx(net: nn.Module) -> CapturedGraph:
         return [bound.arguments[str(name).lstrip("*")] for name in names]
 
     return _finish_capture("torch.fx", graph, net, net, leaf_of, bind, lambda out: out)
+
+
+def _capture_fx_again(net: nn.Module, train: bool) -> CapturedGraph:
+    """torch.fx in the other mode, for a model torch.fx captured before; a failure names the mode."""
+    try:
+        return _capture_fx(net)
+    except Exception as fx_error:  # noqa: BLE001
+        mode = "train" if train else "eval"
+        raise CaptureError(
+            f"could not capture {type(net).__name__} in {mode} mode: torch.fx.symbolic_trace stopped at: "
+            f"{_first_line(fx_error)}. Make the code that runs in {mode} mode traceable too (for example "
+            "avoid data-dependent Python control flow on tensor values), or wrap it in a leaf module"
+        ) from fx_error
 
 
 # -- shared -------------------------------------------------------------------------------------

@@ -75,10 +75,9 @@ class Pipeline:
         return self._programs[key]
 
     def for_eval(self, captured: CapturedGraph, loss: Callable[[Any, Any], torch.Tensor] | None) -> "Pipeline":
-        """The same split for evaluation on `captured`, the model captured in eval mode (torch.export
-        bakes the mode into the graph; a torch.fx graph serves both, so it is kept)."""
-        if self.captured.method != "torch.export":
-            return self
+        """The same split for evaluation on `captured`, the model captured in eval mode (every
+        tracer bakes the mode into the graph): each layer goes to the stage its name had in
+        training, so every parameter is read on the rank that trained it."""
         by_name = dict(zip(self.plan.layer_names, self.layer_stage))
         layer_stage, current = [], 0
         for name in captured.layers.layer_names:  # layers missing in train mode join their predecessor

@@ -78,10 +78,14 @@ class StepRunner:
                     p.grad = None
 
     def for_eval(self, loss: Callable[[Any, Any], torch.Tensor] | None,
-                 capture_eval: Callable[[], CapturedGraph]) -> "StepRunner":
-        """The runner of the same split for evaluation; a torch.export graph bakes the mode in,
-        so the model is captured once more in eval mode (`capture_eval`); a torch.fx one serves both."""
-        captured = capture_eval() if self.pipe.captured.method == "torch.export" else self.pipe.captured
+                 capture_eval: Callable[[str], CapturedGraph]) -> "StepRunner":
+        """The runner of the same split for evaluation, on the model captured once more in eval
+        mode by `capture_eval(method)` with the training graph's capture method.
+
+        Every tracer bakes the mode in (torch.fx too: it reads `self.training` while tracing, so
+        functional dropout and `if self.training:` branches stay on in its training graph).
+        """
+        captured = capture_eval(self.pipe.captured.method)
         return StepRunner(self.pipe.for_eval(captured, loss), self.net, self.metrics, self.device, train=False)
 
     def gather_outputs(self, outputs: list[Any] | None, rows: int) -> list[Any]:
