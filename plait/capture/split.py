@@ -22,6 +22,7 @@ from typing import Sequence
 import torch.fx as fx
 from torch import nn
 
+from plait.capture.mutation import written_placeholders
 from plait.capture.trace import CapturedGraph, is_local
 from plait.errors import PartitionError
 
@@ -38,6 +39,7 @@ class StageModule:
     send_names: list[str]  # values sent to the next stage (empty on the last stage)
     input_indices: list[int]  # which placeholders (model inputs) the stage takes, after recv
     is_last: bool
+    written_recv: tuple[int, ...] = ()  # received values the stage writes in place (capture/mutation)
 
     def parameters(self) -> list[nn.Parameter]:
         """The parameters this stage uses (shared with the user's model)."""
@@ -89,9 +91,11 @@ def split(captured: CapturedGraph, layer_stage: Sequence[int]) -> list[StageModu
         ops = [n for n in captured.ops if node_stage[n] == s]
         module, input_indices = _build(captured, s, recv, send, ops, output if s == last else None,
                                        placeholders)
+        written = written_placeholders(module.graph, module)
+        placeholders_of_recv = [n for n in module.graph.nodes if n.op == "placeholder"][:len(recv)]
         stages.append(
             StageModule(s, module, [n.name for n in recv], [n.name for n in send], input_indices,
-                        s == last)
+                        s == last, tuple(i for i, n in enumerate(placeholders_of_recv) if n in written))
         )
     return stages
 

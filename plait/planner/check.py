@@ -78,7 +78,7 @@ class PlanCheck:
 
     def __init__(self, report: PlanReport, world_size: int, first_step: int = 0) -> None:
         self.report = report
-        self.num_chunks = len(report.chosen["layers_per_stage"])
+        self.num_chunks = report.setting().num_chunks
         self.world_size = world_size
         self.first_step = first_step  # steps before it belong to an earlier layout
         self.clock: StageClock | None = None

@@ -69,9 +69,9 @@ class StageExecutor:
         """Run the stage; return what goes to the next stage (empty on the last stage)."""
         with torch.set_grad_enabled(train):
             if train and self.recompute:
-                out = checkpoint(self.stage.module, *received, *inputs, use_reentrant=False)
+                out = checkpoint(self._run, *received, *inputs, use_reentrant=False)
             else:
-                out = self.stage.module(*received, *inputs)
+                out = self._run(*received, *inputs)
             if not self.stage.is_last:
                 values = list(out)
                 if train:
@@ -96,6 +96,16 @@ class StageExecutor:
                     self._inputs[microbatch_index] = grad_leaves(received)
                     self._losses[microbatch_index] = loss * scale
             return []
+
+    def _run(self, *args: Any) -> Any:
+        """The stage module on `args`; a received tensor it writes in place is handed over as a
+        copy, since autograd forbids writing the leaf whose gradient goes upstream (inside the
+        checkpointed call, so a recomputation starts from the value received)."""
+        written = self.stage.written_recv
+        if written:
+            args = tuple(a.clone() if i in written and isinstance(a, torch.Tensor) and a.requires_grad else a
+                         for i, a in enumerate(args))
+        return self.stage.module(*args)
 
     def backward(self, microbatch_index: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Backpropagate one micro-batch; return dL/d(received tensors) for the previous stage."""

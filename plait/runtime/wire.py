@@ -5,9 +5,13 @@ The first message for a *key* (direction, boundary, train/eval, the micro-batch'
 starts with a description, so the receiver can allocate buffers; later ones carry only data::
 
     first time:  header int64[2] = (len(desc), len(spec))
-                 desc   int64[...] = per leaf: kind, dtype, requires_grad, ndim, *shape
+                 desc   int64[...] = per leaf: kind, dtype, requires_grad, ndim, *shape, *order
                  spec   uint8[...] = the pytree structure as JSON (never pickle)
     every time:  one tensor per tensor leaf, plus one float64 tensor of the Python-number leaves
+
+A tensor travels in its memory order (`order`: its dimensions from the largest stride to the
+smallest) and is rebuilt with the same strides, so a stage that receives a transposed activation
+can `view` it after transposing it back, as in one process. Gradients travel contiguous.
 
 Sends are `isend` and never block the schedule (blocking sends deadlock 1F1B on gloo); a send's
 buffers are kept until `drain` waits for them. Every wait has a timeout.
@@ -32,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-__all__ = ["Wire", "WireTimeout", "Description"]
+__all__ = ["Wire", "WireTimeout", "Description", "describe", "dim_order"]
 
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -56,6 +60,7 @@ class Description:
     shapes: tuple[tuple[int, ...], ...]
     requires_grad: tuple[bool, ...]
     spec: pytree.TreeSpec
+    orders: tuple[tuple[int, ...], ...] = ()  # per leaf: its dimensions, outermost in memory first
 
     @property
     def tensor_positions(self) -> list[int]:
@@ -78,6 +83,20 @@ def _leaf_kind(x: Any) -> int:
     )
 
 
+def dim_order(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The dimensions from the largest stride to the smallest (ties in dimension order): a
+    contiguous tensor's is (0, 1, ..., n-1), a transposed matrix's (1, 0)."""
+    strides = tensor.stride()
+    return tuple(sorted(range(tensor.dim()), key=lambda d: -strides[d]))
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    out = [0] * len(order)
+    for position, d in enumerate(order):
+        out[d] = position
+    return tuple(out)
+
+
 def _flatten(values: list[Any]) -> tuple[list[Any], pytree.TreeSpec]:
     # torch.Size travels as a tuple of ints.
     values = [tuple(v) if isinstance(v, torch.Size) else v for v in values]
@@ -94,6 +113,7 @@ def describe(values: list[Any]) -> Description:
         tuple(tuple(x.shape) if k == _TENSOR else () for x, k in zip(leaves, kinds)),
         tuple(bool(k == _TENSOR and x.requires_grad) for x, k in zip(leaves, kinds)),
         spec,
+        tuple(dim_order(x) if k == _TENSOR else () for x, k in zip(leaves, kinds)),
     )
 
 
@@ -129,8 +149,9 @@ class Wire:
 
     def _send_description(self, desc: Description, peer: int, tag: int) -> None:
         body: list[int] = []
-        for kind, dtype, shape, grad in zip(desc.kinds, desc.dtypes, desc.shapes, desc.requires_grad):
-            body += [kind, _CODE[dtype] if dtype is not None else -1, int(grad), len(shape), *shape]
+        for kind, dtype, shape, grad, order in zip(desc.kinds, desc.dtypes, desc.shapes, desc.requires_grad,
+                                                   desc.orders):
+            body += [kind, _CODE[dtype] if dtype is not None else -1, int(grad), len(shape), *shape, *order]
         spec = pytree.treespec_dumps(desc.spec).encode()
         self._isend(torch.tensor([len(body), len(spec)], dtype=torch.int64, device=self.device), peer, tag)
         if body:
@@ -139,14 +160,14 @@ class Wire:
 
     def _send_leaves(self, leaves: list[Any], desc: Description, peer: int, tag: int) -> None:
         numbers = []
-        for x, kind, shape in zip(leaves, desc.kinds, desc.shapes):
+        for x, kind, shape, order in zip(leaves, desc.kinds, desc.shapes, desc.orders):
             if kind == _TENSOR:
                 if tuple(x.shape) != shape:
                     raise WireTimeout(
                         f"a tensor of shape {tuple(x.shape)} was sent where the agreed shape is "
                         f"{shape}; shapes must be a function of the input shapes"
                     )
-                self._isend(x, peer, tag)
+                self._isend(x.permute(order), peer, tag)  # contiguous, no copy, for a dense tensor
             elif kind in _NUMBERS:
                 numbers.append(float(x))
         if numbers:
@@ -184,20 +205,23 @@ class Wire:
         except RuntimeError as e:
             raise WireTimeout(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
 
-    def post_recv(self, peer: int, key: Hashable, tag: int) -> None:
-        """Post now the receives of message `key`, if its description is known (else nothing)."""
+    def post_recv(self, peer: int, key: Hashable, tag: int) -> bool:
+        """Post now the receives of message `key`, if its description is known; False if not."""
         desc = self._received.get((peer, key))
         if desc is not None and (peer, tag) not in self._posted:
             self._post(self._buffers(desc), peer, tag)
+        return desc is not None
 
-    def post_recv_grads(self, peer: int, key: Hashable, tag: int) -> None:
-        """Post now the receives of the gradients `peer` returns for message `key` sent to it."""
+    def post_recv_grads(self, peer: int, key: Hashable, tag: int) -> bool:
+        """Post now the receives of the gradients `peer` returns for message `key` sent to it;
+        False if that message has not been sent yet (its shapes are unknown)."""
         desc = self._sent.get((peer, key))
         if desc is not None and (peer, tag) not in self._posted:
             self._post([torch.empty(shape, dtype=dtype, device=self.device)
                         for kind, dtype, shape, grad in
                         zip(desc.kinds, desc.dtypes, desc.shapes, desc.requires_grad)
                         if kind == _TENSOR and grad], peer, tag)
+        return desc is not None
 
     def _post(self, buffers: list[torch.Tensor], peer: int, tag: int) -> None:
         works = [dist.irecv(b, peer, group=self.group, tag=tag) for b in buffers]
@@ -214,8 +238,9 @@ class Wire:
 
     def _buffers(self, desc: Description) -> list[torch.Tensor]:
         """One buffer per tensor leaf, then one float64 buffer of the numbers (if any)."""
-        buffers = [torch.empty(shape, dtype=dtype, device=self.device)
-                   for kind, dtype, shape in zip(desc.kinds, desc.dtypes, desc.shapes) if kind == _TENSOR]
+        buffers = [torch.empty([shape[d] for d in order], dtype=dtype, device=self.device)
+                   for kind, dtype, shape, order in zip(desc.kinds, desc.dtypes, desc.shapes, desc.orders)
+                   if kind == _TENSOR]
         count = sum(k in _NUMBERS for k in desc.kinds)
         if count:
             buffers.append(self._empty(count, torch.float64))
@@ -232,9 +257,11 @@ class Wire:
             buffers = [self._recv(b, peer, tag) for b in self._buffers(desc)]
         filled = iter(buffers)
         leaves: list[Any] = []
-        for kind, grad in zip(desc.kinds, desc.requires_grad):
+        for kind, grad, order in zip(desc.kinds, desc.requires_grad, desc.orders):
             if kind == _TENSOR:
-                t = next(filled)
+                t = next(filled)  # in memory order: back to the sender's dimensions and strides
+                if order != tuple(range(len(order))):
+                    t = t.permute(_inverse(order))
                 leaves.append(t.requires_grad_() if grad else t)
             else:
                 leaves.append(None)
@@ -250,7 +277,7 @@ class Wire:
         header = self._recv(self._empty(2, torch.int64), peer, tag).tolist()
         body = self._recv(self._empty(header[0], torch.int64), peer, tag).tolist() if header[0] else []
         spec = bytes(self._recv(self._empty(header[1], torch.uint8), peer, tag).tolist())
-        kinds, dtypes, shapes, grads = [], [], [], []
+        kinds, dtypes, shapes, grads, orders = [], [], [], [], []
         i = 0
         while i < len(body):
             kind, code, grad, ndim = body[i : i + 4]
@@ -258,10 +285,11 @@ class Wire:
             dtypes.append(_DTYPES[code] if code >= 0 else None)
             grads.append(bool(grad))
             shapes.append(tuple(body[i + 4 : i + 4 + ndim]))
-            i += 4 + ndim
+            orders.append(tuple(body[i + 4 + ndim : i + 4 + 2 * ndim]))
+            i += 4 + 2 * ndim
         return Description(
             tuple(kinds), tuple(dtypes), tuple(shapes), tuple(grads),
-            pytree.treespec_loads(spec.decode()),
+            pytree.treespec_loads(spec.decode()), tuple(orders),
         )
 
     def recv_tensors(self, like: list[torch.Tensor], peer: int, tag: int) -> list[torch.Tensor]:

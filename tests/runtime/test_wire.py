@@ -65,3 +65,16 @@ def test_gradients_of_a_non_contiguous_activation_come_back():
     # ("input tensor has to be contiguous") when a planned cut fell after a transpose.
     grad = run_ranks(2, gradients_of_a_transposed_activation, timeout=80)[0]
     torch.testing.assert_close(grad, torch.arange(6.0).view(2, 3).t() * 10)
+
+
+def test_dim_order_is_memory_order_and_describe_carries_it() -> None:
+    from plait.runtime.wire import describe, dim_order
+
+    x = torch.randn(2, 3, 4)
+    assert dim_order(x) == (0, 1, 2)
+    assert dim_order(x.transpose(1, 2)) == (0, 2, 1)
+    assert dim_order(x.permute(2, 0, 1)) == (1, 2, 0)
+    assert dim_order(torch.randn(5, 1, 3)) == (0, 1, 2)  # a size-1 dimension keeps its place
+    t = x.transpose(1, 2)
+    assert t.permute(dim_order(t)).is_contiguous()  # what the wire sends: no copy
+    assert describe([t, 3, None]).orders == ((0, 2, 1), (), ())
