@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
@@ -78,11 +78,14 @@ class Interpreter:
         run = _Run(microbatches, train, keep_outputs, split=any(a.op is Op.WEIGHT for a in actions))
         ahead = _ReceivesAhead(actions, window=self.num_chunks + 1)
         step = self.runs
+
+        def post(receive: Action) -> bool:
+            with self.tracer.span("recv", f"post {receive}", step=step, stage=receive.stage_index,
+                                  op="P" + receive.op.value, mb=receive.microbatch_index):
+                return self._post(receive, microbatches, train)
+
         for position, action in enumerate(actions):
-            for posted in ahead.due(position):
-                with self.tracer.span("recv", f"post {posted}", step=step, stage=posted.stage_index,
-                                      op="P" + posted.op.value, mb=posted.microbatch_index):
-                    self._post(posted, microbatches, train)
+            ahead.post_due(position, post)
             try:
                 with self.tracer.span(_STREAM[action.op], str(action), step=step, stage=action.stage_index,
                                       op=action.op.value, mb=action.microbatch_index):
@@ -149,14 +152,14 @@ class Interpreter:
         except Exception as e:  # noqa: BLE001
             raise self._failure(program, num_actions, None, e) from e
 
-    def _post(self, action: Action, microbatches: Sequence[MicroBatch], train: bool) -> None:
-        """Post one receive ahead, if its message's shapes are known (from the second step on)."""
+    def _post(self, action: Action, microbatches: Sequence[MicroBatch], train: bool) -> bool:
+        """Post one receive ahead, if its message's shapes are known (from the second step on);
+        False if they are not."""
         s, k = action.stage_index, action.microbatch_index
         key = microbatches[k].key
         if action.op is Op.RECV_F:
-            self.wire.post_recv(self.stage_to_rank[s - 1], ("F", s - 1, train, key), self._tag(k, s - 1, 0))
-        else:
-            self.wire.post_recv_grads(self.stage_to_rank[s + 1], ("F", s, train, key), self._tag(k, s + 1, 1))
+            return self.wire.post_recv(self.stage_to_rank[s - 1], ("F", s - 1, train, key), self._tag(k, s - 1, 0))
+        return self.wire.post_recv_grads(self.stage_to_rank[s + 1], ("F", s, train, key), self._tag(k, s + 1, 1))
 
     def _tag(self, microbatch_index: int, sender: int, backward: int) -> int:
         """Message tag of micro-batch k sent by stage `sender`, forward (0) or backward (1)."""
@@ -205,19 +208,30 @@ class _Run:
 
 
 class _ReceivesAhead:
-    """Receives posted ahead (see wire.py): at most `window` at a time, so a 1F1B stage holds no
-    more incoming buffers than it holds micro-batches in flight."""
+    """Receives posted ahead (see wire.py), strictly in program order: at most `window` at a time,
+    so a 1F1B stage holds no more incoming buffers than it holds micro-batches in flight.
+
+    A receive whose message's shapes are not known yet (the first step) cannot be posted ahead;
+    it is taken when its action comes, and no later receive is posted before then. NCCL ignores
+    tags and matches a rank pair's messages in the order the receives are posted, so a later
+    receive posted first would take this one's message (the validator checks that programs
+    receive in send order; this keeps the posting in that order).
+    """
 
     def __init__(self, actions: Sequence[Action], window: int) -> None:
         self.actions = actions
         self.receives = [i for i, a in enumerate(actions) if a.op in (Op.RECV_F, Op.RECV_B)]
-        self.window, self.posted = window, 0
+        self.window = window
+        self.offered = 0  # receives offered for posting so far, in program order
+        self.held: int | None = None  # the receive that could not be posted, until it is taken
 
-    def due(self, position: int) -> list[Action]:
-        """The receives to post before the action at `position`."""
+    def post_due(self, position: int, post: Callable[[Action], bool]) -> None:
+        """Offer `post` the receives due before the action at `position`, in program order; after
+        one it cannot post (it returns False), offer none until that receive has been taken."""
         done = bisect.bisect_left(self.receives, position)  # receives already taken
-        out = []
-        while self.posted < len(self.receives) and self.posted - done < self.window:
-            out.append(self.actions[self.receives[self.posted]])
-            self.posted += 1
-        return out
+        if self.held is not None and self.held < done:
+            self.held = None
+        while self.held is None and self.offered < len(self.receives) and self.offered - done < self.window:
+            if not post(self.actions[self.receives[self.offered]]):
+                self.held = self.offered
+            self.offered += 1

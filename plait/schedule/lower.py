@@ -12,6 +12,18 @@ so RF sits just before the F that consumes it and SF just after the F that produ
 likewise RB / SB around B; W, the weight-gradient half of a split backward, talks to no one).
 When both stages live on one rank nothing is inserted: the runtime hands the value over in
 memory.
+
+NCCL ignores point-to-point tags: two ranks match their messages in the order they post them,
+so a rank must take each peer's messages in the order that peer sends them. Receives just
+before their consumers do not always: in interleaved 1F1B on 2 ranks (p = 2, v = 2, m = 5)
+the pair rank 1 -> rank 0 carries activations and gradients, and rank 1 sends 1SF2 before
+3SB1 while rank 0 runs 2B1, which needs 3SB1's gradient, before 2F2, which needs 1SF2's
+activation. The earlier message's receive then moves up to just before the later one's
+(`_take_in_send_order`):
+
+    rank 1:  ... 3B0 3SB0 1RF2 1F2 1SF2 3B1 3SB1 ...
+    rank 0:  ... 0F4 0SF4 2RB1 2B1 2SB1 2RF2 2F2 ...    placed by its consumers
+    rank 0:  ... 0F4 0SF4 2RF2 2RB1 2B1 2SB1 2F2 ...    in rank 1's send order
 """
 
 from __future__ import annotations
@@ -102,6 +114,8 @@ def lower_communication(
 
     Takes a compute-only program (F, B and W, each on the rank `stage_to_rank` gives its stage)
     and returns a new program; the input is not changed. W needs nothing from another rank.
+    Receives then move up where needed so that every rank takes a peer's messages in the order
+    the peer sends them (NCCL ignores tags; see the module docstring).
     """
     check_sizes(num_chunks, 1)
     ranks = resolve_stage_to_rank(num_chunks, stage_to_rank)
@@ -142,4 +156,37 @@ def lower_communication(
                 if previous_remote:
                     out.append(Action(s, Op.SEND_B, k))
         lowered[rank] = out
-    return lowered
+    return _take_in_send_order(lowered, ranks)
+
+
+def _take_in_send_order(program: Program, ranks: dict[int, int]) -> Program:
+    """Move receives up so that each rank takes each peer's messages in the peer's send order.
+
+    A receive whose message the peer sends after others not yet taken gets those others'
+    receives just before it. Only receives move, and only earlier, so each still precedes
+    its consumer; and a moved receive waits for a send its peer makes before the send the
+    following receive already waits for, so no deadlock is added.
+    """
+    sent: dict[tuple[int, int], list[Action]] = {}  # (src, dst) -> dst's receives, in send order
+    for src, actions in program.items():
+        for a in actions:
+            s, k = a.stage_index, a.microbatch_index
+            if a.op is Op.SEND_F:
+                sent.setdefault((src, ranks[s + 1]), []).append(Action(s + 1, Op.RECV_F, k))
+            elif a.op is Op.SEND_B:
+                sent.setdefault((src, ranks[s - 1]), []).append(Action(s - 1, Op.RECV_B, k))
+    place = {a: (pair, i) for pair, queue in sent.items() for i, a in enumerate(queue)}
+    taken = {pair: 0 for pair in sent}  # messages of each (src, dst) taken so far
+    ordered: Program = {}
+    for dst, actions in program.items():
+        out: list[Action] = []
+        for a in actions:
+            if a not in place:  # compute or send
+                out.append(a)
+                continue
+            pair, i = place[a]
+            if i >= taken[pair]:  # not yet taken ahead of a later message
+                out += sent[pair][taken[pair] : i + 1]
+                taken[pair] = i + 1
+        ordered[dst] = out
+    return ordered

@@ -4,6 +4,10 @@ The dry run models the runtime's rules: a rank executes its list in order; a sen
 blocks; a receive completes only after the peer rank has executed the matching send; F and B
 wait for the values they consume (a receive on this rank, or the producing F/B of a stage on
 the same rank); W waits for the B of its stage and micro-batch, on its own rank.
+
+The dry run matches a receive to its send by name, as tags do on gloo. NCCL ignores tags and
+matches the messages between two ranks in the order they are posted, so a last check asks
+that every rank take each peer's messages in the order the peer sends them.
 """
 
 from __future__ import annotations
@@ -226,6 +230,40 @@ def _simulate(
     raise ScheduleError("\n".join(lines))
 
 
+def _check_send_order(program: Program, ranks: dict[int, int]) -> None:
+    """For each rank pair src -> dst, dst receives src's messages in the order src sends them.
+
+    Runs after `_check_order`, so every send has its receive and vice versa.
+    """
+    sends: dict[tuple[int, int], list[tuple[int, Action]]] = {}  # (src, dst) -> (step, send)
+    receives: dict[tuple[int, int], list[tuple[int, Action]]] = {}  # (src, dst) -> (step, receive)
+    for rank, actions in sorted(program.items()):
+        for step, a in enumerate(actions):
+            if a.op in (Op.SEND_F, Op.SEND_B):
+                sends.setdefault((rank, ranks[_counterpart(a).stage_index]), []).append((step, a))
+            elif a.op in (Op.RECV_F, Op.RECV_B):
+                receives.setdefault((ranks[_counterpart(a).stage_index], rank), []).append((step, a))
+    problems: list[str] = []
+    for (src, dst), sent in sorted(sends.items()):
+        taken = receives.get((src, dst), [])
+        assert len(taken) == len(sent), f"unmatched messages {src} -> {dst} passed _check_order"
+        for i, ((send_step, send), (recv_step, recv)) in enumerate(zip(sent, taken)):
+            if _counterpart(send) != recv:
+                problems.append(
+                    f"rank {src} -> rank {dst}, message {i}: rank {src} step {send_step} sends "
+                    f"{send}, but rank {dst} step {recv_step} receives {recv} (expected "
+                    f"{_counterpart(send)}); move {_counterpart(send)} ahead of {recv} on rank "
+                    f"{dst}, or reorder rank {src}'s sends (lower_communication does the first)"
+                )
+                break  # the rest of this pair is shifted by the same swap
+    _raise_if(
+        problems,
+        "messages taken out of send order (NCCL ignores tags and matches the messages between "
+        "two ranks in the order they are posted; each rank must receive a peer's messages in "
+        "the order the peer sends them):",
+    )
+
+
 def validate(
     program: Program,
     num_chunks: int,
@@ -240,7 +278,8 @@ def validate(
     rank; no action occurs twice; every (stage, micro-batch) has one F and, unless
     `forward_only`, one B, and one W too if the program splits the backward; every send has
     its receive on the peer rank and vice versa; every action's inputs exist and the local
-    ones come earlier (F before B before W); then the dry run.
+    ones come earlier (F before B before W); then the dry run; then that every rank receives
+    each peer's messages in the order the peer sends them (NCCL matches by order, not tag).
     """
     check_sizes(num_chunks, num_microbatches)
     ranks = resolve_stage_to_rank(num_chunks, stage_to_rank)
@@ -249,3 +288,4 @@ def validate(
     _check_complete(where, ranks, num_chunks, num_microbatches, forward_only)
     _check_order(program, where, ranks, num_chunks)
     _simulate(program, ranks, num_chunks, num_microbatches)
+    _check_send_order(program, ranks)

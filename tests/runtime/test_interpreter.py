@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import plait
-from plait.schedule import generate
+from plait.runtime.interpreter import _ReceivesAhead
+from plait.schedule import Action, generate, parse_action
 from tests.harness import run_ranks
 from tests.models import mlp
 
@@ -55,3 +56,45 @@ def test_trace_holds_every_action_of_every_step(tmp_path, schedule, extra):
         if extra.get("dp", 1) > 1:
             assert any(e["cat"] == "allreduce" for e in spans)
         assert all(e["dur"] >= 0 for e in spans)
+
+
+def offered(program: str, window: int, unpostable: set[str]) -> list[str]:
+    """What `_ReceivesAhead` offers before each action: `"step: receives"` per step with offers."""
+    actions = [parse_action(t) for t in program.split()]
+    ahead = _ReceivesAhead(actions, window)
+    out = []
+    for position, action in enumerate(actions):
+        got: list[str] = []
+
+        def post(receive: Action) -> bool:
+            got.append(str(receive))
+            return str(receive) not in unpostable
+
+        ahead.post_due(position, post)
+        if got:
+            out.append(f"{position} {action}: {' '.join(got)}")
+    return out
+
+
+RANK_1 = "1RF0 1F0 1SF0 1RF1 1F1 1SF1 1RB0 1B0 1SB0 1RB1 1B1 1SB1"  # GPipe's middle rank of 3
+
+
+def test_receives_ahead_are_offered_in_program_order_within_the_window() -> None:
+    # later steps: every shape is known, each receive is posted once, at most 2 at a time
+    assert offered(RANK_1, 2, set()) == [
+        "0 1RF0: 1RF0 1RF1", "1 1F0: 1RB0", "4 1F1: 1RB1",
+    ]
+
+
+def test_receives_ahead_stop_behind_one_that_cannot_be_posted() -> None:
+    # first step: 1RF0's shapes are unknown, so it is taken unposted at its action, and no
+    # later receive is posted before that (under NCCL, which ignores tags, a posted 1RF1
+    # would take micro-batch 0's message); then 1RB0 cannot be posted before 1SF0 has run
+    # (its shapes are those sent), so 1RB1 waits behind it too
+    assert offered(RANK_1, 8, {"1RF0", "1RB0"}) == [
+        "0 1RF0: 1RF0", "1 1F0: 1RF1 1RB0", "7 1B0: 1RB1",
+    ]
+    # every receive is still offered exactly once, before its action
+    assert offered(RANK_1, 1, {"1RF0", "1RF1", "1RB0", "1RB1"}) == [
+        "0 1RF0: 1RF0", "1 1F0: 1RF1", "4 1F1: 1RB0", "7 1B0: 1RB1",
+    ]

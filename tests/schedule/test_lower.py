@@ -7,6 +7,7 @@ import copy
 import pytest
 
 from plait.errors import ScheduleError
+from plait.schedule import lower
 from plait.schedule import (
     Program, format_program, forward_only, gpipe, interleaved, lower_communication, one_f_one_b,
     parse_action, validate, zbh1,
@@ -118,3 +119,32 @@ def test_resolve_stage_to_rank() -> None:
         resolve_stage_to_rank(3, {0: 0, 3: 1})
     with pytest.raises(ScheduleError, match=r"int ranks >= 0, got \{1: -1\}"):
         resolve_stage_to_rank(2, {0: 0, 1: -1})
+
+
+def test_receives_move_up_to_the_peers_send_order() -> None:
+    # interleaved 1F1B on 2 ranks, m = 5: rank 1 sends 1SF2 before 3SB1, so rank 0 takes 2RF2
+    # before 2RB1 (and 2RF3 before 0RB0, 2RF4 before 0RB1), ahead of the F that needs it;
+    # computes and sends keep their places, and rank 1 already receives in send order
+    ranks = {s: s % 2 for s in range(4)}
+    program = interleaved(4, 5, 2)
+    lowered = lower_communication(program, 4, ranks)
+    assert lines(lowered) == [
+        "rank 0: 0F0 0SF0 0F1 0SF1 2RF0 2F0 2SF0 2RF1 2F1 2SF1 0F2 0SF2 0F3 0SF3 2RB0 2B0 2SB0 "
+        "0F4 0SF4 2RF2 2RB1 2B1 2SB1 2F2 2SF2 2RF3 0RB0 0B0 2F3 2SF3 2RF4 0RB1 0B1 2F4 2SF4 "
+        "2RB2 2B2 2SB2 2RB3 2B3 2SB3 2RB4 2B4 2SB4 0RB2 0B2 0RB3 0B3 0RB4 0B4",
+        "rank 1: 1RF0 1F0 1SF0 1RF1 1F1 1SF1 3RF0 3F0 3RF1 3F1 3B0 3SB0 1RF2 1F2 1SF2 3B1 3SB1 "
+        "1RF3 1F3 1SF3 1RB0 1B0 1SB0 1RF4 1F4 1SF4 1RB1 1B1 1SB1 3RF2 3F2 3B2 3SB2 3RF3 3F3 3B3 "
+        "3SB3 3RF4 3F4 3B4 3SB4 1RB2 1B2 1SB2 1RB3 1B3 1SB3 1RB4 1B4 1SB4",
+    ]
+    validate(lowered, 4, 5, ranks)
+
+
+def test_module_picture_of_send_order_matches_the_code() -> None:
+    doc = lower.__doc__ or ""
+    pictured = [line.split("...")[1].strip() for line in doc.splitlines()
+                if line.startswith("    rank ") and line.count("...") == 2]
+    assert len(pictured) == 3
+    lowered = lines(lower_communication(interleaved(4, 5, 2), 4, {s: s % 2 for s in range(4)}))
+    assert pictured[0] in lowered[1]  # rank 1's sends
+    assert pictured[2] in lowered[0]  # rank 0 after the move
+    assert pictured[1] not in lowered[0]  # receives placed by their consumers alone

@@ -194,3 +194,54 @@ def test_many_problems_are_counted() -> None:
 def test_bad_sizes() -> None:
     with pytest.raises(ScheduleError, match="num_microbatches must be an int >= 1, got 0"):
         validate(gpipe(1, 1), 1, 0)
+
+
+def test_receives_out_of_send_order() -> None:
+    # rank 1 takes micro-batch 1's activation first: tags (gloo) would match it, NCCL (which
+    # matches two ranks' messages in the order posted) would hand it micro-batch 0's
+    program = program_of(r0="0F0 0SF0 0F1 0SF1", r1="1RF1 1RF0 1F0 1F1")
+    with pytest.raises(ScheduleError) as info:
+        validate(program, 2, 2, forward_only=True)
+    assert str(info.value) == (
+        "messages taken out of send order (NCCL ignores tags and matches the messages between "
+        "two ranks in the order they are posted; each rank must receive a peer's messages in "
+        "the order the peer sends them):\n"
+        "  rank 0 -> rank 1, message 0: rank 0 step 1 sends 0SF0, but rank 1 step 0 receives "
+        "1RF1 (expected 1RF0); move 1RF0 ahead of 1RF1 on rank 1, or reorder rank 0's sends "
+        "(lower_communication does the first)"
+    )
+    validate(program_of(r0="0F0 0SF0 0F1 0SF1", r1="1RF0 1RF1 1F0 1F1"), 2, 2, forward_only=True)
+
+
+def test_interleaved_on_two_ranks_before_receives_followed_send_order() -> None:
+    # The story of the bug: interleaved 1F1B on 2 ranks (v = 2, m = 5) placed each receive
+    # just before its consumer, so rank 0 took 3SB1's gradient (for 2B1) before 1SF2's
+    # activation (for 2F2), which rank 1 sends first. The dry run, which matches by name
+    # like tags, passed it; under NCCL 2RB1 would have received the activation.
+    ranks = {s: s % 2 for s in range(4)}
+    program = generate("interleaved", 4, 5, num_virtual_stages=2)
+    text = " ".join(str(a) for a in program[0])
+    assert "0F4 0SF4 2RF2 2RB1 2B1 2SB1 2F2" in text
+    program[0] = [parse_action(t) for t in
+                  text.replace("2RF2 2RB1 2B1 2SB1 2F2", "2RB1 2B1 2SB1 2RF2 2F2").split()]
+    with pytest.raises(ScheduleError) as info:
+        validate(program, 4, 5, ranks)
+    assert str(info.value).splitlines()[1] == (
+        "  rank 1 -> rank 0, message 3: rank 1 step 14 sends 1SF2, but rank 0 step 19 receives "
+        "2RB1 (expected 2RF2); move 2RF2 ahead of 2RB1 on rank 0, or reorder rank 1's sends "
+        "(lower_communication does the first)"
+    )
+
+
+def test_out_of_order_gradients_count_per_pair() -> None:
+    # one problem per rank pair: the first position where the sequences part
+    program = lower_communication(gpipe(3, 2), 3)
+    program[0] = [parse_action(t) for t in "0F0 0SF0 0F1 0SF1 0RB1 0RB0 0B0 0B1".split()]
+    program[1] = [parse_action(t) for t in
+                  "1RF1 1RF0 1F0 1SF0 1F1 1SF1 1RB0 1B0 1SB0 1RB1 1B1 1SB1".split()]
+    with pytest.raises(ScheduleError) as info:
+        validate(program, 3, 2)
+    problems = str(info.value).splitlines()[1:]
+    assert [p.split(":")[0] for p in problems] == [
+        "  rank 0 -> rank 1, message 0", "  rank 1 -> rank 0, message 0",
+    ]
