@@ -107,7 +107,8 @@ class Model:
             return self._train
         if self._eval is None:
             self._eval = self._train.for_eval(
-                self.loss, lambda method: capture_batch(self.net, x, train=False, method=method))
+                self.loss, lambda method: capture_batch(self.net, x, train=False, method=method,
+                                                        keep=self._captured.kept_whole if self._captured else ()))
         return self._eval
 
     def _build(self, layout: Layout) -> None:

@@ -54,13 +54,14 @@ def _rows(x: Any, a: int, b: int) -> Any:
     return {k: v[a:b] for k, v in x.items()}
 
 
-def train_and_compare(name: str, num_stages: int) -> dict[str, Any]:
+def train_and_compare(name: str, num_stages: int, dp: int) -> dict[str, Any]:
     """Train `name` with plait (num_stages x world / num_stages) and in one process; what differs."""
     arch = make(name)
     ref = copy.deepcopy(arch.net)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     cut = valid_cut(capture_batch(arch.net, arch.x).layers, num_stages)
-    config = plait.Config(layers_per_proc=cut, num_microbatches=MICROBATCHES, schedule="1f1b", timeout_s=60.0)
+    config = plait.Config(layers_per_proc=cut, dp=dp, num_microbatches=MICROBATCHES, schedule="1f1b",
+                          timeout_s=60.0)
     model = plait.Model(arch.net, config=config, loss=arch.loss,
                         optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
     problems, a = [], 0
@@ -101,7 +102,7 @@ def train_all(rank: int, world: int, names: list[str], num_stages: int) -> dict[
     report = {}
     for name in names:
         try:
-            report[name] = train_and_compare(name, num_stages)
+            report[name] = train_and_compare(name, num_stages, world // num_stages)
         except Exception as e:  # noqa: BLE001 - reported per architecture
             report[name] = {"problems": [f"{type(e).__name__}: {str(e)[:2000]}"], "capture_method": None}
     return report

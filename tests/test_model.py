@@ -137,11 +137,12 @@ def test_config_paths_may_be_path_objects(tmp_path):
 
 
 class Reuse(nn.Module):
-    """Calls `a` again after `b`: layers a, b, a#1 form an uncuttable region."""
+    """Calls the batch norm `a` again after `b`: its running statistics make layers a, b, a#1 one
+    uncuttable region (a reused module with parameters only would be cut between its calls)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+        self.a, self.b, self.c = nn.BatchNorm1d(8), nn.Linear(8, 8), nn.Linear(8, 4)
 
     def forward(self, x):
         return self.c(self.a(torch.tanh(self.b(self.a(x)))))

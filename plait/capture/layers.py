@@ -8,16 +8,25 @@ layer, if they come before any). Graph order is execution order, so a layer is a
     leaf:   emb  -    qkv  -      -       proj  -    head
     layer:  0    0    1    1      1       2     2    3
 
-A leaf module with state (parameters or buffers) that is called again after other layers ran --
-the cyclic case of the layer-dependency graph (nkflow §3.3.1) -- makes the layers from its first
-to its last call one uncuttable region: cutting inside would make one stage take part in two data
-flows. Stateless leaves (a shared `nn.ReLU`) may be called anywhere.
+A module called again after other layers ran -- the cyclic case of the layer-dependency graph,
+layer reuse (nkflow §3.3.1): ALBERT's one shared layer called at every depth, a universal
+transformer's loop, a weight-shared block -- is cuttable between its calls. Each call is its own
+layer (`name`, `name#1`, ...), and every stage that calls it holds its parameters, tied: their
+gradients are summed over those stages, as a tied embedding's are (runtime/pipeline.py)::
+
+    layers:   emb   block   block#1   block#2   head        block's weights live on both
+    stages:   0     0       1         1         1           stages, gradients summed
+
+A reused leaf with buffers (a batch norm's running statistics, which each call updates in turn)
+makes the layers from its first to its last call one uncuttable region instead: the updates of
+one module split over two ranks would diverge. Stateless leaves (a shared `nn.ReLU`) may be
+called anywhere.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Hashable, Sequence
 
 __all__ = ["LayerAssignment", "assign_layers"]
 
@@ -42,18 +51,23 @@ class LayerAssignment:
         return None
 
 
-def assign_layers(leaves: Sequence[str | None], stateful: set[str]) -> LayerAssignment:
+def assign_layers(leaves: Sequence[str | None], buffered: set[str],
+                  call_ids: Sequence[Hashable] | None = None) -> LayerAssignment:
     """Group ops into layers given each op's leaf module (None for functional code).
 
     leaves: for every op in execution order, the qualified name of the leaf module it runs in.
-    stateful: the leaf modules that hold parameters or buffers.
+    buffered: the leaf modules that hold buffers (a reused one cannot be cut between its calls).
+    call_ids: for every op, which call of its leaf it belongs to, so that a module called twice in a
+    row (`block(block(x))`, or with only functional code between) makes two layers; without it a
+    new layer starts where the leaf changes.
     """
     starts: list[tuple[int, str]] = []  # (op position, leaf) where a new layer begins
-    current: str | None = None
+    current: tuple[str | None, Hashable] | None = None
     for i, leaf in enumerate(leaves):
-        if leaf is not None and leaf != current:
+        call = (leaf, call_ids[i] if call_ids is not None else None)
+        if leaf is not None and call != current:
             starts.append((i, leaf))
-            current = leaf
+            current = call
     if not starts:  # no leaf module at all: the whole graph is one layer
         return LayerAssignment(("<functional>",), tuple(0 for _ in leaves), ())
 
@@ -77,7 +91,7 @@ def assign_layers(leaves: Sequence[str | None], stateful: set[str]) -> LayerAssi
     for index, (_, leaf) in enumerate(starts):
         spans.setdefault(leaf, []).append(index)
     regions = sorted(
-        (idx[0], idx[-1]) for leaf, idx in spans.items() if leaf in stateful and idx[-1] > idx[0]
+        (idx[0], idx[-1]) for leaf, idx in spans.items() if leaf in buffered and idx[-1] > idx[0]
     )
     merged: list[tuple[int, int]] = []
     for a, b in regions:  # overlapping regions form one larger region

@@ -6,7 +6,7 @@ import contextlib
 import inspect
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -15,7 +15,9 @@ from torch import nn
 
 from plait import data as batching
 from plait.capture.layers import LayerAssignment, assign_layers
+from plait.capture.opaque import kept_whole, modules_to_keep
 from plait.capture.output import OutputSpec, flatten_output, unflatten_output
+from plait.capture.stopped import Stop, stopped_in
 from plait.errors import CaptureError
 
 __all__ = ["CapturedGraph", "capture", "fingerprint", "in_mode", "capture_batch", "sample_rows", "is_local"]
@@ -42,6 +44,7 @@ class CapturedGraph:
     bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]]
     finish: Callable[[Any], Any]
     output_spec: OutputSpec | None = None  # the structure of net's output (`capture_batch` sets it)
+    kept_whole: tuple[str, ...] = ()  # modules captured as one opaque call each (capture/opaque.py)
 
 
 def is_local(node: fx.Node) -> bool:
@@ -75,26 +78,63 @@ def fingerprint(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return (str(spec), inputs, modules, tensors)
 
 
-def capture(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CapturedGraph:
+RETRIES = 3  # modules (classes) kept whole, one more per torch.export failure, before torch.fx
+
+
+def capture(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            keep: Sequence[str | type] = ()) -> CapturedGraph:
     """Trace `net` on one sample call, in its current train/eval mode.
 
     torch.export(strict=False) handles most real models (transformers with RoPE, masks, output
-    dataclasses); torch.fx.symbolic_trace is the fallback. Both failing raises CaptureError with
-    the construct each tracer stopped at.
+    dataclasses). Where it stops inside a submodule (data-dependent control flow, MoE routing),
+    that module's class is kept whole (capture/opaque.py) and export tried again, up to RETRIES
+    times; `keep` (module names or classes, `Config(leaf_modules=...)`) are kept whole from the
+    start. torch.fx.symbolic_trace, with the same modules as leaves, is the fallback. Both
+    failing raises CaptureError naming the module and line where each stopped and the fix.
     """
-    try:
-        return _capture_export(net, args, kwargs)
-    except Exception as export_error:  # noqa: BLE001 - every tracer failure leads to the fallback
-        log.info("plait: torch.export failed (%s); trying torch.fx.symbolic_trace", export_error)
+    kept = modules_to_keep(net, keep)
+    stops: list[Stop | None] = []
+    export_error: BaseException | None = None
+    for _ in range(RETRIES + 1):
         try:
-            return _capture_fx(net)
-        except Exception as fx_error:  # noqa: BLE001
-            raise CaptureError(
-                f"could not capture {type(net).__name__}: torch.export(strict=False) stopped at: "
-                f"{_first_line(export_error)}; torch.fx.symbolic_trace stopped at: "
-                f"{_first_line(fx_error)}. Make that construct traceable (for example avoid "
-                "data-dependent Python control flow on tensor values), or wrap it in a leaf module"
-            ) from fx_error
+            return _capture_export(net, args, kwargs, kept)
+        except Exception as error:  # noqa: BLE001 - every tracer failure leads on
+            export_error = error
+            stop = stopped_in(export_error, net)
+            stops.append(stop)
+            log.info("plait: torch.export failed (%s)%s", _first_line(export_error),
+                     f" in {stop.describe()}" if stop else "")
+            if stop is None or not stop.module or isinstance(export_error, CaptureError):
+                break
+            more = modules_to_keep(net, [type(net.get_submodule(stop.module))])
+            if set(more) <= set(kept):
+                break
+            kept = modules_to_keep(net, [*kept, *more])
+    try:
+        return _capture_fx(net, kept)
+    except Exception as fx_error:  # noqa: BLE001
+        assert export_error is not None
+        raise CaptureError(_failure(net, export_error, stops[-1], fx_error, kept)) from fx_error
+
+
+def _failure(net: nn.Module, export_error: BaseException, stop: Stop | None, fx_error: BaseException,
+             kept: list[str]) -> str:
+    """What each tracer stopped at, where, and what to do about it."""
+    fx_stop = stopped_in(fx_error, net)
+    culprit = stop or fx_stop
+    fix = ("make that construct traceable (for example avoid data-dependent Python control flow on "
+           "tensor values)")
+    if culprit is not None and culprit.module:
+        fix += f", or keep the module whole: Config(leaf_modules=[{culprit.module!r}])"
+    else:
+        fix += ", or move it into a submodule and keep that whole: Config(leaf_modules=['its.name'])"
+    return (
+        f"could not capture {type(net).__name__}: torch.export(strict=False) stopped"
+        f"{f' in {stop.describe()}' if stop else ''}: {_first_line(export_error)}; "
+        f"torch.fx.symbolic_trace stopped{f' in {fx_stop.describe()}' if fx_stop else ''}: "
+        f"{_first_line(fx_error)}"
+        f"{f' (modules kept whole: {kept})' if kept else ''}. To fix it, {fix}"
+    )
 
 
 def sample_rows(x: Any) -> Any:
@@ -104,7 +144,8 @@ def sample_rows(x: Any) -> Any:
     return batching.take(x, torch.tensor([0, 0]))
 
 
-def capture_batch(net: nn.Module, x: Any, train: bool = True, method: str | None = None) -> CapturedGraph:
+def capture_batch(net: nn.Module, x: Any, train: bool = True, method: str | None = None,
+                  keep: Sequence[str | type] = ()) -> CapturedGraph:
     """Capture `net` on two rows of `x` (a batch as `fit` takes it) in train or eval mode, with
     the structure of its output; `net` keeps its mode.
 
@@ -113,11 +154,13 @@ def capture_batch(net: nn.Module, x: Any, train: bool = True, method: str | None
     So a model is captured once in train mode (`Model` passes the graph to the planner and the
     pipeline) and, for evaluation, once in eval mode with the training graph's `method`:
     "torch.fx" goes straight to the fallback that export already failed once (then both graphs
-    name their layers the same way); None or "torch.export" tries torch.export first.
+    name their layers the same way); None or "torch.export" tries torch.export first. `keep`:
+    the modules to keep whole (`Config(leaf_modules=...)`, or the training graph's `kept_whole`).
     """
     args, kwargs = batching.as_call(sample_rows(x))
     with in_mode(net, train):
-        captured = _capture_fx_again(net, train) if method == "torch.fx" else capture(net, args, kwargs)
+        captured = (_capture_fx_again(net, train, keep) if method == "torch.fx"
+                    else capture(net, args, kwargs, keep))
     with torch.no_grad(), torch.random.fork_rng(), in_mode(net, False):
         _, output_spec = flatten_output(net(*args, **kwargs))
     return replace(captured, output_spec=output_spec)
@@ -173,7 +216,8 @@ class _FlatCall(nn.Module):
         return tuple(flat)
 
 
-def _capture_export(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CapturedGraph:
+def _capture_export(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    kept: list[str]) -> CapturedGraph:
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     consts = [None if i in tensor_pos else x for i, x in enumerate(leaves)]
@@ -181,7 +225,8 @@ def _capture_export(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     tensors = tuple(leaves[i] for i in tensor_pos)
     # The batch dimension stays symbolic so micro-batches of any size run on one graph.
     dynamic = tuple({0: torch.export.Dim.AUTO} if t.dim() > 0 else {} for t in tensors)
-    ep = torch.export.export(wrapper, tensors, dynamic_shapes=(dynamic,), strict=False)
+    with kept_whole(net, kept, args, kwargs):
+        ep = torch.export.export(wrapper, tensors, dynamic_shapes=(dynamic,), strict=False)
     out_spec = _OUT_SPECS.pop(wrapper._key)
     root = ep.module()
     graph = root.graph
@@ -189,11 +234,14 @@ def _capture_export(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
             graph.erase_node(node)
 
-    def leaf_of(node: fx.Node) -> str | None:
+    def leaf_of(node: fx.Node) -> tuple[str, Hashable] | None:
         stack = node.meta.get("nn_module_stack")
         if not stack:
             return None
-        fqn = list(stack.values())[-1][0]
+        for key, (outer, _) in stack.items():  # a kept module is a leaf, whatever it holds
+            if outer.removeprefix("net").removeprefix(".") in kept and outer.startswith("net"):
+                return outer.removeprefix("net").removeprefix("."), key
+        call, (fqn, _) = list(stack.items())[-1]  # the key names the call: "...block@1" is the 2nd
         if not fqn.startswith("net"):
             return None
         try:
@@ -202,7 +250,7 @@ def _capture_export(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             return None
         if any(True for _ in module.children()):
             return None
-        return fqn.removeprefix("net").removeprefix(".") or "<net>"
+        return fqn.removeprefix("net").removeprefix(".") or "<net>", call
 
     def bind(call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> list[Any]:
         flat, spec = pytree.tree_flatten((call_args, call_kwargs))
@@ -213,41 +261,48 @@ def _capture_export(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             )
         return [flat[i] for i in tensor_pos]
 
-    return _finish_capture(
+    captured = _finish_capture(
         "torch.export", graph, root, net, leaf_of, bind, lambda out: unflatten_output(list(out), out_spec)
     )
+    return replace(captured, kept_whole=tuple(kept))
 
 
 # -- torch.fx front end -------------------------------------------------------------------------
 
 
 class _LeafTracer(fx.Tracer):
-    """Keeps every module without children as one call_module node: one layer per call."""
+    """Keeps every module without children, and every kept module, as one call_module node: one
+    layer per call."""
+
+    def __init__(self, kept: Sequence[str] = ()) -> None:
+        super().__init__()
+        self.kept = set(kept)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return not any(True for _ in m.children())
+        return module_qualified_name in self.kept or not any(True for _ in m.children())
 
 
-def _capture_fx(net: nn.Module) -> CapturedGraph:
-    graph = _LeafTracer().trace(net)
+def _capture_fx(net: nn.Module, kept: Sequence[str] = ()) -> CapturedGraph:
+    graph = _LeafTracer(kept).trace(net)
     signature = inspect.signature(net.forward)
     names = [n.target for n in graph.nodes if n.op == "placeholder"]
 
-    def leaf_of(node: fx.Node) -> str | None:
-        return str(node.target) if node.op == "call_module" else None
+    def leaf_of(node: fx.Node) -> tuple[str, Hashable] | None:
+        return (str(node.target), node.name) if node.op == "call_module" else None  # a node: a call
 
     def bind(call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> list[Any]:
         bound = signature.bind(*call_args, **call_kwargs)
         bound.apply_defaults()
         return [bound.arguments[str(name).lstrip("*")] for name in names]
 
-    return _finish_capture("torch.fx", graph, net, net, leaf_of, bind, lambda out: out)
+    return replace(_finish_capture("torch.fx", graph, net, net, leaf_of, bind, lambda out: out),
+                   kept_whole=tuple(kept))
 
 
-def _capture_fx_again(net: nn.Module, train: bool) -> CapturedGraph:
+def _capture_fx_again(net: nn.Module, train: bool, keep: Sequence[str | type]) -> CapturedGraph:
     """torch.fx in the other mode, for a model torch.fx captured before; a failure names the mode."""
     try:
-        return _capture_fx(net)
+        return _capture_fx(net, modules_to_keep(net, keep))
     except Exception as fx_error:  # noqa: BLE001
         mode = "train" if train else "eval"
         raise CaptureError(
@@ -265,19 +320,20 @@ def _finish_capture(
     graph: fx.Graph,
     root: nn.Module,
     net: nn.Module,
-    leaf_of: Callable[[fx.Node], str | None],
+    leaf_of: Callable[[fx.Node], tuple[str, Hashable] | None],  # (leaf module, which call)
     bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]],
     finish: Callable[[Any], Any],
 ) -> CapturedGraph:
     ops = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
     if not ops:
         raise CaptureError(f"{type(net).__name__}.forward performs no operation; nothing to split")
-    leaves = [leaf_of(n) for n in ops]
-    stateful = set()
-    for name, module in net.named_modules():
-        own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-        if own and not any(True for _ in module.children()):
-            stateful.add(name or "<net>")
-    layers = assign_layers(leaves, stateful)
+    found = [leaf_of(n) for n in ops]
+    leaves = [f[0] if f is not None else None for f in found]
+    calls = [f[1] if f is not None else None for f in found]
+    buffered = {  # leaves whose calls may update state of their own: a reused one stays whole
+        name or "<net>" for name, module in net.named_modules()
+        if any(True for _ in module.buffers(recurse=False)) and not any(True for _ in module.children())
+    }
+    layers = assign_layers(leaves, buffered, calls)
     log.info("plait: captured %d layers with %s", len(layers.layer_names), method)
     return CapturedGraph(method, graph, root, ops, layers, bind, finish)

@@ -28,6 +28,7 @@ class Plan:
     num_virtual_stages: int = 1  # model chunks per rank (interleaved schedule)
     recompute: tuple[int, ...] = ()  # stages that recompute their forward during the backward
     check: str = ""  # the closed loop: measured against predicted step and stage times, once known
+    kept_whole: tuple[str, ...] = ()  # modules captured as one opaque call each (not traced into)
 
     def __post_init__(self) -> None:
         counts = {"num_virtual_stages": self.num_virtual_stages, "dp": self.dp,
@@ -120,6 +121,7 @@ class Plan:
                 num_virtual_stages=int(data.get("num_virtual_stages", 1)),
                 recompute=tuple(int(s) for s in data.get("recompute", ())),
                 check=str(data.get("check", "")),
+                kept_whole=tuple(str(n) for n in data.get("kept_whole", ())),
             )
         except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as e:
             raise ConfigError(f"not a plait plan ({type(e).__name__}: {e}); expected Plan.to_json() output") from e
@@ -141,6 +143,8 @@ class Plan:
             where = f"rank {ranks}" if self.dp == 1 else f"ranks {ranks}"
             again = ", recomputed" if s in self.recompute else ""
             lines.append(f"  stage {s} ({where}{again}): {len(names)} layers: {shown}")
+        if self.kept_whole:
+            lines.append(f"  kept whole (one layer each, not traced into): {', '.join(self.kept_whole)}")
         for name, stages in self.tied_parameters:
             lines.append(f"  tied parameter {name}: replicated on stages {list(stages)}, gradients summed")
         if self.check:

@@ -51,6 +51,7 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         schedule=config.schedule,
         world_size=world_size,
         capture_method=captured.method,
+        kept_whole=captured.kept_whole,
         uncuttable=regions,
         dp=config.dp,
         num_virtual_stages=virtual,
