@@ -21,16 +21,26 @@ class Config:
     """How to split and run the model.
 
     What is left open is planned when the model first sees data (`plait.planner.layout`): with no
-    size at all (none of layers_per_proc, num_stages, dp, num_microbatches, plan) rank 0
-    profiles the model and the cost model chooses pp, dp, micro-batches, schedule and
-    recomputation (the search honours a schedule or recompute given); with a size but no
-    layers_per_proc, the layers are cut by the cost model's optimal partition for that layout.
+    size at all (none of layers_per_proc, split_points, num_stages, dp, num_microbatches, plan)
+    rank 0 profiles the model and the cost model chooses pp, dp, micro-batches, schedule and
+    recomputation (the search honours a schedule or recompute given); with a size but no cut
+    (layers_per_proc or split_points), the layers are cut by the cost model's optimal partition
+    for that layout.
     Every rank gets rank 0's choice. One process (no launcher) runs one stage, unplanned.
 
     layers_per_proc: captured layers on each pipeline stage, in order (None: planned).
         With num_virtual_stages = v > 1 it lists every model chunk, num_stages x v entries.
+    split_points: the cut given by module names instead of counts (None: planned): qualified
+        names as in `net.named_modules()` (e.g. ["model.layers.6"] or ["transformer.h.2"]), each
+        starting a new stage at the first captured layer that runs in that module, in the
+        model's order: len + 1 stages (with v > 1, len + 1 = num_stages x v chunks). Like
+        torch.distributed.pipelining's SplitPoint.BEGINNING. Not with layers_per_proc or plan.
+    leaf_modules: modules to keep whole, not traced into (one opaque layer each, its own forward
+        run as it is): qualified names as in `net.named_modules()`, or class names (or classes)
+        for every instance. plait keeps a module whole by itself where torch.export stops in it.
     num_stages: pipeline stages, i.e. ranks per pipeline (None: the length of `layers_per_proc`
-        divided by v, else the world size / dp, or planned when no size is given).
+        or of `split_points` + 1, divided by v, else the world size / dp, or planned when no
+        size is given).
     num_microbatches: micro-batches each global batch is cut into (clamped to the batch size;
         None: 1, or planned when no size is given).
     schedule: "gpipe", "1f1b", "interleaved" (Megatron's interleaved 1F1B: each rank holds
@@ -77,6 +87,8 @@ class Config:
     """
 
     layers_per_proc: tuple[int, ...] | None = None
+    split_points: tuple[str, ...] | None = None
+    leaf_modules: tuple[str, ...] = ()
     num_stages: int | None = None
     num_microbatches: int | None = None
     schedule: str | None = None
@@ -98,6 +110,7 @@ class Config:
     batch_weight_grads: bool = False
 
     def __post_init__(self) -> None:
+        self._check_leaf_modules()
         self._check_layout()
         self._check_schedule()
         self._check_recompute()
@@ -105,10 +118,27 @@ class Config:
         self._check_checkpoints()
         self._check_planning()
 
+    def _check_leaf_modules(self) -> None:
+        """leaf_modules: names or classes; a class is kept by its name (the config stays JSON)."""
+        items = self.leaf_modules
+        if isinstance(items, (str, type)) or not isinstance(items, (list, tuple)):
+            raise ConfigError(
+                f"leaf_modules must be a list of module names or classes, got {items!r}; for example "
+                "leaf_modules=['model.layers.0.mlp'] or leaf_modules=[MixtralSparseMoeBlock]"
+            )
+        names = tuple(x.__name__ if isinstance(x, type) else x for x in items)
+        bad = [x for x in names if not isinstance(x, str) or not x]
+        if bad:
+            raise ConfigError(f"leaf_modules={list(items)!r} holds {bad!r}: give module names (as in "
+                              "net.named_modules()), class names or module classes")
+        object.__setattr__(self, "leaf_modules", names)
+
     def _check_layout(self) -> None:
-        """layers_per_proc, num_stages and dp: sizes, and layers_per_proc against the stages."""
+        """layers_per_proc, split_points, num_stages and dp: sizes, and the cut against the stages."""
         if self.layers_per_proc is not None:
             self._check_layers()
+        if self.split_points is not None:
+            self._check_split_points()
         if self.num_stages is not None and (
             not isinstance(self.num_stages, int) or self.num_stages < 1
         ):
@@ -150,6 +180,55 @@ class Config:
             raise ConfigError(
                 f"num_stages={self.num_stages} but layers_per_proc={list(counts)} has "
                 f"{len(counts)} entries; give one of them, or make them agree"
+            )
+
+    def _check_split_points(self) -> None:
+        """split_points: a list of distinct names, not with layers_per_proc, against the stages."""
+        points = self.split_points
+        if points is None:
+            return
+        if isinstance(points, (str, bytes)) or not hasattr(points, "__iter__"):
+            raise ConfigError(
+                f"split_points must be a list of module names, each starting a new stage, got "
+                f"{points!r}; for example split_points=['model.layers.6'] (names as in net.named_modules())"
+            )
+        names = tuple(points)
+        bad = [p for p in names if not isinstance(p, str) or not p]
+        if bad:
+            raise ConfigError(
+                f"split_points={list(names)} must hold module names, non-empty strings as in "
+                f"net.named_modules() (bad entries: {bad})"
+            )
+        twice = sorted({p for p in names if names.count(p) > 1})
+        if twice:
+            raise ConfigError(
+                f"split_points={list(names)} names {twice} more than once; each name starts one "
+                "stage: list it once"
+            )
+        object.__setattr__(self, "split_points", names)
+        if self.layers_per_proc is not None:
+            raise ConfigError(
+                f"split_points={list(names)} and layers_per_proc={list(self.layers_per_proc)} both "
+                "give the cut; keep one of them (split_points names the module each stage after "
+                "the first starts at, layers_per_proc counts the layers of each stage)"
+            )
+        chunks = len(names) + 1
+        v = self.num_virtual_stages if isinstance(self.num_virtual_stages, int) else 1
+        if v > 1 and chunks % v:
+            raise ConfigError(
+                f"split_points={list(names)} cut the model into {chunks} chunks, not a multiple of "
+                f"num_virtual_stages={v}; with interleaving name num_stages x {v} - 1 points"
+            )
+        if v > 1 and self.num_stages is not None and self.num_stages * v != chunks:
+            raise ConfigError(
+                f"num_stages={self.num_stages} x num_virtual_stages={v} = {self.num_stages * v} "
+                f"chunks but split_points={list(names)} cut {chunks}; name "
+                f"{self.num_stages * v - 1} points, or make num_stages agree"
+            )
+        if v == 1 and self.num_stages is not None and self.num_stages != chunks:
+            raise ConfigError(
+                f"num_stages={self.num_stages} but split_points={list(names)} cut {chunks} stages "
+                f"(one more than the points); give one of them, or name {self.num_stages - 1} points"
             )
 
     def _check_schedule(self) -> None:
@@ -207,6 +286,11 @@ class Config:
                 f"plan={self.plan!r} and layers_per_proc={list(self.layers_per_proc)} both give "
                 "the layers of each stage; keep one of them"
             )
+        if self.plan is not None and self.split_points is not None:
+            raise ConfigError(
+                f"plan={self.plan!r} and split_points={list(self.split_points)} both give the "
+                "layers of each stage; keep one of them"
+            )
         limit = self.memory_limit_bytes
         if limit is not None and not (_is_number(limit) and limit > 0):
             raise ConfigError(f"memory_limit_bytes must be a positive number of bytes or None, got {limit!r}")
@@ -217,10 +301,10 @@ class Config:
 
     @property
     def plans_everything(self) -> bool:
-        """No size given (layers_per_proc, num_stages, dp, num_microbatches, plan): the planner
-        chooses the whole layout."""
-        return (self.layers_per_proc is None and self.num_stages is None and self.dp is None
-                and self.num_microbatches is None and self.plan is None)
+        """No size given (layers_per_proc, split_points, num_stages, dp, num_microbatches, plan):
+        the planner chooses the whole layout."""
+        return (self.layers_per_proc is None and self.split_points is None and self.num_stages is None
+                and self.dp is None and self.num_microbatches is None and self.plan is None)
 
     def with_defaults(self) -> "Config":
         """This config with every field left open set to its unplanned default (dp 1,
@@ -264,6 +348,8 @@ class Config:
         """Pipeline stages (ranks per pipeline) on `world_size` ranks; world size must be dp x stages."""
         if self.layers_per_proc is not None:
             stages: int | None = len(self.layers_per_proc) // self.num_virtual_stages
+        elif self.split_points is not None:
+            stages = (len(self.split_points) + 1) // self.num_virtual_stages
         else:
             stages = self.num_stages
         dp = self.dp or 1
@@ -276,9 +362,11 @@ class Config:
             return world_size // dp
         if stages * dp != world_size:
             lpp = None if self.layers_per_proc is None else list(self.layers_per_proc)
+            cut = (f"layers_per_proc={lpp}" if self.split_points is None
+                   else f"split_points={list(self.split_points)}")
             raise ConfigError(
                 f"the config asks for {stages} pipeline stages x dp={dp} replicas = "
-                f"{stages * dp} ranks (layers_per_proc={lpp}, num_stages={self.num_stages}, "
+                f"{stages * dp} ranks ({cut}, num_stages={self.num_stages}, "
                 f"dp={dp}) but the world size is {world_size}; launch "
                 f"{stages * dp} ranks (plait run -n {stages * dp} ...) or change the config"
             )
@@ -287,8 +375,9 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain JSON-ready values."""
         d = asdict(self)
-        if d["layers_per_proc"] is not None:
-            d["layers_per_proc"] = list(d["layers_per_proc"])
+        for name in ("layers_per_proc", "split_points", "leaf_modules"):
+            if d[name] is not None:
+                d[name] = list(d[name])
         if isinstance(d["recompute"], tuple):
             d["recompute"] = list(d["recompute"])
         return d
@@ -303,7 +392,7 @@ class Config:
         if unknown:
             raise ConfigError(f"unknown Config fields {unknown}; known: {sorted(known)}")
         values = dict(data)
-        for name in ("layers_per_proc", "recompute"):
+        for name in ("layers_per_proc", "split_points", "leaf_modules", "recompute"):
             if isinstance(values.get(name), list):
                 values[name] = tuple(values[name])
         try:

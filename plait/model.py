@@ -70,7 +70,8 @@ class Model:
             net.to(self.device)
         if self.world_size == 1:
             self.num_stages = 1
-            if (self.config.num_stages or len(self.config.layers_per_proc or ())) > 1:
+            config = self.config
+            if (config.num_stages or len(config.layers_per_proc or ()) or len(config.split_points or ()) + 1) > 1:
                 log.warning("plait: one process (no launcher): running every layer on one stage")
         else:  # 0 until planned (`plait.planner.layout`); a size given is checked against the world now
             self.num_stages = 0 if self.config.plans_everything else self.config.stages_for(self.world_size)
@@ -93,8 +94,8 @@ class Model:
         """
         if self._train is None:
             if self._layout is None:
-                work = Workload(self.net, capture_batch(self.net, x, train=True), x, y, self.loss,
-                                self._optimizer_arg)
+                captured = capture_batch(self.net, x, train=True, keep=self.config.leaf_modules)
+                work = Workload(self.net, captured, x, y, self.loss, self._optimizer_arg)
                 self._layout = choose_layout(work, self.config, self.world_size, self.rank,
                                              self._checkpoints.resumed_plan)
                 if self._layout.report is not None:

@@ -54,14 +54,14 @@ def _rows(x: Any, a: int, b: int) -> Any:
     return {k: v[a:b] for k, v in x.items()}
 
 
-def train_and_compare(name: str, num_stages: int, dp: int) -> dict[str, Any]:
+def train_and_compare(name: str, num_stages: int, dp: int, leaf_modules: tuple[str, ...] = ()) -> dict[str, Any]:
     """Train `name` with plait (num_stages x world / num_stages) and in one process; what differs."""
     arch = make(name)
     ref = copy.deepcopy(arch.net)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    cut = valid_cut(capture_batch(arch.net, arch.x).layers, num_stages)
+    cut = valid_cut(capture_batch(arch.net, arch.x, keep=leaf_modules).layers, num_stages)
     config = plait.Config(layers_per_proc=cut, dp=dp, num_microbatches=MICROBATCHES, schedule="1f1b",
-                          timeout_s=60.0)
+                          timeout_s=60.0, leaf_modules=leaf_modules)
     model = plait.Model(arch.net, config=config, loss=arch.loss,
                         optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
     problems, a = [], 0
@@ -94,7 +94,7 @@ def train_and_compare(name: str, num_stages: int, dp: int) -> dict[str, Any]:
         problems.append(f"predict: {str(e).splitlines()[0]}")
     plan = model.plan
     return {"problems": problems, "capture_method": plan.capture_method, "cut": list(cut),
-            "num_stages": plan.num_stages, "dp": plan.dp}
+            "num_stages": plan.num_stages, "dp": plan.dp, "kept_whole": plan.kept_whole}
 
 
 def train_all(rank: int, world: int, names: list[str], num_stages: int) -> dict[str, dict[str, Any]]:
@@ -125,6 +125,17 @@ def two_stages() -> list[dict[str, Any]]:
 @pytest.mark.timeout(960)  # the first test also waits for the shared 2-rank run
 def test_two_stages(two_stages: list[dict[str, Any]], name: str) -> None:
     check(two_stages, name, 2, 1)
+
+
+def mixtral_experts_kept_whole(rank: int, world: int) -> dict[str, Any]:
+    return {"mixtral": train_and_compare("mixtral", 2, 1, leaf_modules=("MixtralSparseMoeBlock",))}
+
+
+@pytest.mark.timeout(300)
+def test_mixtral_with_its_experts_kept_whole_by_class_name() -> None:
+    report = run_ranks(2, mixtral_experts_kept_whole, timeout=280)
+    check(report, "mixtral", 2, 1)
+    assert report[0]["mixtral"]["kept_whole"] == ("model.layers.0.mlp", "model.layers.1.mlp")
 
 
 @pytest.mark.timeout(600)

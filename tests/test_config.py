@@ -26,7 +26,7 @@ def test_defaults_leave_the_layout_to_the_planner() -> None:
     assert NONFINITE_ACTIONS == ("stop", "skip", "ignore")
 
 
-@pytest.mark.parametrize("size", [{"layers_per_proc": [1, 1]}, {"num_stages": 2}, {"dp": 1},
+@pytest.mark.parametrize("size", [{"layers_per_proc": [1, 1]}, {"split_points": ["h.1"]}, {"num_stages": 2}, {"dp": 1},
                                   {"num_microbatches": 4}, {"plan": "plan.json"}])
 def test_any_size_given_means_the_planner_does_not_choose_everything(size: dict) -> None:
     assert not Config(**size).plans_everything
@@ -56,6 +56,7 @@ def test_lists_and_paths_are_normalised(tmp_path: Path) -> None:
     assert config.layers_per_proc == (2, 3) and config.recompute == (1,)
     assert (config.trace_dir, config.checkpoint_dir) == (str(tmp_path / "t"), str(tmp_path / "c"))
     assert Config(plan=tmp_path / "p.json").plan == str(tmp_path / "p.json")
+    assert Config(split_points=["h.1", "ln_f"]).split_points == ("h.1", "ln_f")
 
 
 def test_a_config_is_frozen() -> None:
@@ -73,6 +74,28 @@ def test_a_config_is_frozen() -> None:
     ({"layers_per_proc": [1, 1, 1, 1], "schedule": "interleaved", "num_virtual_stages": 2, "num_stages": 3},
      "num_stages=3 x num_virtual_stages=2 = 6 chunks but layers_per_proc=[1, 1, 1, 1] has 4 entries; "
      "make them agree"),
+    ({"split_points": "h.1"}, "split_points must be a list of module names, each starting a new stage, got "
+                              "'h.1'; for example split_points=['model.layers.6'] (names as in net.named_modules())"),
+    ({"split_points": ["h.1", ""]}, "split_points=['h.1', ''] must hold module names, non-empty strings as in "
+                                    "net.named_modules() (bad entries: [''])"),
+    ({"split_points": ["h.1", 2]}, "split_points=['h.1', 2] must hold module names, non-empty strings as in "
+                                   "net.named_modules() (bad entries: [2])"),
+    ({"split_points": ["h.1", "h.1"]}, "split_points=['h.1', 'h.1'] names ['h.1'] more than once; each name "
+                                       "starts one stage: list it once"),
+    ({"split_points": ["h.1"], "layers_per_proc": [8, 8]},
+     "split_points=['h.1'] and layers_per_proc=[8, 8] both give the cut; keep one of them (split_points names "
+     "the module each stage after the first starts at, layers_per_proc counts the layers of each stage)"),
+    ({"split_points": ["h.1"], "plan": "plan.json"},
+     "plan='plan.json' and split_points=['h.1'] both give the layers of each stage; keep one of them"),
+    ({"split_points": ["h.1"], "num_stages": 3},
+     "num_stages=3 but split_points=['h.1'] cut 2 stages (one more than the points); give one of them, "
+     "or name 2 points"),
+    ({"split_points": ["h.1"], "schedule": "interleaved", "num_virtual_stages": 2, "num_stages": 2},
+     "num_stages=2 x num_virtual_stages=2 = 4 chunks but split_points=['h.1'] cut 2; name 3 points, "
+     "or make num_stages agree"),
+    ({"split_points": ["h.1", "ln_f"], "schedule": "interleaved", "num_virtual_stages": 2},
+     "split_points=['h.1', 'ln_f'] cut the model into 3 chunks, not a multiple of num_virtual_stages=2; "
+     "with interleaving name num_stages x 2 - 1 points"),
     ({"num_stages": 0}, "num_stages must be a positive integer or None, got 0"),
     ({"num_microbatches": True}, "num_microbatches must be a positive integer, got True"),
     ({"num_virtual_stages": 2, "schedule": "gpipe"}, "num_virtual_stages=2 needs schedule='interleaved', "
@@ -108,6 +131,9 @@ def test_stages_for_a_world_size() -> None:
     assert Config(num_stages=2, dp=2).stages_for(4) == 2
     interleaved = Config(layers_per_proc=[1, 1, 1, 1], schedule="interleaved", num_virtual_stages=2)
     assert interleaved.stages_for(2) == 2  # 4 chunks, 2 per rank
+    assert Config(split_points=["h.1", "ln_f"]).stages_for(3) == 3  # a stage before each point, and one more
+    assert Config(split_points=["h.1"], num_stages=2, dp=2).stages_for(4) == 2
+    assert Config(split_points=["a", "b", "c"], schedule="interleaved", num_virtual_stages=2).stages_for(2) == 2
 
 
 def test_stages_for_a_world_that_does_not_fit_prints_every_factor() -> None:
@@ -120,6 +146,11 @@ def test_stages_for_a_world_that_does_not_fit_prints_every_factor() -> None:
         Config(dp=2).stages_for(5)
     assert str(info.value) == ("world size 5 does not divide by dp=2; launch a multiple of 2 ranks, "
                                "or set dp to a factor of 5")
+    with pytest.raises(ConfigError) as info:
+        Config(split_points=["h.1"]).stages_for(4)
+    assert str(info.value) == (
+        "the config asks for 2 pipeline stages x dp=1 replicas = 2 ranks (split_points=['h.1'], "
+        "num_stages=None, dp=1) but the world size is 4; launch 2 ranks (plait run -n 2 ...) or change the config")
 
 
 # -- JSON ---------------------------------------------------------------------------------------
@@ -135,6 +166,9 @@ def test_to_dict_is_json_ready_and_round_trips() -> None:
     assert Config.from_dict(data) == config
     assert Config.from_json(config.to_json()) == config
     assert Config.from_json(Config().to_json()) == Config()
+    by_name = Config(split_points=["h.1", "ln_f"], dp=2)
+    assert by_name.to_dict()["split_points"] == ["h.1", "ln_f"]
+    assert Config.from_json(by_name.to_json()) == by_name
 
 
 def test_from_dict_fills_missing_fields_with_defaults() -> None:
@@ -159,3 +193,21 @@ def test_from_json_of_anything_else_is_a_config_error(text: str, message: str) -
     with pytest.raises(ConfigError) as info:
         Config.from_json(text)
     assert str(info.value).startswith(message)
+
+
+def test_leaf_modules_take_names_and_classes_and_keep_the_config_json() -> None:
+    from torch import nn
+
+    config = Config(leaf_modules=["model.layers.0.mlp", nn.LayerNorm])
+    assert config.leaf_modules == ("model.layers.0.mlp", "LayerNorm")  # a class by its name
+    assert Config.from_json(config.to_json()) == config
+
+
+@pytest.mark.parametrize("value, message", [
+    ("mlp", "leaf_modules must be a list of module names or classes, got 'mlp'"),
+    (["mlp", ""], r"leaf_modules=\['mlp', ''\] holds \[''\]"),
+    ([3], r"holds \[3\]: give module names"),
+])
+def test_leaf_modules_errors_name_the_value(value, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Config(leaf_modules=value)

@@ -127,8 +127,8 @@ _kept.register_autograd(_backward, setup_context=_setup)
 
 
 def modules_to_keep(net: nn.Module, names_or_types: Sequence[str | type]) -> list[str]:
-    """The qualified names of the modules of `net` that `names_or_types` selects: a name selects
-    that module, a class every instance of it. A name that matches nothing is an error."""
+    """The qualified names of the modules of `net` that `names_or_types` selects: a module name
+    selects that module, a class or class name every instance of it. Matching nothing is an error."""
     out: list[str] = []
     modules = dict(net.named_modules())
     for item in names_or_types:
@@ -136,12 +136,15 @@ def modules_to_keep(net: nn.Module, names_or_types: Sequence[str | type]) -> lis
             out += [n for n, m in modules.items() if isinstance(m, item) and n]
         elif item in modules and item:
             out.append(item)
+        elif any(type(m).__name__ == item for n, m in modules.items() if n):
+            out += [n for n, m in modules.items() if n and type(m).__name__ == item]
         else:
-            close = difflib.get_close_matches(str(item), [n for n in modules if n], n=5)
+            candidates = [n for n in modules if n] + sorted({type(m).__name__ for m in modules.values()})
+            close = difflib.get_close_matches(str(item), candidates, n=5)
             raise CaptureError(
                 f"leaf_modules names {item!r}, which is not a submodule of {type(net).__name__}"
                 f"{f' (similar: {close})' if close else ''}; give a name from net.named_modules() "
-                "or a module class"
+                ", a class name or a module class"
             )
     # a module inside another kept module is part of it
     return [n for n in dict.fromkeys(out) if not any(n.startswith(o + ".") for o in out if o != n)]

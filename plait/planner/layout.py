@@ -2,7 +2,8 @@
 
 Which layout a run gets, first match wins (`choose_layout`):
 
-    1. one process, or layers_per_proc given   the config as it is (defaults for what is open)
+    1. one process, or the cut given           the config as it is (defaults for what is open);
+       (layers_per_proc or split_points)       split_points become layers_per_proc here
     2. Config(plan=path)                       the plan file, checked against world and layers
     3. resuming a checkpoint, layers open      the checkpoint's layout (so a resume is exact)
     4. no size given (Config())                profile, search pp x dp, micro-batches, schedule,
@@ -38,6 +39,7 @@ from plait.errors import ConfigError, PartitionError
 from plait.plan.cost import Cluster
 from plait.plan.network import Network
 from plait.plan.search import SearchSpace
+from plait.plan.split_points import cut_at
 from plait.plan.report import PlanReport
 from plait.runtime.agree import agree
 from plait.planner.calibrate import calibrate
@@ -88,7 +90,11 @@ def choose_layout(work: Workload, config: Config, world_size: int, rank: int,
                   resumed_plan: dict[str, Any] | None = None) -> Layout:
     """The layout of this run (see the module's list); every rank returns the same one."""
     if world_size == 1:
-        return layout_of(replace(config.with_defaults(), layers_per_proc=None, num_stages=None), work, 1)
+        return layout_of(replace(config.with_defaults(), layers_per_proc=None, split_points=None,
+                                 num_stages=None), work, 1)
+    if config.split_points is not None:  # the layout's config counts layers, as a planned one does
+        layers = cut_at(config.split_points, work.layer_names, work.captured.layers.uncuttable)
+        config = replace(config, split_points=None, layers_per_proc=layers)
     if config.layers_per_proc is not None:
         return layout_of(config.with_defaults(), work, world_size)
 

@@ -6,6 +6,7 @@ assembles: no partition, no default and no recomputation decision is left to it.
 
     one process          one stage of every layer (a size given is ignored, with a warning)
     layers_per_proc      the user's or the planner's cut, checked against the uncuttable regions
+    split_points         the user's cut by module names, to layer counts (`plait.plan.split_points`)
     none (one rank each) a balanced cut by parameter count (num_stages given, search not possible)
 """
 
@@ -19,6 +20,7 @@ from plait.capture.trace import CapturedGraph
 from plait.config import Config
 from plait.errors import ConfigError, PartitionError
 from plait.plan import Plan, balance, check_partition
+from plait.plan.split_points import cut_at
 from plait.schedule import simulate
 
 __all__ = ["resolve_plan", "recomputed_stages"]
@@ -41,6 +43,8 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
     if config.layers_per_proc is not None and pp > 1:
         layers = tuple(config.layers_per_proc)
         check_partition(layers, names, regions)
+    elif config.split_points is not None and pp > 1:
+        layers = cut_at(config.split_points, names, regions)
     else:
         layers = tuple(balance([1.0 + _layer_params(net, name) for name in names], num_chunks, regions))
     assert config.num_microbatches is not None and config.schedule is not None and config.dp is not None

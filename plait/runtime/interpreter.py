@@ -7,8 +7,10 @@
 
 In a program with W actions (zero-bubble schedules) B computes only the gradient of the stage's
 input, which SB sends at once, and W the weight gradients later (see backward_split.py).
-Message tags are unique per (micro-batch, sending stage, direction), so several stages of one
-rank (interleaved schedules) never mix up their messages with the same peer.
+Message tags are unique per (micro-batch, sending stage, direction), but nothing relies on
+them: a backend that ignores tags (NCCL) matches a rank pair's messages in posting order, so
+the lowering orders every rank's receives as its peer sends (the validator checks it) and
+receives are posted ahead strictly in program order.
 
 A failure anywhere becomes a `PipelineError` naming this rank, the action, the peer, and the
 rank x step grid with this rank's position marked.

@@ -1,6 +1,6 @@
 """Planning a run from its Config: Config() plans everything, num_stages gets the optimal
-partition, plan files replay (or say what does not match), the first steps are checked against
-the prediction, and a replan keeps training equal to one process."""
+partition, split_points cut where they name, plan files replay (or say what does not match), the
+first steps are checked against the prediction, and a replan keeps training equal to one process."""
 
 from __future__ import annotations
 
@@ -91,6 +91,16 @@ def test_config_with_no_sizes_plans_and_trains_like_one_process():
     check = results[0]["check"]
     assert check["measured_step_time_s"] > 0 and len(check["stages"]) == chosen["pp"]
     assert all(s["measured_s"] > 0 and s["predicted_s"] > 0 for s in check["stages"])
+
+
+@pytest.mark.timeout(180)
+def test_split_points_cut_where_they_name_and_train_like_one_process():
+    # mlp(): layers "0".."10"; split_points=["6"] starts stage 1 at module "6", as layers_per_proc=[6, 5]
+    results = run_ranks(2, train, plait.Config(split_points=["6"], num_microbatches=2), timeout=170)
+    assert_equal_to_one_process(results)
+    plans = [json.loads(r["plan"]) for r in results]
+    assert plans[0] == plans[1] and plans[0]["layers_per_stage"] == [6, 5]
+    assert plans[0]["layer_names"][6] == "6" and results[0]["report"] is None  # given, not planned
 
 
 def optimal_for_report(rank, world):

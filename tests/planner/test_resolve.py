@@ -37,6 +37,14 @@ def test_a_given_cut_is_kept_and_the_sizes_come_from_the_config():
     assert plan.recompute == (0, 1)
 
 
+def test_split_points_become_the_layer_counts_of_their_cut():
+    net, graph = net_and_graph()  # layers "0".."4"
+    plan = resolve_plan(Config(split_points=["2"], num_microbatches=2), 2, graph, net)
+    assert plan.layers_per_stage == (2, 3) and plan.stage_layers(1) == ("2", "3", "4")
+    with pytest.raises(plait.PartitionError, match=r"split point '7' \(split_points=\['7'\]\) matches no captured layer"):
+        resolve_plan(Config(split_points=["7"]), 2, graph, net)
+
+
 def test_without_a_cut_the_layers_are_balanced_by_parameters():
     net, graph = net_and_graph()  # the 64 x 64 layer in the middle outweighs the others
     plan = resolve_plan(Config(num_stages=2), 2, graph, net)
