@@ -38,6 +38,9 @@ class Config:
     leaf_modules: modules to keep whole, not traced into (one opaque layer each, its own forward
         run as it is): qualified names as in `net.named_modules()`, or class names (or classes)
         for every instance. plait keeps a module whole by itself where torch.export stops in it.
+    zero: 1 shards each stage's optimizer state over its dp replicas (ZeRO stage 1: each replica
+        steps its share of the parameters, whole ones, then broadcasts them); 0 replicates it;
+        None (default) is 0 for now. Needs dp > 1. Stage 2 (sharded gradients) is not available.
     num_stages: pipeline stages, i.e. ranks per pipeline (None: the length of `layers_per_proc`
         or of `split_points` + 1, divided by v, else the world size / dp, or planned when no
         size is given).
@@ -89,6 +92,7 @@ class Config:
     layers_per_proc: tuple[int, ...] | None = None
     split_points: tuple[str, ...] | None = None
     leaf_modules: tuple[str, ...] = ()
+    zero: int | None = None
     num_stages: int | None = None
     num_microbatches: int | None = None
     schedule: str | None = None
@@ -112,11 +116,25 @@ class Config:
     def __post_init__(self) -> None:
         self._check_leaf_modules()
         self._check_layout()
+        self._check_zero()
         self._check_schedule()
         self._check_recompute()
         self._check_running()
         self._check_checkpoints()
         self._check_planning()
+
+    def _check_zero(self) -> None:
+        """zero: None, 0 or 1, and 1 only with more than one replica."""
+        if self.zero is None:
+            return
+        if self.zero == 2:
+            raise ConfigError("zero=2 (sharded gradients) is not available yet; use zero=1 (sharded "
+                              "optimizer state) or zero=0")
+        if isinstance(self.zero, bool) or self.zero not in (0, 1):
+            raise ConfigError(f"zero must be 0, 1 or None, got {self.zero!r}")
+        if self.zero == 1 and self.dp == 1:
+            raise ConfigError("zero=1 shards the optimizer state over a stage's replicas, but dp=1 has "
+                              "one replica; set dp > 1 or zero=0")
 
     def _check_leaf_modules(self) -> None:
         """leaf_modules: names or classes; a class is kept by its name (the config stays JSON)."""

@@ -211,3 +211,19 @@ def test_leaf_modules_take_names_and_classes_and_keep_the_config_json() -> None:
 def test_leaf_modules_errors_name_the_value(value, message) -> None:
     with pytest.raises(ConfigError, match=message):
         Config(leaf_modules=value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"zero": 2}, r"zero=2 \(sharded gradients\) is not available yet; use zero=1"),
+    ({"zero": 3}, "zero must be 0, 1 or None, got 3"),
+    ({"zero": True}, "zero must be 0, 1 or None, got True"),
+    ({"zero": 1, "dp": 1}, r"zero=1 shards the optimizer state over a stage's replicas, but dp=1 has one replica; set dp > 1 or zero=0"),
+])
+def test_zero_errors_name_the_value_and_the_fix(kwargs, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Config(**kwargs)
+
+
+def test_zero_round_trips_and_defaults_to_open() -> None:
+    assert Config().zero is None
+    assert Config.from_json(Config(zero=1, dp=2).to_json()).zero == 1

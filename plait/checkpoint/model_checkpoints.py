@@ -99,7 +99,8 @@ class ModelCheckpoints:
         if ckpt is None:
             return
         same_layout = ckpt.same_layout(json.loads(pipe.plan.to_json()))
-        train_state.restore(ckpt, self.net, optimizer, pipe.local_parameters, self.rank, same_layout)
+        stepped = [p for p in pipe.local_parameters if pipe.zero is None or pipe.zero.owned(p)]  # ZeRO: its share
+        train_state.restore(ckpt, self.net, optimizer, stepped, self.rank, same_layout)
         if not same_layout and self.rank == 0:
             log.info("plait: %s was saved with another layout: RNG states not restored", ckpt.path)
 

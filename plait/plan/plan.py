@@ -29,6 +29,7 @@ class Plan:
     recompute: tuple[int, ...] = ()  # stages that recompute their forward during the backward
     check: str = ""  # the closed loop: measured against predicted step and stage times, once known
     kept_whole: tuple[str, ...] = ()  # modules captured as one opaque call each (not traced into)
+    zero: int = 0  # 1: each stage's optimizer state sharded over its replicas (ZeRO-1)
 
     def __post_init__(self) -> None:
         counts = {"num_virtual_stages": self.num_virtual_stages, "dp": self.dp,
@@ -51,6 +52,8 @@ class Plan:
                 f"plan has {self.num_chunks} stages, not a multiple of num_virtual_stages="
                 f"{self.num_virtual_stages}; every rank holds the same number of chunks"
             )
+        if self.zero not in (0, 1):
+            raise ConfigError(f"plan has zero={self.zero!r}; it must be 0 or 1")
         if not self.stage_to_rank:
             object.__setattr__(self, "stage_to_rank", tuple(self.rank_of(s, 0) for s in range(self.num_chunks)))
 
@@ -122,6 +125,7 @@ class Plan:
                 recompute=tuple(int(s) for s in data.get("recompute", ())),
                 check=str(data.get("check", "")),
                 kept_whole=tuple(str(n) for n in data.get("kept_whole", ())),
+                zero=int(data.get("zero", 0)),
             )
         except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as e:
             raise ConfigError(f"not a plait plan ({type(e).__name__}: {e}); expected Plan.to_json() output") from e
@@ -143,6 +147,8 @@ class Plan:
             where = f"rank {ranks}" if self.dp == 1 else f"ranks {ranks}"
             again = ", recomputed" if s in self.recompute else ""
             lines.append(f"  stage {s} ({where}{again}): {len(names)} layers: {shown}")
+        if self.zero:
+            lines.append(f"  ZeRO-1: each stage's optimizer state sharded over its {self.dp} replicas")
         if self.kept_whole:
             lines.append(f"  kept whole (one layer each, not traced into): {', '.join(self.kept_whole)}")
         for name, stages in self.tied_parameters:

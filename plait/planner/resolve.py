@@ -26,6 +26,16 @@ from plait.schedule import simulate
 __all__ = ["resolve_plan", "recomputed_stages"]
 
 
+def _zero(config: Config, world_size: int) -> int:
+    """Config.zero on the resolved layout: None is 0; 1 needs more than one replica."""
+    if not config.zero or world_size == 1:
+        return 0
+    if config.dp == 1:
+        raise ConfigError("zero=1 shards the optimizer state over a stage's replicas, but the layout "
+                          f"has dp=1 on {world_size} ranks; set dp > 1 or zero=0")
+    return 1
+
+
 def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: nn.Module) -> Plan:
     """The complete plan of `config` (every size set) on `world_size` ranks for `captured`."""
     config = config.with_defaults()
@@ -56,6 +66,7 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         world_size=world_size,
         capture_method=captured.method,
         kept_whole=captured.kept_whole,
+        zero=_zero(config, world_size),
         uncuttable=regions,
         dp=config.dp,
         num_virtual_stages=virtual,

@@ -24,6 +24,7 @@ from plait.runtime.executor import StageExecutor
 from plait.runtime.interpreter import Interpreter
 from plait.runtime.trace import NULL_TRACER, NullTracer, Tracer
 from plait.runtime.wire import Wire
+from plait.runtime.zero import ShardedOptimizerState, zero_owners
 from plait.schedule import Program, generate
 
 __all__ = ["Pipeline", "build_pipeline"]
@@ -48,6 +49,7 @@ class Pipeline:
     layer_stage: list[int]
     sync: GradientBuckets | None  # data-parallel gradient buckets (dp > 1)
     config: Config
+    zero: ShardedOptimizerState | None = None  # optimizer state sharded over the replicas (plan.zero)
     _programs: dict[tuple[int, bool], Program] = field(default_factory=dict)
 
     @property
@@ -158,12 +160,18 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     plan, rank, config = parts.plan, parts.rank, parts.config
     stages = split(captured, layer_stage)
     holders, tensors = _holders(stages)
-    owner_of = {i: plan.rank_of(min(s), 0) for i, s in holders.items()}
+    owners = _zero_owners(stages, plan, holders)
+    owner_of = {i: plan.rank_of(min(s), owners.get(i, 0)) for i, s in holders.items()}
     mine = plan.stages_of(rank)
     local = list({id(p): p for s in mine for p in stages[s].module.parameters()}.values())
-    ties, sync = None, None
+    ties, sync, zero = None, None, None
     if make_ties:
         plan, ties, sync = _ties_and_buckets(captured, parts, holders, tensors, local)
+        if owners:
+            position = plan.position_of(rank)[0]
+            replicas = [plan.rank_of(position, r) for r in range(plan.dp)]
+            assert sync is not None
+            zero = ShardedOptimizerState([p for p in local if id(p) in owners], owners, replicas, rank, sync.group)
     executors = {
         s: StageExecutor(stages[s], captured.finish, parts.loss, recompute=s in plan.recompute,
                          batch_weight_grads=config.batch_weight_grads) for s in mine
@@ -172,7 +180,20 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     stage_to_rank = [plan.rank_of(s, replica) for s in range(plan.num_chunks)]
     interpreter = Interpreter(rank, executors, stage_to_rank, parts.wire, parts.tracer)
     return Pipeline(captured, stages, plan, rank, executors, interpreter, ties, local, owner_of,
-                    parts.output_spec, layer_stage, sync, config)
+                    parts.output_spec, layer_stage, sync, config, zero)
+
+
+def _zero_owners(stages: Sequence[StageModule], plan: Plan, holders: dict[int, list[int]]) -> dict[int, int]:
+    """With plan.zero: id(parameter) -> the replica that steps it, for the trainable parameters
+    of every pipeline position that no other stage holds (a tied parameter is not sharded)."""
+    if not plan.zero or plan.dp == 1:
+        return {}
+    positions: list[dict[int, nn.Parameter]] = [{} for _ in range(plan.pp)]
+    for st in stages:
+        for p in st.module.parameters():
+            if p.requires_grad and len(holders[id(p)]) == 1:
+                positions[st.stage_index % plan.pp].setdefault(id(p), p)
+    return zero_owners([list(params.values()) for params in positions], plan.dp)
 
 
 def _holders(stages: Sequence[StageModule]) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:

@@ -189,8 +189,19 @@ class StepRunner:
             skipped = verdict(flags, pipe.plan, where.steps_done + 1, pipe.config.on_nonfinite, pipe.rank)
         assert optimizer is not None
         if not skipped:
+            if pipe.zero is not None:  # others' shares: no gradient, no step, no state here
+                pipe.zero.drop_foreign_gradients()
             with pipe.interpreter.tracer.span("compute", "optimizer", step=where.run, op="opt"):
                 optimizer.step()
+            if pipe.zero is not None:
+                zero = pipe.zero
+
+                def broadcast() -> list[float]:
+                    zero.broadcast()
+                    return []
+
+                with pipe.interpreter.tracer.span("allreduce", "sharded parameters", step=where.run):
+                    where.guard("the broadcast of sharded parameters", broadcast)
         return skipped
 
     def _local_stats(self, mbs: list[MicroBatch], keep_outputs: bool) -> tuple[list[float], list[Any] | None]:

@@ -46,3 +46,18 @@ def test_impossible_values_in_a_plan_file_are_config_errors(field, value, messag
     data[field] = value
     with pytest.raises(ConfigError, match=message):
         Plan.from_json(json.dumps(data))
+
+
+def test_zero_and_kept_whole_round_trip_and_print() -> None:
+    from plait.plan import Plan
+
+    plan = Plan(layer_names=("a", "moe", "b"), layers_per_stage=(2, 1), num_microbatches=2, schedule="1f1b",
+                world_size=4, capture_method="torch.export", dp=2, zero=1, kept_whole=("moe",))
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    text = str(plan)
+    assert "ZeRO-1: each stage's optimizer state sharded over its 2 replicas" in text
+    assert "kept whole (one layer each, not traced into): moe" in text
+    with pytest.raises(Exception, match="plan has zero=2; it must be 0 or 1"):
+        Plan(layer_names=("a",), layers_per_stage=(1,), num_microbatches=1, schedule="1f1b", world_size=1,
+             capture_method="torch.export", zero=2)

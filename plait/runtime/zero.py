@@ -1,0 +1,89 @@
+"""`ShardedOptimizerState`: the optimizer state of a stage sharded over its replicas (ZeRO stage 1).
+
+With dp replicas of a stage, each replica steps only its share of the stage's parameters, so
+each holds only that share's optimizer state (Adam: 2 x its bytes), then every replica's updated
+share is broadcast to the others (Rajbhandari et al. 2020, ZeRO-1)::
+
+    gradients all-reduced (as without ZeRO)       replica 0: [p0 p1 | p2 p3 p4]   owns p0, p1
+    each replica drops the others' gradients      replica 1: [p0 p1 | p2 p3 p4]   owns p2, p3, p4
+    optimizer.step(): torch steps only parameters with a gradient and makes their state then
+    owners broadcast their updated parameters, one flat buffer per owner
+
+Parameters are shared out whole (greedily, largest first, to the replica with the fewest bytes,
+ties to the lowest), so a checkpoint stays keyed by name and loads into any layout: each
+parameter's optimizer state is saved by the rank that owns it. A parameter tied over several
+stages (summed by `TiedGradients`) is not sharded: every holder steps it, as without ZeRO.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["ShardedOptimizerState", "share_out", "zero_owners"]
+
+
+def share_out(sizes: Sequence[int], replicas: int) -> list[int]:
+    """The replica of each parameter (by its number of bytes): whole parameters, balanced."""
+    load = [0] * replicas
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(replicas), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+def zero_owners(position_params: Sequence[Sequence[nn.Parameter]], replicas: int) -> dict[int, int]:
+    """id(parameter) -> its owning replica, for the sharded parameters of every pipeline position
+    (each rank computes all of them, so a checkpoint's index agrees everywhere)."""
+    out: dict[int, int] = {}
+    for params in position_params:
+        for p, r in zip(params, share_out([p.numel() * p.element_size() for p in params], replicas)):
+            out[id(p)] = r
+    return out
+
+
+class ShardedOptimizerState:
+    """This rank's share of its stage's parameters, and the broadcasts that keep replicas equal."""
+
+    def __init__(self, params: Sequence[nn.Parameter], owners: dict[int, int], replica_ranks: Sequence[int],
+                 rank: int, group: Any):
+        self.params = list(params)  # this rank's sharded parameters, in the same order on every replica
+        self.ranks = list(replica_ranks)  # the rank of each replica of this stage
+        self.group = group
+        self.owner_rank = {id(p): self.ranks[owners[id(p)]] for p in self.params}
+        self.rank = rank
+
+    def owned(self, p: nn.Parameter) -> bool:
+        """Whether this rank steps `p` (parameters not sharded count as owned)."""
+        return self.owner_rank.get(id(p), self.rank) == self.rank
+
+    def drop_foreign_gradients(self) -> None:
+        """Before the optimizer step: no gradient, so no step and no state, for others' parameters."""
+        for p in self.params:
+            if not self.owned(p):
+                p.grad = None
+
+    def broadcast(self) -> None:
+        """After the optimizer step: every owner's updated parameters to the other replicas."""
+        for src in self.ranks:
+            for dtype in dict.fromkeys(p.dtype for p in self.params):
+                share = [p for p in self.params if self.owner_rank[id(p)] == src and p.dtype == dtype]
+                if share:
+                    self._broadcast(share, src)
+
+    def _broadcast(self, share: list[nn.Parameter], src: int) -> None:
+        """One flat buffer of `share` (one dtype) from `src` to the other replicas."""
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in share]) if src == self.rank else \
+                torch.empty(sum(p.numel() for p in share), dtype=share[0].dtype, device=share[0].device)
+            dist.broadcast(flat, src, group=self.group)
+            if src != self.rank:
+                offset = 0
+                for p in share:
+                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()

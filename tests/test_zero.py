@@ -1,0 +1,149 @@
+"""ZeRO-1: each stage's optimizer state sharded over its replicas, training equal to one process.
+
+Each replica steps only its share of the stage's parameters (whole ones) and keeps only that
+share's optimizer state, then the owners broadcast their updated parameters. Checked against one
+process: losses and every parameter after 3 steps with batches of 7 rows (not divisible by dp),
+under Adam (eps=1e-3, as in test_equivalence) and SGD with momentum; the optimizer state on each
+rank is its share only (disjoint across replicas, covering the stage), tied weights excepted
+(every holder steps them). A zero=1 checkpoint resumes bitwise on the same layout, and at zero=0
+and in one process within fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import plait
+from plait.runtime.zero import share_out
+from tests.harness import run_ranks
+from tests.models import LAYERS, even_cut, make
+
+ROWS = 7  # each global batch: 7 rows, split 4 + 3 over 2 replicas
+
+
+def _optimizer(kind: str):
+    if kind == "adam":
+        return lambda params: torch.optim.Adam(params, lr=1e-2, eps=1e-3)
+    return lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _model(name: str, stages: int, dp: int, zero: int, kind: str, net: Any = None) -> tuple[plait.Model, Any]:
+    net = net if net is not None else make(name)[0]
+    loss = make(name)[3]
+    config = plait.Config(layers_per_proc=even_cut(LAYERS[name], stages), dp=dp, zero=zero,
+                          num_microbatches=2, timeout_s=30.0)
+    return plait.Model(net, config, optimizer=_optimizer(kind), loss=loss), net
+
+
+def _reference(name: str, kind: str, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    net, x, y, loss_fn = make(name)
+    opt = _optimizer(kind)(net.parameters())
+    losses = []
+    for a in range(0, steps * ROWS, ROWS):
+        opt.zero_grad()
+        loss = loss_fn(net(x[a:a + ROWS]), y[a:a + ROWS])
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses, net.state_dict()
+
+
+def train_and_compare(rank: int, world: int, name: str, stages: int, kind: str) -> dict[str, Any]:
+    _, x, y, _ = make(name)
+    model, net = _model(name, stages, world // stages, 1, kind)
+    want_losses, want_state = _reference(name, kind, 3)
+    problems = []
+    for step, a in enumerate(range(0, 3 * ROWS, ROWS)):
+        got = model.train_on_batch(x[a:a + ROWS], y[a:a + ROWS])
+        if abs(got - want_losses[step]) > 1e-5 * abs(want_losses[step]) + 1e-6:
+            problems.append(f"loss of step {step}: {got} != {want_losses[step]}")
+    state = model.state_dict()
+    for key, value in want_state.items():
+        try:
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+        except AssertionError as e:
+            problems.append(f"{key}: {str(e).splitlines()[0]}")
+    for pname, p in net.named_parameters():  # every replica holds the updated values, not only the owner
+        if any(p is q for q in model._train.pipe.local_parameters):  # type: ignore[union-attr]
+            if not torch.equal(p.detach(), state[pname]):
+                problems.append(f"rank {rank}'s {pname} is not the trained value")
+    assert model.optimizer is not None
+    names = {id(p): n for n, p in net.named_parameters()}
+    return {"problems": problems, "state": sorted(names[id(p)] for p in model.optimizer.state),
+            "local": sorted(names[id(p)] for p in model._train.pipe.local_parameters),  # type: ignore[union-attr]
+            "tied": [n for n, _ in model.plan.tied_parameters], "zero": model.plan.zero}
+
+
+def test_share_out_balances_whole_parameters() -> None:
+    assert share_out([100, 10, 60, 50], 2) == [0, 0, 1, 1]  # largest first: 100 + 10 | 60 + 50
+    assert share_out([8, 8, 8], 3) == [0, 1, 2]
+    assert share_out([5], 2) == [0]
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+@pytest.mark.timeout(200)
+def test_one_stage_two_replicas(kind: str) -> None:
+    report = run_ranks(2, train_and_compare, "mlp", 1, kind, timeout=180)
+    for r in report:
+        assert not r["problems"], "\n".join(r["problems"])
+        assert r["zero"] == 1
+    shares = [set(r["state"]) for r in report]
+    assert shares[0] and shares[1] and not shares[0] & shares[1]  # each replica its own share
+    assert shares[0] | shares[1] == set(report[0]["local"])  # together: every parameter
+
+
+@pytest.mark.timeout(300)
+def test_two_stages_two_replicas_with_tied_weights() -> None:
+    report = run_ranks(4, train_and_compare, "gpt", 2, "adam", timeout=280)
+    for r in report:
+        assert not r["problems"], "\n".join(r["problems"])
+    tied = set(report[0]["tied"])
+    assert tied  # the GPT's embedding and head
+    for position in range(2):  # ranks position and position + 2 are one stage's replicas
+        a, b = (set(report[position + 2 * r]["state"]) for r in range(2))
+        assert (a & b) == (tied & set(report[position]["local"]))  # only tied weights on both
+        assert a | b == set(report[position]["local"])
+
+
+def save_then_resume(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """3 steps at zero=1; 2 steps at zero=1 saved, then resumed at zero=1 and at zero=0 for one step."""
+    _, x, y, _ = make("mlp")
+    batches = [(x[a:a + ROWS], y[a:a + ROWS]) for a in range(0, 3 * ROWS, ROWS)]
+    full, _ = _model("mlp", 1, 2, 1, "adam")
+    for b in batches:
+        full.train_on_batch(*b)
+    first, _ = _model("mlp", 1, 2, 1, "adam")
+    for b in batches[:2]:
+        first.train_on_batch(*b)
+    first.save(directory)
+    out = {"full": full.state_dict()}
+    for zero in (1, 0):
+        again, _ = _model("mlp", 1, 2, zero, "adam")
+        again.build(batches[0][0])
+        again.load(directory)
+        again.train_on_batch(*batches[2])
+        out[f"zero={zero}"] = again.state_dict()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_zero_checkpoint_resumes_bitwise_at_zero_1_and_equal_at_zero_0_and_in_one_process(tmp_path: Path) -> None:
+    report = run_ranks(2, save_then_resume, str(tmp_path / "ckpt"), timeout=280)
+    full = report[0]["full"]
+    for key, value in full.items():
+        assert torch.equal(report[0]["zero=1"][key], value), key  # the same layout: bitwise
+        torch.testing.assert_close(report[0]["zero=0"][key], value, rtol=1e-5, atol=1e-6)
+    # One process (no launcher): the 2-replica zero=1 checkpoint, one more step.
+    _, x, y, loss = make("mlp")
+    net = make("mlp")[0]
+    alone = plait.Model(net, plait.Config(), optimizer=_optimizer("adam"), loss=loss)
+    alone.build(x[:ROWS])
+    alone.load(tmp_path / "ckpt")
+    alone.train_on_batch(x[2 * ROWS:3 * ROWS], y[2 * ROWS:3 * ROWS])
+    for key, value in full.items():
+        torch.testing.assert_close(alone.state_dict()[key], value, rtol=1e-5, atol=1e-6)
