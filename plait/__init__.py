@@ -13,6 +13,7 @@ from plait.errors import (
     ScheduleError,
 )
 from plait.job.process_group import init_process_group
+from plait.materialize import materialize
 from plait.model import Model
 from plait.plan import Plan
 
@@ -23,6 +24,7 @@ __all__ = [
     "Config",
     "Plan",
     "init_process_group",
+    "materialize",
     "PlaitError",
     "ConfigError",
     "CaptureError",

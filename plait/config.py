@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, Callable
 
 from plait.errors import ConfigError
 
@@ -41,6 +41,10 @@ class Config:
     zero: 1 shards each stage's optimizer state over its dp replicas (ZeRO stage 1: each replica
         steps its share of the parameters, whole ones, then broadcasts them); 0 replicates it;
         None (default) is 0 for now. Needs dp > 1. Stage 2 (sharded gradients) is not available.
+    init_fn: for a model built on the meta device, fn(module) initialising one module's own
+        tensors in place (None: a Hugging Face model's `_init_weights`, else each module's
+        `reset_parameters()`), called under an RNG seeded by (seed, module name) so values do not
+        depend on the layout (`plait.materialize`). A function: `to_dict` leaves it out.
     num_stages: pipeline stages, i.e. ranks per pipeline (None: the length of `layers_per_proc`
         or of `split_points` + 1, divided by v, else the world size / dp, or planned when no
         size is given).
@@ -93,6 +97,7 @@ class Config:
     split_points: tuple[str, ...] | None = None
     leaf_modules: tuple[str, ...] = ()
     zero: int | None = None
+    init_fn: Callable[[Any], None] | None = None  # fn(module), see the docstring
     num_stages: int | None = None
     num_microbatches: int | None = None
     schedule: str | None = None
@@ -117,11 +122,17 @@ class Config:
         self._check_leaf_modules()
         self._check_layout()
         self._check_zero()
+        self._check_init_fn()
         self._check_schedule()
         self._check_recompute()
         self._check_running()
         self._check_checkpoints()
         self._check_planning()
+
+    def _check_init_fn(self) -> None:
+        if self.init_fn is not None and not callable(self.init_fn):
+            raise ConfigError(f"init_fn must be a function fn(module) that initialises a module in place, "
+                              f"got {self.init_fn!r}")
 
     def _check_zero(self) -> None:
         """zero: None, 0 or 1, and 1 only with more than one replica."""
@@ -392,7 +403,7 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain JSON-ready values."""
-        d = asdict(self)
+        d = asdict(replace(self, init_fn=None))
         for name in ("layers_per_proc", "split_points", "leaf_modules"):
             if d[name] is not None:
                 d[name] = list(d[name])

@@ -15,13 +15,14 @@ from torch import nn
 from plait import data as batching
 from plait.callbacks import History, PlanPrinter, ProgressBar, call_hooks
 from plait.capture.output import unflatten_output
-from plait.capture.trace import CapturedGraph, capture_batch
+from plait.capture.trace import CapturedGraph, capture_batch, retarget
 from plait.checkpoint import disk as checkpoint
-from plait.checkpoint import train_state
+from plait.checkpoint import train_state, weights
 from plait.checkpoint.model_checkpoints import ModelCheckpoints
 from plait.checkpoint.resume import ResumePoint, resume_point
 from plait.config import Config
 from plait.errors import ConfigError, PlaitError
+from plait.materialize import materialize_tensors, on_meta
 from plait.job.process_group import init_process_group
 from plait.job.run_options import apply_run_options
 from plait.metrics import check_metrics, logs_of
@@ -30,7 +31,7 @@ from plait.plan.report import PlanReport
 from plait.planner.closed_loop import ClosedLoop
 from plait.planner.layout import Layout, Workload, choose_layout, layout_of
 from plait.runtime.collectives import broadcast_state, gather_state_dict, local_device
-from plait.runtime.pipeline import Pipeline, build_pipeline
+from plait.runtime.pipeline import Pipeline, build_pipeline, stage_tensors
 from plait.runtime.report import failure_error
 from plait.runtime.step import OptimizerArg, StepRunner, make_optimizer, num_stats
 
@@ -66,7 +67,12 @@ class Model:
         self.optimizer: torch.optim.Optimizer | None = None
         self.rank, self.world_size = init_process_group(self.config.timeout_s)
         self.device = local_device()
-        if self.device.type != "cpu":
+        self._meta = on_meta(net)  # built on the meta device: each rank materializes its stages
+        if self._meta and isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError("the optimizer was made over parameters on the meta device, which plait "
+                              "replaces by real ones: pass a callable, optimizer=lambda params: "
+                              "torch.optim.Adam(params, ...), and plait makes it over this rank's")
+        if self.device.type != "cpu" and not self._meta:
             net.to(self.device)
         if self.world_size == 1:
             self.num_stages = 1
@@ -75,13 +81,15 @@ class Model:
                 log.warning("plait: one process (no launcher): running every layer on one stage")
         else:  # 0 until planned (`plait.planner.layout`); a size given is checked against the world now
             self.num_stages = 0 if self.config.plans_everything else self.config.stages_for(self.world_size)
-            broadcast_state(net, 0)  # replicas start equal whatever each rank's seed
+            if not self._meta:  # a meta model's values follow from Config.seed alone
+                broadcast_state(net, 0)  # replicas start equal whatever each rank's seed
         self._train: StepRunner | None = None
         self._eval: StepRunner | None = None
         self.step = 0  # training steps (global batches) run, counted on from a loaded checkpoint
         self._checkpoints = ModelCheckpoints(net, self.rank, self.world_size, self.config.timeout_s)
         self._layout: Layout | None = None  # the planned layout, the same on every rank
         self._captured: CapturedGraph | None = None  # the model captured in train mode, once
+        self._eval_captured: CapturedGraph | None = None  # a meta model's eval capture, made with it
         self._loop: ClosedLoop | None = None  # the planned run's first steps against the plan
 
     # -- building ------------------------------------------------------------------------------
@@ -95,6 +103,10 @@ class Model:
         if self._train is None:
             if self._layout is None:
                 captured = capture_batch(self.net, x, train=True, keep=self.config.leaf_modules)
+                if self._meta:  # eval too, while every tensor is on meta; device constants made real
+                    self._eval_captured = retarget(capture_batch(self.net, x, False, captured.method,
+                                                                 captured.kept_whole), self.device)
+                    captured = retarget(captured, self.device)
                 work = Workload(self.net, captured, x, y, self.loss, self._optimizer_arg)
                 self._layout = choose_layout(work, self.config, self.world_size, self.rank,
                                              self._checkpoints.resumed_plan)
@@ -108,14 +120,18 @@ class Model:
             return self._train
         if self._eval is None:
             self._eval = self._train.for_eval(
-                self.loss, lambda method: capture_batch(self.net, x, train=False, method=method,
-                                                        keep=self._captured.kept_whole if self._captured else ()))
+                self.loss, lambda method: self._eval_captured or capture_batch(
+                    self.net, x, train=False, method=method, keep=self._captured.kept_whole if self._captured else ()))
         return self._eval
 
     def _build(self, layout: Layout) -> None:
         """This rank's training pipeline and optimizer for `layout`."""
         assert self._captured is not None
         self.config, self.num_stages = layout.config, layout.num_stages
+        if self._meta:  # only what this rank's stages use (one process: everything), before any holder
+            wanted = None if self.world_size == 1 else stage_tensors(self._captured, layout.plan, self.rank)
+            graphs = [g.root for g in (self._captured, self._eval_captured) if g is not None]
+            materialize_tensors(self.net, wanted, self.config.seed, self.config.init_fn, self.device, graphs)
         pipe = build_pipeline(self.net, self._captured, layout.plan, self.config, self.rank, self.loss,
                               self.device)
         self._train, self._eval = StepRunner(pipe, self.net, self.metrics, self.device, train=True), None
@@ -332,14 +348,19 @@ class Model:
         return self._checkpoints.save(root, self.step, pipe, self.optimizer, self.config, data)
 
     def load(self, path: str | os.PathLike[str]) -> int:
-        """Load a checkpoint, or a plain state-dict file, on every rank; returns its step.
+        """Load a checkpoint, weights or a plain state-dict file, on every rank; returns its step.
 
         `path` is a checkpoint directory (its latest complete checkpoint, else the previous
         one), one `step-NNNNNN` directory, or a file (`.safetensors`, or torch.save output read
         with weights_only=True). A checkpoint restores the parameters, the optimizer state of
         this rank's parameters (whatever layout saved it) and, with the same layout, the RNGs.
+        Weights by name (a `.safetensors` file; a directory of `save_pretrained`, sharded or not)
+        set the parameters and buffers alone: after `build`, each rank reads only its stages'
+        tensors; before it, every rank reads them all (the step stays as it is).
         """
-        if Path(path).is_file():
+        if weights.holds_weights(path):  # never a plait checkpoint directory: those come first
+            self._checkpoints.load_weights(path, self._train.pipe if self._train is not None else None)
+        elif Path(path).is_file():
             self.load_state_dict(checkpoint.read_plain(path))
         else:
             self._restore(self._checkpoints.find(path))

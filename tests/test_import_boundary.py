@@ -20,13 +20,14 @@ import plait
 ROOT = pathlib.Path(plait.__file__).parent
 
 # Each unit (a package, or a top-level module) and what it may import besides itself.
-BASE = {"errors", "config", "data", "metrics", "callbacks"}
+BASE = {"errors", "config", "data", "metrics", "callbacks", "materialize"}
 ALLOWED = {
     "errors": set(),
     "config": {"errors"},
     "data": {"errors"},
     "metrics": {"errors"},
     "callbacks": set(),
+    "materialize": {"errors"},
     "capture": BASE,
     "schedule": BASE,
     "plan": BASE | {"schedule"},
@@ -40,7 +41,7 @@ ALLOWED = {
 }
 # Old import paths kept working (with a DeprecationWarning) after a move: they only re-export.
 DEPRECATED_ALIASES = {"plait.runtime.process_group"}
-PURE = ["capture", "schedule", "plan", "errors", "config", "data", "metrics", "checkpoint/disk.py",
+PURE = ["capture", "schedule", "plan", "errors", "config", "data", "metrics", "materialize.py", "checkpoint/disk.py",
         "checkpoint/tensorfile.py", "checkpoint/train_state.py", "checkpoint/resume.py"]
 
 

@@ -19,8 +19,10 @@ from plait.capture.opaque import kept_whole, modules_to_keep
 from plait.capture.output import OutputSpec, flatten_output, unflatten_output
 from plait.capture.stopped import Stop, stopped_in
 from plait.errors import CaptureError
+from plait.materialize import on_meta
 
-__all__ = ["CapturedGraph", "capture", "fingerprint", "in_mode", "capture_batch", "sample_rows", "is_local"]
+__all__ = ["CapturedGraph", "capture", "fingerprint", "in_mode", "capture_batch", "sample_rows", "is_local",
+           "retarget"]
 
 log = logging.getLogger("plait")
 
@@ -158,12 +160,31 @@ def capture_batch(net: nn.Module, x: Any, train: bool = True, method: str | None
     the modules to keep whole (`Config(leaf_modules=...)`, or the training graph's `kept_whole`).
     """
     args, kwargs = batching.as_call(sample_rows(x))
+    meta = on_meta(net)
+    if meta:  # a model built on the meta device is captured on meta: no memory, no values
+        args, kwargs = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
     with in_mode(net, train):
         captured = (_capture_fx_again(net, train, keep) if method == "torch.fx"
                     else capture(net, args, kwargs, keep))
+    if meta and captured.output_spec is not None:  # eager code on meta may need values (.item())
+        return captured
     with torch.no_grad(), torch.random.fork_rng(), in_mode(net, False):
         _, output_spec = flatten_output(net(*args, **kwargs))
     return replace(captured, output_spec=output_spec)
+
+
+def retarget(captured: CapturedGraph, device: torch.device) -> CapturedGraph:
+    """A graph traced on the meta device, with the device constants its operations were given
+    (`torch.arange(T, device=x.device)` traced as device="meta") set to `device`."""
+    meta = torch.device("meta")
+
+    def swap(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value == meta else value
+
+    for node in captured.graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, swap)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+    return captured
 
 
 @contextlib.contextmanager
@@ -264,7 +285,7 @@ def _capture_export(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     captured = _finish_capture(
         "torch.export", graph, root, net, leaf_of, bind, lambda out: unflatten_output(list(out), out_spec)
     )
-    return replace(captured, kept_whole=tuple(kept))
+    return replace(captured, kept_whole=tuple(kept), output_spec=out_spec)
 
 
 # -- torch.fx front end -------------------------------------------------------------------------

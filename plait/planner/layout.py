@@ -36,6 +36,7 @@ from plait.planner.autoplan import PlanOptions, local_cluster, plan_model, profi
 from plait.planner.resolve import resolve_plan
 from plait.config import SCHEDULE_NAMES, SEARCH_ORDER, Config
 from plait.errors import ConfigError, PartitionError
+from plait.materialize import on_meta
 from plait.plan.cost import Cluster
 from plait.plan.network import Network
 from plait.plan.search import SearchSpace
@@ -96,6 +97,13 @@ def choose_layout(work: Workload, config: Config, world_size: int, rank: int,
         layers = cut_at(config.split_points, work.layer_names, work.captured.layers.uncuttable)
         config = replace(config, split_points=None, layers_per_proc=layers)
     if config.layers_per_proc is not None:
+        return layout_of(config.with_defaults(), work, world_size)
+    if config.plan is None and on_meta(work.net):  # nothing to time: cut by parameter counts
+        if config.plans_everything:
+            raise ConfigError(
+                "the model is on the meta device, so plait cannot time its layers to plan the layout; "
+                "give the layout: num_stages (and dp), layers_per_proc or split_points"
+            )
         return layout_of(config.with_defaults(), work, world_size)
 
     network = None

@@ -71,8 +71,8 @@ def gather_state_dict(net: nn.Module, owner_of: dict[int, int]) -> dict[str, tor
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor] = {}
     for name, t in net.state_dict(keep_vars=True).items():
-        if id(t) not in done:
-            value = t.detach().clone()
+        if id(t) not in done:  # a meta model's tensors other ranks own are still on meta here
+            value = torch.empty(t.shape, dtype=t.dtype, device=local_device()) if t.is_meta else t.detach().clone()
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.broadcast(value, owner_of.get(id(t), 0))
             done[id(t)] = value

@@ -27,7 +27,7 @@ from plait.runtime.wire import Wire
 from plait.runtime.zero import ShardedOptimizerState, zero_owners
 from plait.schedule import Program, generate
 
-__all__ = ["Pipeline", "build_pipeline"]
+__all__ = ["Pipeline", "build_pipeline", "stage_tensors"]
 
 log = logging.getLogger("plait")
 
@@ -119,6 +119,12 @@ class Pipeline:
                 out.append(wire.recv(src, (key, r), tag + r)[0])
         wire.drain()
         return out
+
+
+def stage_tensors(captured: CapturedGraph, plan: Plan, rank: int) -> list[torch.Tensor]:
+    """The parameters and buffers the stages of `rank` use (what a meta model materializes there)."""
+    stages = split(captured, stage_of_layers(plan.layers_per_stage))
+    return [t for s in plan.stages_of(rank) for t in (*stages[s].module.parameters(), *stages[s].module.buffers())]
 
 
 def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, config: Config, rank: int,

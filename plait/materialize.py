@@ -1,0 +1,141 @@
+"""Materializing a model built on the meta device: tensors allocated, each module initialised by (seed, name).
+
+A model built under `torch.device("meta")` holds shapes and no memory. plait captures it as it
+is, and each rank allocates only the tensors its stages use: every rank that holds a tensor
+computes the same values, whatever the layout, because each module is initialised by its own
+code under an RNG seeded from `Config.seed` and the module's qualified name::
+
+    for each module, children before parents (as Hugging Face's initialize_weights goes):
+        torch.manual_seed(hash(seed, "model.layers.3.mlp.up_proj"))
+        init_fn(module)  or  net._init_weights(module) (a Hugging Face PreTrainedModel)
+                         or  module.reset_parameters()
+
+A rank calls this for the modules that hold (directly or below) a tensor it uses, with the
+other tensors still on meta (an initialiser's draws for a meta tensor consume no random
+numbers, so an initialiser should draw each tensor's values from its own call: torch's and
+Hugging Face's do). `plait.materialize(net, seed)` does the same for every tensor in one
+process, which is what a distributed run is compared with.
+
+Each meta tensor is replaced by a real one (a new Parameter where it was one) in every module
+tree given -- the net, and the captured graphs, which hold the same objects -- so ties stay
+ties; `plait.Model` does this before it builds the pipeline, so every later holder (stage
+modules, optimizer, gradient hooks) sees the real tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from itertools import chain
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from plait.errors import ConfigError
+
+__all__ = ["materialize", "materialize_tensors", "on_meta", "module_seed"]
+
+InitFn = Callable[[nn.Module], None]
+
+
+def on_meta(net: nn.Module) -> bool:
+    """Whether any parameter or buffer of `net` is on the meta device."""
+    return any(t.is_meta for t in chain(net.parameters(), net.buffers()))
+
+
+def module_seed(seed: int, name: str) -> int:
+    """The RNG seed of one module: a hash of (seed, qualified name), the same in every process."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def materialize(net: nn.Module, seed: int = 0, init_fn: InitFn | None = None,
+                device: torch.device | str = "cpu") -> nn.Module:
+    """Allocate and initialise every meta tensor of `net` in place (one process); returns `net`.
+
+    The values equal those each rank of a `plait.Model(net, Config(seed=seed, init_fn=...))`
+    gives the tensors it holds, whatever the layout.
+    """
+    materialize_tensors(net, None, seed, init_fn, torch.device(device))
+    return net
+
+
+def materialize_tensors(net: nn.Module, wanted: Iterable[torch.Tensor] | None, seed: int,
+                        init_fn: InitFn | None, device: torch.device, also: Sequence[nn.Module] = ()) -> int:
+    """Allocate the meta tensors among `wanted` (None: all), in `net` and in the module trees
+    `also` that share them, and initialise every module of `net` holding one of them; return how
+    many tensors were allocated. Other meta tensors stay on meta."""
+    wanted_ids = None if wanted is None else {id(t) for t in wanted}
+    meta = [t for t in _unique(chain(net.parameters(), net.buffers()))
+            if t.is_meta and (wanted_ids is None or id(t) in wanted_ids)]
+    if not meta:
+        return 0
+    init = _initialiser(net, init_fn)
+    touched = {id(t) for t in meta}
+    modules = [(name, m) for name, m in _children_first(net)
+               if touched & {id(t) for t in chain(m.parameters(), m.buffers())}]
+    for name, module in modules:  # checked before anything is allocated: an error leaves net on meta
+        own = list(chain(module.parameters(recurse=False), module.buffers(recurse=False)))
+        if own and init is None and not hasattr(module, "reset_parameters"):
+            raise ConfigError(
+                f"module {name or '<net>'} ({type(module).__name__}) was built on the meta device and "
+                "has no reset_parameters(), and no init_fn was given: give Config(init_fn=fn) that "
+                "initialises a module in place, or load its weights (model.load) after building"
+            )
+    replacement: dict[int, torch.Tensor] = {}
+    for t in meta:
+        real = torch.empty(t.shape, dtype=t.dtype, device=device)
+        replacement[id(t)] = nn.Parameter(real, t.requires_grad) if isinstance(t, nn.Parameter) else real
+    for root in (net, *also):
+        _replace(root, replacement)
+    with torch.no_grad():
+        for name, module in modules:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(module_seed(seed, name))
+                if init is not None:
+                    init(module)
+                elif any(True for _ in chain(module.parameters(recurse=False), module.buffers(recurse=False))):
+                    module.reset_parameters()  # type: ignore[operator]
+    return len(meta)
+
+
+def _replace(root: nn.Module, replacement: dict[int, torch.Tensor]) -> None:
+    """Every parameter, buffer and tensor attribute of `root`'s modules found in `replacement`."""
+    for module in root.modules():
+        for table in (module._parameters, module._buffers):
+            for key, value in table.items():
+                if value is not None and id(value) in replacement:
+                    table[key] = replacement[id(value)]  # type: ignore[assignment]
+        for key, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and id(value) in replacement:
+                setattr(module, key, replacement[id(value)])
+
+
+def _initialiser(net: nn.Module, init_fn: InitFn | None) -> InitFn | None:
+    """The user's init_fn, else a Hugging Face model's own `_init_weights`, else None (reset_parameters)."""
+    if init_fn is not None:
+        return init_fn
+    hf_init = getattr(net, "_init_weights", None)
+    if callable(hf_init) and hasattr(net, "config"):
+        return hf_init  # type: ignore[no-any-return]
+    return None
+
+
+def _children_first(net: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module with its qualified name, children before their parent."""
+    out: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for child_name, child in module.named_children():
+            visit(f"{prefix}.{child_name}" if prefix else child_name, child)
+        out.append((prefix, module))
+
+    visit("", net)
+    return out
+
+
+def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        seen.setdefault(id(t), t)
+    return list(seen.values())

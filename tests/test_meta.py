@@ -1,0 +1,131 @@
+"""A model built on the meta device: each rank materializes only its stages, with layout-independent values.
+
+Compared with `plait.materialize(net, seed)` in one process, trained the same way: a Hugging
+Face Llama with a tied head (its own `_init_weights`, rotary buffers included) and an MLP
+(`reset_parameters`), on 2 stages and on 2 stages x 2 replicas with ZeRO-1, 3 SGD-with-momentum
+steps: losses and every parameter. No rank allocates the whole model: the tensors each rank
+materialized are counted, and they are its stages' alone.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import plait
+from plait.materialize import materialize_tensors, on_meta
+from tests.harness import run_ranks
+from tests.models import even_cut, mlp
+
+transformers = pytest.importorskip("transformers")
+
+SEED = 7
+
+
+def _llama_on_meta() -> nn.Module:
+    from tests.architectures import _configs
+
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(_configs(transformers)["llama"]())
+
+
+def _mlp_on_meta() -> nn.Module:
+    with torch.device("meta"):
+        return mlp()
+
+
+def _data(name: str) -> tuple[Any, torch.Tensor, Any]:
+    g = torch.Generator().manual_seed(1)
+    if name == "llama":
+        tokens = torch.randint(2, 64, (12, 8), generator=g)
+        return {"input_ids": tokens}, torch.roll(tokens, -1, 1), lambda out, y: nn.functional.cross_entropy(
+            out.logits.flatten(0, 1), y.flatten())
+    return torch.randn(12, 8, generator=g), torch.randint(0, 4, (12,), generator=g), nn.CrossEntropyLoss()
+
+
+BUILD = {"llama": (_llama_on_meta, 24), "mlp": (_mlp_on_meta, 11)}
+
+
+def test_materialize_is_layout_independent() -> None:
+    whole = plait.materialize(_llama_on_meta(), seed=SEED)
+    assert not on_meta(whole)
+    parts = _llama_on_meta()
+    tensors = list(parts.parameters()) + list(parts.buffers())
+    # in two halves, in the other order: each module's values come from (seed, its name) alone
+    materialize_tensors(parts, tensors[len(tensors) // 2:], SEED, None, torch.device("cpu"))
+    assert on_meta(parts)
+    materialize_tensors(parts, tensors[: len(tensors) // 2], SEED, None, torch.device("cpu"))
+    for (name, a), b in zip(whole.state_dict().items(), parts.state_dict().values()):
+        assert torch.equal(a, b), name
+    rotary = whole.model.rotary_emb
+    assert torch.equal(rotary.inv_freq, transformers.LlamaForCausalLM(whole.config).model.rotary_emb.inv_freq)
+    assert whole.lm_head.weight is whole.model.embed_tokens.weight  # the tie survives
+
+
+def test_a_module_with_no_way_to_initialise_is_an_error() -> None:
+    class Raw(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(3))
+
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(3, 3), Raw())
+    with pytest.raises(plait.ConfigError, match=r"module 1 \(Raw\) was built on the meta device and has no "
+                                                r"reset_parameters\(\), and no init_fn was given"):
+        plait.materialize(net)
+    fixed = plait.materialize(net, init_fn=lambda m: nn.init.ones_(m.w) if isinstance(m, Raw) else None)
+    assert torch.equal(fixed[1].w, torch.ones(3))
+
+
+def test_an_optimizer_instance_over_meta_parameters_is_an_error() -> None:
+    net = _mlp_on_meta()
+    with pytest.raises(plait.ConfigError, match="pass a callable, optimizer=lambda params"):
+        plait.Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), loss=nn.CrossEntropyLoss())
+
+
+def train_and_compare(rank: int, world: int, name: str, stages: int, zero: int) -> dict[str, Any]:
+    build, layers = BUILD[name]
+    x, y, loss_fn = _data(name)
+    net = build()
+    ref = plait.materialize(build(), seed=SEED)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    total = len({id(t) for t in list(net.parameters()) + list(net.buffers())})
+    model = plait.Model(net, plait.Config(layers_per_proc=even_cut(layers, stages), dp=world // stages, zero=zero,
+                                          num_microbatches=2, seed=SEED, timeout_s=30.0),
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), loss=loss_fn)
+    problems = []
+    for a in (0, 4, 8):
+        xb = {k: v[a:a + 4] for k, v in x.items()} if isinstance(x, dict) else x[a:a + 4]
+        got = model.train_on_batch(xb, y[a:a + 4])
+        real = len({id(t) for t in list(net.parameters()) + list(net.buffers()) if not t.is_meta})
+        ref_opt.zero_grad()
+        loss = loss_fn(ref(**xb) if isinstance(xb, dict) else ref(xb), y[a:a + 4])
+        loss.backward()
+        ref_opt.step()
+        if abs(got - float(loss)) > 1e-5 * abs(float(loss)) + 1e-6:
+            problems.append(f"loss at rows {a}: {got} != {float(loss)}")
+    state = model.state_dict()
+    for key, want in ref.state_dict().items():
+        try:
+            torch.testing.assert_close(state[key], want, rtol=1e-5, atol=1e-6)
+        except (AssertionError, KeyError) as e:
+            problems.append(f"{key}: {str(e).splitlines()[0]}")
+    used = {id(t) for s in model._train.pipe.executors  # type: ignore[union-attr]
+            for t in list(model._train.pipe.stages[s].module.parameters())  # type: ignore[union-attr]
+            + list(model._train.pipe.stages[s].module.buffers())}  # type: ignore[union-attr]
+    extra = [n for n, t in list(net.named_parameters()) + list(net.named_buffers()) if not t.is_meta and id(t) not in used]
+    return {"problems": problems, "real": real, "total": total, "extra": extra}
+
+
+@pytest.mark.parametrize("name, world, stages, zero", [("llama", 2, 2, 0), ("mlp", 2, 2, 0), ("mlp", 4, 2, 1)])
+@pytest.mark.timeout(300)
+def test_each_rank_materializes_its_stages_and_trains_equal_to_one_process(name: str, world: int, stages: int,
+                                                                         zero: int) -> None:
+    for report in run_ranks(world, train_and_compare, name, stages, zero, timeout=280):
+        assert not report["problems"], "\n".join(report["problems"])
+        assert 0 < report["real"] < report["total"], report  # never the whole model
+        assert report["extra"] == [], report["extra"]  # only what its stages use
