@@ -42,7 +42,7 @@ ALLOWED = {
 # Old import paths kept working (with a DeprecationWarning) after a move: they only re-export.
 DEPRECATED_ALIASES = {"plait.runtime.process_group"}
 PURE = ["capture", "schedule", "plan", "errors", "config", "data", "metrics", "materialize.py", "checkpoint/disk.py",
-        "checkpoint/tensorfile.py", "checkpoint/train_state.py", "checkpoint/resume.py"]
+        "checkpoint/tensorfile.py", "checkpoint/train_state.py", "checkpoint/resume.py", "checkpoint/weights.py"]
 
 
 def module_name(path: pathlib.Path) -> str:

@@ -34,7 +34,7 @@ from plait.checkpoint import tensorfile
 from plait.errors import CheckpointError
 
 __all__ = ["Checkpoint", "FORMAT", "step_name", "temp_dir", "write_shard", "commit", "open_checkpoint",
-           "find_resumable", "export", "read_parameters", "read_plain"]
+           "find_resumable", "is_checkpoint_dir", "export", "read_parameters", "read_plain"]
 
 log = logging.getLogger("plait")
 
@@ -109,6 +109,13 @@ def _steps(root: Path) -> list[int]:
         if m and entry.is_dir():
             out.append(int(m.group(1)))
     return sorted(out)
+
+
+def is_checkpoint_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` has plait's layout: a step directory (meta.json), or a checkpoint directory
+    (`latest`, or step-* directories), complete or not."""
+    path = Path(path)
+    return path.is_dir() and ((path / "meta.json").exists() or (path / "latest").exists() or bool(_steps(path)))
 
 
 def _prune(root: Path, latest: int, keep: int) -> None:

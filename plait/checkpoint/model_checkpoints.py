@@ -9,6 +9,9 @@ new layout (a replan) is the same machinery, which loads any layout by name:
     -> rebuild the pipeline for the new layout (a fresh optimizer over its local parameters)
     -> restore it: every parameter, and each rank's optimizer state for its new parameters
 
+Named weights (a .safetensors file, a Hugging Face directory: `weights`) load into the parameters
+alone, each rank reading only the tensors of its own stages once the pipeline is built.
+
 The scratch checkpoint of such a move is written under Config.checkpoint_dir (in `.replan/`, not
 a resumable step) or in a temporary directory, and deleted after.
 """
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from plait.checkpoint import train_state
+from plait.checkpoint import train_state, weights
 from plait.checkpoint.checkpointer import Checkpointer
 from plait.checkpoint.disk import Checkpoint, read_parameters
 from plait.config import Config
@@ -103,6 +106,45 @@ class ModelCheckpoints:
         train_state.restore(ckpt, self.net, optimizer, stepped, self.rank, same_layout)
         if not same_layout and self.rank == 0:
             log.info("plait: %s was saved with another layout: RNG states not restored", ckpt.path)
+
+    def load_weights(self, path: str | os.PathLike[str], pipe: Pipeline | None) -> weights.Loaded:
+        """Copy the named weights at `path` (`weights`) into the net, in step with every rank.
+
+        With the pipeline built, this rank reads only the tensors its stages use, and rank 0 also
+        those no stage uses: each tensor's value on any other rank is never used (`state_dict()`
+        and checkpoints take it from the rank that trains it, `owner_of`). Before the pipeline
+        exists there is no split yet, and every rank reads every tensor.
+        """
+        state = self.net.state_dict(keep_vars=True)
+        wanted = None
+        if pipe is not None:
+            held = {id(t) for s in pipe.executors for t in [*pipe.stages[s].module.parameters(),
+                                                            *pipe.stages[s].module.buffers()]}
+            wanted = [n for n, t in state.items() if id(t) in held or pipe.owner_of.get(id(t), 0) == self.rank]
+        elif any(t.device.type == "meta" for t in state.values()):
+            raise CheckpointError(f"loading {path} into a model on the meta device before it is built: call "
+                                  f"model.build(x_sample) first, then model.load (each rank then reads its stages')")
+        loaded, error = None, None
+        try:
+            loaded = weights.load_weights(path, state, wanted)
+        except Exception as e:  # noqa: BLE001 - the others must hear of it, not wait for this rank
+            error = e
+        if self.world_size > 1:
+            flags = [0.0] * self.world_size
+            flags[self.rank] = float(error is not None)
+            failed = [r for r, v in enumerate(sum_floats(flags)) if v]
+            if failed and error is None:
+                raise CheckpointError(f"ranks {failed} could not load the weights at {path} (see their "
+                                      f"errors); this rank loaded its share")
+        if error is not None:
+            raise error
+        assert loaded is not None
+        log.info("plait: rank %d loaded %d tensors from %d files of %s", self.rank, len(loaded.read),
+                 len(loaded.files), path)
+        if loaded.ignored and self.rank == 0:
+            log.warning("plait: %s: ignored %d names the model does not have: %s", path, len(loaded.ignored),
+                        ", ".join(loaded.ignored[:10]) + (", ..." if len(loaded.ignored) > 10 else ""))
+        return loaded
 
     def carry_over(self, step: int, pipe: Pipeline, optimizer: torch.optim.Optimizer | None,
                    config: Config, rebuild: Rebuild) -> None:
