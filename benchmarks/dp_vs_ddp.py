@@ -11,6 +11,11 @@ clearing the gradients) is inside the timed step for both:
     local  the same forward, backward and SGD step on each rank's half, with no communication
            at all: the floor both approach (not a data-parallel step; shown for scale)
 
+With --zero the optimizer is Adam (eps 1e-3) and its state is sharded over the two replicas on
+both sides: plait's `Config(zero=1)` against DDP with torch's `ZeroRedundancyOptimizer` (each
+rank steps its share of the parameters, then the updated parameters are broadcast); `local`
+steps Adam unsharded.
+
 Each round runs the three steps, plait before DDP on even rounds and after it on odd ones. Every
 timed step starts after a barrier, and its time is the slowest rank's (all_reduce MAX). Medians
 over the rounds, and the target:
@@ -24,7 +29,7 @@ data and compares plait's `model.state_dict()` with DDP's `module.state_dict()`
 (fp32: rtol 1e-5, atol 1e-6). With --profile DIR, each rank then runs plait steps under cProfile,
 writes DIR/plait_rank{r}.prof and rank 0 prints the heaviest functions.
 
-    python benchmarks/dp_vs_ddp.py [--model mlp|cnn] [--rounds 60] [--batch 64] [--profile DIR]
+    python benchmarks/dp_vs_ddp.py [--model mlp|cnn] [--rounds 60] [--batch 64] [--zero] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -42,11 +47,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 try:
@@ -67,6 +73,7 @@ WARMUP_STEPS = 5  # per runner, untimed (capture, DDP's bucket rebuild after its
 CHECK_STEPS = 3  # correctness check: steps from the same init
 PROFILE_STEPS = 50
 TARGET_RATIO = 1.05  # plait / ddp, at most
+ADAM_EPS = 1e-3
 MODELS = ("mlp", "cnn")
 
 
@@ -82,6 +89,7 @@ class Setting:
     warmup: int
     profile: str | None
     bucket_mb: float | None  # plait's Config.bucket_cap_mb (None: plait's default)
+    zero: bool = False  # Adam with its state sharded: plait zero=1 against ZeroRedundancyOptimizer
 
 
 # -- the model and the data ----------------------------------------------------------------------
@@ -122,6 +130,11 @@ def make_loss(setting: Setting) -> Callable[[torch.Tensor, torch.Tensor], torch.
     return nn.CrossEntropyLoss() if setting.model == "cnn" else nn.MSELoss()
 
 
+def make_optimizer(setting: Setting, params: Any, lr: float) -> torch.optim.Optimizer:
+    """SGD, or with --zero Adam (eps 1e-3: equal results despite summation order, as the tests)."""
+    return torch.optim.Adam(params, lr=lr, eps=ADAM_EPS) if setting.zero else torch.optim.SGD(params, lr=lr)
+
+
 def local_rows(setting: Setting, rank: int) -> slice:
     """This rank's half of the global batch: the rows plait gives replica `rank`."""
     half = setting.batch // WORLD_SIZE
@@ -135,11 +148,11 @@ class PlaitRunner:
     """plait's public API as a user writes it: the global batch in, plait shards it."""
 
     def __init__(self, net: nn.Module, setting: Setting, rank: int, lr: float = LR):
-        config = plait.Config(num_stages=1, dp=WORLD_SIZE, num_microbatches=1)
+        config = plait.Config(num_stages=1, dp=WORLD_SIZE, num_microbatches=1, zero=int(setting.zero))
         if setting.bucket_mb is not None:
             config = dataclasses.replace(config, bucket_cap_mb=setting.bucket_mb)
         self.model = plait.Model(net, config=config,
-                                 optimizer=lambda params: torch.optim.SGD(params, lr=lr),
+                                 optimizer=lambda params: make_optimizer(setting, params, lr),
                                  loss=make_loss(setting))
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -155,7 +168,10 @@ class DDPRunner:
     def __init__(self, net: nn.Module, setting: Setting, rank: int, communicate: bool = True,
                  lr: float = LR):
         self.module = DistributedDataParallel(net) if communicate else net
-        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=lr)
+        self.optimizer: torch.optim.Optimizer = make_optimizer(setting, self.module.parameters(), lr)
+        if setting.zero and communicate:
+            self.optimizer = ZeroRedundancyOptimizer(self.module.parameters(), optimizer_class=torch.optim.Adam,
+                                                     lr=lr, eps=ADAM_EPS)
         self.loss = make_loss(setting)
         self.rows = local_rows(setting, rank)
 
@@ -201,7 +217,7 @@ def check(setting: Setting, rank: int) -> bool:
     verdict = torch.tensor([worst, 1.0 if passed else 0.0], dtype=torch.float64)
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN)  # passed only if on every rank
     if rank == 0:
-        print(f"check: after {CHECK_STEPS} SGD steps (lr {CHECK_LR}) from one init, {len(want)} tensors: max |plait "
+        print(f"check: after {CHECK_STEPS} {'Adam' if setting.zero else 'SGD'} steps (lr {CHECK_LR}) from one init, {len(want)} tensors: max |plait "
               f"state_dict - DDP module state| = {worst:.1e} (largest change from init {moved:.1e}): "
               f"{'ok' if passed else 'MISMATCH'} (rtol 1e-5, atol 1e-6)", flush=True)
     return bool(verdict[1] > 0)
@@ -256,7 +272,8 @@ def report(setting: Setting, times: dict[str, list[float]], correct: bool) -> bo
             if setting.model == "mlp" else "PaperCNN(28)")
     params = sum(p.numel() for p in make_net(setting).parameters())
     print(f"\n{what}, {params / 1e6:.2f}M parameters, global batch {setting.batch} "
-          f"({setting.batch // WORLD_SIZE} per rank), {WORLD_SIZE} gloo ranks x 1 thread, SGD step "
+          f"({setting.batch // WORLD_SIZE} per rank), {WORLD_SIZE} gloo ranks x 1 thread, "
+          f"{'Adam step, state sharded (plait zero=1 / ZeroRedundancyOptimizer)' if setting.zero else 'SGD step'} "
           f"included; medians of {setting.rounds} rounds, ms (slowest rank)")
     print(f"{'':8s}{'plait':>10s}{'ddp':>10s}{'local':>10s}{'plait/ddp':>11s}{'paired':>9s}")
     print(f"{'median':8s}{ms['plait']:10.2f}{ms['ddp']:10.2f}{ms['local']:10.2f}{ratio:11.3f}{paired:9.3f}")
@@ -304,6 +321,8 @@ def parse_args(argv: list[str] | None = None) -> Setting:
     parser.add_argument("--bucket-mb", type=float, default=None,
                         help="plait's Config.bucket_cap_mb (default: plait's own default); DDP keeps its "
                              "defaults")
+    parser.add_argument("--zero", action="store_true",
+                        help="Adam with sharded state: plait zero=1 against DDP + ZeroRedundancyOptimizer")
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help=f"after timing, profile {PROFILE_STEPS} plait steps per rank with cProfile "
                              "into DIR/plait_rank{r}.prof")
@@ -315,7 +334,7 @@ def parse_args(argv: list[str] | None = None) -> Setting:
         parser.error(f"need --rounds >= 2, --layers >= 1, --width >= 1, got {args.rounds}, "
                      f"{args.layers}, {args.width}")
     return Setting(args.model, args.rounds, args.batch, args.width, args.layers, args.warmup,
-                   args.profile, args.bucket_mb)
+                   args.profile, args.bucket_mb, args.zero)
 
 
 def main(argv: list[str] | None = None) -> int:

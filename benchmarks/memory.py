@@ -1,0 +1,157 @@
+"""Peak memory of a rank against one process: a 160M-parameter GPT-2, Adam.
+
+One process: plain PyTorch, the model built as usual, `--steps` Adam steps on batches of
+`--rows` x `--seq` tokens; its peak RSS (`ru_maxrss`, the process's high-water mark) is the
+baseline. plait: `--stages` x `--dp` gloo ranks on 127.0.0.1, the model built on the meta device
+(nothing allocated), each rank materializing only its stage (`plait.Model`, `Config(zero=1)`:
+the optimizer state sharded over the replicas), the same steps. The figure is the LARGEST
+rank's peak RSS over the one process's, target <= 0.5. Each side runs in a fresh process, so
+neither inherits the other's allocations; both import torch and transformers the same way.
+
+The model: GPT-2 (transformers' GPT2LMHeadModel), 12 layers x 1024, 16 heads, vocabulary 8192,
+1024 positions: 160.2M parameters (641 MB in fp32; with gradients and Adam's two moments,
+2.6 GB before activations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+try:
+    import plait  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+
+TARGET = 0.5
+
+
+def gpt2(meta: bool) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=12, n_embd=1024, n_head=16, vocab_size=8192, n_positions=1024,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                     bos_token_id=0, eos_token_id=0)
+    if meta:
+        with torch.device("meta"):
+            return transformers.GPT2LMHeadModel(config)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def batch(args: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, 8192, (args.rows, args.seq), generator=g)  # (B, T)
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def loss_fn(out: Any, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+
+def peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def one_process(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    net = gpt2(meta=False)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-4)
+    start = time.perf_counter()
+    for step in range(args.steps):
+        x, y = batch(args, step)
+        opt.zero_grad()
+        loss_fn(net(x), y).backward()
+        opt.step()
+    return {"peak_mb": peak_mb(), "params": sum(p.numel() for p in net.parameters()),
+            "seconds": time.perf_counter() - start}
+
+
+def rank_main(rank: int, args: argparse.Namespace, out: str) -> None:
+    torch.set_num_threads(1)
+    import plait
+
+    net = gpt2(meta=True)
+    config = plait.Config(num_stages=args.stages, dp=args.dp, zero=1 if args.dp > 1 else 0, num_microbatches=2,
+                          timeout_s=600.0)
+    model = plait.Model(net, config, optimizer=lambda p: torch.optim.Adam(p, lr=1e-4), loss=loss_fn)
+    for step in range(args.steps):
+        model.train_on_batch(*batch(args, step))
+    real = sum(t.numel() * t.element_size() for t in net.parameters() if not t.is_meta)
+    state = sum(v.numel() * v.element_size() for s in model.optimizer.state.values()  # type: ignore[union-attr]
+                for v in s.values() if isinstance(v, torch.Tensor))
+    Path(out, f"{rank}.json").write_text(json.dumps({
+        "peak_mb": peak_mb(), "parameters_mb": real / 2**20, "optimizer_mb": state / 2**20,
+        "layers": list(model.plan.layers_per_stage)}))
+
+
+def spawn_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The plait job: `stages x dp` ranks, each its own process (`--rank-main`), gloo on 127.0.0.1."""
+    world = args.stages * args.dp
+    with tempfile.TemporaryDirectory() as out:
+        port = str(29500 + os.getpid() % 1000)
+        procs = [subprocess.Popen([sys.executable, __file__, "--rank-main", str(r), "--out", out,
+                                   *_passed(args)],
+                                  env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+                                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                                       "MASTER_PORT": port})
+                 for r in range(world)]
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise SystemExit(f"a rank failed: exit codes {codes}")
+        return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
+
+
+def _passed(args: argparse.Namespace) -> list[str]:
+    return ["--stages", str(args.stages), "--dp", str(args.dp), "--steps", str(args.steps),
+            "--rows", str(args.rows), "--seq", str(args.seq)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=4, help="rows of a global batch")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per row")
+    parser.add_argument("--rank-main", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--one-process", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank_main is not None:
+        rank_main(args.rank_main, args, args.out)
+        return 0
+    if args.one_process:
+        print(json.dumps(one_process(args)))
+        return 0
+    load = os.getloadavg()[0]
+    alone = json.loads(subprocess.run([sys.executable, __file__, "--one-process", *_passed(args)],
+                                      check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    ranks = spawn_ranks(args)
+    print(f"GPT-2 {alone['params'] / 1e6:.1f}M parameters, Adam, {args.steps} steps of {args.rows} x {args.seq} "
+          f"tokens; plait: {args.stages} stages x {args.dp} replicas, zero={1 if args.dp > 1 else 0}, built on meta")
+    print("| process | peak RSS (MB) | parameters held (MB) | optimizer state (MB) | layers |")
+    print("|---|---|---|---|---|")
+    print(f"| one process (plain PyTorch) | {alone['peak_mb']:.0f} | {alone['params'] * 4 / 2**20:.0f} | "
+          f"{alone['params'] * 8 / 2**20:.0f} | all |")
+    for r, got in enumerate(ranks):
+        print(f"| plait rank {r} | {got['peak_mb']:.0f} | {got['parameters_mb']:.0f} | {got['optimizer_mb']:.0f} | "
+              f"{got['layers']} |")
+    ratio = max(r["peak_mb"] for r in ranks) / alone["peak_mb"]
+    ok = ratio <= TARGET
+    print(f"largest rank / one process = {ratio:.3f} (target <= {TARGET}): {'PASS' if ok else 'FAIL'}")
+    print(f"load average before {load:.2f}, after {os.getloadavg()[0]:.2f}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
