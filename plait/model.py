@@ -19,9 +19,10 @@ from plait.capture.trace import CapturedGraph, capture_batch, retarget
 from plait.checkpoint import disk as checkpoint
 from plait.checkpoint import train_state, weights
 from plait.checkpoint.model_checkpoints import ModelCheckpoints
+from plait.checkpoint.sharded_export import available_bytes, model_bytes, write_index, write_own_shard
 from plait.checkpoint.resume import ResumePoint, resume_point
 from plait.config import Config
-from plait.errors import ConfigError, PlaitError
+from plait.errors import CheckpointError, ConfigError, PlaitError
 from plait.materialize import materialize_tensors, on_meta
 from plait.job.process_group import init_process_group
 from plait.job.run_options import apply_run_options
@@ -30,7 +31,7 @@ from plait.plan import Plan
 from plait.plan.report import PlanReport
 from plait.planner.closed_loop import ClosedLoop
 from plait.planner.layout import Layout, Workload, choose_layout, layout_of
-from plait.runtime.collectives import broadcast_state, gather_state_dict, local_device
+from plait.runtime.collectives import broadcast_state, gather_state_dict, local_device, sum_floats
 from plait.runtime.pipeline import Pipeline, build_pipeline, stage_tensors
 from plait.runtime.report import failure_error
 from plait.runtime.step import OptimizerArg, StepRunner, make_optimizer, num_stats
@@ -313,8 +314,15 @@ class Model:
         return unflatten_output(batching.join_rows(parts), self._runner(x, train=False).pipe.output_spec)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full, unsplit state dict (keys, shapes and dtypes of net.state_dict()) on every rank."""
+        """The full, unsplit state dict (keys, shapes and dtypes of net.state_dict()) on every rank,
+        for models that fit one rank; `export` writes a larger one without gathering it."""
         owners = self._train.pipe.owner_of if self._train is not None else {}
+        whole, limit = model_bytes(self.net), self.config.memory_limit_bytes or available_bytes()
+        if whole > limit:
+            raise CheckpointError(
+                f"state_dict() would hold the whole model ({whole / 2**30:.2f} GiB) on every rank, over "
+                f"this rank's limit of {limit / 2**30:.2f} GiB; write it with model.export(directory) "
+                "(each rank its own tensors) or save a sharded checkpoint with model.save()")
         try:
             return gather_state_dict(self.net, owners)
         except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
@@ -346,6 +354,23 @@ class Model:
     def _save(self, root: str | os.PathLike[str], data: dict[str, Any] | None) -> Path:
         pipe = self._train.pipe if self._train is not None else None
         return self._checkpoints.save(root, self.step, pipe, self.optimizer, self.config, data)
+
+    def export(self, directory: str | os.PathLike[str]) -> str:
+        """Write the weights as Hugging Face sharded safetensors (`from_pretrained` reads them):
+        each rank its own tensors, rank 0 the index once all are written. Call it on every rank."""
+        pipe = self._train.pipe if self._train is not None else None
+        try:
+            written, error = write_own_shard(self.net, pipe.owner_of if pipe else {}, self.rank, directory), ""
+        except (CheckpointError, OSError) as e:
+            written, error = {}, f"{type(e).__name__}: {e}"
+        failed = sum_floats([1.0 if error else 0.0])[0] if self.world_size > 1 else float(bool(error))
+        if failed:
+            raise CheckpointError(error or f"{int(failed)} rank(s) could not write their shard of {directory}")
+        if self.rank == 0:
+            write_index(directory, written, self.net)
+        if self.world_size > 1:
+            sum_floats([0.0])  # the index is written before any rank returns
+        return str(directory)
 
     def load(self, path: str | os.PathLike[str]) -> int:
         """Load a checkpoint, weights or a plain state-dict file, on every rank; returns its step.

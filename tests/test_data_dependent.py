@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import plait
+from tests.alongside import state_problems, train_alongside
 from tests.harness import run_ranks
 from tests.moe import MoENet
 
@@ -32,23 +33,12 @@ def train_and_compare(rank: int, world: int) -> dict[str, Any]:
     # layers: a, moe1 | b, moe2, head
     model = plait.Model(net, plait.Config(layers_per_proc=[2, 3], num_microbatches=3, timeout_s=30.0),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), loss=loss_fn)
-    problems, routed = [], []
-    for a in (0, 6, 12):
-        xb, yb = x[a:a + 6], y[a:a + 6]
-        routed.append(torch.softmax(ref.moe1.gate(torch.tanh(ref.a(xb))), -1).argmax(-1).bincount(minlength=3).tolist())
-        got = model.train_on_batch(xb, yb)
-        ref_opt.zero_grad()
-        loss = loss_fn(ref(xb), yb)
-        loss.backward()
-        ref_opt.step()
-        if abs(got - float(loss)) > 1e-5 * abs(float(loss)) + 1e-6:
-            problems.append(f"loss at rows {a}: {got} != {float(loss)}")
-    state = model.state_dict()
-    for key, want in ref.state_dict().items():
-        try:
-            torch.testing.assert_close(state[key], want, rtol=1e-5, atol=1e-6)
-        except AssertionError as e:
-            problems.append(f"{key}: {str(e).splitlines()[0]}")
+    batches = [(x[a:a + 6], y[a:a + 6]) for a in (0, 6, 12)]
+    with torch.no_grad():  # rows per expert of each batch, at the initial weights
+        routed = [torch.softmax(ref.moe1.gate(torch.tanh(ref.a(xb))), -1).argmax(-1).bincount(minlength=3).tolist()
+                  for xb, _ in batches]
+    problems = train_alongside(model, ref, ref_opt, loss_fn, batches)
+    problems += state_problems(model.state_dict(), ref.state_dict())
     ref.eval()
     with torch.no_grad():
         want_out = ref(x)

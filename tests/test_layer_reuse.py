@@ -18,6 +18,7 @@ from torch import nn
 
 import plait
 from plait.capture.trace import capture_batch
+from tests.alongside import state_problems, train_alongside
 from tests.harness import run_ranks
 
 CALLS = 4
@@ -54,23 +55,11 @@ def train_and_compare(rank: int, world: int, cut: tuple[int, ...]) -> dict[str, 
     model = plait.Model(net, plait.Config(layers_per_proc=cut, dp=world // len(cut), num_microbatches=2,
                                           timeout_s=30.0),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), loss=loss_fn)
-    problems = []
-    for a in (0, 4, 8):
-        got = model.train_on_batch(x[a:a + 4], y[a:a + 4])
-        ref_opt.zero_grad()
-        loss = loss_fn(ref(x[a:a + 4]), y[a:a + 4])
-        loss.backward()
-        ref_opt.step()
-        if abs(got - float(loss)) > 1e-5 * abs(float(loss)) + 1e-6:
-            problems.append(f"loss at rows {a}: {got} != {float(loss)}")
+    problems = train_alongside(model, ref, ref_opt, loss_fn, [(x[a:a + 4], y[a:a + 4]) for a in (0, 4, 8)])
     state, want = model.state_dict(), ref.state_dict()
     if list(state) != list(want):
         problems.append(f"state_dict keys {list(state)} != {list(want)}")
-    for key, value in want.items():
-        try:
-            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
-        except (AssertionError, KeyError) as e:
-            problems.append(f"{key}: {str(e).splitlines()[0]}")
+    problems += state_problems(state, want)
     for name, p in net.named_parameters():  # this rank's copy of a tied weight is the trained one too
         if p.grad is not None:
             try:

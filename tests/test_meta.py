@@ -18,6 +18,7 @@ from torch import nn
 
 import plait
 from plait.materialize import materialize_tensors, on_meta
+from tests.alongside import state_problems, train_alongside
 from tests.harness import run_ranks
 from tests.models import even_cut, mlp
 
@@ -97,23 +98,11 @@ def train_and_compare(rank: int, world: int, name: str, stages: int, zero: int) 
     model = plait.Model(net, plait.Config(layers_per_proc=even_cut(layers, stages), dp=world // stages, zero=zero,
                                           num_microbatches=2, seed=SEED, timeout_s=30.0),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), loss=loss_fn)
-    problems = []
-    for a in (0, 4, 8):
-        xb = {k: v[a:a + 4] for k, v in x.items()} if isinstance(x, dict) else x[a:a + 4]
-        got = model.train_on_batch(xb, y[a:a + 4])
-        real = len({id(t) for t in list(net.parameters()) + list(net.buffers()) if not t.is_meta})
-        ref_opt.zero_grad()
-        loss = loss_fn(ref(**xb) if isinstance(xb, dict) else ref(xb), y[a:a + 4])
-        loss.backward()
-        ref_opt.step()
-        if abs(got - float(loss)) > 1e-5 * abs(float(loss)) + 1e-6:
-            problems.append(f"loss at rows {a}: {got} != {float(loss)}")
-    state = model.state_dict()
-    for key, want in ref.state_dict().items():
-        try:
-            torch.testing.assert_close(state[key], want, rtol=1e-5, atol=1e-6)
-        except (AssertionError, KeyError) as e:
-            problems.append(f"{key}: {str(e).splitlines()[0]}")
+    batches = [({k: v[a:a + 4] for k, v in x.items()} if isinstance(x, dict) else x[a:a + 4], y[a:a + 4])
+               for a in (0, 4, 8)]
+    problems = train_alongside(model, ref, ref_opt, loss_fn, batches)
+    real = len({id(t) for t in list(net.parameters()) + list(net.buffers()) if not t.is_meta})
+    problems += state_problems(model.state_dict(), ref.state_dict())
     used = {id(t) for s in model._train.pipe.executors  # type: ignore[union-attr]
             for t in list(model._train.pipe.stages[s].module.parameters())  # type: ignore[union-attr]
             + list(model._train.pipe.stages[s].module.buffers())}  # type: ignore[union-attr]

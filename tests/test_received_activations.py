@@ -22,6 +22,7 @@ from torch import nn
 
 import plait
 from plait.capture.trace import capture_batch
+from tests.alongside import state_problems, train_alongside
 from tests.harness import run_ranks
 
 
@@ -87,22 +88,8 @@ def train_and_compare(name: str, setting: str) -> list[str]:
     model = plait.Model(net, plait.Config(layers_per_proc=cut, num_microbatches=2, timeout_s=30.0,
                                           **SETTINGS[setting]),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), loss=loss_fn)
-    problems = []
-    for a in (0, 4, 8):
-        got = model.train_on_batch(x[a:a + 4], y[a:a + 4])
-        ref_opt.zero_grad()
-        loss = loss_fn(ref(x[a:a + 4]), y[a:a + 4])
-        loss.backward()
-        ref_opt.step()
-        if abs(got - float(loss)) > 1e-5 * abs(float(loss)) + 1e-6:
-            problems.append(f"loss at rows {a}: {got} != {float(loss)}")
-    state = model.state_dict()
-    for key, want in ref.state_dict().items():
-        try:
-            torch.testing.assert_close(state[key], want, rtol=1e-5, atol=1e-6)
-        except AssertionError as e:
-            problems.append(f"{key}: {str(e).splitlines()[0]}")
-    return problems
+    problems = train_alongside(model, ref, ref_opt, loss_fn, [(x[a:a + 4], y[a:a + 4]) for a in (0, 4, 8)])
+    return problems + state_problems(model.state_dict(), ref.state_dict())
 
 
 def train_all(rank: int, world: int) -> dict[str, list[str]]:

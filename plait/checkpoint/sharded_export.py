@@ -1,0 +1,111 @@
+"""Writing a model's weights in Hugging Face's sharded safetensors format, each rank its own tensors.
+
+No rank gathers the model: each rank writes the tensors it owns (the ones a checkpoint has it
+save: `train_state.model_index`) to its own shard, and rank 0 writes the index once every shard
+is on disk, so a reader that finds the index finds every file it names::
+
+    out/model-00001-of-00002.safetensors     rank 0's tensors (stage 0)
+    out/model-00002-of-00002.safetensors     rank 1's tensors (stage 1)
+    out/model.safetensors.index.json         {"metadata": {"total_size": ...}, "weight_map": {name: file}}
+    out/config.json                          a Hugging Face model's config, as save_pretrained writes it
+
+A tensor shared under several names (a tied head) is written once, under its first name, as
+`save_pretrained` does; `from_pretrained` and `plait.Model.load` tie it again. With one shard
+the file is `model.safetensors` and there is no index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from plait.checkpoint.train_state import model_index, owned_tensors
+from plait.errors import CheckpointError
+
+__all__ = ["shard_files", "write_own_shard", "write_index", "model_bytes", "available_bytes"]
+
+INDEX = "model.safetensors.index.json"
+
+
+def shard_files(entries: Mapping[str, Mapping[str, Any]]) -> dict[int, str]:
+    """rank -> its shard's file name, for the ranks that own a tensor (the same on every rank)."""
+    ranks = sorted({int(e["shard"]) for e in entries.values()})
+    if len(ranks) == 1:
+        return {ranks[0]: "model.safetensors"}
+    return {r: f"model-{i + 1:05d}-of-{len(ranks):05d}.safetensors" for i, r in enumerate(ranks)}
+
+
+def write_own_shard(net: nn.Module, owner_of: Mapping[int, int], rank: int, out: str | os.PathLike[str]) -> dict[str, Any]:
+    """Write this rank's shard (if it owns any tensor); return the index's weight map and size."""
+    from safetensors.torch import save_file
+
+    _, _, entries = model_index(net, owner_of)
+    files = shard_files(entries)
+    mine = owned_tensors(net, entries, rank)
+    on_meta = sorted(name for name, t in mine.items() if t.is_meta)
+    if on_meta:
+        raise CheckpointError(
+            f"rank {rank} owns tensors that were never materialized (no stage uses them): {on_meta[:10]}; "
+            "load weights for them (model.load) or drop them from the model before exporting"
+        )
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    if mine:
+        part = directory / f".{files[rank]}.part"
+        save_file({n: t.contiguous().cpu() for n, t in mine.items()}, str(part), metadata={"format": "pt"})
+        os.replace(part, directory / files[rank])
+    weight_map = {name: files[int(e["shard"])] for name, e in entries.items()}
+    total = sum(torch.empty(0, dtype=_dtype(e["dtype"])).element_size() * _numel(e["shape"])
+                for e in entries.values())
+    return {"weight_map": weight_map, "total_size": total, "single": len(files) == 1}
+
+
+def write_index(out: str | os.PathLike[str], written: Mapping[str, Any], net: nn.Module) -> None:
+    """Rank 0, after every shard is written: a Hugging Face model's `config.json` (as
+    `save_pretrained` writes it), then the index naming each tensor's file."""
+    save_config = getattr(getattr(net, "config", None), "save_pretrained", None)
+    if callable(save_config):
+        save_config(out)
+    if written["single"]:
+        return
+    index = {"metadata": {"total_size": written["total_size"]}, "weight_map": written["weight_map"]}
+    path = Path(out) / INDEX
+    part = path.with_name(f".{INDEX}.part")
+    part.write_text(json.dumps(index, indent=2, sort_keys=True))
+    os.replace(part, path)
+
+
+def model_bytes(net: nn.Module) -> int:
+    """Bytes of the model's tensors, each shared one once (meta tensors counted by their shape)."""
+    seen = {id(t): t for t in net.state_dict(keep_vars=True).values()}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def available_bytes() -> float:
+    """This machine's available memory (Linux: MemAvailable), or infinity where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
+def _dtype(text: str) -> torch.dtype:
+    dtype = getattr(torch, text.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {text!r} in the model index")
+    return dtype
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
