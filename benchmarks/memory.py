@@ -8,6 +8,12 @@ the optimizer state sharded over the replicas), the same steps. The figure is th
 rank's peak RSS over the one process's, target <= 0.5. Each side runs in a fresh process, so
 neither inherits the other's allocations; both import torch and transformers the same way.
 
+With --cap F, the same run again under a memory cap of F x the one process's peak (default 0.6):
+each process in its own cgroup (v1 memory controller, memory.limit_in_bytes; the kernel kills a
+process that goes over): first one process, which should be killed, then every plait rank, each
+under the same cap, which should train. That works only if no rank ever materializes the whole
+model. It needs a writable /sys/fs/cgroup/memory (root); without one it says so and fails.
+
 The model: GPT-2 (transformers' GPT2LMHeadModel), 12 layers x 1024, 16 heads, vocabulary 8192,
 1024 positions: 160.2M parameters (641 MB in fp32; with gradients and Adam's two moments,
 2.6 GB before activations).
@@ -33,6 +39,21 @@ except ImportError:  # run from a checkout without `pip install -e .`
 import torch
 
 TARGET = 0.5
+CGROUPS = Path("/sys/fs/cgroup/memory")
+
+
+def join_cgroup(path: str | None) -> None:
+    """Put this process under the cap of cgroup `path` (made by `capped`) before it allocates."""
+    if path:
+        Path(path, "cgroup.procs").write_text(str(os.getpid()))
+
+
+def capped(name: str, cap_bytes: int) -> str:
+    """A fresh memory cgroup `name` limited to `cap_bytes`; its path."""
+    path = CGROUPS / name
+    path.mkdir(exist_ok=True)
+    Path(path, "memory.limit_in_bytes").write_text(str(cap_bytes))
+    return str(path)
 
 
 def gpt2(meta: bool) -> torch.nn.Module:
@@ -63,6 +84,7 @@ def peak_mb() -> float:
 
 
 def one_process(args: argparse.Namespace) -> dict[str, Any]:
+    join_cgroup(args.cgroup)
     torch.set_num_threads(1)
     net = gpt2(meta=False)
     opt = torch.optim.Adam(net.parameters(), lr=1e-4)
@@ -77,6 +99,7 @@ def one_process(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def rank_main(rank: int, args: argparse.Namespace, out: str) -> None:
+    join_cgroup(f"{args.cgroup}{rank}" if args.cgroup else None)
     torch.set_num_threads(1)
     import plait
 
@@ -94,13 +117,14 @@ def rank_main(rank: int, args: argparse.Namespace, out: str) -> None:
         "layers": list(model.plan.layers_per_stage)}))
 
 
-def spawn_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The plait job: `stages x dp` ranks, each its own process (`--rank-main`), gloo on 127.0.0.1."""
+def spawn_ranks(args: argparse.Namespace, cgroup: str | None = None) -> list[dict[str, Any]]:
+    """The plait job: `stages x dp` ranks, each its own process (`--rank-main`), gloo on 127.0.0.1,
+    rank r in cgroup `{cgroup}{r}` if given."""
     world = args.stages * args.dp
     with tempfile.TemporaryDirectory() as out:
         port = str(29500 + os.getpid() % 1000)
         procs = [subprocess.Popen([sys.executable, __file__, "--rank-main", str(r), "--out", out,
-                                   *_passed(args)],
+                                   *_passed(args), *(["--cgroup", cgroup] if cgroup else [])],
                                   env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
                                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                                        "MASTER_PORT": port})
@@ -126,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank-main", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--one-process", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--cgroup", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--cap", type=float, nargs="?", const=0.6, default=None,
+                        help="then run again with every process capped at this fraction of the one "
+                             "process's peak (default 0.6)")
     args = parser.parse_args(argv)
     if args.rank_main is not None:
         rank_main(args.rank_main, args, args.out)
@@ -149,8 +177,38 @@ def main(argv: list[str] | None = None) -> int:
     ratio = max(r["peak_mb"] for r in ranks) / alone["peak_mb"]
     ok = ratio <= TARGET
     print(f"largest rank / one process = {ratio:.3f} (target <= {TARGET}): {'PASS' if ok else 'FAIL'}")
+    if args.cap is not None:
+        ok &= run_capped(args, int(args.cap * alone["peak_mb"] * 2**20))
     print(f"load average before {load:.2f}, after {os.getloadavg()[0]:.2f}")
     return 0 if ok else 1
+
+
+def run_capped(args: argparse.Namespace, cap: int) -> bool:
+    """One process, then the plait job, every process under `cap` bytes; True if the job trained."""
+    if not os.access(CGROUPS, os.W_OK):
+        print(f"memory cap: {CGROUPS} is not writable here (needs root and cgroup v1's memory controller): FAIL")
+        return False
+    stamp = f"plait-memory-{os.getpid()}-"
+    alone = subprocess.run([sys.executable, __file__, "--one-process", *_passed(args),
+                            "--cgroup", capped(stamp + "alone", cap)], capture_output=True, text=True)
+    alone_died = alone.returncode != 0
+    for r in range(args.stages * args.dp):
+        capped(f"{stamp}rank{r}", cap)
+    try:
+        ranks, error = spawn_ranks(args, str(CGROUPS / f"{stamp}rank")), ""
+    except SystemExit as e:
+        ranks, error = [], str(e)
+    for path in CGROUPS.glob(stamp + "*"):
+        path.rmdir()
+    print(f"\nunder a memory cap of {cap / 2**20:.0f} MB per process ({args.cap} x the one process's peak):")
+    print(f"| run | outcome |\n|---|---|\n| one process | "
+          f"{'killed (exit ' + str(alone.returncode) + ')' if alone_died else 'finished'} |")
+    peaks = ", ".join(f"{r['peak_mb']:.0f}" for r in ranks)
+    outcome = f"trained; peak RSS per rank (MB): {peaks}" if ranks else f"failed: {error}"
+    print(f"| plait, {args.stages * args.dp} ranks | {outcome} |")
+    ok = bool(ranks) and alone_died
+    print(f"the plait job trains under a cap one process cannot: {'PASS' if ok else 'FAIL'}")
+    return ok
 
 
 if __name__ == "__main__":
