@@ -31,7 +31,7 @@ from plait.plan import Plan
 from plait.plan.report import PlanReport
 from plait.planner.closed_loop import ClosedLoop
 from plait.planner.layout import Layout, Workload, choose_layout, layout_of
-from plait.runtime.collectives import broadcast_state, gather_state_dict, local_device, sum_floats
+from plait.runtime.collectives import broadcast_state, failed_ranks, gather_state_dict, local_device, sum_floats
 from plait.runtime.pipeline import Pipeline, build_pipeline, stage_tensors
 from plait.runtime.report import failure_error
 from plait.runtime.step import OptimizerArg, StepRunner, make_optimizer, num_stats
@@ -78,7 +78,8 @@ class Model:
         if self.world_size == 1:
             self.num_stages = 1
             config = self.config
-            if (config.num_stages or len(config.layers_per_proc or ()) or len(config.split_points or ()) + 1) > 1:
+            asked = max(config.num_stages or 1, len(config.layers_per_proc or ()), len(config.split_points or ()) + 1)
+            if asked > 1:  # stages asked for, by size or by cut (Config checks that they agree)
                 log.warning("plait: one process (no launcher): running every layer on one stage")
         else:  # 0 until planned (`plait.planner.layout`); a size given is checked against the world now
             self.num_stages = 0 if self.config.plans_everything else self.config.stages_for(self.world_size)
@@ -318,11 +319,12 @@ class Model:
         for models that fit one rank; `export` writes a larger one without gathering it."""
         owners = self._train.pipe.owner_of if self._train is not None else {}
         whole, limit = model_bytes(self.net), self.config.memory_limit_bytes or available_bytes()
-        if whole > limit:
+        over = failed_ranks(whole > limit)  # every rank refuses if one must, none waits in the gather
+        if over:
             raise CheckpointError(
                 f"state_dict() would hold the whole model ({whole / 2**30:.2f} GiB) on every rank, over "
-                f"this rank's limit of {limit / 2**30:.2f} GiB; write it with model.export(directory) "
-                "(each rank its own tensors) or save a sharded checkpoint with model.save()")
+                f"the limit of ranks {over} (this rank's: {limit / 2**30:.2f} GiB); write it with "
+                "model.export(directory) (each rank its own tensors) or save a sharded checkpoint with model.save()")
         try:
             return gather_state_dict(self.net, owners)
         except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
@@ -363,9 +365,9 @@ class Model:
             written, error = write_own_shard(self.net, pipe.owner_of if pipe else {}, self.rank, directory), ""
         except (CheckpointError, OSError) as e:
             written, error = {}, f"{type(e).__name__}: {e}"
-        failed = sum_floats([1.0 if error else 0.0])[0] if self.world_size > 1 else float(bool(error))
+        failed = failed_ranks(bool(error))
         if failed:
-            raise CheckpointError(error or f"{int(failed)} rank(s) could not write their shard of {directory}")
+            raise CheckpointError(error or f"ranks {failed} could not write their shard of {directory}")
         if self.rank == 0:
             write_index(directory, written, self.net)
         if self.world_size > 1:

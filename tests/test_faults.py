@@ -57,7 +57,7 @@ def _arm(where, sig, stamp):
         "backward": (executor.StageExecutor, "backward", lambda n, a: n == 2 * 6 + 1),
         "allreduce": (grad_sync.GradientBuckets, "_launch", lambda n, a: n > 6 * len(a[0].buckets)),
         "save: shard": (checkpoint, "write_shard", lambda n, a: n == 4),  # the step 8 checkpoint
-        "save: latest": (checkpoint, "_write_atomic", lambda n, a: a[0].name == "latest" and n == 8),
+        "save: latest": (checkpoint, "write_atomic", lambda n, a: a[0].name == "latest" and n == 8),
     }[where]
     _kill_at(target, name, when, sig, stamp)
 

@@ -95,7 +95,7 @@ def capture(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     failing raises CaptureError naming the module and line where each stopped and the fix.
     """
     kept = modules_to_keep(net, keep)
-    stops: list[Stop | None] = []
+    stop: Stop | None = None  # where the last torch.export attempt stopped
     export_error: BaseException | None = None
     for _ in range(RETRIES + 1):
         try:
@@ -103,7 +103,6 @@ def capture(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         except Exception as error:  # noqa: BLE001 - every tracer failure leads on
             export_error = error
             stop = stopped_in(export_error, net)
-            stops.append(stop)
             log.info("plait: torch.export failed (%s)%s", _first_line(export_error),
                      f" in {stop.describe()}" if stop else "")
             if stop is None or not stop.module or isinstance(export_error, CaptureError):
@@ -116,7 +115,7 @@ def capture(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         return _capture_fx(net, kept)
     except Exception as fx_error:  # noqa: BLE001
         assert export_error is not None
-        raise CaptureError(_failure(net, export_error, stops[-1], fx_error, kept)) from fx_error
+        raise CaptureError(_failure(net, export_error, stop, fx_error, kept)) from fx_error
 
 
 def _failure(net: nn.Module, export_error: BaseException, stop: Stop | None, fx_error: BaseException,

@@ -33,7 +33,7 @@ import torch
 from plait.checkpoint import tensorfile
 from plait.errors import CheckpointError
 
-__all__ = ["Checkpoint", "FORMAT", "step_name", "temp_dir", "write_shard", "commit", "open_checkpoint",
+__all__ = ["Checkpoint", "FORMAT", "step_name", "temp_dir", "write_shard", "write_tensor_file", "write_atomic", "commit", "open_checkpoint",
            "find_resumable", "is_checkpoint_dir", "export", "read_parameters", "read_plain"]
 
 log = logging.getLogger("plait")
@@ -60,7 +60,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     """Replace `path` by `data`: readers see the old bytes or the new ones, never a part."""
     part = path.with_name(path.name + ".part")
     with open(part, "wb") as f:
@@ -74,8 +74,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def write_shard(directory: Path, rank: int, tensors: Mapping[str, torch.Tensor],
                 metadata: Mapping[str, str]) -> tuple[int, str]:
     """Write this rank's shard durably; return its (size in bytes, sha256)."""
+    return write_tensor_file(directory / f"rank{rank}.safetensors", tensors, metadata)
+
+
+def write_tensor_file(final: Path, tensors: Mapping[str, torch.Tensor],
+                      metadata: Mapping[str, str]) -> tuple[int, str]:
+    """Write a safetensors file durably (a part file, fsynced, renamed); return its (size, sha256)."""
+    directory = final.parent
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"rank{rank}.safetensors"
     part = final.with_name(final.name + ".part")
     with open(part, "wb") as f:
         digest = tensorfile.write_tensors(f, tensors, metadata)
@@ -89,7 +95,7 @@ def write_shard(directory: Path, rank: int, tensors: Mapping[str, torch.Tensor],
 def commit(root: str | os.PathLike[str], temp: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
     """Rank 0, once every shard is durable: write meta.json, publish the step, move `latest`, prune."""
     root = Path(root)
-    _write_atomic(temp / "meta.json", json.dumps({"format": FORMAT, **meta}, indent=1).encode())
+    write_atomic(temp / "meta.json", json.dumps({"format": FORMAT, **meta}, indent=1).encode())
     final = root / step_name(step)
     if final.exists():  # left by an attempt whose `latest` never moved: superseded by this one
         aside = root / f"{final.name}.old-{temp.name.rsplit('-', 1)[-1]}"
@@ -97,7 +103,7 @@ def commit(root: str | os.PathLike[str], temp: Path, step: int, meta: dict[str, 
         shutil.rmtree(aside, ignore_errors=True)
     os.replace(temp, final)
     _fsync_dir(root)
-    _write_atomic(root / "latest", f"{final.name}\n".encode())
+    write_atomic(root / "latest", f"{final.name}\n".encode())
     _prune(root, step, keep)
     return final
 

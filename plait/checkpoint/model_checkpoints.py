@@ -35,7 +35,7 @@ from plait.checkpoint.disk import Checkpoint, read_parameters
 from plait.config import Config
 from plait.errors import CheckpointError
 from plait.runtime.agree import agree
-from plait.runtime.collectives import sum_floats
+from plait.runtime.collectives import failed_ranks, sum_floats
 
 if TYPE_CHECKING:
     from plait.runtime.pipeline import Pipeline
@@ -129,13 +129,10 @@ class ModelCheckpoints:
             loaded = weights.load_weights(path, state, wanted)
         except Exception as e:  # noqa: BLE001 - the others must hear of it, not wait for this rank
             error = e
-        if self.world_size > 1:
-            flags = [0.0] * self.world_size
-            flags[self.rank] = float(error is not None)
-            failed = [r for r, v in enumerate(sum_floats(flags)) if v]
-            if failed and error is None:
-                raise CheckpointError(f"ranks {failed} could not load the weights at {path} (see their "
-                                      f"errors); this rank loaded its share")
+        failed = failed_ranks(error is not None)
+        if failed and error is None:
+            raise CheckpointError(f"ranks {failed} could not load the weights at {path} (see their "
+                                  f"errors); this rank loaded its share")
         if error is not None:
             raise error
         assert loaded is not None

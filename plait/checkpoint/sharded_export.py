@@ -21,29 +21,26 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
 from torch import nn
 
+from plait.checkpoint.disk import write_atomic, write_tensor_file
 from plait.checkpoint.train_state import model_index, owned_tensors
+from plait.checkpoint.weights import INDEX, SINGLE
 from plait.errors import CheckpointError
 
 __all__ = ["shard_files", "write_own_shard", "write_index", "model_bytes", "available_bytes"]
-
-INDEX = "model.safetensors.index.json"
 
 
 def shard_files(entries: Mapping[str, Mapping[str, Any]]) -> dict[int, str]:
     """rank -> its shard's file name, for the ranks that own a tensor (the same on every rank)."""
     ranks = sorted({int(e["shard"]) for e in entries.values()})
     if len(ranks) == 1:
-        return {ranks[0]: "model.safetensors"}
+        return {ranks[0]: SINGLE}
     return {r: f"model-{i + 1:05d}-of-{len(ranks):05d}.safetensors" for i, r in enumerate(ranks)}
 
 
 def write_own_shard(net: nn.Module, owner_of: Mapping[int, int], rank: int, out: str | os.PathLike[str]) -> dict[str, Any]:
     """Write this rank's shard (if it owns any tensor); return the index's weight map and size."""
-    from safetensors.torch import save_file
-
     _, _, entries = model_index(net, owner_of)
     files = shard_files(entries)
     mine = owned_tensors(net, entries, rank)
@@ -53,16 +50,11 @@ def write_own_shard(net: nn.Module, owner_of: Mapping[int, int], rank: int, out:
             f"rank {rank} owns tensors that were never materialized (no stage uses them): {on_meta[:10]}; "
             "load weights for them (model.load) or drop them from the model before exporting"
         )
-    directory = Path(out)
-    directory.mkdir(parents=True, exist_ok=True)
+    Path(out).mkdir(parents=True, exist_ok=True)
     if mine:
-        part = directory / f".{files[rank]}.part"
-        save_file({n: t.contiguous().cpu() for n, t in mine.items()}, str(part), metadata={"format": "pt"})
-        os.replace(part, directory / files[rank])
+        write_tensor_file(Path(out) / files[rank], mine, {"format": "pt"})
     weight_map = {name: files[int(e["shard"])] for name, e in entries.items()}
-    total = sum(torch.empty(0, dtype=_dtype(e["dtype"])).element_size() * _numel(e["shape"])
-                for e in entries.values())
-    return {"weight_map": weight_map, "total_size": total, "single": len(files) == 1}
+    return {"weight_map": weight_map, "total_size": model_bytes(net), "single": len(files) == 1}
 
 
 def write_index(out: str | os.PathLike[str], written: Mapping[str, Any], net: nn.Module) -> None:
@@ -74,10 +66,7 @@ def write_index(out: str | os.PathLike[str], written: Mapping[str, Any], net: nn
     if written["single"]:
         return
     index = {"metadata": {"total_size": written["total_size"]}, "weight_map": written["weight_map"]}
-    path = Path(out) / INDEX
-    part = path.with_name(f".{INDEX}.part")
-    part.write_text(json.dumps(index, indent=2, sort_keys=True))
-    os.replace(part, path)
+    write_atomic(Path(out) / INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
 
 
 def model_bytes(net: nn.Module) -> int:
@@ -95,17 +84,3 @@ def available_bytes() -> float:
     except OSError:
         pass
     return float("inf")
-
-
-def _dtype(text: str) -> torch.dtype:
-    dtype = getattr(torch, text.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"unknown dtype {text!r} in the model index")
-    return dtype
-
-
-def _numel(shape: Any) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

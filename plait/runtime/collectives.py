@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["local_device", "make_group", "sum_floats", "max_floats", "start_sum_floats", "broadcast_state", "TiedGradients",
+__all__ = ["local_device", "make_group", "sum_floats", "failed_ranks", "max_floats", "start_sum_floats", "broadcast_state", "TiedGradients",
            "gather_state_dict", "broadcast_json", "all_gather_text"]
 
 
@@ -78,6 +78,16 @@ def gather_state_dict(net: nn.Module, owner_of: dict[int, int]) -> dict[str, tor
             done[id(t)] = value
         out[name] = done[id(t)]
     return out
+
+
+def failed_ranks(failed: bool) -> list[int]:
+    """The ranks on which `failed` is true, on every rank (each calls it once): so a rank that
+    cannot go on makes every rank stop, instead of leaving the others waiting for it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [0] if failed else []
+    flags = [0.0] * dist.get_world_size()
+    flags[dist.get_rank()] = float(failed)
+    return [r for r, v in enumerate(sum_floats(flags)) if v]
 
 
 def sum_floats(values: list[float]) -> list[float]:

@@ -57,6 +57,10 @@ class ShardedOptimizerState:
         self.group = group
         self.owner_rank = {id(p): self.ranks[owners[id(p)]] for p in self.params}
         self.rank = rank
+        # Fixed for the pipeline's life: the others' parameters, and each owner's share by dtype.
+        self._foreign = [p for p in self.params if self.owner_rank[id(p)] != rank]
+        self._shares = [(src, share) for src in self.ranks for dtype in dict.fromkeys(p.dtype for p in self.params)
+                        if (share := [p for p in self.params if self.owner_rank[id(p)] == src and p.dtype == dtype])]
 
     def owned(self, p: nn.Parameter) -> bool:
         """Whether this rank steps `p` (parameters not sharded count as owned)."""
@@ -64,17 +68,13 @@ class ShardedOptimizerState:
 
     def drop_foreign_gradients(self) -> None:
         """Before the optimizer step: no gradient, so no step and no state, for others' parameters."""
-        for p in self.params:
-            if not self.owned(p):
-                p.grad = None
+        for p in self._foreign:
+            p.grad = None
 
     def broadcast(self) -> None:
         """After the optimizer step: every owner's updated parameters to the other replicas."""
-        for src in self.ranks:
-            for dtype in dict.fromkeys(p.dtype for p in self.params):
-                share = [p for p in self.params if self.owner_rank[id(p)] == src and p.dtype == dtype]
-                if share:
-                    self._broadcast(share, src)
+        for src, share in self._shares:
+            self._broadcast(share, src)
 
     def _broadcast(self, share: list[nn.Parameter], src: int) -> None:
         """One flat buffer of `share` (one dtype) from `src` to the other replicas."""

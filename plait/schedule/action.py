@@ -10,7 +10,7 @@ from typing import TypeAlias
 from plait.errors import ScheduleError
 
 __all__ = [
-    "Op", "Action", "Program", "COMPUTE_OPS", "parse_action", "format_program", "format_grid",
+    "Op", "Action", "Program", "COMPUTE_OPS", "counterpart", "parse_action", "format_program", "format_grid",
 ]
 
 
@@ -129,3 +129,16 @@ def format_grid(program: Program, positions: dict[int, int] | None = None) -> st
             row.append(" (done)")
         lines.append("".join(row).rstrip())
     return "\n".join(lines)
+
+
+def counterpart(action: Action) -> Action:
+    """The other end of a send or receive: SF(s, k) <-> RF(s+1, k), SB(s, k) <-> RB(s-1, k)."""
+    s, k = action.stage_index, action.microbatch_index
+    if action.op is Op.SEND_F:
+        return Action(s + 1, Op.RECV_F, k)
+    if action.op is Op.RECV_F:
+        return Action(s - 1, Op.SEND_F, k)
+    if action.op is Op.SEND_B:
+        return Action(s - 1, Op.RECV_B, k)
+    assert action.op is Op.RECV_B, f"{action} is not a send or receive"
+    return Action(s + 1, Op.SEND_B, k)

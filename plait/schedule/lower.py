@@ -29,7 +29,7 @@ activation. The earlier message's receive then moves up to just before the later
 from __future__ import annotations
 
 from plait.errors import ScheduleError
-from plait.schedule.action import COMPUTE_OPS, Action, Op, Program
+from plait.schedule.action import COMPUTE_OPS, Action, Op, Program, counterpart
 from plait.schedule.timing import clock_cycles
 
 __all__ = ["lower_communication", "place_stages", "check_sizes", "resolve_stage_to_rank"]
@@ -170,11 +170,9 @@ def _take_in_send_order(program: Program, ranks: dict[int, int]) -> Program:
     sent: dict[tuple[int, int], list[Action]] = {}  # (src, dst) -> dst's receives, in send order
     for src, actions in program.items():
         for a in actions:
-            s, k = a.stage_index, a.microbatch_index
-            if a.op is Op.SEND_F:
-                sent.setdefault((src, ranks[s + 1]), []).append(Action(s + 1, Op.RECV_F, k))
-            elif a.op is Op.SEND_B:
-                sent.setdefault((src, ranks[s - 1]), []).append(Action(s - 1, Op.RECV_B, k))
+            if a.op in (Op.SEND_F, Op.SEND_B):
+                receive = counterpart(a)
+                sent.setdefault((src, ranks[receive.stage_index]), []).append(receive)
     place = {a: (pair, i) for pair, queue in sent.items() for i, a in enumerate(queue)}
     taken = {pair: 0 for pair in sent}  # messages of each (src, dst) taken so far
     ordered: Program = {}

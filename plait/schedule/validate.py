@@ -13,7 +13,7 @@ that every rank take each peer's messages in the order the peer sends them.
 from __future__ import annotations
 
 from plait.errors import ScheduleError
-from plait.schedule.action import COMPUTE_OPS, Action, Op, Program, format_grid
+from plait.schedule.action import COMPUTE_OPS, Action, Op, Program, counterpart, format_grid
 from plait.schedule.lower import check_sizes, resolve_stage_to_rank
 
 __all__ = ["validate", "needs"]
@@ -46,19 +46,6 @@ def needs(action: Action, stage_to_rank: dict[int, int], num_chunks: int) -> lis
     if op is Op.RECV_F:
         return [Action(s - 1, Op.SEND_F, k)]
     return [Action(s + 1, Op.SEND_B, k)]  # RECV_B
-
-
-def _counterpart(action: Action) -> Action:
-    """The other end of a send or receive: SF(s, k) <-> RF(s+1, k), SB(s, k) <-> RB(s-1, k)."""
-    s, k = action.stage_index, action.microbatch_index
-    if action.op is Op.SEND_F:
-        return Action(s + 1, Op.RECV_F, k)
-    if action.op is Op.RECV_F:
-        return Action(s - 1, Op.SEND_F, k)
-    if action.op is Op.SEND_B:
-        return Action(s - 1, Op.RECV_B, k)
-    assert action.op is Op.RECV_B, f"{action} is not a send or receive"
-    return Action(s + 1, Op.SEND_B, k)
 
 
 def _raise_if(problems: list[str], headline: str) -> None:
@@ -97,7 +84,7 @@ def _check_placement(
                 elif ranks[peer] == rank:
                     problems.append(
                         f"{where} talks to stage {peer} on the same rank {rank}; the value is "
-                        f"handed over in memory, drop {a} and {_counterpart(a)}"
+                        f"handed over in memory, drop {a} and {counterpart(a)}"
                     )
     _raise_if(problems, "actions in the wrong place:")
 
@@ -157,7 +144,7 @@ def _check_order(
         for step, a in enumerate(actions):
             here = f"rank {rank} step {step}: {a}"
             if a.op not in COMPUTE_OPS:
-                other = _counterpart(a)
+                other = counterpart(a)
                 if other not in where:
                     kind = "receive" if a.op in (Op.SEND_F, Op.SEND_B) else "send"
                     problems.append(
@@ -240,19 +227,19 @@ def _check_send_order(program: Program, ranks: dict[int, int]) -> None:
     for rank, actions in sorted(program.items()):
         for step, a in enumerate(actions):
             if a.op in (Op.SEND_F, Op.SEND_B):
-                sends.setdefault((rank, ranks[_counterpart(a).stage_index]), []).append((step, a))
+                sends.setdefault((rank, ranks[counterpart(a).stage_index]), []).append((step, a))
             elif a.op in (Op.RECV_F, Op.RECV_B):
-                receives.setdefault((ranks[_counterpart(a).stage_index], rank), []).append((step, a))
+                receives.setdefault((ranks[counterpart(a).stage_index], rank), []).append((step, a))
     problems: list[str] = []
     for (src, dst), sent in sorted(sends.items()):
         taken = receives.get((src, dst), [])
         assert len(taken) == len(sent), f"unmatched messages {src} -> {dst} passed _check_order"
         for i, ((send_step, send), (recv_step, recv)) in enumerate(zip(sent, taken)):
-            if _counterpart(send) != recv:
+            if counterpart(send) != recv:
                 problems.append(
                     f"rank {src} -> rank {dst}, message {i}: rank {src} step {send_step} sends "
                     f"{send}, but rank {dst} step {recv_step} receives {recv} (expected "
-                    f"{_counterpart(send)}); move {_counterpart(send)} ahead of {recv} on rank "
+                    f"{counterpart(send)}); move {counterpart(send)} ahead of {recv} on rank "
                     f"{dst}, or reorder rank {src}'s sends (lower_communication does the first)"
                 )
                 break  # the rest of this pair is shifted by the same swap
