@@ -39,8 +39,10 @@ class Config:
         run as it is): qualified names as in `net.named_modules()`, or class names (or classes)
         for every instance. plait keeps a module whole by itself where torch.export stops in it.
     zero: 1 shards each stage's optimizer state over its dp replicas (ZeRO stage 1: each replica
-        steps its share of the parameters, whole ones, then broadcasts them); 0 replicates it;
-        None (default) is 0 for now. Needs dp > 1. Stage 2 (sharded gradients) is not available.
+        steps its share of the parameters, whole ones, then broadcasts them); 2 also shards the
+        gradients (each bucket reduced to the owners of its parameters instead of all-reduced,
+        and the others' gradients freed before the optimizer step); 0 replicates both. None
+        (default): the planner chooses, else 0. Needs dp > 1.
     init_fn: for a model built on the meta device, fn(module) initialising one module's own
         tensors in place (None: a Hugging Face model's `_init_weights`, else each module's
         `reset_parameters()`), called under an RNG seeded by (seed, module name) so values do not
@@ -135,16 +137,13 @@ class Config:
                               f"got {self.init_fn!r}")
 
     def _check_zero(self) -> None:
-        """zero: None, 0 or 1, and 1 only with more than one replica."""
+        """zero: None, 0, 1 or 2, and 1 or 2 only with more than one replica."""
         if self.zero is None:
             return
-        if self.zero == 2:
-            raise ConfigError("zero=2 (sharded gradients) is not available yet; use zero=1 (sharded "
-                              "optimizer state) or zero=0")
-        if isinstance(self.zero, bool) or self.zero not in (0, 1):
-            raise ConfigError(f"zero must be 0, 1 or None, got {self.zero!r}")
-        if self.zero == 1 and self.dp == 1:
-            raise ConfigError("zero=1 shards the optimizer state over a stage's replicas, but dp=1 has "
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2):
+            raise ConfigError(f"zero must be 0, 1, 2 or None, got {self.zero!r}")
+        if self.zero and self.dp == 1:
+            raise ConfigError(f"zero={self.zero} shards over a stage's replicas, but dp=1 has "
                               "one replica; set dp > 1 or zero=0")
 
     def _check_leaf_modules(self) -> None:

@@ -214,10 +214,10 @@ def test_leaf_modules_errors_name_the_value(value, message) -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"zero": 2}, r"zero=2 \(sharded gradients\) is not available yet; use zero=1"),
-    ({"zero": 3}, "zero must be 0, 1 or None, got 3"),
-    ({"zero": True}, "zero must be 0, 1 or None, got True"),
-    ({"zero": 1, "dp": 1}, r"zero=1 shards the optimizer state over a stage's replicas, but dp=1 has one replica; set dp > 1 or zero=0"),
+    ({"zero": 3}, "zero must be 0, 1, 2 or None, got 3"),
+    ({"zero": True}, "zero must be 0, 1, 2 or None, got True"),
+    ({"zero": 1, "dp": 1}, r"zero=1 shards over a stage's replicas, but dp=1 has one replica; set dp > 1 or zero=0"),
+    ({"zero": 2, "dp": 1}, r"zero=2 shards over a stage's replicas, but dp=1 has one replica"),
 ])
 def test_zero_errors_name_the_value_and_the_fix(kwargs, message) -> None:
     with pytest.raises(ConfigError, match=message):

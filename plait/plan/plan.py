@@ -29,7 +29,7 @@ class Plan:
     recompute: tuple[int, ...] = ()  # stages that recompute their forward during the backward
     check: str = ""  # the closed loop: measured against predicted step and stage times, once known
     kept_whole: tuple[str, ...] = ()  # modules captured as one opaque call each (not traced into)
-    zero: int = 0  # 1: each stage's optimizer state sharded over its replicas (ZeRO-1)
+    zero: int = 0  # 1: each stage's optimizer state sharded over its replicas (ZeRO-1); 2: gradients too
 
     def __post_init__(self) -> None:
         counts = {"num_virtual_stages": self.num_virtual_stages, "dp": self.dp,
@@ -52,8 +52,8 @@ class Plan:
                 f"plan has {self.num_chunks} stages, not a multiple of num_virtual_stages="
                 f"{self.num_virtual_stages}; every rank holds the same number of chunks"
             )
-        if self.zero not in (0, 1):
-            raise ConfigError(f"plan has zero={self.zero!r}; it must be 0 or 1")
+        if self.zero not in (0, 1, 2):
+            raise ConfigError(f"plan has zero={self.zero!r}; it must be 0, 1 or 2")
         if not self.stage_to_rank:
             object.__setattr__(self, "stage_to_rank", tuple(self.rank_of(s, 0) for s in range(self.num_chunks)))
 
@@ -148,7 +148,8 @@ class Plan:
             again = ", recomputed" if s in self.recompute else ""
             lines.append(f"  stage {s} ({where}{again}): {len(names)} layers: {shown}")
         if self.zero:
-            lines.append(f"  ZeRO-1: each stage's optimizer state sharded over its {self.dp} replicas")
+            what = "optimizer state" if self.zero == 1 else "optimizer state and gradients"
+            lines.append(f"  ZeRO-{self.zero}: each stage's {what} sharded over its {self.dp} replicas")
         if self.kept_whole:
             lines.append(f"  kept whole (one layer each, not traced into): {', '.join(self.kept_whole)}")
         for name, stages in self.tied_parameters:

@@ -27,13 +27,13 @@ __all__ = ["resolve_plan", "recomputed_stages"]
 
 
 def _zero(config: Config, world_size: int) -> int:
-    """Config.zero on the resolved layout: None is 0; 1 needs more than one replica."""
+    """Config.zero on the resolved layout: None is 0; 1 and 2 need more than one replica."""
     if not config.zero or world_size == 1:
         return 0
     if config.dp == 1:
-        raise ConfigError("zero=1 shards the optimizer state over a stage's replicas, but the layout "
+        raise ConfigError(f"zero={config.zero} shards over a stage's replicas, but the layout "
                           f"has dp=1 on {world_size} ranks; set dp > 1 or zero=0")
-    return 1
+    return config.zero
 
 
 def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: nn.Module) -> Plan:

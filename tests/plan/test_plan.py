@@ -58,6 +58,6 @@ def test_zero_and_kept_whole_round_trip_and_print() -> None:
     text = str(plan)
     assert "ZeRO-1: each stage's optimizer state sharded over its 2 replicas" in text
     assert "kept whole (one layer each, not traced into): moe" in text
-    with pytest.raises(Exception, match="plan has zero=2; it must be 0 or 1"):
+    with pytest.raises(Exception, match="plan has zero=3; it must be 0, 1 or 2"):
         Plan(layer_names=("a",), layers_per_stage=(1,), num_microbatches=1, schedule="1f1b", world_size=1,
-             capture_method="torch.export", zero=2)
+             capture_method="torch.export", zero=3)
