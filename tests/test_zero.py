@@ -1,11 +1,13 @@
-"""ZeRO-1: each stage's optimizer state sharded over its replicas, training equal to one process.
+"""ZeRO-1 and 2: each stage's optimizer state (2: and gradients) sharded over its replicas, training
+equal to one process.
 
 Each replica steps only its share of the stage's parameters (whole ones) and keeps only that
 share's optimizer state, then the owners broadcast their updated parameters. Checked against one
 process: losses and every parameter after 3 steps with batches of 7 rows (not divisible by dp),
 under Adam (eps=1e-3, as in test_equivalence) and SGD with momentum; the optimizer state on each
 rank is its share only (disjoint across replicas, covering the stage), tied weights excepted
-(every holder steps them). A zero=1 checkpoint resumes bitwise on the same layout, and at zero=0
+(every holder steps them). At zero=2 each bucket is reduced to its owners and a rank ends the
+step holding gradients of its share only. A zero=1 checkpoint resumes bitwise on the same layout, and at zero=0
 and in one process within fp32 rounding.
 """
 
@@ -53,9 +55,9 @@ def _reference(name: str, kind: str, steps: int) -> tuple[list[float], dict[str,
     return losses, net.state_dict()
 
 
-def train_and_compare(rank: int, world: int, name: str, stages: int, kind: str) -> dict[str, Any]:
+def train_and_compare(rank: int, world: int, name: str, stages: int, kind: str, zero: int) -> dict[str, Any]:
     _, x, y, _ = make(name)
-    model, net = _model(name, stages, world // stages, 1, kind)
+    model, net = _model(name, stages, world // stages, zero, kind)
     want_losses, want_state = _reference(name, kind, 3)
     problems = []
     for step, a in enumerate(range(0, 3 * ROWS, ROWS)):
@@ -74,7 +76,10 @@ def train_and_compare(rank: int, world: int, name: str, stages: int, kind: str) 
                 problems.append(f"rank {rank}'s {pname} is not the trained value")
     assert model.optimizer is not None
     names = {id(p): n for n, p in net.named_parameters()}
+    pipe = model._train.pipe  # type: ignore[union-attr]
     return {"problems": problems, "state": sorted(names[id(p)] for p in model.optimizer.state),
+            "grads": sorted(names[id(p)] for p in pipe.local_parameters if p.grad is not None),
+            "held": pipe.sync.held_bytes, "stage_bytes": sum(p.numel() * 4 for p in pipe.local_parameters),
             "local": sorted(names[id(p)] for p in model._train.pipe.local_parameters),  # type: ignore[union-attr]
             "tied": [n for n, _ in model.plan.tied_parameters], "zero": model.plan.zero}
 
@@ -85,21 +90,28 @@ def test_share_out_balances_whole_parameters() -> None:
     assert share_out([5], 2) == [0]
 
 
-@pytest.mark.parametrize("kind", ["adam", "sgd"])
+@pytest.mark.parametrize("kind, zero", [("adam", 1), ("sgd", 1), ("adam", 2), ("sgd", 2)])
 @pytest.mark.timeout(200)
-def test_one_stage_two_replicas(kind: str) -> None:
-    report = run_ranks(2, train_and_compare, "mlp", 1, kind, timeout=180)
+def test_one_stage_two_replicas(kind: str, zero: int) -> None:
+    report = run_ranks(2, train_and_compare, "mlp", 1, kind, zero, timeout=180)
     for r in report:
         assert not r["problems"], "\n".join(r["problems"])
-        assert r["zero"] == 1
+        assert r["zero"] == zero
     shares = [set(r["state"]) for r in report]
     assert shares[0] and shares[1] and not shares[0] & shares[1]  # each replica its own share
     assert shares[0] | shares[1] == set(report[0]["local"])  # together: every parameter
+    if zero == 2:  # the step ends holding this share's gradients only
+        for r, share in zip(report, shares):
+            assert set(r["grads"]) == share
+            assert r["held"] < r["stage_bytes"]
+    else:
+        assert all(r["held"] == r["stage_bytes"] for r in report)
 
 
+@pytest.mark.parametrize("zero", [1, 2])
 @pytest.mark.timeout(300)
-def test_two_stages_two_replicas_with_tied_weights() -> None:
-    report = run_ranks(4, train_and_compare, "gpt", 2, "adam", timeout=280)
+def test_two_stages_two_replicas_with_tied_weights(zero: int) -> None:
+    report = run_ranks(4, train_and_compare, "gpt", 2, "adam", zero, timeout=280)
     for r in report:
         assert not r["problems"], "\n".join(r["problems"])
     tied = set(report[0]["tied"])

@@ -1,4 +1,5 @@
-"""Data-parallel gradient synchronisation: buckets all-reduced as soon as their gradients are final.
+"""Data-parallel gradient synchronisation: buckets all-reduced (or, ZeRO-2, reduced to their
+owners) as soon as their gradients are final.
 
 A stage's parameter gets one gradient contribution per micro-batch; it is final after the last
 micro-batch's backward. A hook counts the contributions, and when every parameter of a bucket is
@@ -30,12 +31,20 @@ __all__ = ["GradientBuckets"]
 
 
 class GradientBuckets:
-    """All-reduces (SUM) the gradients of `params` over `group`, overlapping the backward pass."""
+    """Sums the gradients of `params` over `group`, overlapping the backward pass: all-reduced,
+    or with `owner_rank` (ZeRO-2: id(parameter) -> the rank that steps it) reduced to each owner.
+
+    With owners, a bucket holds one flat buffer per owner (its parameters in bucket order): each is
+    reduced to its owner, and after `finish` the others' buffers are freed, so the optimizer step
+    runs holding this rank's share of the gradients only (they come back at the next `prepare`).
+    """
 
     def __init__(self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int,
-                 timeout_s: float):
+                 timeout_s: float, owner_rank: dict[int, int] | None = None, rank: int = 0):
         self.group = group
         self.timeout = timedelta(seconds=timeout_s)
+        self.rank = rank
+        self.sharded = owner_rank is not None
         # Backward runs roughly in reverse order of the forward: fill buckets from the end.
         ordered = list(params)[::-1]
         self.buckets: list[list[nn.Parameter]] = [
@@ -44,14 +53,18 @@ class GradientBuckets:
                                          [p.dtype for p in ordered], bucket_bytes)
         ]
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        # One flat buffer per bucket (a bucket holds one dtype); each parameter's .grad becomes a view into
-        # it at its first gradient of a step, so autograd accumulates straight into the buffer that is
-        # all-reduced in place (DistributedDataParallel's gradient_as_bucket_view).
-        self._flats = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
-                       for b in self.buckets]
-        self._views = [[flat[o - p.numel() : o].view_as(p) for p, o in zip(b, _ends(b))]
-                       for b, flat in zip(self.buckets, self._flats)]
-        self._view_of = {id(p): v for b, views in zip(self.buckets, self._views) for p, v in zip(b, views)}
+        # Each bucket's segments: (owner rank or None for all of them, its parameters). One flat buffer
+        # per segment (a bucket holds one dtype); each parameter's .grad becomes a view into it at its
+        # first gradient of a step, so autograd accumulates straight into the buffer that is reduced
+        # in place (DistributedDataParallel's gradient_as_bucket_view).
+        self._segments: list[list[tuple[int | None, list[nn.Parameter]]]] = [
+            [(None, b)] if owner_rank is None else
+            [(dst, [p for p in b if owner_rank[id(p)] == dst]) for dst in dict.fromkeys(owner_rank[id(p)] for p in b)]
+            for b in self.buckets
+        ]
+        self._flats: list[list[torch.Tensor | None]] = [[None] * len(segs) for segs in self._segments]
+        self._view_of: dict[int, torch.Tensor] = {}
+        self._allocate()
         self._counts: dict[int, int] = {}
         self._pending = [0] * len(self.buckets)
         self._expected = 0
@@ -63,6 +76,31 @@ class GradientBuckets:
             for p in ordered
         ]
 
+    def _allocate(self) -> None:
+        """A flat buffer for every segment that has none (all at first; the others' after a ZeRO-2 step)."""
+        for b, segs in enumerate(self._segments):
+            for k, (_, share) in enumerate(segs):
+                if self._flats[b][k] is None:
+                    flat = torch.zeros(sum(p.numel() for p in share), dtype=share[0].dtype, device=share[0].device)
+                    self._flats[b][k] = flat
+                    for p, end in zip(share, _ends(share)):
+                        self._view_of[id(p)] = flat[end - p.numel() : end].view_as(p)
+
+    def _release(self) -> None:
+        """ZeRO-2, once reduced: free the segments other ranks own (and their gradients)."""
+        for b, segs in enumerate(self._segments):
+            for k, (dst, share) in enumerate(segs):
+                if dst is not None and dst != self.rank:
+                    self._flats[b][k] = None
+                    for p in share:
+                        p.grad = None
+                        self._view_of.pop(id(p), None)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the gradient buffers this rank holds now."""
+        return sum(f.numel() * f.element_size() for flats in self._flats for f in flats if f is not None)
+
     def prepare(self, num_microbatches: int) -> None:
         """Start a step whose stage runs `num_microbatches` backward passes."""
         self._expected = num_microbatches
@@ -71,6 +109,7 @@ class GradientBuckets:
         self._next = 0
         self._works.clear()
         self.launched_during_backward = 0
+        self._allocate()
         # No zeroing: the first gradient of a step is copied into its view (`_adopt`), later ones
         # accumulate into it in place -- one pass over the buffer instead of zero + add.
         for b in self.buckets:
@@ -108,8 +147,12 @@ class GradientBuckets:
     def _launch(self, index: int) -> None:
         for p in self.buckets[index]:
             self._adopt(p)  # a parameter without a gradient (unused this step) counts as zero
-        work = dist.all_reduce(self._flats[index], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        self._works.append((index, work))
+        for (dst, _), flat in zip(self._segments[index], self._flats[index]):
+            if dst is None:
+                work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            else:
+                work = dist.reduce(flat, dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            self._works.append((index, work))
 
     def flush(self) -> None:
         """Launch every bucket not launched yet (parameters without a gradient count as zero).
@@ -122,12 +165,14 @@ class GradientBuckets:
             self._next += 1
 
     def finish(self) -> None:
-        """Launch what is left, then wait for every bucket."""
+        """Launch what is left, then wait for every bucket (ZeRO-2: then free the others' shares)."""
         self.flush()
         for _, work in self._works:
             work.wait(self.timeout)
         self._works.clear()
         self._expected = 0
+        if self.sharded:
+            self._release()
 
     def remove(self) -> None:
         """Detach the hooks from the parameters."""

@@ -172,10 +172,11 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     local = list({id(p): p for s in mine for p in stages[s].module.parameters()}.values())
     ties, sync, zero = None, None, None
     if make_ties:
-        plan, ties, sync = _ties_and_buckets(captured, parts, holders, tensors, local)
+        position = plan.position_of(rank)[0]
+        replicas = [plan.rank_of(position, r) for r in range(plan.dp)]
+        owner_rank = {i: replicas[r] for i, r in owners.items()} if plan.zero == 2 else None
+        plan, ties, sync = _ties_and_buckets(captured, parts, holders, tensors, local, owner_rank)
         if owners:
-            position = plan.position_of(rank)[0]
-            replicas = [plan.rank_of(position, r) for r in range(plan.dp)]
             assert sync is not None
             zero = ShardedOptimizerState([p for p in local if id(p) in owners], owners, replicas, rank, sync.group)
     executors = {
@@ -216,8 +217,10 @@ def _holders(stages: Sequence[StageModule]) -> tuple[dict[int, list[int]], dict[
 
 def _ties_and_buckets(captured: CapturedGraph, parts: _Parts, holders: dict[int, list[int]],
                       tensors: dict[int, torch.Tensor],
-                      local: list[nn.Parameter]) -> tuple[Plan, TiedGradients | None, GradientBuckets | None]:
-    """The plan with its tied parameters named, their gradient sums, and the data-parallel buckets."""
+                      local: list[nn.Parameter], owner_rank: dict[int, int] | None,
+                      ) -> tuple[Plan, TiedGradients | None, GradientBuckets | None]:
+    """The plan with its tied parameters named, their gradient sums, and the data-parallel buckets
+    (ZeRO-2, `owner_rank`: each parameter's gradient reduced to the rank that steps it)."""
     plan, rank, config = parts.plan, parts.rank, parts.config
     params = {i: t for i, t in tensors.items() if isinstance(t, nn.Parameter)}
     names = {id(p): n for n, p in captured.root.named_parameters()}
@@ -242,8 +245,12 @@ def _ties_and_buckets(captured: CapturedGraph, parts: _Parts, holders: dict[int,
             make_group([plan.rank_of(s, r) for r in range(plan.dp)]) for s in range(plan.pp)
         ]
         tied_ids = {id(p) for p, _ in tied}
-        sync = GradientBuckets([p for p in local if id(p) not in tied_ids], groups[plan.position_of(rank)[0]],
-                               int(config.bucket_cap_mb * 2**20), config.timeout_s)
+        bucketed = [p for p in local if id(p) not in tied_ids]
+        if owner_rank is not None:  # a frozen parameter has no owner: its (zero) gradient goes to the first
+            first = plan.rank_of(plan.position_of(rank)[0], 0)
+            owner_rank = {id(p): owner_rank.get(id(p), first) for p in bucketed}
+        sync = GradientBuckets(bucketed, groups[plan.position_of(rank)[0]], int(config.bucket_cap_mb * 2**20),
+                               config.timeout_s, owner_rank, rank)
     return plan, ties, sync
 
 

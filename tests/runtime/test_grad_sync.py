@@ -26,8 +26,8 @@ def test_gradients_land_in_the_buckets_without_zeroing_them(one_rank_group):
     used, unused = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     params = [*unused.parameters(), *used.parameters()]  # buckets fill from the end: used first
     sync = GradientBuckets(params, one_rank_group, bucket_bytes=1, timeout_s=10)
-    for flat in sync._flats:
-        flat.fill_(7.0)  # stale values from an earlier step must not leak into this one
+    for flats in sync._flats:
+        flats[0].fill_(7.0)  # stale values from an earlier step must not leak into this one
     unused.weight.grad = torch.full_like(unused.weight, 5.0)  # stale too: not this step's
     sync.prepare(num_microbatches=2)
     assert all(p.grad is None for p in params)
@@ -35,8 +35,7 @@ def test_gradients_land_in_the_buckets_without_zeroing_them(one_rank_group):
     used(x1).sum().backward()
     used(x2).sum().backward()
     sync.finish()
-    views = {id(p): v for b, vs in zip(sync.buckets, sync._views) for p, v in zip(b, vs)}
-    assert all(p.grad is views[id(p)] for p in params)  # each .grad is its bucket's view
+    assert all(p.grad is sync._view_of[id(p)] for p in params)  # each .grad is its bucket's view
     torch.testing.assert_close(used.weight.grad, torch.ones(3, 2) @ x1 + torch.ones(3, 5) @ x2)
     torch.testing.assert_close(used.bias.grad, torch.full((3,), 7.0))  # 2 + 5 rows
     assert float(unused.weight.grad.abs().max()) == 0.0 and float(unused.bias.grad.abs().max()) == 0.0
