@@ -31,7 +31,7 @@ from plait.plan import Plan
 from plait.plan.report import PlanReport
 from plait.planner.closed_loop import ClosedLoop
 from plait.planner.layout import Layout, Workload, choose_layout, layout_of
-from plait.runtime.collectives import broadcast_state, failed_ranks, gather_state_dict, local_device, sum_floats
+from plait.runtime.collectives import failed_ranks, gather_state_dict, local_device, sum_floats
 from plait.runtime.pipeline import Pipeline, build_pipeline, stage_tensors
 from plait.runtime.report import failure_error
 from plait.runtime.step import OptimizerArg, StepRunner, make_optimizer, num_stats
@@ -83,8 +83,6 @@ class Model:
                 log.warning("plait: one process (no launcher): running every layer on one stage")
         else:  # 0 until planned (`plait.planner.layout`); a size given is checked against the world now
             self.num_stages = 0 if self.config.plans_everything else self.config.stages_for(self.world_size)
-            if not self._meta:  # a meta model's values follow from Config.seed alone
-                broadcast_state(net, 0)  # replicas start equal whatever each rank's seed
         self._train: StepRunner | None = None
         self._eval: StepRunner | None = None
         self.step = 0  # training steps (global batches) run, counted on from a loaded checkpoint
@@ -136,6 +134,8 @@ class Model:
             materialize_tensors(self.net, wanted, self.config.seed, self.config.init_fn, self.device, graphs)
         pipe = build_pipeline(self.net, self._captured, layout.plan, self.config, self.rank, self.loss,
                               self.device)
+        if self._train is None and self.world_size > 1 and not self._meta:  # a meta model's values follow
+            pipe.start_equal()  # from Config.seed; a real one's replicas start equal whatever their seeds
         self._train, self._eval = StepRunner(pipe, self.net, self.metrics, self.device, train=True), None
         self.optimizer = make_optimizer(self._optimizer_arg, pipe.local_parameters)
 

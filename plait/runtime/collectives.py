@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["local_device", "make_group", "sum_floats", "failed_ranks", "max_floats", "start_sum_floats", "broadcast_state", "TiedGradients",
+__all__ = ["local_device", "make_group", "sum_floats", "failed_ranks", "max_floats", "start_sum_floats", "broadcast_tensors", "TiedGradients",
            "gather_state_dict", "broadcast_json", "all_gather_text"]
 
 
@@ -31,15 +31,30 @@ def make_group(ranks: Sequence[int]) -> Any:
     return dist.new_group(members)
 
 
-def broadcast_state(net: nn.Module, src: int = 0) -> None:
-    """Make every rank's parameters and buffers equal to rank `src`'s, whatever their seeds."""
-    seen: set[int] = set()
+def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, group: Any,
+                      chunk_bytes: int = 64 * 2**20) -> None:
+    """`tensors` (the same shapes on every rank of `group`) from rank `src` to the others, in place:
+    flat buffers of one dtype of at most `chunk_bytes` each (one large tensor is a chunk alone)."""
+    me = dist.get_rank()
+    chunks: list[list[torch.Tensor]] = []
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        size = 0
+        for t in (t for t in tensors if t.dtype == dtype):
+            if not chunks or chunks[-1][0].dtype != dtype or size + t.nbytes > chunk_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(t)
+            size += t.nbytes
     with torch.no_grad():
-        for t in net.state_dict(keep_vars=True).values():
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-            dist.broadcast(t.data, src)
+        for chunk in chunks:
+            flat = torch.cat([t.detach().reshape(-1) for t in chunk]) if me == src else \
+                torch.empty(sum(t.numel() for t in chunk), dtype=chunk[0].dtype, device=chunk[0].device)
+            dist.broadcast(flat, src, group=group)
+            if me != src:
+                offset = 0
+                for t in chunk:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
 
 class TiedGradients:
@@ -49,15 +64,25 @@ class TiedGradients:
     """
 
     def __init__(self, tied: Sequence[tuple[nn.Parameter, Sequence[int]]], rank: int):
-        self._mine: list[tuple[nn.Parameter, Any]] = []
+        self._mine: list[tuple[nn.Parameter, Any, int]] = []  # (parameter, its group, its first holder)
         for param, ranks in tied:
             group = make_group(ranks)
             if rank in ranks:
-                self._mine.append((param, group))
+                self._mine.append((param, group, min(ranks)))
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """The tied parameters this rank holds."""
+        return [param for param, _, _ in self._mine]
+
+    def broadcast(self) -> None:
+        """Each tied parameter from its first holder to the others (start-up: equal everywhere)."""
+        for param, group, first in self._mine:
+            broadcast_tensors([param], first, group)
 
     def sum(self) -> None:
         """All-reduce (sum) each tied parameter's gradient over the ranks that hold it."""
-        for param, group in self._mine:
+        for param, group, _ in self._mine:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)

@@ -18,7 +18,7 @@ from plait.capture.split import StageModule, split, stage_of_layers
 from plait.capture.trace import CapturedGraph
 from plait.config import Config
 from plait.plan import Plan
-from plait.runtime.collectives import TiedGradients, make_group
+from plait.runtime.collectives import TiedGradients, broadcast_tensors, make_group
 from plait.runtime.grad_sync import GradientBuckets
 from plait.runtime.executor import StageExecutor
 from plait.runtime.interpreter import Interpreter
@@ -51,6 +51,19 @@ class Pipeline:
     config: Config
     zero: ShardedOptimizerState | None = None  # optimizer state sharded over the replicas (plan.zero)
     _programs: dict[tuple[int, bool], Program] = field(default_factory=dict)
+
+    def start_equal(self) -> None:
+        """Make this rank's stage tensors equal to its stage's first replica's, and each tied
+        parameter equal to its first holder's: a real model whose ranks drew different values
+        starts consistent, each tensor sent only within the group that holds it."""
+        tied = {id(p) for p in self.ties.parameters} if self.ties is not None else set()
+        if self.sync is not None:
+            first = self.plan.rank_of(self.plan.position_of(self.rank)[0], 0)
+            buffers = {id(b): b for s in self.executors for b in self.stages[s].module.buffers()}
+            own = [p for p in self.local_parameters if id(p) not in tied] + list(buffers.values())
+            broadcast_tensors(own, first, self.sync.group)
+        if self.ties is not None:
+            self.ties.broadcast()
 
     @property
     def is_last(self) -> bool:

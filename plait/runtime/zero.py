@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import torch
-import torch.distributed as dist
 from torch import nn
+
+from plait.runtime.collectives import broadcast_tensors
 
 __all__ = ["ShardedOptimizerState", "share_out", "zero_owners"]
 
@@ -59,8 +59,8 @@ class ShardedOptimizerState:
         self.rank = rank
         # Fixed for the pipeline's life: the others' parameters, and each owner's share by dtype.
         self._foreign = [p for p in self.params if self.owner_rank[id(p)] != rank]
-        self._shares = [(src, share) for src in self.ranks for dtype in dict.fromkeys(p.dtype for p in self.params)
-                        if (share := [p for p in self.params if self.owner_rank[id(p)] == src and p.dtype == dtype])]
+        self._shares = [(src, share) for src in self.ranks
+                        if (share := [p for p in self.params if self.owner_rank[id(p)] == src])]
 
     def owned(self, p: nn.Parameter) -> bool:
         """Whether this rank steps `p` (parameters not sharded count as owned)."""
@@ -74,16 +74,4 @@ class ShardedOptimizerState:
     def broadcast(self) -> None:
         """After the optimizer step: every owner's updated parameters to the other replicas."""
         for src, share in self._shares:
-            self._broadcast(share, src)
-
-    def _broadcast(self, share: list[nn.Parameter], src: int) -> None:
-        """One flat buffer of `share` (one dtype) from `src` to the other replicas."""
-        with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1) for p in share]) if src == self.rank else \
-                torch.empty(sum(p.numel() for p in share), dtype=share[0].dtype, device=share[0].device)
-            dist.broadcast(flat, src, group=self.group)
-            if src != self.rank:
-                offset = 0
-                for p in share:
-                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+            broadcast_tensors(share, src, self.group, chunk_bytes=2**62)  # one flat buffer per owner
