@@ -5,7 +5,8 @@ is, and each rank allocates only the tensors its stages use: every rank that hol
 computes the same values, whatever the layout, because each module is initialised by its own
 code under an RNG seeded from `Config.seed` and the module's qualified name::
 
-    for each module, children before parents (as Hugging Face's initialize_weights goes):
+    for each module, children before parents (as Hugging Face's initialize_weights goes),
+    on the CPU (its generator's draws are the same everywhere; a GPU rank's move there after):
         torch.manual_seed(hash(seed, "model.layers.3.mlp.up_proj"))
         init_fn(module)  or  net._init_weights(module) (a Hugging Face PreTrainedModel)
                          or  module.reset_parameters()
@@ -33,7 +34,7 @@ from torch import nn
 
 from plait.errors import ConfigError
 
-__all__ = ["materialize", "materialize_tensors", "on_meta", "module_seed"]
+__all__ = ["materialize", "materialize_tensors", "on_meta", "module_seed", "release_parameters"]
 
 InitFn = Callable[[nn.Module], None]
 
@@ -82,12 +83,10 @@ def materialize_tensors(net: nn.Module, wanted: Iterable[torch.Tensor] | None, s
                 "has no reset_parameters(), and no init_fn was given: give Config(init_fn=fn) that "
                 "initialises a module in place, or load its weights (model.load) after building"
             )
-    replacement: dict[int, torch.Tensor] = {}
-    for t in meta:
-        real = torch.empty(t.shape, dtype=t.dtype, device=device)
-        replacement[id(t)] = nn.Parameter(real, t.requires_grad) if isinstance(t, nn.Parameter) else real
+    # Initialised on the CPU, whose generator draws the same values on every machine, then moved.
+    cpu = {id(t): _real(t, torch.device("cpu")) for t in meta}
     for root in (net, *also):
-        _replace(root, replacement)
+        _replace(root, cpu)
     with torch.no_grad():
         for name, module in modules:
             with torch.random.fork_rng(devices=[]):
@@ -96,7 +95,32 @@ def materialize_tensors(net: nn.Module, wanted: Iterable[torch.Tensor] | None, s
                     init(module)
                 elif any(True for _ in chain(module.parameters(recurse=False), module.buffers(recurse=False))):
                     module.reset_parameters()  # type: ignore[operator]
+        if device.type != "cpu":
+            moved = {id(t): _real(t, device, t) for t in cpu.values()}
+            for root in (net, *also):
+                _replace(root, moved)
     return len(meta)
+
+
+def _real(t: torch.Tensor, device: torch.device, values: torch.Tensor | None = None) -> torch.Tensor:
+    """A tensor like `t` on `device` (a Parameter where `t` is one): empty, or holding `values`."""
+    real = torch.empty(t.shape, dtype=t.dtype, device=device) if values is None else values.detach().to(device)
+    return nn.Parameter(real, t.requires_grad) if isinstance(t, nn.Parameter) else real
+
+
+def release_parameters(net: nn.Module, keep: Iterable[torch.Tensor], also: Sequence[nn.Module] = ()) -> int:
+    """Move every real parameter of `net` not among `keep` to the meta device, in `net` and in the
+    module trees `also` that share them (the inverse of `materialize_tensors`): a rank of a real
+    model frees what its stages do not use once they are built. Buffers stay (they are small, and
+    a non-persistent one could not be brought back from a checkpoint). Returns how many were freed."""
+    kept = {id(t) for t in keep}
+    replacement: dict[int, torch.Tensor] = {
+        id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+        for p in _unique(net.parameters()) if not p.is_meta and id(p) not in kept
+    }
+    for root in (net, *also):
+        _replace(root, replacement)
+    return len(replacement)
 
 
 def _replace(root: nn.Module, replacement: dict[int, torch.Tensor]) -> None:

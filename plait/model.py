@@ -23,7 +23,7 @@ from plait.checkpoint.sharded_export import available_bytes, model_bytes, write_
 from plait.checkpoint.resume import ResumePoint, resume_point
 from plait.config import Config
 from plait.errors import CheckpointError, ConfigError, PlaitError
-from plait.materialize import materialize_tensors, on_meta
+from plait.materialize import materialize_tensors, on_meta, release_parameters
 from plait.job.process_group import init_process_group
 from plait.job.run_options import apply_run_options
 from plait.metrics import check_metrics, logs_of
@@ -32,6 +32,7 @@ from plait.plan.report import PlanReport
 from plait.planner.closed_loop import ClosedLoop
 from plait.planner.layout import Layout, Workload, choose_layout, layout_of
 from plait.runtime.collectives import failed_ranks, gather_state_dict, local_device, sum_floats
+from plait.runtime.memory_stats import memory_stats, state_factor
 from plait.runtime.pipeline import Pipeline, build_pipeline, stage_tensors
 from plait.runtime.report import failure_error
 from plait.runtime.step import OptimizerArg, StepRunner, make_optimizer, num_stats
@@ -39,6 +40,8 @@ from plait.runtime.step import OptimizerArg, StepRunner, make_optimizer, num_sta
 __all__ = ["Model"]
 
 log = logging.getLogger("plait")
+
+RELEASED = "_plait_released"  # set on a net whose ranks have freed the parameters they do not use
 
 class Model:
     """Train `net` as a pipeline over every rank of the job; the same script runs on each rank.
@@ -68,6 +71,10 @@ class Model:
         self.optimizer: torch.optim.Optimizer | None = None
         self.rank, self.world_size = init_process_group(self.config.timeout_s)
         self.device = local_device()
+        if getattr(net, RELEASED, False):
+            raise ConfigError(f"this {type(net).__name__} was trained by an earlier plait.Model, which freed on "
+                              "each rank the parameters its stages do not use: build the module again for a "
+                              "new Model, or give the earlier one an optimizer instance (nothing is freed then)")
         self._meta = on_meta(net)  # built on the meta device: each rank materializes its stages
         if self._meta and isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError("the optimizer was made over parameters on the meta device, which plait "
@@ -102,11 +109,15 @@ class Model:
         """
         if self._train is None:
             if self._layout is None:
+                if not self._meta:  # traced where the model lives (a meta model: on meta, retargeted)
+                    x, y = batching.to_device(x, self.device), batching.to_device(y, self.device)
                 captured = capture_batch(self.net, x, train=True, keep=self.config.leaf_modules)
                 if self._meta:  # eval too, while every tensor is on meta; device constants made real
                     self._eval_captured = retarget(capture_batch(self.net, x, False, captured.method,
                                                                  captured.kept_whole), self.device)
                     captured = retarget(captured, self.device)
+                elif self._frees:  # eval too, while every tensor is real: the build frees the others
+                    self._eval_captured = capture_batch(self.net, x, False, captured.method, captured.kept_whole)
                 work = Workload(self.net, captured, x, y, self.loss, self._optimizer_arg)
                 self._layout = choose_layout(work, self.config, self.world_size, self.rank,
                                              self._checkpoints.resumed_plan)
@@ -124,14 +135,29 @@ class Model:
                     self.net, x, train=False, method=method, keep=self._captured.kept_whole if self._captured else ()))
         return self._eval
 
+    @property
+    def _frees(self) -> bool:
+        """Whether each rank frees the parameters its stages do not use (several ranks; not with an
+        optimizer instance, which holds every parameter of the net: nothing could be freed)."""
+        return self.world_size > 1 and not isinstance(self._optimizer_arg, torch.optim.Optimizer)
+
     def _build(self, layout: Layout) -> None:
         """This rank's training pipeline and optimizer for `layout`."""
         assert self._captured is not None
         self.config, self.num_stages = layout.config, layout.num_stages
-        if self._meta:  # only what this rank's stages use (one process: everything), before any holder
-            wanted = None if self.world_size == 1 else stage_tensors(self._captured, layout.plan, self.rank)
-            graphs = [g.root for g in (self._captured, self._eval_captured) if g is not None]
-            materialize_tensors(self.net, wanted, self.config.seed, self.config.init_fn, self.device, graphs)
+        graphs = [g.root for g in (self._captured, self._eval_captured) if g is not None]
+        if self._frees:  # this rank's stages' tensors are real, the others' on meta (freed)
+            mine = stage_tensors(self._captured, layout.plan, self.rank)
+            # A real model's freed tensors come back at a new layout from the carried-over checkpoint.
+            init = self.config.init_fn if self._meta else _allocate_only
+            if materialize_tensors(self.net, mine, self.config.seed, init, self.device, graphs):
+                mine = stage_tensors(self._captured, layout.plan, self.rank)  # the real ones now
+            used = {id(t) for t in stage_tensors(self._captured, layout.plan, None)}  # rank 0 keeps the rest
+            unused: list[torch.Tensor] = [p for p in self.net.parameters() if id(p) not in used] if self.rank == 0 else []
+            if release_parameters(self.net, mine + unused, graphs):
+                setattr(self.net, RELEASED, True)
+        elif self._meta:
+            materialize_tensors(self.net, None, self.config.seed, self.config.init_fn, self.device, graphs)
         pipe = build_pipeline(self.net, self._captured, layout.plan, self.config, self.rank, self.loss,
                               self.device)
         if self._train is None and self.world_size > 1 and not self._meta:  # a meta model's values follow
@@ -340,6 +366,14 @@ class Model:
         _, aliases, _ = train_state.model_index(self.net, {})
         train_state.copy_into(self.net, state, aliases, "the state dict")
 
+    def memory_stats(self) -> dict[str, Any]:
+        """This rank's parameter, buffer, gradient, optimizer and peak activation bytes, measured
+        (the last training step's), with the planner's prediction of each under "predicted"
+        (`plait.runtime.memory_stats`)."""
+        runner = self._built()
+        chosen = self._loop.report.chosen if self._loop is not None else None
+        return memory_stats(runner.pipe, self.net, runner.memory, state_factor(self.optimizer), chosen)
+
     # -- checkpoints -----------------------------------------------------------------------------
 
     def save(self, directory: str | os.PathLike[str] | None = None) -> str:
@@ -397,6 +431,10 @@ class Model:
         pipe = self._train.pipe if self._train is not None else None
         self._checkpoints.restore(ckpt, pipe, self.optimizer)
         self.step = ckpt.step
+
+
+def _allocate_only(module: nn.Module) -> None:
+    """The initialiser of tensors whose values are about to be restored: none."""
 
 
 @dataclass

@@ -5,6 +5,8 @@ Every rank builds the tiny GPT (tied embedding and head) under its own seed. At 
 replicas, after the build: each rank's stage tensors equal its stage's first replica's (rank
 0 or 1, whose own draws they are), the tied weight equals rank 0's everywhere, and no rank sent
 or received more than its stage's bytes (the old start-up broadcast the whole model from rank 0).
+Then each rank has freed the parameters its stages do not use (they are on meta), rank 0 keeping
+a parameter no stage uses, and the state dict and predictions are still the whole model's.
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ from tests.models import LAYERS, even_cut, make
 
 def build_with_own_seed(rank: int, world: int) -> dict[str, Any]:
     drawn = {s: dict(make("gpt", seed=s)[0].named_parameters()) for s in range(world)}  # every rank's draws
+    torch.manual_seed(0)
+    drawn_unused = torch.nn.Linear(3, 3).weight.detach().clone()  # rank 0's draw of the unused layer
     net, x, _, loss = make("gpt", seed=rank)
+    torch.manual_seed(rank)
+    net.unused = torch.nn.Linear(3, 3)  # in the state dict, used by no stage: rank 0 keeps it
     moved = [0]
     original = dist.broadcast
 
@@ -49,8 +55,15 @@ def build_with_own_seed(rank: int, world: int) -> dict[str, Any]:
             problems.append(f"rank {rank}: {name} is not rank {source}'s draw")
     stage_bytes = sum(p.numel() * p.element_size() for p in pipe.local_parameters)
     whole = sum(p.numel() * p.element_size() for p in net.parameters())
+    local = {id(p) for p in pipe.local_parameters}
+    for name, p in net.named_parameters():
+        if p.is_meta != (id(p) not in local and not (rank == 0 and name.startswith("unused."))):
+            problems.append(f"rank {rank}: {name} is {'freed' if p.is_meta else 'still held'}")
+    state = model.state_dict()  # gathered from the holders: every tensor real, the unused one rank 0's
+    if any(v.is_meta for v in state.values()) or not torch.equal(state["unused.weight"], drawn_unused):
+        problems.append(f"rank {rank}: the gathered state dict is not the whole model's")
     return {"problems": problems, "moved": moved[0], "stage_bytes": stage_bytes, "whole": whole,
-            "tied": sorted(tied)}
+            "tied": sorted(tied), "predict": model.predict(x[:3])}
 
 
 @pytest.mark.timeout(200)
@@ -61,3 +74,4 @@ def test_replicas_and_tied_weights_start_equal_without_sending_the_whole_model()
         assert r["tied"]  # the embedding and the head: held by both stages
         assert r["moved"] <= r["stage_bytes"] + 4096, r  # a few small agreements beside the stage
         assert r["stage_bytes"] < 0.8 * r["whole"]
+        torch.testing.assert_close(r["predict"].logits, report[0]["predict"].logits)  # the eval pipeline runs

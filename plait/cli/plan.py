@@ -5,8 +5,9 @@
     plait plan --model my_model.py:build --sample-shape 64,1,28,28 --devices 2 [--json]
 
 Prints the chosen layout (per stage: layers, time, memory) and the best alternatives, or with
---json exactly one JSON object: pp, dp, tp, num_microbatches, schedule, stages,
-predicted_step_time_s, peak_memory_bytes, feasible and, when infeasible, reason.
+--json exactly one JSON object: pp, dp, tp, num_microbatches, schedule, zero, stages,
+predicted_step_time_s, peak_memory_bytes, feasible and, when infeasible, reason; a feasible one
+also has each rank's parameter_bytes, gradient_bytes, optimizer_bytes and activation_bytes.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from plait.errors import ConfigError
 __all__ = ["add_plan_command", "run_plan"]
 
 DESCRIPTION = (
-    "Choose pipeline stages (pp), data-parallel replicas (dp), micro-batches, schedule and "
-    "recomputation for a model on DEVICES devices, with the layers of each stage, by an exact "
+    "Choose pipeline stages (pp), data-parallel replicas (dp), micro-batches, schedule, "
+    "recomputation and ZeRO sharding for a model on DEVICES devices, with the layers of each stage, by an exact "
     "partition of a cost model. --gpt describes a GPT and plans it analytically for --device; "
     "--model profiles your own model on this machine first."
 )
@@ -73,6 +74,9 @@ def add_plan_command(commands: Any) -> None:
     plan.add_argument("--microbatches", type=_ints, default=None, metavar="M,...",
                       help="micro-batch counts to consider (default: powers of two, multiples of pp)")
     plan.add_argument("--no-recompute", action="store_true", help="never recompute activations")
+    plan.add_argument("--zero", type=int, choices=(0, 1, 2), default=None,
+                      help="ZeRO level: 0 replicated optimizer state, 1 sharded over the dp replicas, "
+                           "2 gradients too (default: the planner chooses; 1 and 2 only where dp > 1)")
     plan.add_argument("--top", type=int, default=5, metavar="K", help="candidates shown (default: 5)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     plan.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="also save the JSON here")
@@ -108,7 +112,7 @@ def _search_space(args: argparse.Namespace) -> Any:
     schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
     return SearchSpace(pp=args.pp, num_microbatches=args.microbatches, schedules=schedules,
                        recompute=(False,) if args.no_recompute else (False, True),
-                       keep=max(1, args.top))
+                       zero=None if args.zero is None else (args.zero,), keep=max(1, args.top))
 
 
 def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:

@@ -7,22 +7,27 @@ One step of a layout (pp stages x dp replicas, m micro-batches of `rows` rows ea
                the activation bytes (= the gradient bytes coming back) over the cut's link;
                `plait.schedule.steptime` on the generator's own program, or the closed form
                that the partition minimises (`partition_problem`)
-    all-reduce each rank's gradients over its dp replicas (ring: 2(p-1)/p x bytes / bandwidth,
-               Thakur et al. 2005; on the link the backend's all-reduce was measured at), in
-               buckets (`plait.plan.buckets`): they start when the rank's last gradient pass
-               starts, so they overlap that pass only, and the last bucket -- the first
+    gradients  each rank's gradients summed over its dp replicas, in buckets
+               (`plait.plan.buckets`): all-reduced (zero 0 and 1; ring 2(p-1)/p x bytes /
+               bandwidth, Thakur et al. 2005) or, ZeRO-2, reduced to their owners (as the
+               runtime does it: p reduces of bytes/p, each over a binary tree, `by_owner`:
+               log2(p) x bytes / bandwidth in all); on the link the backend's
+               all-reduce was measured at. The buckets start when the rank's last gradient
+               pass starts, so they overlap that pass only, and the last bucket -- the first
                layers' gradients -- cannot start before the pass has ended
     closing    every rank's loss and metric sums, one small all-reduce over all ranks after
                its gradients: the step's one point where every rank meets
-    optimizer  the rank's optimizer step, after the closing all-reduce
+    optimizer  the rank's optimizer step, after the closing all-reduce; with ZeRO (1 or 2)
+               each replica steps 1/dp of its stage's parameters, then the owners broadcast
+               them (`by_owner` of the trainable parameters' bytes), not overlapped
 
-step = max over ranks of max(pipeline end, last gradient pass start + all-reduce, pipeline end
-+ all-reduce of the last bucket), + closing all-reduce, + the slowest rank's optimizer step.
-Memory of a rank = parameters + gradients + optimizer state + the activations of the
-micro-batches the schedule makes it hold at once (its peak); recomputation keeps only each
-held micro-batch's stage input, plus one micro-batch's activations while it is recomputed.
-Left out: tensor parallelism, ZeRO sharding, compute slowed by concurrent communication,
-allocator fragmentation and framework workspace.
+step = max over ranks of max(pipeline end, last gradient pass start + gradient sum, pipeline
+end + the last bucket's), + closing all-reduce, + the slowest rank's optimizer step (and
+ZeRO's broadcasts). Memory of a rank = parameters + gradients + optimizer state
+(`plait.plan.memory`: ZeRO's shares) + the activations of the micro-batches the schedule makes
+it hold at once (its peak); recomputation keeps only each held micro-batch's stage input, plus
+one micro-batch's activations while it is recomputed. Left out: tensor parallelism, compute
+slowed by concurrent communication, allocator fragmentation and framework workspace.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from plait.config import SCHEDULE_NAMES
 from plait.errors import ConfigError
 from plait.plan.buckets import DEFAULT_BUCKET_BYTES, assign_buckets
 from plait.plan.layer_costs import LayerCosts
-from plait.plan.network import Link, Network, all_reduce, point_to_point
+from plait.plan.memory import StateBytes, check_zero, state_bytes, state_totals
+from plait.plan.network import Link, Network, all_reduce, broadcast, point_to_point
 from plait.plan.partition import PartitionProblem
 from plait.schedule.interleaved import group_sizes
 from plait.schedule.steptime import compile_schedule, time_step
@@ -48,7 +54,8 @@ CLOSING_BYTES = 64.0  # the step's loss and metric sums (and non-finite flags): 
 
 @dataclass(frozen=True)
 class Setting:
-    """One point of the search space: degrees, micro-batches, schedule, recomputation."""
+    """One point of the search space: degrees, micro-batches, schedule, recomputation, ZeRO
+    (0: replicated state; 1: optimizer state sharded over the dp replicas; 2: gradients too)."""
 
     pp: int
     dp: int
@@ -56,6 +63,7 @@ class Setting:
     schedule: str = "1f1b"
     num_virtual_stages: int = 1
     recompute: bool = False
+    zero: int = 0
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "num_microbatches", "num_virtual_stages"):
@@ -68,6 +76,7 @@ class Setting:
             raise ConfigError(
                 f"num_virtual_stages={self.num_virtual_stages} needs schedule='interleaved'"
             )
+        check_zero(self.zero, self.dp)
 
     @property
     def num_chunks(self) -> int:
@@ -116,7 +125,7 @@ class StageCost:
     backward_s: float  # input gradient, plus the recomputed forward
     weight_s: float  # weight gradient (0 when recomputed: it runs inside B)
     send_s: float  # hand-over across the cut after this stage (0 on the last)
-    state_bytes: float  # parameters + gradients + optimizer state
+    state_bytes: float  # parameters + gradients + optimizer state (its ZeRO share)
     activation_bytes: float  # one micro-batch's activations (kept, or recomputed)
     entry_bytes: float  # one micro-batch's input to the stage
 
@@ -126,17 +135,25 @@ class StageCost:
 
 @dataclass(frozen=True)
 class Prediction:
-    """A layout's predicted step and memory, per stage and in total."""
+    """A layout's predicted step and memory, per stage and in total; tuples per rank position.
+
+    memory_bytes is each rank's peak: parameter + gradient + optimizer + activation bytes (the
+    backward's peak; `plait.plan.memory`)."""
 
     stages: tuple[StageCost, ...]
     pipeline_s: float
-    allreduce_s: tuple[float, ...]  # per rank position
+    allreduce_s: tuple[float, ...]  # the gradients' sum: all-reduce, or ZeRO-2's reduces to the owners
     closing_s: float  # the all-reduce of the step's loss sums over every rank
-    optimizer_s: tuple[float, ...]  # per rank position
-    memory_bytes: tuple[float, ...]  # per rank position
+    optimizer_s: tuple[float, ...]  # the optimizer step (ZeRO: of this replica's share)
+    memory_bytes: tuple[float, ...]
     step_time_s: float
     method: str  # "simulated" or "closed form"
     rows: int  # rows of one micro-batch
+    gather_s: tuple[float, ...] = ()  # ZeRO: the owners' broadcasts of updated parameters (() = zeros)
+    parameter_bytes: tuple[float, ...] = ()
+    gradient_bytes: tuple[float, ...] = ()  # the peak, during the backward
+    optimizer_bytes: tuple[float, ...] = ()
+    activation_bytes: tuple[float, ...] = ()
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -230,7 +247,7 @@ def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, glo
     time, fill, last_fill, count = _latency_terms(costs, setting, rows)
     v = setting.num_virtual_stages
     cuts = [2 * c / v for c in _cut_times(costs, setting, cluster.network, rows)]
-    state = [p + g * (1 + cluster.optimizer_state_factor) for p, g in zip(costs.param_bytes, costs.grad_bytes)]
+    state = state_totals(costs.param_bytes, costs.grad_bytes, cluster.optimizer_state_factor, setting.dp, setting.zero)
     act = [a * rows for a in costs.activation_row_bytes]
     entry = [costs.input_row_bytes * rows] + [o * rows for o in costs.output_row_bytes[:-1]]
     peaks = peak_activations(setting)
@@ -259,8 +276,7 @@ def _stages(costs: LayerCosts, setting: Setting, cluster: Cluster, rows: int,
     stages, start = [], 0
     for s, size in enumerate(layers_per_stage):
         end = start + size
-        state = sum(p + g * (1 + cluster.optimizer_state_factor)
-                    for p, g in zip(costs.param_bytes[start:end], costs.grad_bytes[start:end]))
+        state = _state(sum(costs.param_bytes[start:end]), sum(costs.grad_bytes[start:end]), setting, cluster).total
         entry = costs.input_row_bytes if start == 0 else costs.output_row_bytes[start - 1]
         stages.append(StageCost(
             s, s % setting.pp, start, end, sum(f[start:end]), sum(b[start:end]), sum(w[start:end]),
@@ -301,25 +317,47 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         ends = [pipeline] * p
         grad_starts = [pipeline - max(grad_pass[s] for s in range(r, setting.num_chunks, p)) for r in range(p)]
         method = "closed form"
-    allreduce, optimizer, memory, reach = [], [], [], []
+    dp, zero = setting.dp, setting.zero
+    summed, gather, optimizer, states, acts, memory, reach = [], [], [], [], [], [], []
     for r in range(p):
         mine = [st for st in stages if st.rank == r]
         grads = [costs.grad_bytes[i] for st in mine for i in range(st.start, st.end)]
-        group = [setting.rank_of(r, d) for d in range(setting.dp)]
-        link = cluster.network.reduce_link(group)
-        allreduce.append(all_reduce(sum(grads), setting.dp, link))
-        tail = all_reduce(_last_bucket(grads, cluster.bucket_bytes), setting.dp, link)
-        optimizer.append(sum(sum(costs.optimizer_s[st.start:st.end]) for st in mine))
+        link = cluster.network.reduce_link([setting.rank_of(r, d) for d in range(dp)])
+        # ZeRO-2 reduces each bucket to its owners: one reduce of 1/dp of it per owner
+        gradient_sum = by_owner if zero == 2 else all_reduce
+        summed.append(gradient_sum(sum(grads), dp, link))
+        tail = gradient_sum(_last_bucket(grads, cluster.bucket_bytes), dp, link)
+        # ZeRO: each owner broadcasts its updated share (1/dp of the trainable bytes) to the others
+        gather.append(by_owner(sum(grads), dp, link) if zero else 0.0)
+        stepped = sum(sum(costs.optimizer_s[st.start:st.end]) for st in mine)
+        optimizer.append(stepped / dp if zero else stepped)
+        states.append(_state(sum(costs.param_bytes[i] for st in mine for i in range(st.start, st.end)),
+                             sum(grads), setting, cluster))
         if setting.recompute:
-            acts = peaks[r] * sum(st.entry_bytes for st in mine) + max(st.activation_bytes for st in mine)
+            acts.append(peaks[r] * sum(st.entry_bytes for st in mine) + max(st.activation_bytes for st in mine))
         else:
-            acts = peaks[r] * sum(st.activation_bytes for st in mine)
-        memory.append(sum(st.state_bytes for st in mine) + acts)
-        reach.append(max(ends[r], grad_starts[r] + allreduce[r], ends[r] + tail))
-    world = range(setting.pp * setting.dp)
+            acts.append(peaks[r] * sum(st.activation_bytes for st in mine))
+        memory.append(states[r].peak(acts[r]))
+        reach.append(max(ends[r], grad_starts[r] + summed[r], ends[r] + tail))
+    world = range(setting.pp * dp)
     closing = all_reduce(CLOSING_BYTES, len(world), cluster.network.reduce_link(world))
-    return Prediction(tuple(stages), pipeline, tuple(allreduce), closing, tuple(optimizer), tuple(memory),
-                      max(reach) + closing + max(optimizer), method, rows)
+    return Prediction(
+        tuple(stages), pipeline, tuple(summed), closing, tuple(optimizer), tuple(memory),
+        max(reach) + closing + max(o + g for o, g in zip(optimizer, gather)), method, rows,
+        gather_s=tuple(gather), parameter_bytes=tuple(s.parameters for s in states),
+        gradient_bytes=tuple(s.gradients for s in states), optimizer_bytes=tuple(s.optimizer for s in states),
+        activation_bytes=tuple(acts),
+    )
+
+
+def _state(param_bytes: float, grad_bytes: float, setting: Setting, cluster: Cluster) -> StateBytes:
+    return state_bytes(param_bytes, grad_bytes, cluster.optimizer_state_factor, setting.dp, setting.zero)
+
+
+def by_owner(nbytes: float, num_devices: int, link: Link) -> float:
+    """ZeRO's collectives as the runtime issues them: one reduce (gradients) or broadcast
+    (updated parameters) of each owner's 1/p share of `nbytes`, p of them in turn."""
+    return num_devices * broadcast(nbytes / num_devices, num_devices, link)
 
 
 def _last_bucket(grad_bytes: Sequence[float], cap: float) -> float:

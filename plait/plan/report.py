@@ -48,10 +48,15 @@ class PlanReport:
         value = self.chosen.get("predicted_step_time_s")
         return None if value is None else float(value)
 
+    @property
+    def zero(self) -> int:
+        """The chosen ZeRO level (0 in a report saved before plait priced ZeRO)."""
+        return int(self.chosen.get("zero", 0) or 0)
+
     def setting(self) -> Setting:
         c = self.chosen
         return Setting(int(c["pp"]), int(c["dp"]), int(c["num_microbatches"]), str(c["schedule"]),
-                       int(c.get("num_virtual_stages", 1)), bool(c.get("recompute", False)))
+                       int(c.get("num_virtual_stages", 1)), bool(c.get("recompute", False)), self.zero)
 
     def prediction(self) -> Prediction:
         """The chosen layout's prediction, priced again from the profile (planned runs only)."""

@@ -1,4 +1,4 @@
-"""The search: layouts of a world (pp x dp, micro-batches, schedule, recomputation), best first.
+"""The search: layouts of a world (pp x dp, micro-batches, schedule, recomputation, ZeRO), best first.
 
 For each setting the exact partition (`optimal_partition`) gives the layers per stage that
 minimise the schedule's closed-form latency within the memory limit; the cost model prices
@@ -7,7 +7,10 @@ their pipeline time and the visit stops once that bound cannot beat the `keep`-t
 (branch and bound: a setting is skipped only when it cannot enter the table). The best by the
 closed form are then timed again on the schedule's own program (`steptime`) and re-ranked.
 Tensor parallelism is not searched (tp = 1): a layer that fits no device makes every setting
-infeasible, with the reason.
+infeasible, with the reason. ZeRO (0, 1, 2: `plait.plan.memory`) is searched where dp > 1;
+left to the search (`SearchSpace.zero` None) it is used where memory needs it: the candidates
+are those of the lowest level at which some layout fits. Candidates that predict the same step
+(to 12 significant digits) rank by the lower level, then in the order found.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from plait.plan.cost import (
     Cluster, Prediction, Setting, partition_problem, pipeline_lower_bound, predict,
 )
 from plait.plan.layer_costs import LayerCosts
-from plait.plan.partition import least_memory, optimal_partition
+from plait.plan.memory import ZERO_LEVELS, check_zero
+from plait.plan.partition import PartitionResult, least_memory, optimal_partition
 
 __all__ = ["SearchSpace", "Candidate", "search", "format_table"]
 
@@ -38,9 +42,19 @@ class SearchSpace:
     schedules: tuple[str, ...] = SEARCH_ORDER
     num_virtual_stages: int = 2  # chunks per rank of "interleaved"
     recompute: tuple[bool, ...] = (False, True)
+    zero: tuple[int, ...] | None = None  # None: 0, 1 and 2 where dp > 1 (else 0); given: only those
     keep: int = 5  # candidates returned
     simulate_top: int = 8  # at most this many re-timed on the schedule's program
     simulate_actions: int = 40_000  # actions simulated in all; beyond, the closed form stays
+
+    def __post_init__(self) -> None:
+        for level in self.zero or ():
+            check_zero(level, 2)
+
+    def zero_levels(self, dp: int) -> tuple[int, ...]:
+        """The ZeRO levels to try with dp replicas per stage (1 and 2 need dp > 1)."""
+        levels = ZERO_LEVELS if self.zero is None else tuple(sorted(set(self.zero)))
+        return tuple(z for z in levels if z == 0 or dp > 1)
 
 
 @dataclass(frozen=True)
@@ -66,7 +80,7 @@ class Candidate:
         data: dict[str, Any] = {
             "pp": st.pp, "dp": st.dp, "tp": 1, "num_microbatches": st.num_microbatches,
             "schedule": st.schedule, "num_virtual_stages": st.num_virtual_stages,
-            "recompute": st.recompute, "layers_per_stage": list(self.layers_per_stage),
+            "recompute": st.recompute, "zero": st.zero, "layers_per_stage": list(self.layers_per_stage),
             "feasible": self.feasible,
             "predicted_step_time_s": pred.step_time_s if pred else None,
             "closed_form_step_time_s": self.closed_form_s if self.feasible else None,
@@ -76,7 +90,9 @@ class Candidate:
         }
         if not self.feasible:
             data["reason"] = self.reason
-        if pred is not None:
+        if pred is not None:  # per rank position (each replica alike)
+            for name in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes"):
+                data[name] = list(getattr(pred, name))
             for s in pred.stages:
                 names = self.layer_names[s.start:s.end]
                 data["stages"].append({
@@ -94,7 +110,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _settings(costs: LayerCosts, world_size: int, global_batch: int, space: SearchSpace) -> list[Setting]:
-    out = []
+    out: list[Setting] = []
     for pp in space.pp or _divisors(world_size):
         if world_size % pp or pp > costs.num_layers:
             continue
@@ -115,19 +131,29 @@ def _settings(costs: LayerCosts, world_size: int, global_batch: int, space: Sear
                 if name == "interleaved" and (v < 2 or pp < 2 or pp * v > costs.num_layers):
                     continue
                 for recompute in space.recompute:
-                    out.append(Setting(pp, dp, m, name, v, recompute))
+                    out.extend(Setting(pp, dp, m, name, v, recompute, zero) for zero in space.zero_levels(dp))
     return out
 
 
-def _evaluate(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int) -> Candidate:
+# Partitions found, by setting (at zero 0) and memory per layer: a layout, or (why not, least memory).
+Solved = dict[tuple[Setting, tuple[float, ...]], PartitionResult | tuple[str, float]]
+
+
+def _evaluate(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int,
+              solved: Solved) -> Candidate:
+    """`setting`'s optimal layout, priced. ZeRO changes only the memory of the partition, and
+    levels 1 and 2 need the same: `solved` keeps each partition by its setting and memory."""
     problem = partition_problem(costs, setting, cluster, global_batch)
-    try:
-        result = optimal_partition(problem)
-    except PartitionError as err:
-        # Interleaved chunks each get 1/v of the device: their rank needs v times a chunk's.
-        needed = least_memory(problem) * setting.num_virtual_stages
-        return Candidate(setting, False, str(err), needed_memory_bytes=needed,
-                         layer_names=costs.names)
+    key = (replace(setting, zero=0), tuple(problem.fixed))
+    if key not in solved:
+        try:
+            solved[key] = optimal_partition(problem)
+        except PartitionError as err:
+            # Interleaved chunks each get 1/v of the device: their rank needs v times a chunk's.
+            solved[key] = (str(err), least_memory(problem) * setting.num_virtual_stages)
+    result = solved[key]
+    if isinstance(result, tuple):
+        return Candidate(setting, False, result[0], needed_memory_bytes=result[1], layer_names=costs.names)
     pred = predict(costs, setting, cluster, global_batch, result.layers_per_stage, simulate=False)
     return Candidate(setting, True, "", result.layers_per_stage, pred, pred.step_time_s,
                      layer_names=costs.names)
@@ -146,17 +172,22 @@ def search(costs: LayerCosts, world_size: int, global_batch: int, cluster: Clust
         raise ConfigError(
             f"no setting to search on {world_size} devices for {costs.num_layers} layers and a "
             f"batch of {global_batch} (pp options {space.pp}, micro-batches "
-            f"{space.num_microbatches}, schedules {space.schedules}); widen the search space"
+            f"{space.num_microbatches}, schedules {space.schedules}, zero {space.zero}; zero 1 "
+            "and 2 need dp > 1); widen the search space"
         )
     bounds = sorted((pipeline_lower_bound(costs, s, global_batch), i) for i, s in enumerate(settings))
     feasible: list[Candidate] = []
     infeasible: list[Candidate] = []
+    solved: Solved = {}
     for bound, i in bounds:
         if len(feasible) >= space.keep and bound >= feasible[space.keep - 1].closed_form_s:
             break  # sorted by bound: nothing left can enter the table
-        candidate = _evaluate(costs, settings[i], cluster, global_batch)
+        candidate = _evaluate(costs, settings[i], cluster, global_batch, solved)
         (feasible if candidate.feasible else infeasible).append(candidate)
-        feasible.sort(key=lambda c: c.closed_form_s)
+        feasible.sort(key=lambda c: _rank(c.closed_form_s, c))
+    if space.zero is None and feasible:  # ZeRO where memory needs it: the lowest level that fits
+        lowest = min(c.setting.zero for c in feasible)
+        feasible = [c for c in feasible if c.setting.zero == lowest]
     if not feasible:
         infeasible.sort(key=lambda c: (c.needed_memory_bytes, c.setting.pp))
         top = infeasible[0]
@@ -169,13 +200,19 @@ def _summary(closest: Candidate, world_size: int, cluster: Cluster, space: Searc
     """Why nothing fits, and what is missing, around the closest candidate's own reason."""
     st = closest.setting
     tried_all = True in space.recompute and space.num_microbatches is None
-    missing = ("needs tensor parallelism (tp > 1) or sharded optimizer state (ZeRO): no "
-               "pipeline x data-parallel layout with recomputation and one-row micro-batches fits"
-               if tried_all else "try recomputation, smaller micro-batches or tensor parallelism")
+    tried_zero = space.zero is None or any(z > 0 for z in space.zero)
+    if tried_all and tried_zero:
+        missing = ("needs tensor parallelism (tp > 1): no pipeline x data-parallel layout with "
+                   "ZeRO, recomputation and one-row micro-batches fits")
+    elif tried_all:
+        missing = ("needs tensor parallelism (tp > 1) or sharded optimizer state (ZeRO): no "
+                   "pipeline x data-parallel layout with recomputation and one-row micro-batches fits")
+    else:
+        missing = "try recomputation, smaller micro-batches, ZeRO or tensor parallelism"
     return (
         f"{missing}; no layout on {world_size} devices fits {cluster.memory_bytes / GIB:.2f} GiB "
         f"per device with tp=1; the closest (pp={st.pp}, dp={st.dp}, {st.num_microbatches} "
-        f"micro-batches, {st.schedule}, recompute={st.recompute}) needs "
+        f"micro-batches, {st.schedule}, recompute={st.recompute}, zero={st.zero}) needs "
         f"{closest.needed_memory_bytes / GIB:.2f} GiB: {closest.reason}"
     )
 
@@ -186,7 +223,7 @@ def _refine(costs: LayerCosts, ranked: list[Candidate], cluster: Cluster, global
     (or `simulate_top` were, or the rest are too large to simulate quickly)."""
     budget = space.simulate_actions
     for _ in range(space.simulate_top):
-        ranked.sort(key=lambda c: c.step_time_s)
+        ranked.sort(key=lambda c: _rank(c.step_time_s, c))
         todo = [c for c in ranked[: space.keep]
                 if c.prediction is not None and c.prediction.method != "simulated"
                 and _actions(c.setting) <= budget]
@@ -196,8 +233,13 @@ def _refine(costs: LayerCosts, ranked: list[Candidate], cluster: Cluster, global
         pred = predict(costs, c.setting, cluster, global_batch, c.layers_per_stage, simulate=True)
         ranked[ranked.index(c)] = replace(c, prediction=pred)
         budget -= _actions(c.setting)
-    ranked.sort(key=lambda c: c.step_time_s)
+    ranked.sort(key=lambda c: _rank(c.step_time_s, c))
     return ranked
+
+
+def _rank(step_time_s: float, candidate: Candidate) -> tuple[float, int]:
+    """Faster first; steps equal to 12 significant digits go to the lower ZeRO level."""
+    return float(f"{step_time_s:.12g}"), candidate.setting.zero
 
 
 def _actions(setting: Setting) -> int:
@@ -213,7 +255,7 @@ def format_table(candidates: list[Candidate], top: int = 5) -> str:
     best = candidates[0]
     lines = []
     header = (f"{'#':>2} {'pp':>3} {'dp':>3} {'tp':>2} {'m':>5} {'schedule':<14} {'recompute':<9} "
-              f"{'step (s)':>10} {'peak memory':>12}  timing")
+              f"{'zero':>4} {'step (s)':>10} {'peak memory':>12}  timing")
     lines.append(header)
     for k, c in enumerate(candidates[:top], 1):
         st = c.setting
@@ -222,11 +264,12 @@ def format_table(candidates: list[Candidate], top: int = 5) -> str:
         mem = (c.prediction.peak_memory_bytes if c.prediction else c.needed_memory_bytes) / GIB
         timing = c.prediction.method if c.prediction else "infeasible: " + c.reason
         lines.append(f"{k:>2} {st.pp:>3} {st.dp:>3} {1:>2} {st.num_microbatches:>5} {sched:<14} "
-                     f"{'yes' if st.recompute else 'no':<9} {step} {mem:9.2f} GiB  {timing}")
+                     f"{'yes' if st.recompute else 'no':<9} {st.zero:>4} {step} {mem:9.2f} GiB  {timing}")
     if best.prediction is not None:
         pred = best.prediction
-        lines.append(f"chosen: {best.setting.num_microbatches} micro-batches of {pred.rows} rows; per "
-                     "stage, one micro-batch:")
+        lines.append(f"chosen: {best.setting.num_microbatches} micro-batches of {pred.rows} rows, "
+                     f"zero={best.setting.zero}; per stage, one micro-batch, and its rank's memory "
+                     "(parameters + gradients + optimizer state + activations):")
         for s in pred.stages:
             names = best.layer_names[s.start:s.end]
             shown = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
@@ -234,6 +277,13 @@ def format_table(candidates: list[Candidate], top: int = 5) -> str:
                 f"  stage {s.stage_index:>2} (rank {s.rank}): layers {s.start}-{s.end - 1} "
                 f"({len(names)}: {shown})  F+B+W {1e3 * (s.forward_s + s.backward_s + s.weight_s):.3f} ms"
                 f"  send {1e3 * s.send_s:.3f} ms  memory {pred.memory_bytes[s.rank] / GIB:.2f} GiB"
+                f" ({_parts(pred, s.rank)})"
             )
     return "\n".join(lines)
 
+
+
+def _parts(pred: Prediction, rank: int) -> str:
+    """A rank's memory as parameters + gradients + optimizer state + activations, in GiB."""
+    parts = (pred.parameter_bytes, pred.gradient_bytes, pred.optimizer_bytes, pred.activation_bytes)
+    return " + ".join(f"{part[rank] / GIB:.2f}" for part in parts)

@@ -7,8 +7,12 @@ Which layout a run gets, first match wins (`choose_layout`):
     2. Config(plan=path)                       the plan file, checked against world and layers
     3. resuming a checkpoint, layers open      the checkpoint's layout (so a resume is exact)
     4. no size given (Config())                profile, search pp x dp, micro-batches, schedule,
-                                               recomputation (`plait.planner.autoplan.plan_model`)
-    5. a size given (num_stages, dp, m)        profile, the optimal partition of that layout
+                                               recomputation, ZeRO (`plait.planner.autoplan.plan_model`)
+    5. a size given (num_stages, dp, m)        profile, the optimal partition of that layout (and
+                                               its ZeRO level, unless Config.zero is given)
+
+Config.zero, when given, is the only level searched, and overrides a plan file's or a resumed
+checkpoint's (sharding does not change what a checkpoint holds: it loads into any level).
 
 Rank 0 decides and every other rank reads its answer (`plait.runtime.agree`): profiles differ
 between processes, so ranks planning on their own could disagree. The other ranks run the same
@@ -45,6 +49,7 @@ from plait.plan.report import PlanReport
 from plait.runtime.agree import agree
 from plait.planner.calibrate import calibrate
 from plait.runtime.collectives import max_floats
+from plait.runtime.memory_stats import state_factor
 
 __all__ = ["Workload", "Layout", "choose_layout", "layout_of", "candidate_fields", "load_plan_file"]
 
@@ -135,7 +140,7 @@ def candidate_fields(candidate: dict[str, Any]) -> dict[str, Any]:
             "dp": int(candidate["dp"]), "num_microbatches": int(candidate["num_microbatches"]),
             "schedule": str(candidate["schedule"]),
             "num_virtual_stages": int(candidate.get("num_virtual_stages", 1)),
-            "recompute": bool(candidate.get("recompute", False))}
+            "recompute": bool(candidate.get("recompute", False)), "zero": int(candidate.get("zero", 0) or 0)}
 
 
 def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[str, Any] | None,
@@ -143,12 +148,13 @@ def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[
     """Rank 0's choice as JSON: {"fields", "report", "table", "source"}."""
     if config.plan is not None:
         fields, report = load_plan_file(config.plan, work.layer_names, world_size)
-        return {"fields": fields, "report": report.to_dict() if report else None,
+        return {"fields": _users_zero(fields, config), "report": report.to_dict() if report else None,
                 "table": report.table if report else "", "source": f"plan file {config.plan}"}
     if resumed_plan is not None:
         kept = _resumed_fields(resumed_plan, config, world_size, work.layer_names)
         if kept is not None:
-            return {"fields": kept, "report": None, "table": "", "source": "the resumed checkpoint"}
+            return {"fields": _users_zero(kept, config), "report": None, "table": "",
+                    "source": "the resumed checkpoint"}
     space, source, cluster = _search_inputs(config, world_size, work, network)
     options = replace(_profile_options(work), space=space)
     try:
@@ -166,12 +172,17 @@ def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[
             f"(Config.memory_limit_bytes={config.memory_limit_bytes}): {best.reason}"
         )
     chosen = candidate_fields(best.to_dict())
-    if not config.plans_everything:  # the user's layout, with the planner's layers only
-        chosen = {"layers_per_proc": chosen["layers_per_proc"]}
+    if not config.plans_everything:  # the user's layout, with the planner's layers (and ZeRO) only
+        chosen = {"layers_per_proc": chosen["layers_per_proc"], "zero": chosen["zero"]}
     data = result.to_dict()
     report = PlanReport(best.to_dict(), data["alternatives"], result.table(), source,
                         result.global_batch, result.profile.costs, cluster)
     return {"fields": chosen, "report": report.to_dict(), "table": report.table, "source": source}
+
+
+def _users_zero(fields: dict[str, Any], config: Config) -> dict[str, Any]:
+    """A replayed layout's fields with Config.zero in place of the saved level, when given."""
+    return fields if config.zero is None else {**fields, "zero": config.zero}
 
 
 def _search_inputs(config: Config, world_size: int, work: Workload,
@@ -180,7 +191,7 @@ def _search_inputs(config: Config, world_size: int, work: Workload,
     space, source = _space(config, world_size, batching.num_rows(work.x))
     cluster = local_cluster(local_world_size(world_size), network=network,
                             memory_bytes=config.memory_limit_bytes,
-                            optimizer_state_factor=_state_factor(work.optimizer),
+                            optimizer_state_factor=state_factor(work.optimizer),
                             bucket_bytes=config.bucket_cap_mb * 2**20)
     return space, source, cluster
 
@@ -217,9 +228,10 @@ def _profile_alongside(work: Workload, config: Config, world_size: int) -> None:
 def _space(config: Config, world_size: int, global_batch: int) -> tuple[SearchSpace, str]:
     """What the search may choose: everything open (Config()), or the layers of a given layout."""
     recompute = (False, True) if config.recompute is None else (config.recompute is True,)
+    zero = None if config.zero is None else (config.zero,)
     if config.plans_everything:
         schedules = (config.schedule,) if config.schedule else SEARCH_ORDER
-        return SearchSpace(schedules=schedules, recompute=recompute), "planned"
+        return SearchSpace(schedules=schedules, recompute=recompute, zero=zero), "planned"
     c = config.with_defaults()
     pp, v = c.stages_for(world_size), c.num_virtual_stages
     assert c.schedule is not None and c.num_microbatches is not None
@@ -227,14 +239,7 @@ def _space(config: Config, world_size: int, global_batch: int) -> tuple[SearchSp
     schedule = "1f1b" if c.schedule == "interleaved" and v < 2 else c.schedule
     m = min(c.num_microbatches, -(-global_batch // (world_size // pp)))
     return SearchSpace(pp=(pp,), num_microbatches=(m,), schedules=(schedule,),
-                       num_virtual_stages=max(v, 2), recompute=recompute, keep=1), "partitioned"
-
-
-def _state_factor(optimizer: Any) -> float:
-    """Optimizer state bytes per gradient byte (Adam 2, SGD with momentum 1, SGD 0)."""
-    if isinstance(optimizer, torch.optim.SGD):
-        return 1.0 if optimizer.defaults.get("momentum") else 0.0
-    return 2.0  # Adam, or a factory we cannot look into: the larger, to be safe
+                       num_virtual_stages=max(v, 2), recompute=recompute, zero=zero, keep=1), "partitioned"
 
 
 def _optimizer_factory(optimizer: Any) -> Any:
@@ -255,14 +260,17 @@ def _resumed_fields(plan: dict[str, Any], config: Config, world_size: int,
         v, dp = int(plan.get("num_virtual_stages", 1)), int(plan.get("dp", 1))
         full: dict[str, Any] = {"layers_per_proc": layers, "num_stages": len(layers) // v, "dp": dp,
                 "num_microbatches": int(plan["num_microbatches"]), "schedule": str(plan["schedule"]),
-                "num_virtual_stages": v, "recompute": [int(s) for s in plan.get("recompute", [])]}
+                "num_virtual_stages": v, "recompute": [int(s) for s in plan.get("recompute", [])],
+                "zero": int(plan.get("zero", 0) or 0)}
     except (KeyError, TypeError, ValueError):
+        return None
+    if config.zero and dp == 1:  # the config's ZeRO needs replicas this layout lacks: plan afresh
         return None
     if config.plans_everything:
         return full
     c = config.with_defaults()
     if c.num_virtual_stages == v and c.stages_for(world_size) * v == len(layers):
-        return {"layers_per_proc": layers}
+        return {"layers_per_proc": layers, "zero": full["zero"]}  # the same pp, so the same dp
     return None
 
 
@@ -287,7 +295,8 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
                       "dp": int(data.get("dp", 1)), "num_microbatches": int(data["num_microbatches"]),
                       "schedule": str(data["schedule"]),
                       "num_virtual_stages": int(data.get("num_virtual_stages", 1)),
-                      "recompute": [int(s) for s in data.get("recompute", [])]}
+                      "recompute": [int(s) for s in data.get("recompute", [])],
+                      "zero": int(data.get("zero", 0) or 0)}
             saved_names = tuple(str(n) for n in data["layer_names"])
             saved_world = int(data["world_size"])
         else:  # the planner's JSON
@@ -324,7 +333,8 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
 def _stage_table(chosen: dict[str, Any]) -> str:
     """The replayed candidate's stages, one a line (the profile behind it is not in the file)."""
     lines = [f"pp={chosen['pp']} dp={chosen['dp']} {chosen['num_microbatches']} micro-batches "
-             f"{chosen['schedule']} recompute={chosen.get('recompute', False)}, predicted step "
+             f"{chosen['schedule']} recompute={chosen.get('recompute', False)} "
+             f"zero={chosen.get('zero', 0) or 0}, predicted step "
              f"{chosen.get('predicted_step_time_s') or 0:.4f} s"]
     for s in chosen.get("stages", []):
         lines.append(f"  stage {s['stage']:>2}: {s['num_layers']} layers from {s['first_layer']}  "

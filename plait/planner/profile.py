@@ -48,6 +48,7 @@ from plait.capture.split import split
 from plait.capture.trace import CapturedGraph, capture, fingerprint, in_mode
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
+from plait.runtime.activation_meter import SavedBytes
 
 __all__ = ["LayerProfile", "ProfileOptions", "profile"]
 
@@ -271,17 +272,9 @@ class _Run:
         for st in stages:
             mine = [model_inputs[j] for j in st.input_indices]
             self.inputs.append(([_leaf(x) for x in received], mine))
-            counted: dict[tuple[int, tuple[int, ...]], int] = {}
-            own = {p.data_ptr() for p in st.module.parameters()}
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                if t.data_ptr() not in own:
-                    counted[(t.data_ptr(), tuple(t.shape))] = t.numel() * t.element_size()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with SavedBytes(st.module.parameters()) as saved:  # as the runtime's meter counts them
                 out = st.module(*self.inputs[-1][0], *mine)
-            self.saved.append(float(sum(counted.values())))
+            self.saved.append(float(saved.total))
             self.sent.append(float(_tensor_bytes(out)))
             received = list(out) if not st.is_last else []
 

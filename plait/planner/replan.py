@@ -30,7 +30,7 @@ def replanned_layers(report: PlanReport, measured_stage_s: Sequence[float], worl
     costs = corrected_costs(report.costs, report.prediction(), measured_stage_s)
     st = report.setting()
     space = SearchSpace(pp=(st.pp,), num_microbatches=(st.num_microbatches,), schedules=(st.schedule,),
-                        num_virtual_stages=max(st.num_virtual_stages, 2), recompute=(st.recompute,), keep=1)
+                        num_virtual_stages=max(st.num_virtual_stages, 2), recompute=(st.recompute,), zero=(st.zero,), keep=1)
     found = search(costs, world_size, report.global_batch, report.cluster, space)
     return {"chosen": found[0].to_dict(), "table": format_table(found)}
 

@@ -27,7 +27,9 @@ __all__ = ["resolve_plan", "recomputed_stages"]
 
 
 def _zero(config: Config, world_size: int) -> int:
-    """Config.zero on the resolved layout: None is 0; 1 and 2 need more than one replica."""
+    """Config.zero on the resolved layout: the user's level, or the planner's choice (a planned
+    layout's config sets it, `plait.planner.layout`); None (not planned) is 0; 1 and 2 need more
+    than one replica."""
     if not config.zero or world_size == 1:
         return 0
     if config.dp == 1:

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plait.capture.split import StageModule
 from plait.errors import LossError
+from plait.runtime.activation_meter import ActivationMeter, SavedBytes
 from plait.runtime.backward_split import WeightGradients, backward_input
 from plait.runtime.batched_wgrad import defer_linear_weight_grads
 
@@ -42,8 +43,11 @@ class StageExecutor:
         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
         recompute: bool = False,
         batch_weight_grads: bool = False,
+        meter: ActivationMeter | None = None,
     ):
         self.stage = stage
+        self.meter = meter  # this rank's bytes held for backward passes (training forwards add to it)
+        self._params = list(stage.module.parameters())
         self.recompute = recompute
         # Linear weight gradients kept per micro-batch and computed once at the step's end.
         self.weight_batch = defer_linear_weight_grads(stage.module) if batch_weight_grads else None
@@ -67,6 +71,16 @@ class StageExecutor:
         keep_output: bool = False,
     ) -> list[Any]:
         """Run the stage; return what goes to the next stage (empty on the last stage)."""
+        if not (train and self.meter is not None):
+            return self._forward(microbatch_index, received, inputs, target, scale, train, keep_output)
+        with SavedBytes(self._params) as saved:
+            out = self._forward(microbatch_index, received, inputs, target, scale, train, keep_output)
+        saved.add(received)  # kept as the gradient leaves, whether autograd saved them or not
+        self.meter.hold((self.stage.stage_index, microbatch_index), saved.total)
+        return out
+
+    def _forward(self, microbatch_index: int, received: list[Any], inputs: list[Any], target: Any,
+                 scale: float, train: bool, keep_output: bool) -> list[Any]:
         with torch.set_grad_enabled(train):
             if train and self.recompute:
                 out = checkpoint(self._run, *received, *inputs, use_reentrant=False)
@@ -116,6 +130,7 @@ class StageExecutor:
             outputs = self._outputs.pop(microbatch_index)
             if outputs:
                 torch.autograd.backward(outputs, grads)
+        self._release(microbatch_index)
         return [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
 
     def backward_input(self, microbatch_index: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -133,6 +148,7 @@ class StageExecutor:
         else:
             outputs, out_grads = self._outputs.pop(microbatch_index), list(grads)
         if not outputs:
+            self._release(microbatch_index)
             return [torch.zeros_like(x) for x in inputs]
         params: list[torch.Tensor] = [p for p in self.stage.module.parameters() if p.requires_grad]
         if self.weight_batch is not None:
@@ -145,6 +161,11 @@ class StageExecutor:
         weights = self._weights.pop(microbatch_index, None)
         if weights is not None:
             weights.run()
+        self._release(microbatch_index)
+
+    def _release(self, microbatch_index: int) -> None:
+        if self.meter is not None:
+            self.meter.release((self.stage.stage_index, microbatch_index))
 
     def finish_step(self) -> None:
         """After the stage's last backward of a step: the batched linear weight gradients."""

@@ -1,5 +1,6 @@
-"""Data-parallel gradient synchronisation: buckets all-reduced (or, ZeRO-2, reduced to their
-owners) as soon as their gradients are final.
+"""Data-parallel gradient synchronisation: buckets summed as soon as their gradients are final.
+
+Each bucket is all-reduced, or with ZeRO-2 reduced to the owners of its parameters.
 
 A stage's parameter gets one gradient contribution per micro-batch; it is final after the last
 micro-batch's backward. A hook counts the contributions, and when every parameter of a bucket is
@@ -148,6 +149,7 @@ class GradientBuckets:
         for p in self.buckets[index]:
             self._adopt(p)  # a parameter without a gradient (unused this step) counts as zero
         for (dst, _), flat in zip(self._segments[index], self._flats[index]):
+            assert flat is not None  # allocated at `prepare`
             if dst is None:
                 work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             else:

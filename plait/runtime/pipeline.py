@@ -18,6 +18,7 @@ from plait.capture.split import StageModule, split, stage_of_layers
 from plait.capture.trace import CapturedGraph
 from plait.config import Config
 from plait.plan import Plan
+from plait.runtime.activation_meter import ActivationMeter
 from plait.runtime.collectives import TiedGradients, broadcast_tensors, make_group
 from plait.runtime.grad_sync import GradientBuckets
 from plait.runtime.executor import StageExecutor
@@ -50,6 +51,7 @@ class Pipeline:
     sync: GradientBuckets | None  # data-parallel gradient buckets (dp > 1)
     config: Config
     zero: ShardedOptimizerState | None = None  # optimizer state sharded over the replicas (plan.zero)
+    meter: ActivationMeter | None = None  # bytes held for backward passes (training pipeline)
     _programs: dict[tuple[int, bool], Program] = field(default_factory=dict)
 
     def start_equal(self) -> None:
@@ -134,10 +136,12 @@ class Pipeline:
         return out
 
 
-def stage_tensors(captured: CapturedGraph, plan: Plan, rank: int) -> list[torch.Tensor]:
-    """The parameters and buffers the stages of `rank` use (what a meta model materializes there)."""
+def stage_tensors(captured: CapturedGraph, plan: Plan, rank: int | None) -> list[torch.Tensor]:
+    """The parameters and buffers the stages of `rank` use (None: of every stage): what a meta model
+    materializes there, and what a real model's rank keeps."""
     stages = split(captured, stage_of_layers(plan.layers_per_stage))
-    return [t for s in plan.stages_of(rank) for t in (*stages[s].module.parameters(), *stages[s].module.buffers())]
+    chosen = range(plan.num_chunks) if rank is None else plan.stages_of(rank)
+    return [t for s in chosen for t in (*stages[s].module.parameters(), *stages[s].module.buffers())]
 
 
 def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, config: Config, rank: int,
@@ -192,15 +196,16 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
         if owners:
             assert sync is not None
             zero = ShardedOptimizerState([p for p in local if id(p) in owners], owners, replicas, rank, sync.group)
+    meter = ActivationMeter() if make_ties else None
     executors = {
         s: StageExecutor(stages[s], captured.finish, parts.loss, recompute=s in plan.recompute,
-                         batch_weight_grads=config.batch_weight_grads) for s in mine
+                         batch_weight_grads=config.batch_weight_grads, meter=meter) for s in mine
     }
     replica = plan.position_of(rank)[1]
     stage_to_rank = [plan.rank_of(s, replica) for s in range(plan.num_chunks)]
     interpreter = Interpreter(rank, executors, stage_to_rank, parts.wire, parts.tracer)
     return Pipeline(captured, stages, plan, rank, executors, interpreter, ties, local, owner_of,
-                    parts.output_spec, layer_stage, sync, config, zero)
+                    parts.output_spec, layer_stage, sync, config, zero, meter)
 
 
 def _zero_owners(stages: Sequence[StageModule], plan: Plan, holders: dict[int, list[int]]) -> dict[int, int]:

@@ -32,7 +32,7 @@ from plait.runtime.nonfinite import NonFiniteWatch, verdict
 from plait.runtime.pipeline import Pipeline
 from plait.runtime.report import failure_error
 
-__all__ = ["OptimizerArg", "StepResult", "StepRunner", "make_optimizer", "num_stats"]
+__all__ = ["OptimizerArg", "StepResult", "StepRunner", "held_bytes", "make_optimizer", "num_stats"]
 
 # The user's optimizer: an instance (over the whole net), or a callable made over this rank's parameters.
 OptimizerArg = torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None
@@ -41,6 +41,17 @@ OptimizerArg = torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.
 def num_stats(metrics: Sequence[str]) -> int:
     """Length of a step's sums: the loss x rows, then (correct, counted) per metric."""
     return 1 + 2 * len(metrics)
+
+
+def held_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the storages behind `tensors` (each once; a gradient that is a view of its bucket
+    counts the whole bucket it lives in; None and non-tensors skipped)."""
+    storages: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def make_optimizer(arg: OptimizerArg, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
@@ -71,6 +82,7 @@ class StepRunner:
         self.pipe, self.net, self.metrics, self.device, self.train = pipe, net, list(metrics), device, train
         config = pipe.config
         self.watch = NonFiniteWatch(pipe) if train and config.on_nonfinite != "ignore" else None
+        self.memory: dict[str, int] = {}  # the last training step's readings, bytes (`memory_readings`)
         if train:
             mine = {id(p) for p in pipe.local_parameters}
             for p in net.parameters():  # stale gradients elsewhere would make the
@@ -146,6 +158,8 @@ class StepRunner:
             if mbs:
                 pipe.interpreter.run(pipe.program(len(mbs), train), mbs, train,
                                      keep_outputs=keep_outputs or bool(self.metrics))
+            if train:  # every backward has run: the gradients are whole, the activations freed
+                self.memory["gradients_bytes"] = held_bytes(p.grad for p in pipe.local_parameters)
             # The loss and metric sums travel while the gradients are still being all-reduced.
             stats, outputs = self._local_stats(mbs, keep_outputs)
             if train and pipe.sync is not None:
@@ -161,6 +175,10 @@ class StepRunner:
         return StepResult(sums[: len(stats)], outputs, skipped)
 
     def _zero_grads(self, num_microbatches: int) -> None:
+        if self.pipe.meter is not None:
+            self.pipe.meter.start_step()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         for p in self.pipe.local_parameters:
             p.grad = None
         if self.pipe.sync is not None:
@@ -191,8 +209,15 @@ class StepRunner:
         if not skipped:
             if pipe.zero is not None:  # others' shares: no gradient, no step, no state here
                 pipe.zero.drop_foreign_gradients()
+            self.memory["gradients_at_step_bytes"] = held_bytes(p.grad for p in pipe.local_parameters)
             with pipe.interpreter.tracer.span("compute", "optimizer", step=where.run, op="opt"):
                 optimizer.step()
+            self.memory["optimizer_bytes"] = held_bytes(
+                t for state in optimizer.state.values() for t in state.values())
+            if pipe.meter is not None:
+                self.memory["activations_peak_bytes"] = pipe.meter.peak
+            if self.device.type == "cuda":
+                self.memory["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
             if pipe.zero is not None:
                 zero = pipe.zero
 

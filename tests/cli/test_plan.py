@@ -31,6 +31,14 @@ def test_gpt_39b_on_64_v100_needs_tensor_parallelism(capsys):
     assert data["feasible"] is False and data["tp"] == 1 and data["pp"] * data["dp"] == 64
     assert "tensor parallelism" in data["reason"]
     assert data["planning_time_s"] < 2.0
+    # not even with ZeRO: its closest layout shards the optimizer state and needs 16.42 GiB of
+    # the 14.40 a V100 offers (25.43 GiB without ZeRO)
+    assert data["zero"] in (1, 2) and data["peak_memory_bytes"] / 2**30 == pytest.approx(16.42, abs=0.01)
+    replicated = run_json(capsys, "--gpt", GPT_39B, "--batch", "1024", "--devices", "64",
+                          "--device", "v100-16gb", "--zero", "0")
+    assert replicated["zero"] == 0 and replicated["feasible"] is False
+    assert replicated["peak_memory_bytes"] / 2**30 == pytest.approx(25.43, abs=0.01)
+    assert "sharded optimizer state (ZeRO)" in replicated["reason"]
 
 
 def test_gpt_350m_on_one_v100_fits(capsys):
@@ -40,6 +48,25 @@ def test_gpt_350m_on_one_v100_fits(capsys):
     assert (data["pp"], data["dp"]) == (1, 1) and len(data["stages"]) == 1
     assert data["peak_memory_bytes"] <= 0.9 * 16 * 2**30
     assert data["predicted_step_time_s"] > 0 and data["alternatives"]
+
+
+def test_zero_is_chosen_or_given_and_in_the_json(capsys):
+    gpt = ["--gpt", "layers=8,hidden=512,heads=8,seq=256,vocab=1000", "--batch", "64", "--devices", "4",
+           "--device", "a100-40gb"]
+    chosen = run_json(capsys, *gpt)
+    assert chosen["zero"] in (0, 1, 2) and all("zero" in c for c in chosen["alternatives"])
+    given = run_json(capsys, *gpt, "--zero", "2")
+    assert given["feasible"] and given["zero"] == 2 and given["dp"] > 1
+    assert {c["zero"] for c in given["alternatives"]} == {2}
+    parts = zip(given["parameter_bytes"], given["gradient_bytes"], given["optimizer_bytes"],
+                given["activation_bytes"])
+    assert max(map(sum, parts)) == pytest.approx(given["peak_memory_bytes"])
+
+
+def test_zero_outside_0_to_2_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--gpt", "layers=2,hidden=64,heads=4", "--batch", "8", "--devices", "2", "--zero", "3"])
+    assert "--zero: invalid choice: 3 (choose from 0, 1, 2)" in capsys.readouterr().err
 
 
 def test_table_lists_stages_and_alternatives(capsys, tmp_path):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from plait.errors import ConfigError
+from plait.errors import ConfigError, PartitionError
 from plait.plan.cost import (
     Cluster, Setting, microbatch_rows, partition_problem, peak_activations, pipeline_lower_bound,
     predict,
@@ -159,3 +159,73 @@ def test_rows_and_settings() -> None:
         Setting(2, 1, 4, "pipedream")
     with pytest.raises(ConfigError, match="does not cut 4 layers into 2 stages"):
         predict(layer_costs(4), Setting(2, 1, 1), Cluster(FREE, 1.0), 1, (1, 1, 2))
+
+
+def test_zero_memory_of_a_layout_by_hand() -> None:
+    # the layout of test_memory_of_a_layout_by_hand on 2 replicas: 4 micro-batches of 2 rows
+    # (16 rows over dp=2); stage 0 holds 2 of them, stage 1 one. Per layer: parameters 100,
+    # gradients 100, Adam 200 -- sharded over the 2 replicas with ZeRO: 100
+    costs = layer_costs(4, activation=10.0, params=100.0, output=3.0)
+    cluster = Cluster(FREE, math.inf, optimizer_state_factor=2.0)
+    plain = predict(costs, Setting(2, 2, 4, "1f1b"), cluster, 16, (1, 3))
+    assert plain.parameter_bytes == (100, 300) and plain.gradient_bytes == (100, 300)
+    assert plain.optimizer_bytes == (200, 600) and plain.activation_bytes == (2 * 10 * 2, 1 * 3 * 10 * 2)
+    assert plain.memory_bytes == (440, 1260)
+    for zero in (1, 2):  # ZeRO-2's gradients all exist during the backward: its peak is ZeRO-1's
+        sharded = predict(costs, Setting(2, 2, 4, "1f1b", zero=zero), cluster, 16, (1, 3))
+        assert sharded.parameter_bytes == plain.parameter_bytes
+        assert sharded.gradient_bytes == plain.gradient_bytes
+        assert sharded.optimizer_bytes == (100, 300)
+        assert sharded.activation_bytes == plain.activation_bytes
+        assert sharded.memory_bytes == (340, 960) == tuple(
+            map(sum, zip(sharded.parameter_bytes, sharded.gradient_bytes, sharded.optimizer_bytes,
+                         sharded.activation_bytes)))
+        assert [st.state_bytes for st in sharded.stages] == [300, 900]
+        # the partition's memory is the same: each layer's 300 bytes of state
+        problem = partition_problem(costs, Setting(2, 2, 4, "1f1b", zero=zero), cluster, 16)
+        assert list(problem.fixed) == [300.0] * 4
+
+
+def test_a_layout_that_fits_only_with_zero_is_feasible_with_it() -> None:
+    costs = layer_costs(4, params=100.0)  # 400 bytes of state per layer, 300 with ZeRO on 2 replicas
+    limit = Cluster(FREE, 2 * 350.0)
+    assert optimal_partition(partition_problem(costs, Setting(2, 2, 1, zero=1), limit, 2)).layers_per_stage == (2, 2)
+    with pytest.raises(PartitionError, match="needs at least"):
+        optimal_partition(partition_problem(costs, Setting(2, 2, 1), limit, 2))
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero_communication_by_hand(dp: int) -> None:
+    # one stage of one layer, dp replicas, 1 micro-batch of 1 row: F 0-1 s, B 1-3 s; 4e9 bytes
+    # of gradients over 1 GB/s; the optimizer steps every parameter in 0.5 s. One layer is one
+    # bucket: it starts when the backward ends (3 s).
+    costs = layer_costs(1, params=4e9, optimizer=0.5)
+    net = Network(Link(0.0, 1e9), Link(0.0, 1e9), 1)
+    cluster = Cluster(net, math.inf)
+    p = dp
+    ring_all_reduce = 2 * (p - 1) / p * 4.0  # 2(p-1)/p x V / B
+    # as the runtime issues them: each owner's V/p reduced to it (gradients) or broadcast from it
+    # (parameters), one owner after another, each over a binary tree of log2(p) hops
+    by_owner = p * math.ceil(math.log2(p)) * (4.0 / p)
+    reduce_scatter = all_gather = by_owner
+    closing = 2 * (dp - 1) * 64 / (dp * 1e9)
+    zero0, zero1, zero2 = (predict(costs, Setting(1, dp, 1, zero=z), cluster, dp, (1,)) for z in (0, 1, 2))
+    assert zero0.allreduce_s == (pytest.approx(ring_all_reduce),) and zero0.gather_s == (0.0,)
+    assert zero0.optimizer_s == (0.5,)
+    assert zero0.step_time_s == pytest.approx(3 + ring_all_reduce + closing + 0.5)
+    # ZeRO-1: the same all-reduce; a 1/dp share stepped, then broadcast to the others
+    assert zero1.allreduce_s == zero0.allreduce_s and zero1.optimizer_s == (pytest.approx(0.5 / dp),)
+    assert zero1.gather_s == (pytest.approx(all_gather),)
+    assert zero1.step_time_s == pytest.approx(3 + ring_all_reduce + closing + 0.5 / dp + all_gather)
+    # ZeRO-2: each bucket reduced to its owners instead (on 2 replicas: as long as the all-reduce)
+    assert zero2.allreduce_s == (pytest.approx(reduce_scatter),) and zero2.gather_s == zero1.gather_s
+    assert zero2.step_time_s == pytest.approx(3 + reduce_scatter + closing + 0.5 / dp + all_gather)
+
+
+def test_zero_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="zero=1 shards over a stage's replicas, but dp=1 has one "
+                                          "replica; set dp > 1 or zero=0"):
+        Setting(2, 1, 4, zero=1)
+    with pytest.raises(ConfigError, match="zero must be 0, 1 or 2, got 3"):
+        Setting(2, 2, 4, zero=3)
+    assert Setting(2, 2, 4, zero=2).zero == 2 and Setting(2, 1, 4).zero == 0

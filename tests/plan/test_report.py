@@ -103,3 +103,31 @@ def test_printed_it_is_the_table_then_the_check_then_earlier_layouts() -> None:
         "earlier layout: 2 stages: [1, 3]",
     ]
     assert str(planned()) == "plait planner (planned), global batch 8:\n" + planned().table
+
+
+def sharded() -> PlanReport:
+    """The report of a search of ZeRO 1 and 2 on 2 replicas of one stage."""
+    costs = layer_costs(4, forward=1.0, backward=2.0, activation=1.0, params=10.0, optimizer=1.0)
+    candidates = search(costs, 2, GLOBAL_BATCH, CLUSTER, SearchSpace(pp=(1,), num_microbatches=(4,), zero=(1, 2)))
+    return PlanReport(candidates[0].to_dict(), [c.to_dict() for c in candidates[1:]], format_table(candidates),
+                      "planned", GLOBAL_BATCH, costs, CLUSTER)
+
+
+def test_a_report_keeps_its_zero_level_and_each_ranks_memory() -> None:
+    report = sharded()
+    assert report.zero > 0 and report.setting().zero == report.zero == report.chosen["zero"]
+    assert {"parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes"} <= set(report.chosen)
+    assert report.chosen["optimizer_bytes"] == [4 * 2 * 10.0 / 2]  # Adam's state of 4 layers, halved
+    back = PlanReport.from_dict(json.loads(report.to_json()), report.table)
+    assert back.setting() == report.setting() and back.prediction() == report.prediction()
+    assert back.prediction().optimizer_s == (pytest.approx(4 * 1.0 / 2),)
+    assert f"zero={report.zero}" in str(back)
+
+
+def test_json_saved_before_zero_was_priced_reads_as_zero_0() -> None:
+    data = sharded().to_dict()
+    for key in ("zero", "parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes"):
+        del data[key]
+    old = PlanReport.from_dict(data, "")
+    assert old.zero == 0 and old.setting() == Setting(1, 2, 4, "1f1b", 1, False, 0)
+    assert old.prediction().optimizer_s == (pytest.approx(4 * 1.0),)  # priced replicated, as it ran

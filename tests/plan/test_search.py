@@ -9,9 +9,11 @@ import math
 import random
 
 import pytest
+from dataclasses import replace
 
+from plait.errors import ConfigError
 from plait.plan.analytic import ALPA_GPT_SUITE, gpt_costs, optimizer_state_factor
-from plait.plan.cost import Cluster, Setting, partition_problem
+from plait.plan.cost import Cluster, Setting, partition_problem, predict
 from plait.plan.devices import device
 from plait.plan.network import Link, Network
 from plait.plan.partition import brute_force_partition
@@ -99,3 +101,110 @@ def test_alpa_gpt_suite_plans(gpus: int) -> None:
         assert best.prediction is not None and best.prediction.peak_memory_bytes <= cluster.memory_bytes
     else:  # 39B: 12.9 GB of state per block on 16 GB devices, at most 32 stages of 50 layers
         assert not best.feasible and "needs tensor parallelism" in best.reason
+        # ZeRO on dp=2 brings a block to 1.5 + 1.5 + 4.5 GiB, but 48 blocks on 32 stages put two
+        # on 16 of them: 15 GiB of state before activations, over the 14.4 GiB a V100 offers
+        assert best.setting.zero > 0 and (best.setting.pp, best.setting.dp) == (32, 2)
+        assert best.needed_memory_bytes / 2**30 == pytest.approx(16.42, abs=0.01)
+        assert "with ZeRO, recomputation and one-row micro-batches" in best.reason
+
+
+def test_zero_makes_the_15b_gpt_on_32_v100_no_slower() -> None:
+    label, spec = ALPA_GPT_SUITE[32]
+    dev = device("v100-16gb")
+    cluster = Cluster(dev.network, dev.usable_memory(), optimizer_state_factor("adam", dev.dtype_bytes))
+    costs = gpt_costs(spec, dev)
+    with_zero = search(costs, 32, 1024, cluster)[0]
+    without = search(costs, 32, 1024, cluster, SearchSpace(zero=(0,)))[0]
+    assert with_zero.feasible and without.feasible and without.setting.zero == 0
+    assert with_zero.step_time_s <= without.step_time_s
+    pred = with_zero.prediction
+    assert pred is not None and pred.peak_memory_bytes <= cluster.memory_bytes
+
+
+def levels_by_predict(costs, candidate, cluster, global_batch):
+    """The step of the candidate's layout at each ZeRO level, priced by the cost model."""
+    return {z: predict(costs, replace(candidate.setting, zero=z), cluster, global_batch,
+                       candidate.layers_per_stage).step_time_s for z in (0, 1, 2)}
+
+
+ONE_LAYOUT = SearchSpace(pp=(2,), num_microbatches=(8,), schedules=("1f1b",), recompute=(False,), zero=(0, 1, 2))
+
+
+@pytest.mark.parametrize("optimizer", [0.0, 0.5])
+def test_the_fastest_zero_level_by_the_model_wins(optimizer: float) -> None:
+    # 2 stages x 2 replicas, memory ample: 2 MB of gradients per stage over 1 GB/s, mostly hidden
+    # behind the backward for ZeRO 0, against a share of the optimizer step saved by ZeRO 1 and 2
+    costs = layer_costs(4, forward=1e-3, backward=2e-3, params=1e6, optimizer=optimizer)
+    cluster = Cluster(Network(Link(1e-5, 1e9), Link(1e-5, 1e9), 1), math.inf)
+    found = search(costs, 4, 64, cluster, ONE_LAYOUT)
+    assert sorted(c.setting.zero for c in found) == [0, 1, 2]
+    best = found[0]
+    steps = levels_by_predict(costs, best, cluster, 64)
+    fastest = min(steps.values())
+    assert best.step_time_s == pytest.approx(fastest, rel=1e-12)
+    # the lowest level among the fastest: with no optimizer step to share, ZeRO-2's reduce-scatter
+    # + all-gather on 2 replicas equals ZeRO-0's all-reduce, a tie up to rounding
+    assert best.setting.zero == min(z for z in steps if steps[z] == pytest.approx(fastest, rel=1e-12))
+    assert [c.step_time_s for c in found] == pytest.approx(sorted(c.step_time_s for c in found), rel=1e-12)
+
+
+def test_left_to_the_search_zero_is_used_only_where_memory_needs_it() -> None:
+    # the case above where ZeRO is the faster by the model: memory ample, the search keeps ZeRO 0
+    costs = layer_costs(4, forward=1e-3, backward=2e-3, params=1e6, optimizer=0.5)
+    cluster = Cluster(Network(Link(1e-5, 1e9), Link(1e-5, 1e9), 1), math.inf)
+    assert search(costs, 4, 64, cluster, ONE_LAYOUT)[0].setting.zero > 0
+    assert {c.setting.zero for c in search(costs, 4, 64, cluster, replace(ONE_LAYOUT, zero=None))} == {0}
+
+
+def test_equal_steps_go_to_the_lower_zero_level() -> None:
+    # a free network and no optimizer time: every level predicts the same step
+    costs = layer_costs(4, params=1e6)
+    found = search(costs, 4, 64, Cluster(FREE, math.inf), ONE_LAYOUT)
+    assert [c.setting.zero for c in found] == [0, 1, 2]
+    assert len({c.step_time_s for c in found}) == 1
+
+
+def test_a_memory_limit_only_zero_meets_chooses_zero() -> None:
+    # one stage on 2 replicas: 4 layers of 400 bytes of state each (parameters 100, gradients
+    # 100, Adam 200), 300 with the optimizer state halved by ZeRO: 1600 or 1200 bytes
+    costs = layer_costs(4, forward=1e-3, backward=2e-3, params=100.0, optimizer=1e-3)
+    cluster = Cluster(Network(Link(1e-5, 1e6), Link(1e-5, 1e6), 1), 1300.0)
+    space = SearchSpace(pp=(1,))
+    found = search(costs, 2, 8, cluster, space)
+    best = found[0]
+    assert best.feasible and best.setting.zero in (1, 2) and all(c.setting.zero for c in found)
+    assert best.prediction is not None and best.prediction.peak_memory_bytes == 1200.0
+    steps = levels_by_predict(costs, best, cluster, 8)
+    assert best.setting.zero == min((1, 2), key=lambda z: (round(steps[z], 12), z))
+    replicated = search(costs, 2, 8, cluster, replace(space, zero=(0,)))
+    assert not replicated[0].feasible and replicated[0].needed_memory_bytes == 1600.0
+    assert "sharded optimizer state (ZeRO)" in replicated[0].reason
+
+
+def test_a_given_zero_level_is_the_only_one_searched() -> None:
+    costs = layer_costs(4, forward=1e-3, backward=2e-3, params=1e6, optimizer=1e-3)
+    cluster = Cluster(Network(Link(1e-5, 1e9), Link(1e-5, 1e9), 1), math.inf)
+    found = search(costs, 4, 64, cluster, SearchSpace(zero=(1,), keep=50))
+    assert found and {c.setting.zero for c in found} == {1} and all(c.setting.dp > 1 for c in found)
+    assert {c.setting.zero for c in search(costs, 4, 64, cluster, SearchSpace(zero=(0,), keep=50))} == {0}
+    with pytest.raises(ConfigError, match="zero 1 and 2 need dp > 1"):
+        search(costs, 4, 64, cluster, SearchSpace(pp=(4,), zero=(2,)))
+    with pytest.raises(ConfigError, match="zero must be 0, 1 or 2, got 3"):
+        SearchSpace(zero=(3,))
+
+
+def test_the_table_and_json_show_zero_and_the_chosen_memory() -> None:
+    costs = layer_costs(4, forward=1e-3, backward=2e-3, params=2**20, activation=2**10, optimizer=0.5)
+    cluster = Cluster(Network(Link(1e-5, 1e9), Link(1e-5, 1e9), 1), math.inf)
+    found = search(costs, 4, 64, cluster, ONE_LAYOUT)
+    data = found[0].to_dict()
+    pred = found[0].prediction
+    assert pred is not None and data["zero"] == found[0].setting.zero
+    assert data["optimizer_bytes"] == list(pred.optimizer_bytes) == [2 * 2 * 2**20 / 2] * 2  # Adam, halved
+    assert data["parameter_bytes"] == data["gradient_bytes"] == [2 * 2**20] * 2
+    assert [sum(parts) for parts in zip(data["parameter_bytes"], data["gradient_bytes"], data["optimizer_bytes"],
+                                        data["activation_bytes"])] == [s["memory_bytes"] for s in data["stages"]]
+    table = format_table(found)
+    assert " zero " in table.splitlines()[0]
+    assert f"zero={found[0].setting.zero}" in table
+    assert "memory 0.01 GiB (0.00 + 0.00 + 0.00 + 0.00)" in table  # MiBs: shown as GiB

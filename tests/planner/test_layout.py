@@ -188,6 +188,34 @@ def test_plan_files_that_do_not_fit_say_what_and_where(tmp_path):
         plait.Config(plan=str(good), layers_per_proc=[5, 6])
 
 
+def test_plan_files_carry_zero_and_old_ones_read_as_zero_0(tmp_path):
+    names = tuple(str(i) for i in range(11))
+    plan = {"pp": 1, "dp": 2, "num_microbatches": 2, "schedule": "1f1b", "num_virtual_stages": 1,
+            "recompute": False, "layers_per_stage": [11], "feasible": True, "stages": []}
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(plan))
+    assert load_plan_file(str(old), names, 2)[0]["zero"] == 0  # saved before the planner priced ZeRO
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps({**plan, "zero": 2}))
+    assert load_plan_file(str(new), names, 2)[0]["zero"] == 2
+    saved = tmp_path / "saved_plan.json"  # Plan.to_json()
+    saved.write_text(plait.Plan(layer_names=names, layers_per_stage=(11,), num_microbatches=2, schedule="1f1b",
+                                world_size=2, capture_method="torch.export", dp=2, zero=1).to_json())
+    assert load_plan_file(str(saved), names, 2)[0]["zero"] == 1
+
+
+def test_config_zero_is_the_only_level_searched_and_none_searches_all():
+    from plait.planner.layout import _space, _users_zero
+
+    assert _space(plait.Config(), 4, 64)[0].zero is None
+    assert _space(plait.Config(zero=2), 4, 64)[0].zero == (2,)
+    space, source = _space(plait.Config(num_stages=2, dp=2, zero=1), 4, 64)
+    assert (space.pp, space.zero, source) == ((2,), (1,), "partitioned")
+    assert _space(plait.Config(num_stages=2, dp=2), 4, 64)[0].zero is None  # the planner picks it
+    assert _users_zero({"zero": 2, "dp": 2}, plait.Config()) == {"zero": 2, "dp": 2}
+    assert _users_zero({"zero": 2, "dp": 2}, plait.Config(zero=0)) == {"zero": 0, "dp": 2}
+
+
 def forced_replan(rank, world):
     """A replan moving one layer after step 4 (forced): training stays equal to one process,
     Adam's state included."""
@@ -230,9 +258,13 @@ def test_a_resume_on_the_same_world_keeps_the_checkpoints_cut_instead_of_replann
              "num_virtual_stages": 1, "num_microbatches": 3, "schedule": "gpipe", "recompute": []}
     assert _resumed_fields(saved, plait.Config(), 4, names) == {
         "layers_per_proc": [6, 3], "num_stages": 2, "dp": 2, "num_microbatches": 3, "schedule": "gpipe",
-        "num_virtual_stages": 1, "recompute": []}  # the planner chose everything: all of it is kept
+        "num_virtual_stages": 1, "recompute": [], "zero": 0}  # the planner chose everything: all of it is kept
+    assert _resumed_fields({**saved, "zero": 2}, plait.Config(), 4, names)["zero"] == 2  # and its ZeRO
     fixed = plait.Config(num_stages=2, dp=2, num_microbatches=3)
-    assert _resumed_fields(saved, fixed, 4, names) == {"layers_per_proc": [6, 3]}  # only the cut was planned
+    # only the cut (and ZeRO, a checkpoint saved before plait priced it: 0) was planned
+    assert _resumed_fields(saved, fixed, 4, names) == {"layers_per_proc": [6, 3], "zero": 0}
+    one_replica = {**saved, "layers_per_stage": [3, 3, 2, 1], "dp": 1}
+    assert _resumed_fields(one_replica, plait.Config(zero=1), 4, names) is None  # ZeRO needs replicas
     assert _resumed_fields(saved, plait.Config(num_stages=4, dp=1), 4, names) is None  # config says otherwise
     assert _resumed_fields(saved, fixed, 8, names) is None  # another world: planned afresh
     assert _resumed_fields(saved, fixed, 4, names[:-1] + ("other",)) is None  # another model

@@ -85,3 +85,22 @@ def test_recompute_lists_and_errors():
     assert recomputed_stages(plait.Config(recompute=False), 3, 1) == ()
     with pytest.raises(plait.ConfigError, match=r"names stages \[3\], but the model has 3 stages"):
         recomputed_stages(plait.Config(recompute=[3]), 3, 1)
+
+
+def test_the_planners_zero_level_reaches_the_plan():
+    # the planner's answer is a Config with every size set, ZeRO included (plait.planner.layout)
+    from plait.planner.layout import candidate_fields
+
+    net, graph = net_and_graph()
+    n = len(graph.layers.layer_names)
+    chosen = {"pp": 2, "dp": 2, "num_microbatches": 4, "schedule": "1f1b", "recompute": False, "zero": 2,
+              "layers_per_stage": [2, n - 2]}
+    fields = candidate_fields(chosen)
+    assert fields["zero"] == 2
+    plan = resolve_plan(Config(**fields), 4, graph, net)
+    assert plan.zero == 2 and plan.dp == 2
+    assert resolve_plan(Config(**{**fields, "zero": None}), 4, graph, net).zero == 0  # not planned: 0
+    del chosen["zero"]  # a candidate saved before the planner priced ZeRO
+    assert candidate_fields(chosen)["zero"] == 0
+    with pytest.raises(plait.ConfigError, match="set dp > 1 or zero=0"):
+        resolve_plan(Config(layers_per_proc=(2, 1, 1, n - 4), zero=1), 4, graph, net)

@@ -1,0 +1,97 @@
+"""Model-state memory of a rank: its parameters, gradients and optimizer state, with or without ZeRO.
+
+The one home of these formulas: the cost model prices layouts with them (`plait.plan.cost`), and
+the runtime's memory accounting should count the same bytes. For a rank whose stages hold P bytes
+of parameters and G bytes of gradients, an optimizer keeping k bytes of state per gradient byte
+(Adam in fp32: 2; mixed-precision Adam with its fp32 master copy: 6), and dp replicas per stage
+(Rajbhandari et al. 2020, ZeRO, with the runtime's `plait.runtime.zero`):
+
+    zero   parameters   gradients (backward)   gradients (optimizer step)   optimizer state
+    0      P            G                      G                            k G
+    1      P            G                      G                            k G / dp
+    2      P            G                      G / dp                       k G / dp
+
+ZeRO-2 reduces each gradient bucket to the owners of its parameters, but the stage's gradients
+all exist during the backward (they accumulate over micro-batches), so its peak -- the
+backward's, with the activations on top -- is ZeRO-1's; only the optimizer step runs lighter:
+
+    peak = max(P + G + optimizer + activations,   P + step gradients + optimizer)
+
+The runtime shares parameters out whole, balanced by bytes: a replica's share is modelled as
+exactly 1/dp (close whenever a stage has many parameters). Parameters tied across stages are
+not sharded (every holder steps them); they are small and left out here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from plait.errors import ConfigError
+
+__all__ = ["StateBytes", "state_bytes", "state_totals", "check_zero", "ZERO_LEVELS"]
+
+ZERO_LEVELS = (0, 1, 2)
+
+
+def check_zero(zero: object, dp: int) -> None:
+    """ConfigError unless `zero` is 0, 1 or 2, and 1 or 2 only with more than one replica."""
+    if isinstance(zero, bool) or zero not in ZERO_LEVELS:
+        raise ConfigError(f"zero must be 0, 1 or 2, got {zero!r}")
+    if zero and dp == 1:
+        raise ConfigError(f"zero={zero} shards over a stage's replicas, but dp=1 has one replica; "
+                          "set dp > 1 or zero=0")
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of model state one rank holds (see the module's table)."""
+
+    parameters: float
+    gradients: float  # the peak: during the backward
+    optimizer: float
+    step_gradients: float  # during the optimizer step (ZeRO-2: this replica's share only)
+
+    @property
+    def total(self) -> float:
+        """Parameters + gradients + optimizer state at the peak (the backward's, activations aside)."""
+        return max(self.parameters + self.gradients + self.optimizer,
+                   self.parameters + self.step_gradients + self.optimizer)
+
+    def peak(self, activation_bytes: float) -> float:
+        """The rank's peak with `activation_bytes` held in the backward (none in the step)."""
+        return max(self.parameters + self.gradients + self.optimizer + activation_bytes,
+                   self.parameters + self.step_gradients + self.optimizer)
+
+
+def state_bytes(param_bytes: float, grad_bytes: float, optimizer_state_factor: float,
+                dp: int, zero: int) -> StateBytes:
+    """The state bytes of a rank whose stages hold `param_bytes` and `grad_bytes`."""
+    _check(optimizer_state_factor, dp, zero)
+    return _state(param_bytes, grad_bytes, optimizer_state_factor, dp, zero)
+
+
+def state_totals(param_bytes: Sequence[float], grad_bytes: Sequence[float], optimizer_state_factor: float,
+                 dp: int, zero: int) -> list[float]:
+    """`state_bytes(...).total` of each layer (the partition's fixed memory), checked once."""
+    _check(optimizer_state_factor, dp, zero)
+    return [_state(p, g, optimizer_state_factor, dp, zero).total for p, g in zip(param_bytes, grad_bytes)]
+
+
+def _check(optimizer_state_factor: float, dp: int, zero: int) -> None:
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ConfigError(f"dp must be a positive integer, got {dp!r}")
+    check_zero(zero, dp)
+    if not (math.isfinite(optimizer_state_factor) and optimizer_state_factor >= 0):
+        raise ConfigError(f"optimizer_state_factor must be >= 0 (Adam: 2), got {optimizer_state_factor!r}")
+
+
+def _state(param_bytes: float, grad_bytes: float, optimizer_state_factor: float, dp: int, zero: int) -> StateBytes:
+    """The module's table (arguments checked)."""
+    return StateBytes(
+        parameters=param_bytes,
+        gradients=grad_bytes,
+        optimizer=optimizer_state_factor * grad_bytes / (dp if zero else 1),
+        step_gradients=grad_bytes / dp if zero == 2 else grad_bytes,
+    )

@@ -1,0 +1,80 @@
+"""`ActivationMeter`: the bytes a rank holds for its backward passes, measured as the step runs.
+
+A stage's forward, in training, keeps tensors for its backward: those autograd saves (counted by
+a saved-tensor hook, parameters excluded, each tensor once by address and shape -- the planner's
+profile counts a layer's the same way, `SavedBytes`) and the received inputs whose gradients go
+upstream. They are held from the micro-batch's forward to its backward (with a split backward, to
+its weight pass); the meter adds them at the forward, drops them there, and keeps the step's peak::
+
+    F0 +a  F1 +a  B0 -a  F2 +a  B1 -a  B2 -a        live: a, 2a, a, 2a, a, 0    peak: 2a
+
+A recomputed stage's forward saves nothing but its inputs; the one micro-batch it recomputes inside
+its backward is transient and not counted (the planner's prediction of recomputed stages holds it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+__all__ = ["ActivationMeter", "SavedBytes"]
+
+
+class SavedBytes:
+    """Within `with`: the bytes autograd saves for the backward, tensors of `exclude` (parameters)
+    left out, each tensor counted once by (address, shape)."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._exclude = {t.data_ptr() for t in exclude}
+        self._counted: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.add([t])
+        return t
+
+    def add(self, tensors: Iterable[Any]) -> None:
+        """Count `tensors` too (those of them that are tensors)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in self._exclude:
+                self._counted[(t.data_ptr(), tuple(t.shape))] = t.numel() * t.element_size()
+
+    @property
+    def total(self) -> int:
+        return sum(self._counted.values())
+
+    def __enter__(self) -> "SavedBytes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class ActivationMeter:
+    """The bytes this rank's stages hold for backward passes now, and their peak in the step."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._held: dict[Any, int] = {}
+
+    def start_step(self) -> None:
+        """A new step: nothing held (the last step's backwards ran), the peak starts over."""
+        self._held.clear()
+        self.live = self.peak = 0
+
+    def hold(self, key: Any, nbytes: int) -> None:
+        """A forward (`key`: stage and micro-batch) keeps `nbytes` for its backward."""
+        self.live += nbytes - self._held.get(key, 0)
+        self._held[key] = nbytes
+        self.peak = max(self.peak, self.live)
+
+    def release(self, key: Any) -> None:
+        """`key`'s backward has run: what it kept is freed."""
+        self.live -= self._held.pop(key, 0)
