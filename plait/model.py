@@ -32,7 +32,7 @@ from plait.plan.report import PlanReport
 from plait.planner.closed_loop import ClosedLoop
 from plait.planner.layout import Layout, Workload, choose_layout, layout_of
 from plait.runtime.collectives import failed_ranks, gather_state_dict, local_device, sum_floats
-from plait.runtime.memory_stats import memory_stats, state_factor
+from plait.runtime.memory_stats import memory_line, memory_stats, state_factor
 from plait.runtime.pipeline import Pipeline, build_pipeline, stage_tensors
 from plait.runtime.report import failure_error
 from plait.runtime.step import OptimizerArg, StepRunner, make_optimizer, num_stats
@@ -126,6 +126,8 @@ class Model:
                                             self.config.timeout_s, bool(self.config.replan))
                 self._captured = work.captured
             self._build(self._layout)
+            assert self._train is not None
+            self._checkpoints.apply_pending(self._train.pipe, self.optimizer)  # one loaded before the build
         assert self._train is not None
         if train:
             return self._train
@@ -170,9 +172,10 @@ class Model:
         """The plan in use (made when the model first sees data)."""
         runner = self._built()
         report = self.plan_report
-        if report is not None and report.feedback is not None:  # the closed loop has measured
-            return dataclasses.replace(runner.pipe.plan, check=report.feedback.summary())
-        return runner.pipe.plan
+        checks = [report.feedback.summary()] if report is not None and report.feedback is not None else []
+        if runner.memory:  # a step has run: this rank's memory, measured beside predicted
+            checks.append(memory_line(self.memory_stats(), self.rank))
+        return dataclasses.replace(runner.pipe.plan, check="\n  ".join(checks)) if checks else runner.pipe.plan
 
     @property
     def plan_report(self) -> PlanReport | None:

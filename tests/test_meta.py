@@ -118,3 +118,47 @@ def test_each_rank_materializes_its_stages_and_trains_equal_to_one_process(name:
         assert not report["problems"], "\n".join(report["problems"])
         assert 0 < report["real"] < report["total"], report  # never the whole model
         assert report["extra"] == [], report["extra"]  # only what its stages use
+
+
+def save_then_resume(rank: int, world: int, directory: str) -> list[str]:
+    x, y, loss_fn = _data("mlp")
+    batches = [(x[a:a + 4], y[a:a + 4]) for a in (0, 4, 8)]
+    config = plait.Config(layers_per_proc=even_cut(11, 2), num_microbatches=2, seed=SEED, timeout_s=30.0)
+
+    def model() -> plait.Model:
+        return plait.Model(_mlp_on_meta(), config, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                           loss=loss_fn)
+
+    first = model()
+    for xb, yb in batches[:2]:
+        first.train_on_batch(xb, yb)
+    first.save(directory)
+    first.train_on_batch(*batches[2])
+    again = model()
+    read: list[str] = []
+    import plait.checkpoint.model_checkpoints as checkpoints
+
+    original = checkpoints.read_parameters
+
+    def reading(ckpt: Any, names: Any = None) -> Any:
+        values = original(ckpt, names)
+        read.extend(values)
+        return values
+
+    checkpoints.read_parameters = reading  # type: ignore[assignment]
+    try:
+        again.load(directory)  # before the build: the values are copied once each rank's tensors exist
+        again.train_on_batch(*batches[2])
+    finally:
+        checkpoints.read_parameters = original  # type: ignore[assignment]
+    problems = state_problems(again.state_dict(), first.state_dict())
+    mine = {n for n, t in again.net.state_dict().items() if not t.is_meta}
+    if not read or set(read) - mine:
+        problems.append(f"rank {rank} read {sorted(read)}, its tensors are {sorted(mine)}")
+    return problems
+
+
+@pytest.mark.timeout(200)
+def test_a_meta_model_resumes_from_a_checkpoint_reading_only_its_tensors(tmp_path) -> None:
+    for problems in run_ranks(2, save_then_resume, str(tmp_path / "ckpt"), timeout=180):
+        assert not problems, "\n".join(problems)

@@ -26,7 +26,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -301,13 +301,16 @@ def export(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> Check
     return ckpt
 
 
-def read_parameters(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
-    """Every model tensor (parameters and buffers, aliases not repeated) of a checkpoint by name."""
+def read_parameters(ckpt: Checkpoint, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """The model tensors (parameters and buffers, aliases not repeated) of a checkpoint by name:
+    all, or those of `names` (first names, as meta.json lists them), reading only their shards."""
+    entries = ckpt.meta["tensors"]
+    chosen = set(entries) if names is None else set(names) & set(entries)
     out: dict[str, torch.Tensor] = {}
-    for rank in sorted({int(v["shard"]) for v in ckpt.meta["tensors"].values()}):
+    for rank in sorted({int(entries[n]["shard"]) for n in chosen}):
         tensors, _ = ckpt.read_shard(rank)
-        for name, entry in ckpt.meta["tensors"].items():
-            if entry["shard"] == rank:
+        for name, entry in entries.items():
+            if entry["shard"] == rank and name in chosen:
                 if name not in tensors:
                     raise CheckpointError(f"{ckpt.shard_path(rank)} lacks {name!r}, which meta.json places there")
                 out[name] = tensors[name]

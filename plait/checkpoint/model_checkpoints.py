@@ -32,6 +32,7 @@ from torch import nn
 from plait.checkpoint import train_state, weights
 from plait.checkpoint.checkpointer import Checkpointer
 from plait.checkpoint.disk import Checkpoint, read_parameters
+from plait.materialize import on_meta
 from plait.config import Config
 from plait.errors import CheckpointError
 from plait.runtime.agree import agree
@@ -87,25 +88,38 @@ class ModelCheckpoints:
         return path
 
     def restore(self, ckpt: Checkpoint, pipe: Pipeline | None, optimizer: torch.optim.Optimizer | None) -> None:
-        """Copy the checkpoint's parameters into the net; its optimizer/RNG state follows with
-        `apply_pending` (at once when the pipeline exists)."""
-        values = read_parameters(ckpt)
-        train_state.copy_into(self.net, values, ckpt.meta["aliases"], f"checkpoint {ckpt.path}")
+        """Restore the checkpoint with `apply_pending`: at once when the pipeline exists, else once
+        it is built (each rank then holds only its stages' tensors, and reads only those)."""
+        train_state.check_saved(self.net, {n: e["shape"] for n, e in ckpt.meta["tensors"].items()},
+                                ckpt.meta["aliases"], f"checkpoint {ckpt.path}")  # now, not at the build
         self.saved_step = ckpt.step
         self.pending = ckpt
         if pipe is not None:
             self.apply_pending(pipe, optimizer)
+        elif not on_meta(self.net):  # a real model not built yet is whole here: its values now, for
+            self._copy_values(ckpt)  # a state_dict() before any step (the build copies its own again)
 
     def apply_pending(self, pipe: Pipeline, optimizer: torch.optim.Optimizer | None) -> None:
-        """The optimizer state of this rank's parameters and, with the same layout, its RNG states."""
+        """The pending checkpoint's values of the tensors this rank holds (read from the shards
+        that have them), the optimizer state of its parameters and, with the same layout, its
+        RNG states."""
         ckpt, self.pending = self.pending, None
         if ckpt is None:
             return
+        self._copy_values(ckpt)
         same_layout = ckpt.same_layout(json.loads(pipe.plan.to_json()))
         stepped = [p for p in pipe.local_parameters if pipe.zero is None or pipe.zero.owned(p)]  # ZeRO: its share
         train_state.restore(ckpt, self.net, optimizer, stepped, self.rank, same_layout)
         if not same_layout and self.rank == 0:
             log.info("plait: %s was saved with another layout: RNG states not restored", ckpt.path)
+
+    def _copy_values(self, ckpt: Checkpoint) -> None:
+        """The checkpoint's values of the tensors this rank holds (not on meta), read from the
+        shards that have them."""
+        entries, aliases = ckpt.meta["tensors"], ckpt.meta["aliases"]
+        held = [aliases.get(n, n) for n, t in self.net.state_dict(keep_vars=True).items() if not t.is_meta]
+        train_state.copy_into(self.net, read_parameters(ckpt, held), aliases, f"checkpoint {ckpt.path}",
+                              {n: e["shape"] for n, e in entries.items()})
 
     def load_weights(self, path: str | os.PathLike[str], pipe: Pipeline | None) -> weights.Loaded:
         """Copy the named weights at `path` (`weights`) into the net, in step with every rank.

@@ -17,7 +17,7 @@ import json
 import logging
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -238,19 +238,32 @@ def check_names(expected: Mapping[str, tuple[int, ...]], got: Mapping[str, tuple
     )
 
 
-def copy_into(net: nn.Module, values: Mapping[str, torch.Tensor], aliases: Mapping[str, str], where: str) -> None:
-    """Copy `values` (names of net.state_dict(), shared tensors once or under every name) into `net`."""
+def copy_into(net: nn.Module, values: Mapping[str, torch.Tensor], aliases: Mapping[str, str], where: str,
+              shapes: Mapping[str, Sequence[int]] | None = None) -> None:
+    """Copy `values` (names of net.state_dict(), shared tensors once or under every name) into `net`.
+
+    With `shapes` (every saved tensor's shape by name: a checkpoint's index), `values` need hold
+    only the tensors this rank has (not on meta): the names are checked against `shapes`."""
     state = net.state_dict(keep_vars=True)
-    resolved = {name: values.get(name, values.get(aliases.get(name, name))) for name in state}
-    expected = {n: tuple(t.shape) for n, t in state.items()}
-    got = {n: tuple(v.shape) for n, v in resolved.items() if v is not None}
-    got.update({n: tuple(v.shape) for n, v in values.items() if n not in state})
-    check_names(expected, got, where)
+    check_saved(net, {n: tuple(v.shape) for n, v in values.items()} if shapes is None else shapes, aliases, where)
     with torch.no_grad():
         for name, t in state.items():
-            value = resolved[name]
-            assert value is not None
+            if shapes is not None and t.is_meta:
+                continue  # another rank's tensor
+            value = values.get(name, values.get(aliases.get(name, name)))
+            assert value is not None, name
             t.copy_(value)
+
+
+def check_saved(net: nn.Module, shapes: Mapping[str, Sequence[int]], aliases: Mapping[str, str], where: str) -> None:
+    """CheckpointError unless the saved tensors (`shapes` by name; shared ones once, see `aliases`)
+    are net.state_dict()'s, by name and shape."""
+    saved = {n: tuple(shape) for n, shape in shapes.items()}
+    state = net.state_dict(keep_vars=True)
+    expected = {n: tuple(t.shape) for n, t in state.items()}
+    got = {n: shape for n in state if (shape := saved.get(n, saved.get(aliases.get(n, n)))) is not None}
+    got.update({n: shape for n, shape in saved.items() if n not in state})
+    check_names(expected, got, where)
 
 
 @dataclass(frozen=True)

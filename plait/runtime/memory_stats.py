@@ -28,7 +28,7 @@ from plait.plan.memory import state_bytes
 from plait.runtime.pipeline import Pipeline
 from plait.runtime.step import held_bytes
 
-__all__ = ["memory_stats", "state_factor"]
+__all__ = ["memory_line", "memory_stats", "state_factor"]
 
 # memory_stats' key -> the planner's per-rank list in its chosen candidate (`plait.plan.search`)
 _PLANNED = {"parameters_bytes": "parameter_bytes", "gradients_bytes": "gradient_bytes",
@@ -64,6 +64,17 @@ def memory_stats(pipe: Pipeline, net: nn.Module, readings: dict[str, int], state
             predicted[key] = float(chosen[planned][position])
     measured["predicted"] = predicted
     return measured
+
+
+def memory_line(stats: dict[str, Any], rank: int) -> str:
+    """One line of `memory_stats`: each kind measured / predicted, in MiB ("-": not predicted)."""
+    def mib(value: float | None) -> str:
+        return "-" if value is None else f"{value / 2**20:.2f}"
+
+    kinds = [("parameters", "parameters_bytes"), ("gradients", "gradients_bytes"),
+             ("optimizer", "optimizer_bytes"), ("activations", "activations_peak_bytes")]
+    parts = [f"{label} {mib(stats[key])} / {mib(stats['predicted'][key])}" for label, key in kinds]
+    return f"memory of rank {rank} (MiB, measured / predicted): " + ", ".join(parts)
 
 
 def state_factor(optimizer: Any) -> float:

@@ -44,7 +44,7 @@ def train(rank: int, world: int, zero: int, planned: bool) -> dict[str, Any]:
     model = plait.Model(net, config, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3), loss=loss)
     for a in range(0, 20, 10):
         model.train_on_batch(x[a:a + 10], y[a:a + 10])
-    return model.memory_stats()
+    return {**model.memory_stats(), "plan": str(model.plan)}
 
 
 @pytest.mark.timeout(300)
@@ -55,6 +55,8 @@ def test_measured_beside_predicted_and_zero_2_halves_the_step_state() -> None:
         assert stats["parameters_bytes"] == predicted["parameters_bytes"] > 0
         assert stats["gradients_bytes"] == predicted["gradients_bytes"]  # the whole stage's, after the backward
         assert stats["activations_peak_bytes"] > 0 and predicted["activations_peak_bytes"] is None  # layout given
+        mib = stats["parameters_bytes"] / 2**20  # the plan prints both
+        assert f"(MiB, measured / predicted): parameters {mib:.2f} / {mib:.2f}, gradients" in stats["plan"]
     for stats in plain:
         assert stats["gradients_at_step_bytes"] == stats["gradients_bytes"]
         assert 0 <= stats["optimizer_bytes"] - stats["predicted"]["optimizer_bytes"] < 1024  # Adam's step counters
