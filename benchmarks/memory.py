@@ -39,6 +39,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 import torch
 
 TARGET = 0.5
+KINDS = ("parameters_bytes", "gradients_bytes", "gradients_at_step_bytes", "optimizer_bytes", "activations_peak_bytes")
 CGROUPS = Path("/sys/fs/cgroup/memory")
 
 
@@ -104,17 +105,16 @@ def rank_main(rank: int, args: argparse.Namespace, out: str) -> None:
     import plait
 
     net = gpt2(meta=True)
-    config = plait.Config(num_stages=args.stages, dp=args.dp, zero=1 if args.dp > 1 else 0, num_microbatches=2,
+    config = plait.Config(num_stages=args.stages, dp=args.dp, zero=_zero(args), num_microbatches=2,
                           timeout_s=600.0)
     model = plait.Model(net, config, optimizer=lambda p: torch.optim.Adam(p, lr=1e-4), loss=loss_fn)
     for step in range(args.steps):
         model.train_on_batch(*batch(args, step))
-    real = sum(t.numel() * t.element_size() for t in net.parameters() if not t.is_meta)
-    state = sum(v.numel() * v.element_size() for s in model.optimizer.state.values()  # type: ignore[union-attr]
-                for v in s.values() if isinstance(v, torch.Tensor))
+    stats = model.memory_stats()  # measured, with the predictions
     Path(out, f"{rank}.json").write_text(json.dumps({
-        "peak_mb": peak_mb(), "parameters_mb": real / 2**20, "optimizer_mb": state / 2**20,
-        "layers": list(model.plan.layers_per_stage)}))
+        "peak_mb": peak_mb(), "layers": list(model.plan.layers_per_stage),
+        **{key: stats[key] / 2**20 for key in KINDS},
+        **{f"predicted_{key}": (stats["predicted"][key] or 0) / 2**20 for key in KINDS}}))
 
 
 def spawn_ranks(args: argparse.Namespace, cgroup: str | None = None) -> list[dict[str, Any]]:
@@ -137,13 +137,18 @@ def spawn_ranks(args: argparse.Namespace, cgroup: str | None = None) -> list[dic
 
 def _passed(args: argparse.Namespace) -> list[str]:
     return ["--stages", str(args.stages), "--dp", str(args.dp), "--steps", str(args.steps),
-            "--rows", str(args.rows), "--seq", str(args.seq)]
+            "--rows", str(args.rows), "--seq", str(args.seq), "--zero", str(_zero(args))]
+
+
+def _zero(args: argparse.Namespace) -> int:
+    return (1 if args.dp > 1 else 0) if args.zero is None else args.zero
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2), default=None, help="default: 1 with dp > 1")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rows", type=int, default=4, help="rows of a global batch")
     parser.add_argument("--seq", type=int, default=128, help="tokens per row")
@@ -166,14 +171,16 @@ def main(argv: list[str] | None = None) -> int:
                                       check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     ranks = spawn_ranks(args)
     print(f"GPT-2 {alone['params'] / 1e6:.1f}M parameters, Adam, {args.steps} steps of {args.rows} x {args.seq} "
-          f"tokens; plait: {args.stages} stages x {args.dp} replicas, zero={1 if args.dp > 1 else 0}, built on meta")
-    print("| process | peak RSS (MB) | parameters held (MB) | optimizer state (MB) | layers |")
-    print("|---|---|---|---|---|")
+          f"tokens; plait: {args.stages} stages x {args.dp} replicas, zero={_zero(args)}, built on meta")
+    print("plait's ranks by `memory_stats()`, MB measured (predicted):")
+    print("| process | peak RSS (MB) | parameters | gradients (backward) | gradients (step) | optimizer state | "
+          "activations peak |")
+    print("|---|---|---|---|---|---|---|")
     print(f"| one process (plain PyTorch) | {alone['peak_mb']:.0f} | {alone['params'] * 4 / 2**20:.0f} | "
-          f"{alone['params'] * 8 / 2**20:.0f} | all |")
+          f"{alone['params'] * 4 / 2**20:.0f} | {alone['params'] * 4 / 2**20:.0f} | {alone['params'] * 8 / 2**20:.0f} | |")
     for r, got in enumerate(ranks):
-        print(f"| plait rank {r} | {got['peak_mb']:.0f} | {got['parameters_mb']:.0f} | {got['optimizer_mb']:.0f} | "
-              f"{got['layers']} |")
+        cells = " | ".join(f"{got[k]:.0f} ({got['predicted_' + k]:.0f})" for k in KINDS)
+        print(f"| plait rank {r} | {got['peak_mb']:.0f} | {cells} |")
     ratio = max(r["peak_mb"] for r in ranks) / alone["peak_mb"]
     ok = ratio <= TARGET
     print(f"largest rank / one process = {ratio:.3f} (target <= {TARGET}): {'PASS' if ok else 'FAIL'}")

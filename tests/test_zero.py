@@ -123,7 +123,8 @@ def test_two_stages_two_replicas_with_tied_weights(zero: int) -> None:
 
 
 def save_then_resume(rank: int, world: int, directory: str) -> dict[str, Any]:
-    """3 steps at zero=1; 2 steps at zero=1 saved, then resumed at zero=1 and at zero=0 for one step."""
+    """3 steps at zero=1; 2 steps at zero=1 saved, then resumed for one step at zero=1, 0 and 2 on
+    2 replicas, and at dp=1 (2 stages)."""
     _, x, y, _ = make("mlp")
     batches = [(x[a:a + ROWS], y[a:a + ROWS]) for a in range(0, 3 * ROWS, ROWS)]
     full, _ = _model("mlp", 1, 2, 1, "adam")
@@ -134,22 +135,24 @@ def save_then_resume(rank: int, world: int, directory: str) -> dict[str, Any]:
         first.train_on_batch(*b)
     first.save(directory)
     out = {"full": full.state_dict()}
-    for zero in (1, 0):
-        again, _ = _model("mlp", 1, 2, zero, "adam")
+    for key, (stages, dp, zero) in {"zero=1": (1, 2, 1), "zero=0": (1, 2, 0), "zero=2": (1, 2, 2),
+                                     "dp=1": (2, 1, 0)}.items():
+        again, _ = _model("mlp", stages, dp, zero, "adam")
         again.build(batches[0][0])
         again.load(directory)
         again.train_on_batch(*batches[2])
-        out[f"zero={zero}"] = again.state_dict()
+        out[key] = again.state_dict()
     return out
 
 
 @pytest.mark.timeout(300)
-def test_a_zero_checkpoint_resumes_bitwise_at_zero_1_and_equal_at_zero_0_and_in_one_process(tmp_path: Path) -> None:
+def test_a_zero_checkpoint_resumes_bitwise_at_zero_1_and_equal_at_zero_0_2_another_dp_and_in_one_process(tmp_path: Path) -> None:
     report = run_ranks(2, save_then_resume, str(tmp_path / "ckpt"), timeout=280)
     full = report[0]["full"]
     for key, value in full.items():
         assert torch.equal(report[0]["zero=1"][key], value), key  # the same layout: bitwise
-        torch.testing.assert_close(report[0]["zero=0"][key], value, rtol=1e-5, atol=1e-6)
+        for other in ("zero=0", "zero=2", "dp=1"):  # another layout: equal within fp32 rounding
+            torch.testing.assert_close(report[0][other][key], value, rtol=1e-5, atol=1e-6, msg=f"{other}: {key}")
     # One process (no launcher): the 2-replica zero=1 checkpoint, one more step.
     _, x, y, loss = make("mlp")
     net = make("mlp")[0]

@@ -8,6 +8,8 @@ its weight pass); the meter adds them at the forward, drops them there, and keep
 
     F0 +a  F1 +a  B0 -a  F2 +a  B1 -a  B2 -a        live: a, 2a, a, 2a, a, 0    peak: 2a
 
+The meter stands aside where the caller's own saved-tensor hooks are in use (e.g. torch's
+`save_on_cpu`): a hook of its own inside would hide theirs. That step is then not measured.
 A recomputed stage's forward saves nothing but its inputs; the one micro-batch it recomputes inside
 its backward is transient and not counted (the planner's prediction of recomputed stages holds it).
 """
@@ -18,7 +20,13 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["ActivationMeter", "SavedBytes"]
+__all__ = ["ActivationMeter", "SavedBytes", "hooks_in_use"]
+
+
+def hooks_in_use() -> bool:
+    """Whether saved-tensor hooks are active around this call (the caller's, e.g. `save_on_cpu`)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
 
 
 class SavedBytes:
@@ -62,12 +70,14 @@ class ActivationMeter:
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
+        self.blind = False  # a forward of this step ran under the caller's hooks: not measured
         self._held: dict[Any, int] = {}
 
     def start_step(self) -> None:
         """A new step: nothing held (the last step's backwards ran), the peak starts over."""
         self._held.clear()
         self.live = self.peak = 0
+        self.blind = False
 
     def hold(self, key: Any, nbytes: int) -> None:
         """A forward (`key`: stage and micro-batch) keeps `nbytes` for its backward."""

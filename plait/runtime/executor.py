@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plait.capture.split import StageModule
 from plait.errors import LossError
-from plait.runtime.activation_meter import ActivationMeter, SavedBytes
+from plait.runtime.activation_meter import ActivationMeter, SavedBytes, hooks_in_use
 from plait.runtime.backward_split import WeightGradients, backward_input
 from plait.runtime.batched_wgrad import defer_linear_weight_grads
 
@@ -71,7 +71,9 @@ class StageExecutor:
         keep_output: bool = False,
     ) -> list[Any]:
         """Run the stage; return what goes to the next stage (empty on the last stage)."""
-        if not (train and self.meter is not None):
+        if not (train and self.meter is not None) or hooks_in_use():
+            if train and self.meter is not None:
+                self.meter.blind = True  # the caller's saved-tensor hooks stay in charge
             return self._forward(microbatch_index, received, inputs, target, scale, train, keep_output)
         with SavedBytes(self._params) as saved:
             out = self._forward(microbatch_index, received, inputs, target, scale, train, keep_output)

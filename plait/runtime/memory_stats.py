@@ -35,7 +35,7 @@ _PLANNED = {"parameters_bytes": "parameter_bytes", "gradients_bytes": "gradient_
             "optimizer_bytes": "optimizer_bytes", "activations_peak_bytes": "activation_bytes"}
 
 
-def memory_stats(pipe: Pipeline, net: nn.Module, readings: dict[str, int], state_factor: float,
+def memory_stats(pipe: Pipeline, net: nn.Module, readings: dict[str, int | None], state_factor: float,
                  chosen: dict[str, Any] | None) -> dict[str, Any]:
     """This rank's measured bytes by kind, with "predicted" beside them (see the module)."""
     params = {id(p): p for p in net.parameters() if not p.is_meta}.values()

@@ -82,7 +82,7 @@ class StepRunner:
         self.pipe, self.net, self.metrics, self.device, self.train = pipe, net, list(metrics), device, train
         config = pipe.config
         self.watch = NonFiniteWatch(pipe) if train and config.on_nonfinite != "ignore" else None
-        self.memory: dict[str, int] = {}  # the last training step's readings, bytes (`memory_readings`)
+        self.memory: dict[str, int | None] = {}  # the last training step's readings, bytes (`memory_stats`)
         if train:
             mine = {id(p) for p in pipe.local_parameters}
             for p in net.parameters():  # stale gradients elsewhere would make the
@@ -214,8 +214,8 @@ class StepRunner:
                 optimizer.step()
             self.memory["optimizer_bytes"] = held_bytes(
                 t for state in optimizer.state.values() for t in state.values())
-            if pipe.meter is not None:
-                self.memory["activations_peak_bytes"] = pipe.meter.peak
+            if pipe.meter is not None:  # None: not measured (the caller's saved-tensor hooks were on)
+                self.memory["activations_peak_bytes"] = None if pipe.meter.blind else pipe.meter.peak
             if self.device.type == "cuda":
                 self.memory["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
             if pipe.zero is not None:
