@@ -14,7 +14,7 @@ Needs a CUDA device (a machine with one GPU is enough); CI never runs it. Three 
 3. NCCL with two ranks on one GPU: whether NCCL lets them share the device (it refuses duplicate
    GPUs in one communicator), so whether a multi-rank pipeline can run on a one-GPU machine.
 
-    python benchmarks/cuda.py [--steps 10]
+    python benchmarks/gpu.py [--steps 10]
 """
 
 from __future__ import annotations
