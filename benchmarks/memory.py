@@ -114,7 +114,8 @@ def rank_main(rank: int, args: argparse.Namespace, out: str) -> None:
     Path(out, f"{rank}.json").write_text(json.dumps({
         "peak_mb": peak_mb(), "layers": list(model.plan.layers_per_stage),
         **{key: stats[key] / 2**20 for key in KINDS},
-        **{f"predicted_{key}": (stats["predicted"][key] or 0) / 2**20 for key in KINDS}}))
+        **{f"predicted_{key}": None if stats["predicted"][key] is None else stats["predicted"][key] / 2**20
+           for key in KINDS}}))
 
 
 def spawn_ranks(args: argparse.Namespace, cgroup: str | None = None) -> list[dict[str, Any]]:
@@ -179,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| one process (plain PyTorch) | {alone['peak_mb']:.0f} | {alone['params'] * 4 / 2**20:.0f} | "
           f"{alone['params'] * 4 / 2**20:.0f} | {alone['params'] * 4 / 2**20:.0f} | {alone['params'] * 8 / 2**20:.0f} | |")
     for r, got in enumerate(ranks):
-        cells = " | ".join(f"{got[k]:.0f} ({got['predicted_' + k]:.0f})" for k in KINDS)
+        cells = " | ".join(f"{got[k]:.0f} ({'-' if got['predicted_' + k] is None else format(got['predicted_' + k], '.0f')})"
+                           for k in KINDS)
         print(f"| plait rank {r} | {got['peak_mb']:.0f} | {cells} |")
     ratio = max(r["peak_mb"] for r in ranks) / alone["peak_mb"]
     ok = ratio <= TARGET

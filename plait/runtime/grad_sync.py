@@ -97,6 +97,10 @@ class GradientBuckets:
                         p.grad = None
                         self._view_of.pop(id(p), None)
 
+    def holds(self, param: torch.Tensor) -> bool:
+        """Whether `param`'s gradient lives in a bucket."""
+        return id(param) in self._bucket_of
+
     @property
     def held_bytes(self) -> int:
         """Bytes of the gradient buffers this rank holds now."""

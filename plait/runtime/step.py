@@ -54,6 +54,14 @@ def held_bytes(tensors: Iterable[Any]) -> int:
     return sum(storages.values())
 
 
+def gradient_bytes(pipe: Pipeline) -> int:
+    """Bytes of this rank's gradients: its buckets' buffers (held whether or not a parameter's
+    .grad still points into them) and the gradients of parameters outside the buckets."""
+    if pipe.sync is None:
+        return held_bytes(p.grad for p in pipe.local_parameters)
+    return pipe.sync.held_bytes + held_bytes(p.grad for p in pipe.local_parameters if not pipe.sync.holds(p))
+
+
 def make_optimizer(arg: OptimizerArg, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
     """The optimizer of this rank's parameters: the user's, or made by their callable."""
     if arg is None or isinstance(arg, torch.optim.Optimizer):
@@ -159,7 +167,7 @@ class StepRunner:
                 pipe.interpreter.run(pipe.program(len(mbs), train), mbs, train,
                                      keep_outputs=keep_outputs or bool(self.metrics))
             if train:  # every backward has run: the gradients are whole, the activations freed
-                self.memory["gradients_bytes"] = held_bytes(p.grad for p in pipe.local_parameters)
+                self.memory["gradients_bytes"] = gradient_bytes(pipe)
             # The loss and metric sums travel while the gradients are still being all-reduced.
             stats, outputs = self._local_stats(mbs, keep_outputs)
             if train and pipe.sync is not None:
@@ -209,7 +217,7 @@ class StepRunner:
         if not skipped:
             if pipe.zero is not None:  # others' shares: no gradient, no step, no state here
                 pipe.zero.drop_foreign_gradients()
-            self.memory["gradients_at_step_bytes"] = held_bytes(p.grad for p in pipe.local_parameters)
+            self.memory["gradients_at_step_bytes"] = gradient_bytes(pipe)
             with pipe.interpreter.tracer.span("compute", "optimizer", step=where.run, op="opt"):
                 optimizer.step()
             self.memory["optimizer_bytes"] = held_bytes(
