@@ -172,10 +172,12 @@ class Model:
         """The plan in use (made when the model first sees data)."""
         runner = self._built()
         report = self.plan_report
-        checks = [report.feedback.summary()] if report is not None and report.feedback is not None else []
-        if runner.memory:  # a step has run: this rank's memory, measured beside predicted
-            checks.append(memory_line(self.memory_stats(), self.rank))
-        return dataclasses.replace(runner.pipe.plan, check="\n  ".join(checks)) if checks else runner.pipe.plan
+        plan = runner.pipe.plan
+        if report is not None and report.feedback is not None:  # the closed loop has measured
+            plan = dataclasses.replace(plan, check=report.feedback.summary())
+        if runner.memory:  # a step has run: this rank's memory, measured beside predicted (printed only)
+            plan = dataclasses.replace(plan, memory=memory_line(self.memory_stats(), self.rank))
+        return plan
 
     @property
     def plan_report(self) -> PlanReport | None:

@@ -29,6 +29,7 @@ class Plan:
     recompute: tuple[int, ...] = ()  # stages that recompute their forward during the backward
     check: str = ""  # the closed loop: measured against predicted step and stage times, once known
     kept_whole: tuple[str, ...] = ()  # modules captured as one opaque call each (not traced into)
+    memory: str = field(default="", compare=False)  # printed only: this rank's memory, measured / predicted
     zero: int = 0  # 1: each stage's optimizer state sharded over its replicas (ZeRO-1); 2: gradients too
 
     def __post_init__(self) -> None:
@@ -102,7 +103,9 @@ class Plan:
         return self.layer_names[start : start + self.layers_per_stage[stage_index]]
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        data = asdict(self)
+        del data["memory"]  # one rank's reading, not the plan
+        return json.dumps(data, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -156,4 +159,6 @@ class Plan:
             lines.append(f"  tied parameter {name}: replicated on stages {list(stages)}, gradients summed")
         if self.check:
             lines.append(f"  {self.check}")
+        if self.memory:
+            lines.append(f"  {self.memory}")
         return "\n".join(lines)

@@ -89,7 +89,7 @@ def test_config_with_no_sizes_plans_and_trains_like_one_process():
     assert plan["check"] == line
     assert plait.Plan.from_json(results[0]["plan"]).check == line and line in str(plait.Plan.from_json(results[0]["plan"]))
     check = results[0]["check"]
-    assert check["measured_step_time_s"] > 0 and len(check["stages"]) == chosen["pp"]
+    assert check["measured_step_time_s"] > 0 and len(check["stages"]) == chosen["pp"] * chosen["num_virtual_stages"]
     assert all(s["measured_s"] > 0 and s["predicted_s"] > 0 for s in check["stages"])
 
 
