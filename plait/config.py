@@ -80,7 +80,13 @@ class Config:
     trace_dir: write each rank's measured timeline there as Chrome trace JSON (None: no trace).
     seed: seeds the shuffle order, identical on every rank.
     timeout_s: longest any wait on another rank may take before the run fails with a report.
-    dp: data-parallel replicas of the pipeline; world size = dp x num_stages.
+    dp: data-parallel replicas of the pipeline; world size = dp x num_stages x tp.
+    tp: tensor-parallel ranks per stage (Megatron-LM's layout, found on the captured graph: linear
+        pairs column- then row-parallel, attention by heads, the word embedding and the LM head
+        by vocabulary rows); tp ranks are consecutive (one node). Default 1.
+    tp_plan: {module-name pattern: "colwise" | "rowwise" | "vocab" | "replicate"} fixing the
+        strategy of the linears and embeddings it names (fnmatch patterns such as
+        "*.mlp.c_fc"; the first matching pattern wins); the rest is found automatically.
     grad_reduction: "mean" -- gradients of the global batch's mean loss, exactly what one process
         computes, even when the batch does not divide by dp -- or "sum": the sum over replicas of
         each replica's own mean-loss gradients.
@@ -119,8 +125,11 @@ class Config:
     memory_limit_bytes: float | None = None
     replan: bool | None = None
     batch_weight_grads: bool = False
+    tp: int = 1
+    tp_plan: tuple[tuple[str, str], ...] | None = None  # given as a dict; kept as its items, in order
 
     def __post_init__(self) -> None:
+        self._check_tp()
         self._check_leaf_modules()
         self._check_layout()
         self._check_zero()
@@ -130,6 +139,23 @@ class Config:
         self._check_running()
         self._check_checkpoints()
         self._check_planning()
+
+    def _check_tp(self) -> None:
+        """tp: a positive integer; tp_plan: {pattern: strategy} (kept as a tuple of its items)."""
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+            raise ConfigError(f"tp must be a positive integer (tensor-parallel ranks per stage), got {self.tp!r}")
+        plan = self.tp_plan
+        if plan is None:
+            return
+        items = tuple(plan.items()) if isinstance(plan, dict) else tuple(tuple(x) for x in plan)
+        strategies = ("colwise", "rowwise", "vocab", "replicate")
+        bad = [(k, v) for k, v in items if not isinstance(k, str) or v not in strategies]
+        if bad:
+            raise ConfigError(f"tp_plan entries {bad} are not pattern: strategy; a strategy is one of "
+                              f"{strategies}, e.g. tp_plan={{'*.mlp.c_fc': 'colwise'}}")
+        if self.tp == 1:
+            raise ConfigError(f"tp_plan={ {k: v for k, v in items} } splits modules over tensor-parallel ranks, but tp=1; set tp > 1")
+        object.__setattr__(self, "tp_plan", items)
 
     def _check_init_fn(self) -> None:
         if self.init_fn is not None and not callable(self.init_fn):
@@ -372,6 +398,15 @@ class Config:
             )
         object.__setattr__(self, "recompute", stages)
 
+    def lanes(self, world_size: int) -> int:
+        """Ranks per tensor-parallel part (world size / tp): the pp x dp ranks the layout is planned on."""
+        if world_size % self.tp:
+            factors = [f for f in range(1, world_size + 1) if world_size % f == 0]
+            raise ConfigError(
+                f"world size {world_size} does not factor as pp x dp x tp with tp={self.tp} (pp={self.num_stages}, "
+                f"dp={self.dp}); tp must be one of {world_size}'s factors {factors}, or launch a multiple of {self.tp} ranks")
+        return world_size // self.tp
+
     def stages_for(self, world_size: int) -> int:
         """Pipeline stages (ranks per pipeline) on `world_size` ranks; world size must be dp x stages."""
         if self.layers_per_proc is not None:
@@ -392,11 +427,12 @@ class Config:
             lpp = None if self.layers_per_proc is None else list(self.layers_per_proc)
             cut = (f"layers_per_proc={lpp}" if self.split_points is None
                    else f"split_points={list(self.split_points)}")
+            tp = self.tp
             raise ConfigError(
-                f"the config asks for {stages} pipeline stages x dp={dp} replicas = "
-                f"{stages * dp} ranks ({cut}, num_stages={self.num_stages}, "
-                f"dp={dp}) but the world size is {world_size}; launch "
-                f"{stages * dp} ranks (plait run -n {stages * dp} ...) or change the config"
+                f"the config asks for {stages} pipeline stages x dp={dp} replicas"
+                f"{f' x tp={tp}' if tp > 1 else ''} = {stages * dp * tp} ranks ({cut}, num_stages={self.num_stages}, "
+                f"dp={dp}) but the world size is {world_size * tp}; launch "
+                f"{stages * dp * tp} ranks (plait run -n {stages * dp * tp} ...) or change the config"
             )
         return stages
 
@@ -408,6 +444,8 @@ class Config:
                 d[name] = list(d[name])
         if isinstance(d["recompute"], tuple):
             d["recompute"] = list(d["recompute"])
+        if d["tp_plan"] is not None:
+            d["tp_plan"] = {str(k): str(v) for k, v in d["tp_plan"]}
         return d
 
     @classmethod

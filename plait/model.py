@@ -86,10 +86,12 @@ class Model:
             self.num_stages = 1
             config = self.config
             asked = max(config.num_stages or 1, len(config.layers_per_proc or ()), len(config.split_points or ()) + 1)
-            if asked > 1:  # stages asked for, by size or by cut (Config checks that they agree)
+            if asked > 1 or config.tp > 1:  # stages asked for, by size or by cut (Config checks that they agree)
                 log.warning("plait: one process (no launcher): running every layer on one stage")
+                self.config = dataclasses.replace(config, tp=1, tp_plan=None)
         else:  # 0 until planned (`plait.planner.layout`); a size given is checked against the world now
-            self.num_stages = 0 if self.config.plans_everything else self.config.stages_for(self.world_size)
+            lanes = self.config.lanes(self.world_size)  # pp x dp: the ranks of one tensor-parallel part
+            self.num_stages = 0 if self.config.plans_everything else self.config.stages_for(lanes)
         self._train: StepRunner | None = None
         self._eval: StepRunner | None = None
         self.step = 0  # training steps (global batches) run, counted on from a loaded checkpoint
@@ -349,6 +351,7 @@ class Model:
         """The full, unsplit state dict (keys, shapes and dtypes of net.state_dict()) on every rank,
         for models that fit one rank; `export` writes a larger one without gathering it."""
         owners = self._train.pipe.owner_of if self._train is not None else {}
+        parts = self._train.pipe.tp_parts if self._train is not None else {}
         whole, limit = model_bytes(self.net), self.config.memory_limit_bytes or available_bytes()
         over = failed_ranks(whole > limit)  # every rank refuses if one must, none waits in the gather
         if over:
@@ -357,7 +360,7 @@ class Model:
                 f"the limit of ranks {over} (this rank's: {limit / 2**30:.2f} GiB); write it with "
                 "model.export(directory) (each rank its own tensors) or save a sharded checkpoint with model.save()")
         try:
-            return gather_state_dict(self.net, owners)
+            return gather_state_dict(self.net, owners, parts)
         except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
             raise failure_error(f"gathering the state dict after step {self.step}", self.rank, e,
                                 self.config.timeout_s) from e
@@ -394,12 +397,14 @@ class Model:
 
     def _save(self, root: str | os.PathLike[str], data: dict[str, Any] | None) -> Path:
         pipe = self._train.pipe if self._train is not None else None
+        self._not_split("a checkpoint")
         return self._checkpoints.save(root, self.step, pipe, self.optimizer, self.config, data)
 
     def export(self, directory: str | os.PathLike[str]) -> str:
         """Write the weights as Hugging Face sharded safetensors (`from_pretrained` reads them):
         each rank its own tensors, rank 0 the index once all are written. Call it on every rank."""
         pipe = self._train.pipe if self._train is not None else None
+        self._not_split("an export")
         try:
             written, error = write_own_shard(self.net, pipe.owner_of if pipe else {}, self.rank, directory), ""
         except (CheckpointError, OSError) as e:
@@ -413,6 +418,13 @@ class Model:
             sum_floats([0.0])  # the index is written before any rank returns
         return str(directory)
 
+    def _not_split(self, what: str) -> None:
+        """Checkpoints and exports of tensors split over tp ranks are not written yet: refuse."""
+        if self.config.tp > 1:
+            raise CheckpointError(f"{what} of a tensor-parallel run (tp={self.config.tp}) is not supported yet: "
+                                  "take model.state_dict() (each split tensor gathered whole) and torch.save or "
+                                  "safetensors it, or train with tp=1")
+
     def load(self, path: str | os.PathLike[str]) -> int:
         """Load a checkpoint, weights or a plain state-dict file, on every rank; returns its step.
 
@@ -424,6 +436,7 @@ class Model:
         set the parameters and buffers alone: after `build`, each rank reads only its stages'
         tensors; before it, every rank reads them all (the step stays as it is).
         """
+        self._not_split("loading")
         if weights.holds_weights(path):  # never a plait checkpoint directory: those come first
             self._checkpoints.load_weights(path, self._train.pipe if self._train is not None else None)
         elif Path(path).is_file():

@@ -227,3 +227,25 @@ def test_zero_errors_name_the_value_and_the_fix(kwargs, message) -> None:
 def test_zero_round_trips_and_defaults_to_open() -> None:
     assert Config().zero is None
     assert Config.from_json(Config(zero=1, dp=2).to_json()).zero == 1
+
+
+# -- tensor parallelism ---------------------------------------------------------------------------
+
+
+def test_tp_lanes_and_errors() -> None:
+    assert Config(tp=2).lanes(8) == 4
+    assert Config(tp=2, num_stages=2, dp=2).stages_for(Config(tp=2).lanes(8)) == 2
+    with pytest.raises(ConfigError, match=r"2 pipeline stages x dp=1 replicas x tp=2 = 4 ranks.*world size is 8"):
+        Config(tp=2, num_stages=2).stages_for(4)
+    with pytest.raises(ConfigError, match=r"world size 6 does not factor as pp x dp x tp with tp=4.*\[1, 2, 3, 6\]"):
+        Config(tp=4).lanes(6)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="tp must be a positive integer"):
+            Config(tp=bad)
+    with pytest.raises(ConfigError, match="strategy is one of"):
+        Config(tp=2, tp_plan={"*.fc": "diagonal"})
+    with pytest.raises(ConfigError, match="tp=1"):
+        Config(tp_plan={"*.fc": "colwise"})
+    config = Config(tp=2, tp_plan={"*.fc": "colwise", "*.proj": "rowwise"})
+    assert config.tp_plan == (("*.fc", "colwise"), ("*.proj", "rowwise"))
+    assert Config.from_json(config.to_json()) == config

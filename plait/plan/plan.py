@@ -31,9 +31,11 @@ class Plan:
     kept_whole: tuple[str, ...] = ()  # modules captured as one opaque call each (not traced into)
     memory: str = field(default="", compare=False)  # printed only: this rank's memory, measured / predicted
     zero: int = 0  # 1: each stage's optimizer state sharded over its replicas (ZeRO-1); 2: gradients too
+    tp: int = 1  # tensor-parallel ranks per stage (innermost: consecutive ranks)
+    tp_layouts: tuple[tuple[str, ...], ...] = ()  # per stage: its split parameters, and linears left whole
 
     def __post_init__(self) -> None:
-        counts = {"num_virtual_stages": self.num_virtual_stages, "dp": self.dp,
+        counts = {"num_virtual_stages": self.num_virtual_stages, "dp": self.dp, "tp": self.tp,
                   "num_microbatches": self.num_microbatches, "world_size": self.world_size}
         for name, value in counts.items():
             if not isinstance(value, int) or value < 1:
@@ -53,6 +55,8 @@ class Plan:
                 f"plan has {self.num_chunks} stages, not a multiple of num_virtual_stages="
                 f"{self.num_virtual_stages}; every rank holds the same number of chunks"
             )
+        if self.world_size % self.tp:
+            raise ConfigError(f"plan has world_size={self.world_size}, not a multiple of tp={self.tp}")
         if self.zero not in (0, 1, 2):
             raise ConfigError(f"plan has zero={self.zero!r}; it must be 0, 1 or 2")
         if not self.stage_to_rank:
@@ -74,27 +78,34 @@ class Plan:
         """Ranks per pipeline replica: the pipeline-parallel degree (= num_stages)."""
         return self.num_stages
 
-    def rank_of(self, stage_index: int, replica: int) -> int:
-        """The rank that runs `stage_index` of pipeline replica `replica`.
+    def rank_of(self, stage_index: int, replica: int, tp_rank: int = 0) -> int:
+        """The rank that runs part `tp_rank` of `stage_index` of pipeline replica `replica`.
 
-        Layout: rank = replica * pp + stage_index % pp. A pipeline's stages are consecutive
-        ranks, so neighbours (which exchange activations every micro-batch) share a node
-        whenever a node holds a whole pipeline; replicas of a stage (which all-reduce once a
-        step) are pp ranks apart. 2 stages x 3 replicas:
+        Layout: rank = (replica * pp + stage_index % pp) * tp + tp_rank. The tp ranks of a stage
+        (which exchange collectives in every layer) are consecutive, on one node; a pipeline's
+        stages come next, so neighbours (which exchange activations every micro-batch) share a
+        node whenever a node holds a whole pipeline; replicas of a stage (which all-reduce once
+        a step) are pp x tp ranks apart. 2 stages x 3 replicas (tp = 1):
 
             replica 0: ranks 0 1 | replica 1: ranks 2 3 | replica 2: ranks 4 5
 
+        2 stages x 2 replicas x tp = 2: stage 0 of replica 0 on ranks 0 1, stage 1 on 2 3, ...
         With v chunks per rank (interleaved), rank r of a replica holds stages r, r + pp, ...
         """
-        return replica * self.pp + stage_index % self.pp
+        return (replica * self.pp + stage_index % self.pp) * self.tp + tp_rank
 
     def position_of(self, rank: int) -> tuple[int, int]:
         """(position in the pipeline, replica) of a rank; the position is its first stage."""
-        return rank % self.pp, rank // self.pp
+        lane = rank // self.tp
+        return lane % self.pp, lane // self.pp
+
+    def tp_rank_of(self, rank: int) -> int:
+        """Which part of its stages' split tensors a rank holds."""
+        return rank % self.tp
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages a rank runs, in model order."""
-        position = rank % self.pp
+        position = self.position_of(rank)[0]
         return tuple(range(position, self.num_chunks, self.pp))
 
     def stage_layers(self, stage_index: int) -> tuple[str, ...]:
@@ -129,6 +140,8 @@ class Plan:
                 check=str(data.get("check", "")),
                 kept_whole=tuple(str(n) for n in data.get("kept_whole", ())),
                 zero=int(data.get("zero", 0)),
+                tp=int(data.get("tp", 1)),
+                tp_layouts=tuple(tuple(str(x) for x in s) for s in data.get("tp_layouts", ())),
             )
         except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as e:
             raise ConfigError(f"not a plait plan ({type(e).__name__}: {e}); expected Plan.to_json() output") from e
@@ -137,7 +150,7 @@ class Plan:
         lines = [
             f"plait plan: {self.num_chunks} stage(s)"
             f"{f' ({self.num_virtual_stages} per rank)' if self.num_virtual_stages > 1 else ''}"
-            f" x {self.dp} replica(s) on {self.world_size} rank(s), schedule "
+            f" x {self.dp} replica(s){f' x tp={self.tp}' if self.tp > 1 else ''} on {self.world_size} rank(s), schedule "
             f"{self.schedule}, {self.num_microbatches} micro-batch(es), captured with "
             f"{self.capture_method}, {len(self.layer_names)} layers"
         ]
@@ -146,13 +159,17 @@ class Plan:
             shown = ", ".join(names) if len(names) <= 8 else (
                 ", ".join(names[:3]) + f", ... ({len(names) - 6} more) ..., " + ", ".join(names[-3:])
             )
-            ranks = ", ".join(str(self.rank_of(s, r)) for r in range(self.dp))
-            where = f"rank {ranks}" if self.dp == 1 else f"ranks {ranks}"
+            ranks = ", ".join("-".join(str(self.rank_of(s, r, t)) for t in sorted({0, self.tp - 1}))
+                              for r in range(self.dp))
+            where = f"rank {ranks}" if self.dp == 1 and self.tp == 1 else f"ranks {ranks}"
             again = ", recomputed" if s in self.recompute else ""
             lines.append(f"  stage {s} ({where}{again}): {len(names)} layers: {shown}")
         if self.zero:
             what = "optimizer state" if self.zero == 1 else "optimizer state and gradients"
             lines.append(f"  ZeRO-{self.zero}: each stage's {what} sharded over its {self.dp} replicas")
+        for s, layout in enumerate(self.tp_layouts):
+            if layout:
+                lines.append(f"  stage {s} split over tp={self.tp}: " + "; ".join(layout))
         if self.kept_whole:
             lines.append(f"  kept whole (one layer each, not traced into): {', '.join(self.kept_whole)}")
         for name, stages in self.tied_parameters:

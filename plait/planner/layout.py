@@ -95,6 +95,9 @@ def layout_of(config: Config, work: Workload, world_size: int, report: PlanRepor
 def choose_layout(work: Workload, config: Config, world_size: int, rank: int,
                   resumed_plan: dict[str, Any] | None = None) -> Layout:
     """The layout of this run (see the module's list); every rank returns the same one."""
+    if config.tp > 1:  # planned on the pp x dp ranks of one tensor-parallel part, then run on all
+        lanes = choose_layout(work, replace(config, tp=1, tp_plan=None), config.lanes(world_size), rank, resumed_plan)
+        return layout_of(replace(lanes.config, tp=config.tp, tp_plan=config.tp_plan), work, world_size, lanes.report)
     if world_size == 1:
         return layout_of(replace(config.with_defaults(), layers_per_proc=None, split_points=None,
                                  num_stages=None), work, 1)

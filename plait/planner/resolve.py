@@ -41,8 +41,9 @@ def _zero(config: Config, world_size: int) -> int:
 def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: nn.Module) -> Plan:
     """The complete plan of `config` (every size set) on `world_size` ranks for `captured`."""
     config = config.with_defaults()
-    pp = config.stages_for(world_size) if world_size > 1 else 1
-    virtual = config.num_virtual_stages if world_size > 1 else 1
+    lanes = config.lanes(world_size)  # the pp x dp ranks of each tensor-parallel part
+    pp = config.stages_for(lanes) if lanes > 1 else 1
+    virtual = config.num_virtual_stages if lanes > 1 else 1
     num_chunks = pp * virtual  # model stages (chunks), num_virtual_stages per rank
     names = captured.layers.layer_names
     regions = captured.layers.uncuttable
@@ -68,7 +69,8 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         world_size=world_size,
         capture_method=captured.method,
         kept_whole=captured.kept_whole,
-        zero=_zero(config, world_size),
+        zero=_zero(config, lanes),
+        tp=config.tp,
         uncuttable=regions,
         dp=config.dp,
         num_virtual_stages=virtual,

@@ -40,7 +40,10 @@ class SavedBytes:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.add([t])
-        return t
+        # Detached: a pack hook returning an output itself makes a cycle output -> grad_fn ->
+        # saved output that no collector frees, keeping a forward that never runs backward (the
+        # planner's profile) alive with its parameters' gradient accumulators.
+        return t.detach()
 
     def add(self, tensors: Iterable[Any]) -> None:
         """Count `tensors` too (those of them that are tensors)."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from plait.runtime.tensor_parallel import shard_of, whole_of
 
 __all__ = ["local_device", "make_group", "sum_floats", "failed_ranks", "max_floats", "start_sum_floats", "broadcast_tensors", "TiedGradients",
            "gather_state_dict", "broadcast_json", "all_gather_text"]
@@ -88,21 +90,41 @@ class TiedGradients:
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
 
 
-def gather_state_dict(net: nn.Module, owner_of: dict[int, int]) -> dict[str, torch.Tensor]:
+def gather_state_dict(net: nn.Module, owner_of: dict[int, int],
+                      parts: Mapping[int, tuple[int, int, Sequence[int]]] | None = None) -> dict[str, torch.Tensor]:
     """The full state dict on every rank: each tensor broadcast from the rank that trains it.
 
-    owner_of maps id(tensor) -> rank; tensors no stage uses come from rank 0.
+    owner_of maps id(tensor) -> rank; tensors no stage uses come from rank 0. `parts`: a tensor
+    split over tp ranks, id -> (dim, blocks, the rank of each part): each part broadcast from its
+    rank, then joined.
     """
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor] = {}
     for name, t in net.state_dict(keep_vars=True).items():
         if id(t) not in done:  # a meta model's tensors other ranks own are still on meta here
-            value = torch.empty(t.shape, dtype=t.dtype, device=local_device()) if t.is_meta else t.detach().clone()
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.broadcast(value, owner_of.get(id(t), 0))
-            done[id(t)] = value
+            split = (parts or {}).get(id(t))
+            if split is not None:
+                done[id(t)] = _gather_parts(t, *split)
+            else:
+                value = torch.empty(t.shape, dtype=t.dtype, device=local_device()) if t.is_meta else t.detach().clone()
+                if dist.is_initialized() and dist.get_world_size() > 1:
+                    dist.broadcast(value, owner_of.get(id(t), 0))
+                done[id(t)] = value
         out[name] = done[id(t)]
     return out
+
+
+def _gather_parts(t: torch.Tensor, dim: int, blocks: int, ranks: Sequence[int]) -> torch.Tensor:
+    """A tensor split over `ranks` (tensor parallelism), whole on every rank."""
+    cut = shard_of(t)
+    shape = list(cut.shape if cut is not None else t.shape)
+    shape[dim] //= len(ranks)
+    pieces = []
+    for r in ranks:
+        piece = t.detach().clone() if dist.get_rank() == r else torch.empty(shape, dtype=t.dtype, device=local_device())
+        dist.broadcast(piece, r)
+        pieces.append(piece)
+    return whole_of(pieces, dim, blocks)
 
 
 def failed_ranks(failed: bool) -> list[int]:

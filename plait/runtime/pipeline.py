@@ -7,7 +7,7 @@ complete plan: split into stage modules -> schedule programs -> executors and th
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -15,6 +15,7 @@ from torch import nn
 
 from plait.capture.output import OutputSpec
 from plait.capture.split import StageModule, split, stage_of_layers
+from plait.capture.tp_layout import tp_layouts
 from plait.capture.trace import CapturedGraph
 from plait.config import Config
 from plait.plan import Plan
@@ -23,6 +24,7 @@ from plait.runtime.collectives import TiedGradients, broadcast_tensors, make_gro
 from plait.runtime.grad_sync import GradientBuckets
 from plait.runtime.executor import StageExecutor
 from plait.runtime.interpreter import Interpreter
+from plait.runtime.tensor_parallel import shard_stage
 from plait.runtime.trace import NULL_TRACER, NullTracer, Tracer
 from plait.runtime.wire import Wire
 from plait.runtime.zero import ShardedOptimizerState, zero_owners
@@ -52,6 +54,8 @@ class Pipeline:
     config: Config
     zero: ShardedOptimizerState | None = None  # optimizer state sharded over the replicas (plan.zero)
     meter: ActivationMeter | None = None  # bytes held for backward passes (training pipeline)
+    tp_group: Any = None  # this rank's tensor-parallel group (plan.tp > 1)
+    tp_parts: dict[int, tuple[int, int, list[int]]] = field(default_factory=dict)  # id(tensor) -> dim, blocks, ranks
     _programs: dict[tuple[int, bool], Program] = field(default_factory=dict)
 
     def start_equal(self) -> None:
@@ -60,7 +64,7 @@ class Pipeline:
         starts consistent, each tensor sent only within the group that holds it."""
         tied = {id(p) for p in self.ties.parameters} if self.ties is not None else set()
         if self.sync is not None:
-            first = self.plan.rank_of(self.plan.position_of(self.rank)[0], 0)
+            first = self.plan.rank_of(self.plan.position_of(self.rank)[0], 0, self.plan.tp_rank_of(self.rank))
             buffers = {id(b): b for s in self.executors for b in self.stages[s].module.buffers()}
             own = [p for p in self.local_parameters if id(p) not in tied] + list(buffers.values())
             broadcast_tensors(own, first, self.sync.group)
@@ -75,6 +79,10 @@ class Pipeline:
     @property
     def last_executor(self) -> StageExecutor:
         return self.executors[self.plan.num_chunks - 1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.plan.tp_rank_of(self.rank)
 
     @property
     def replica(self) -> int:
@@ -101,7 +109,7 @@ class Pipeline:
             current = by_name.get(name, current)
             layer_stage.append(current)
         parts = _Parts(self.plan, self.rank, loss, self.config, self.interpreter.wire,
-                       self.interpreter.tracer, self.output_spec)
+                       self.interpreter.tracer, self.output_spec, self.tp_group)
         return _assemble(captured, layer_stage, parts, make_ties=False)
 
     def gather_outputs(self, leaves: list[Any] | None, shard_rows: Sequence[int], key: Any) -> list[list[Any]]:
@@ -117,7 +125,7 @@ class Pipeline:
             return [leaves]
         tag = 1 << 20
         for r, rows in enumerate(shard_rows):
-            if rows and plan.rank_of(last, r) == self.rank:
+            if rows and plan.rank_of(last, r, 0) == self.rank:
                 assert leaves is not None
                 for peer in range(plan.world_size):
                     if peer != self.rank:
@@ -126,7 +134,7 @@ class Pipeline:
         for r, rows in enumerate(shard_rows):
             if not rows:
                 continue
-            src = plan.rank_of(last, r)
+            src = plan.rank_of(last, r, 0)
             if src == self.rank:
                 assert leaves is not None
                 out.append(leaves)
@@ -160,7 +168,8 @@ def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, config: 
             "world_size": plan.world_size, "num_microbatches": plan.num_microbatches,
             "stage_to_rank": list(plan.stage_to_rank), "recompute": list(plan.recompute),
         })
-    parts = _Parts(plan, rank, loss, config, Wire(config.timeout_s, device), tracer, captured.output_spec)
+    parts = _Parts(plan, rank, loss, config, Wire(config.timeout_s, device), tracer, captured.output_spec,
+                   _tp_group(plan, rank))
     return _assemble(captured, stage_of_layers(plan.layers_per_stage), parts, make_ties=True)
 
 
@@ -175,6 +184,7 @@ class _Parts:
     wire: Wire
     tracer: Tracer | NullTracer
     output_spec: OutputSpec
+    tp_group: Any = None  # this rank's tensor-parallel group (plan.tp > 1)
 
 
 def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, make_ties: bool) -> Pipeline:
@@ -182,17 +192,30 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     training pipeline (`make_ties`) also gets its tied-parameter sums and gradient buckets."""
     plan, rank, config = parts.plan, parts.rank, parts.config
     stages = split(captured, layer_stage)
+    t = plan.tp_rank_of(rank)
+    tp_parts: dict[int, tuple[int, int, list[int]]] = {}  # id(parameter) -> dim, blocks, stage whose ranks hold it
+    if plan.tp > 1:  # every stage's layout (a tied parameter is cut alike), this rank's stages cut
+        layouts = tp_layouts([st.module for st in stages], plan.tp, dict(config.tp_plan or ()))
+        for s, lay in enumerate(layouts):
+            for target, (dim, blocks) in lay.params.items():
+                tp_parts.setdefault(id(stages[s].module.get_parameter(target)), (dim, blocks, [s]))
+        for s in plan.stages_of(rank):
+            shard_stage(stages[s].module, layouts[s], t, parts.tp_group)
+        plan = replace(plan, tp_layouts=tuple(tuple(lay.describe()) for lay in layouts))
     holders, tensors = _holders(stages)
     owners = _zero_owners(stages, plan, holders)
-    owner_of = {i: plan.rank_of(min(s), owners.get(i, 0)) for i, s in holders.items()}
+    owner_of = {i: plan.rank_of(min(s), owners.get(i, 0)) for i, s in holders.items()}  # tp rank 0
+    tp_parts = {i: (dim, blocks, [plan.rank_of(min(holders[i]), owners.get(i, 0), u) for u in range(plan.tp)])
+                for i, (dim, blocks, _) in tp_parts.items()}
     mine = plan.stages_of(rank)
     local = list({id(p): p for s in mine for p in stages[s].module.parameters()}.values())
     ties, sync, zero = None, None, None
     if make_ties:
         position = plan.position_of(rank)[0]
-        replicas = [plan.rank_of(position, r) for r in range(plan.dp)]
+        replicas = [plan.rank_of(position, r, t) for r in range(plan.dp)]
         owner_rank = {i: replicas[r] for i, r in owners.items()} if plan.zero == 2 else None
-        plan, ties, sync = _ties_and_buckets(captured, parts, holders, tensors, local, owner_rank)
+        plan, ties, sync = _ties_and_buckets(captured, replace(parts, plan=plan), holders, tensors, local,
+                                             owner_rank)
         if owners:
             assert sync is not None
             zero = ShardedOptimizerState([p for p in local if id(p) in owners], owners, replicas, rank, sync.group)
@@ -202,10 +225,19 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
                          batch_weight_grads=config.batch_weight_grads, meter=meter) for s in mine
     }
     replica = plan.position_of(rank)[1]
-    stage_to_rank = [plan.rank_of(s, replica) for s in range(plan.num_chunks)]
+    stage_to_rank = [plan.rank_of(s, replica, t) for s in range(plan.num_chunks)]
     interpreter = Interpreter(rank, executors, stage_to_rank, parts.wire, parts.tracer)
     return Pipeline(captured, stages, plan, rank, executors, interpreter, ties, local, owner_of,
-                    parts.output_spec, layer_stage, sync, config, zero, meter)
+                    parts.output_spec, layer_stage, sync, config, zero, meter, tp_group=parts.tp_group,
+                    tp_parts=tp_parts)
+
+
+def _tp_group(plan: Plan, rank: int) -> Any:
+    """This rank's tensor-parallel group (every rank makes every group, in the same order)."""
+    if plan.tp == 1:
+        return None
+    groups = [make_group([lane * plan.tp + t for t in range(plan.tp)]) for lane in range(plan.world_size // plan.tp)]
+    return groups[rank // plan.tp]
 
 
 def _zero_owners(stages: Sequence[StageModule], plan: Plan, holders: dict[int, list[int]]) -> dict[int, int]:
@@ -254,20 +286,20 @@ def _ties_and_buckets(captured: CapturedGraph, parts: _Parts, holders: dict[int,
         # One all-reduce over every stage and every replica holding a tied parameter
         # sums both the tie (layer reuse) and the data-parallel contributions.
         ties = TiedGradients([
-            (p, list(dict.fromkeys(plan.rank_of(s, r) for s in ss for r in range(plan.dp))))
-            for p, ss in tied
+            (p, list(dict.fromkeys(plan.rank_of(s, r, t) for s in ss for r in range(plan.dp))))
+            for p, ss in tied for t in range(plan.tp)
         ], rank)
     sync = None
     if plan.dp > 1:
         groups = [  # every rank makes every group, in the same order
-            make_group([plan.rank_of(s, r) for r in range(plan.dp)]) for s in range(plan.pp)
+            make_group([plan.rank_of(s, r, t) for r in range(plan.dp)]) for s in range(plan.pp) for t in range(plan.tp)
         ]
         tied_ids = {id(p) for p, _ in tied}
         bucketed = [p for p in local if id(p) not in tied_ids]
         if owner_rank is not None:  # a frozen parameter has no owner: its (zero) gradient goes to the first
-            first = plan.rank_of(plan.position_of(rank)[0], 0)
+            first = plan.rank_of(plan.position_of(rank)[0], 0, plan.tp_rank_of(rank))
             owner_rank = {id(p): owner_rank.get(id(p), first) for p in bucketed}
-        sync = GradientBuckets(bucketed, groups[plan.position_of(rank)[0]], int(config.bucket_cap_mb * 2**20),
+        sync = GradientBuckets(bucketed, groups[plan.position_of(rank)[0] * plan.tp + plan.tp_rank_of(rank)], int(config.bucket_cap_mb * 2**20),
                                config.timeout_s, owner_rank, rank)
     return plan, ties, sync
 

@@ -243,8 +243,11 @@ class StepRunner:
         outputs = None
         if self.pipe.is_last:
             ex = self.pipe.last_executor
+            count = self.pipe.tp_rank == 0  # the tp ranks of the last stage hold the same loss: one counts it
             for k, mb in enumerate(mbs):
                 if mb.target is None:
+                    continue
+                if not count:
                     continue
                 stats[0] += ex.losses.get(k, 0.0) * batching.num_rows(mb.target)
                 for i, name in enumerate(self.metrics):

@@ -1,0 +1,368 @@
+"""How a split along one dimension passes through each operation of a captured graph.
+
+A tensor of a stage graph under tensor parallelism (tp ranks) is either replicated (`None`: every
+rank holds all of it) or a `Shard`: rank r holds part r of dimension `dim`. With `blocks` = b > 1
+the dimension is b equal blocks (a fused q|k|v projection's output), each split over the ranks, so
+a rank's part is its slice of every block, in block order:
+
+    global  [ q0 q1 | k0 k1 | v0 v1 ]        blocks = 3, tp = 2
+    rank 0  [ q0 | k0 | v0 ]   rank 1  [ q1 | k1 | v1 ]
+
+`propagate` gives every node its layout from its inputs' (operations in graph order) or raises
+`Conflict` naming the node whose operation cannot take a split input (a layer norm over the split
+dimension, a slice across it): the column-parallel operations that split that input are then run
+replicated instead (`plait.capture.tp_layout`). Shapes come from the capture's `meta["val"]`.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+__all__ = ["Shard", "Conflict", "args_of", "kwargs_of", "linear_parts", "LinearParts", "propagate", "shape_of", "reshape_dim",
+           "SAME_LAYOUT"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Dimension `dim` split over the tp ranks (in `blocks` equal blocks), started by `sources`."""
+
+    dim: int
+    blocks: int = 1
+    sources: frozenset[str] = field(default=frozenset(), compare=False)
+
+
+Layout = Any  # Shard | None | tuple[Layout, ...] (an operation with several outputs)
+
+
+class Conflict(Exception):
+    """`node` cannot take the split of its input; `sources` split it."""
+
+    def __init__(self, node: fx.Node, sources: frozenset[str], why: str):
+        super().__init__(f"{node.name}: {why}")
+        self.node, self.sources, self.why = node, sources, why
+
+
+@dataclass(frozen=True)
+class LinearParts:
+    """A matrix product with a parameter: y = x W^T (+ b) (nn.Linear) or x W (+ b) (Conv1D, mm)."""
+
+    x: fx.Node
+    weight: fx.Node  # a get_attr node
+    bias: fx.Node | None
+    out_dim: int  # the weight's output-feature dimension
+    in_dim: int
+
+
+def args_of(node: fx.Node) -> tuple[Any, ...]:
+    """A node's positional arguments (fx types them as a union of every argument kind)."""
+    return tuple(node.args)
+
+
+def kwargs_of(node: fx.Node) -> dict[str, Any]:
+    return dict(node.kwargs)
+
+
+def linear_parts(node: fx.Node) -> LinearParts | None:
+    """The parts of a linear operation on a parameter, or None."""
+    if node.op != "call_function":
+        return None
+    args = args_of(node)
+    if node.target is aten.linear.default and _param(args[1]):
+        bias = args[2] if len(args) > 2 and isinstance(args[2], fx.Node) else None
+        return LinearParts(args[0], args[1], bias, 0, 1)
+    if node.target is aten.addmm.default and _param(args[2]) and _param(args[0]) and not kwargs_of(node):
+        return LinearParts(args[1], args[2], args[0], 1, 0)
+    if node.target is aten.mm.default and _param(args[1]):
+        return LinearParts(args[0], args[1], None, 1, 0)
+    return None
+
+
+def _param(value: Any) -> bool:
+    return isinstance(value, fx.Node) and value.op == "get_attr"
+
+
+def shape_of(node: Any) -> tuple[int, ...] | None:
+    """The traced shape of a node's tensor value (a symbolic size by its sample value)."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    return tuple(_hint(s) for s in val.shape)
+
+
+def _hint(size: Any) -> int:
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return int(hint) if hint is not None else -2  # unknown: matches nothing
+
+
+def reshape_dim(before: Sequence[int], after: Sequence[int], dim: int, parts: int, blocks: int) -> int | None:
+    """Where split dimension `dim` of `before` lands in `after` (a view of the same elements), or
+    None when the split is not a split of one dimension there.
+
+    The dimension keeps its place when the sizes before it multiply to the same product, and it
+    may be merged with the dimensions after it (heads x head_dim -> features) or split into
+    several, as long as the split stays on the outermost one: [T, 768] -> [T, 12, 64] at tp=2 puts
+    heads 0-5 on rank 0."""
+    prefix = math.prod(before[:dim])
+    n = before[dim]
+    acc = 1
+    for e, size in enumerate(after):
+        if acc == prefix and size != 1:
+            if size == n or (size > n and size % n == 0):
+                return e
+            if size < n and n % size == 0 and size % parts == 0 and blocks == 1:
+                return e
+            return None
+        acc *= size
+        if acc > prefix and prefix > 0:
+            return None
+    return None
+
+
+# Operations whose output is laid out as their (first) input.
+SAME_LAYOUT = {
+    aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
+    aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other,
+    aten.type_as.default, aten.dropout.default, aten.lift_fresh_copy.default,
+}
+REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
+              aten.var.correction, aten.std.correction}
+SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
+
+
+def _sources(*layouts: Layout) -> frozenset[str]:
+    out: frozenset[str] = frozenset()
+    for lay in layouts:
+        if isinstance(lay, Shard):
+            out |= lay.sources
+        elif isinstance(lay, tuple):
+            out |= _sources(*lay)
+    return out
+
+
+def propagate(nodes: Sequence[fx.Node], start: Callable[[fx.Node, Callable[[Any], Layout]], Layout | bool],
+              tp: int) -> dict[fx.Node, Layout]:
+    """Every node's layout, in order. `start(node, layout_of)` decides the linear and embedding
+    operations (their layout, or False to use the rules here); raises Conflict."""
+    layouts: dict[fx.Node, Layout] = {}
+
+    def layout_of(value: Any) -> Layout:
+        return layouts.get(value) if isinstance(value, fx.Node) else None
+
+    for node in nodes:
+        given = start(node, layout_of)
+        layouts[node] = _rule(node, layout_of, tp) if given is False else given
+    return layouts
+
+
+def _rule(node: fx.Node, layout_of: Callable[[Any], Layout], tp: int) -> Layout:
+    inputs = [layout_of(a) for a in node.all_input_nodes]
+    split = [lay for lay in inputs if lay is not None]
+    if node.op == "output" or not split:
+        return None
+    if node.op != "call_function":
+        raise Conflict(node, _sources(*split), f"{node.op} {node.target} takes a split input")
+    target = node.target
+    head = args_of(node)[0] if args_of(node) else None
+    first = layout_of(head[0] if isinstance(head, (list, tuple)) and head else head)
+    if target is operator.getitem:
+        whole = layout_of(args_of(node)[0])
+        return whole[args_of(node)[1]] if isinstance(whole, tuple) else whole
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+        return _pointwise(node, layout_of)
+    if target in SAME_LAYOUT:
+        return first
+    if target is aten._assert_tensor_metadata.default:
+        return None
+    rule = _RULES.get(target)
+    if rule is None or not isinstance(first, Shard):
+        raise Conflict(node, _sources(*split), f"{target} is not known to take a split input")
+    if target in _ALL_ALIKE:  # every tensor operand split the same way (q, k, v; both factors)
+        operands = [layout_of(a) for a in _ALL_ALIKE[target](node)]
+        if any(lay != first for lay in operands):
+            raise Conflict(node, _sources(*split), f"{target} takes operands split differently")
+    return rule(node, first, tp)
+
+
+def _fail(node: fx.Node, lay: Shard, why: str) -> Conflict:
+    return Conflict(node, lay.sources, why)
+
+
+def _pointwise(node: fx.Node, layout_of: Callable[[Any], Layout]) -> Layout:
+    """Element-wise: every split operand split along the same output dimension; a whole operand
+    broadcast along it (size 1 there, or without that dimension)."""
+    out = shape_of(node)
+    if out is None:
+        raise Conflict(node, _sources(*[layout_of(a) for a in node.all_input_nodes]), "no traced shape")
+    found: Shard | None = None
+    tensors = [a for a in node.all_input_nodes if shape_of(a) is not None]
+    for a in tensors:
+        lay = layout_of(a)
+        if isinstance(lay, Shard):
+            d = lay.dim + len(out) - len(shape_of(a) or ())
+            if found is not None and (found.dim, found.blocks) != (d, lay.blocks):
+                raise _fail(node, lay, "operands split along different dimensions")
+            found = Shard(d, lay.blocks, lay.sources | (found.sources if found else frozenset()))
+    assert found is not None
+    for a in tensors:
+        shape = shape_of(a) or ()
+        offset = len(out) - len(shape)
+        if layout_of(a) is None and found.dim >= offset and shape[found.dim - offset] != 1:
+            raise _fail(node, found, f"whole operand {a.name} meets a split one along dim {found.dim}")
+    return found
+
+
+def _reshape(node: fx.Node, lay: Shard, tp: int) -> Layout:
+    before, after = shape_of(args_of(node)[0]), shape_of(node)
+    if before is None or after is None:
+        raise _fail(node, lay, "no traced shape")
+    e = reshape_dim(before, after, lay.dim, tp, lay.blocks)
+    if e is None or (lay.blocks > 1 and after[e] != before[lay.dim]):
+        raise _fail(node, lay, f"a view from {list(before)} to {list(after)} moves split dim {lay.dim}")
+    sizes = args_of(node)[1]
+    if e < len(sizes) and isinstance(sizes[e], fx.Node):
+        raise _fail(node, lay, "split dimension has a symbolic size")
+    return replace(lay, dim=e)
+
+
+def _transpose(node: fx.Node, lay: Shard, tp: int) -> Layout:
+    rank = len(shape_of(node) or ())
+    a, b = (d % rank for d in args_of(node)[1:3]) if node.target is aten.transpose.int else (0, 1)
+    return replace(lay, dim=b if lay.dim == a else a if lay.dim == b else lay.dim)
+
+
+def _permute(node: fx.Node, lay: Shard, tp: int) -> Layout:
+    rank = len(args_of(node)[1])
+    order = [d % rank for d in args_of(node)[1]]
+    return replace(lay, dim=order.index(lay.dim))
+
+
+def _unsqueeze(node: fx.Node, lay: Shard, tp: int) -> Layout:
+    d = args_of(node)[1] % len(shape_of(node) or (0,))
+    return replace(lay, dim=lay.dim + 1 if d <= lay.dim else lay.dim)
+
+
+def _squeeze(node: fx.Node, lay: Shard, tp: int) -> Layout:
+    rank = len(shape_of(args_of(node)[0]) or ())
+    d = args_of(node)[1] % rank if len(args_of(node)) > 1 and isinstance(args_of(node)[1], int) else None
+    if d is None or d == lay.dim:
+        raise _fail(node, lay, "squeeze of the split dimension")
+    return replace(lay, dim=lay.dim - 1 if d < lay.dim else lay.dim)
+
+
+def _dim_arg(node: fx.Node, index: int, default: int) -> int:
+    value = args_of(node)[index] if len(args_of(node)) > index else kwargs_of(node).get("dim", default)
+    return int(value) % len(shape_of(args_of(node)[0]) or (0,))
+
+
+def _split(node: fx.Node, lay: Shard, tp: int) -> Layout:
+    """split / split_with_sizes / chunk: along another dimension each piece keeps the split; along
+    the split one, equal pieces one per block (q|k|v)."""
+    d = _dim_arg(node, 2, 0)
+    count = len(node.meta.get("val", ()))
+    if d != lay.dim:
+        return tuple(lay for _ in range(count))
+    sizes = {shape_of_val(v)[d] for v in node.meta.get("val", ())}
+    if lay.blocks != count or len(sizes) != 1:
+        raise _fail(node, lay, f"{count} pieces of a dim split in {lay.blocks} blocks")
+    return tuple(Shard(d, 1, lay.sources) for _ in range(count))
+
+
+def shape_of_val(val: Any) -> tuple[int, ...]:
+    return tuple(_hint(s) for s in val.shape)
+
+
+def _other_dim(index: int) -> Callable[[fx.Node, Shard, int], Layout]:
+    """slice, select, cat, softmax: fine along any other dimension than the split one."""
+    def rule(node: fx.Node, lay: Shard, tp: int) -> Layout:
+        d = _dim_arg(node, index, 0)
+        if d == lay.dim:
+            raise _fail(node, lay, f"{node.target} along the split dimension {d}")
+        if node.target is aten.select.int:
+            return replace(lay, dim=lay.dim - 1 if d < lay.dim else lay.dim)
+        return lay
+    return rule
+
+
+def _cat(node: fx.Node, lay: Shard, tp: int) -> Layout:
+    parts = args_of(node)[0]
+    d = int(args_of(node)[1]) if len(args_of(node)) > 1 else 0
+    d %= len(shape_of(node) or (0,))
+    if d == lay.dim or any(not isinstance(p, fx.Node) for p in parts):
+        raise _fail(node, lay, "cat along the split dimension")
+    return lay
+
+
+def _reduce(node: fx.Node, lay: Shard, tp: int) -> Layout:
+    rank = len(shape_of(args_of(node)[0]) or ())
+    dims = args_of(node)[1] if len(args_of(node)) > 1 else None
+    dims = [dims] if isinstance(dims, int) else list(dims or range(rank))
+    dims = [d % rank for d in dims]
+    if lay.dim in dims:
+        raise _fail(node, lay, "reduction over the split dimension")
+    keep = bool(args_of(node)[2]) if len(args_of(node)) > 2 else bool(kwargs_of(node).get("keepdim", False))
+    return lay if keep else replace(lay, dim=lay.dim - sum(d < lay.dim for d in dims))
+
+
+def _expand(node: fx.Node, lay: Shard, tp: int) -> Layout:
+    out = shape_of(node) or ()
+    before = shape_of(args_of(node)[0]) or ()
+    d = lay.dim + len(out) - len(before)
+    if isinstance(args_of(node)[1][d], fx.Node):
+        raise _fail(node, lay, "split dimension has a symbolic size")
+    return replace(lay, dim=d)
+
+
+def _attention(node: fx.Node, lay: Shard, tp: int) -> Layout:
+    """scaled_dot_product_attention: q, k, v split by heads (dim 1), the mask broadcast over them."""
+    mask = args_of(node)[3] if len(args_of(node)) > 3 else kwargs_of(node).get("attn_mask")
+    if lay.dim != 1 or lay.blocks != 1:
+        raise _fail(node, lay, "attention split on another dimension than the heads")
+    shape = shape_of(mask) if isinstance(mask, fx.Node) else None
+    if shape is not None and len(shape) == 4 and shape[1] != 1:
+        raise _fail(node, lay, "an attention mask per head")
+    return lay
+
+
+def _size(node: fx.Node, lay: Shard, tp: int) -> Layout:
+    if _dim_arg(node, 1, 0) == lay.dim:
+        raise _fail(node, lay, "the size of the split dimension is read")
+    return None
+
+
+def _bmm(node: fx.Node, lay: Shard, tp: int) -> Layout:
+    """matmul / bmm of two tensors split along the same batch dimension (heads)."""
+    out = shape_of(node) or ()
+    if lay.dim >= len(out) - 2:
+        raise _fail(node, lay, "matrix product over a split matrix dimension")
+    return lay
+
+
+_ALL_ALIKE: dict[Any, Callable[[fx.Node], list[Any]]] = {
+    aten.scaled_dot_product_attention.default: lambda n: list(args_of(n)[:3]),
+    aten.matmul.default: lambda n: list(args_of(n)[:2]), aten.bmm.default: lambda n: list(args_of(n)[:2]),
+    aten.cat.default: lambda n: list(args_of(n)[0]),
+}
+
+_RULES: dict[Any, Callable[[fx.Node, Shard, int], Layout]] = {
+    aten.view.default: _reshape, aten.reshape.default: _reshape, aten._unsafe_view.default: _reshape,
+    aten.transpose.int: _transpose, aten.t.default: _transpose, aten.permute.default: _permute,
+    aten.unsqueeze.default: _unsqueeze, aten.squeeze.dim: _squeeze,
+    aten.split.Tensor: _split, aten.split_with_sizes.default: _split, aten.chunk.default: _split,
+    aten.slice.Tensor: _other_dim(1), aten.select.int: _other_dim(1), aten.cat.default: _cat,
+    aten.softmax.int: _other_dim(1), aten._softmax.default: _other_dim(1),
+    aten.log_softmax.int: _other_dim(1), aten._log_softmax.default: _other_dim(1),
+    aten.expand.default: _expand, aten.scaled_dot_product_attention.default: _attention,
+    aten.matmul.default: _bmm, aten.bmm.default: _bmm,
+    aten.sym_size.int: _size,
+    **{r: _reduce for r in REDUCTIONS},
+}

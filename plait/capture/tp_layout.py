@@ -1,0 +1,254 @@
+"""Which operations of the stage graphs run tensor-parallel, and how every value is split.
+
+Megatron-LM's 1-D layout (Shoeybi et al. 2019, section 3), found on the captured graph with nothing
+changed in the model:
+
+    x (whole) -> [colwise linear: W split by output features] -> split activations
+              -> element-wise ops, views, attention by heads (still split)
+              -> [rowwise linear: W split by input features] -> partial sums -> all-reduce -> whole
+
+Every linear whose output features divide by tp starts out column-parallel; `propagate` carries the
+split forward; a linear meeting a split input on its contraction dimension becomes row-parallel
+and its output whole again. An operation that cannot take the split (a layer norm over it, a
+residual add with a whole tensor) makes the linears whose split reached it run replicated, and the
+propagation is run again until nothing conflicts. What is left split at a stage's output (the
+LM head's logits) is gathered there. The word embedding is split by vocabulary rows (a masked
+lookup and an all-reduce).
+
+`Config(tp_plan={pattern: strategy})` fixes the strategy of the modules it names ("colwise",
+"rowwise", "vocab", "replicate"); a tied parameter held by several stages gets one placement.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+from plait.capture.shard_rules import args_of, kwargs_of, Conflict, Layout, LinearParts, Shard, linear_parts, propagate, \
+    reshape_dim, shape_of
+from plait.errors import ConfigError
+
+__all__ = ["TpLayout", "tp_layouts", "STRATEGIES", "module_of"]
+
+aten = torch.ops.aten
+STRATEGIES = ("colwise", "rowwise", "vocab", "replicate")
+
+
+@dataclass(frozen=True)
+class TpLayout:
+    """One stage graph's tensor-parallel layout on `tp` ranks.
+
+    roles: node name -> "colwise" | "rowwise" | "vocab" (an embedding split by rows).
+    params: get_attr target -> (dim, blocks) of the parameter's split.
+    values: node name -> its Layout (None: whole on every rank).
+    replicated: (module, why) of each linear left whole.
+    """
+
+    tp: int
+    roles: dict[str, str] = field(default_factory=dict)
+    params: dict[str, tuple[int, int]] = field(default_factory=dict)
+    values: dict[str, Layout] = field(default_factory=dict)
+    replicated: tuple[tuple[str, str], ...] = ()
+
+    def describe(self) -> list[str]:
+        """The split parameters by strategy, and the linears left whole with the reason."""
+        lines = []
+        for target, (dim, blocks) in sorted(self.params.items()):
+            part = f" in {blocks} blocks" if blocks > 1 else ""
+            lines.append(f"{module_of(target)}.{target.rsplit('.', 1)[-1]}: split on dim {dim}{part}")
+        lines += [f"{name}: replicated ({why})" for name, why in self.replicated]
+        return lines
+
+
+def module_of(target: str) -> str:
+    """The user's module name of a captured parameter ("net.h.0.mlp.c_fc.weight" -> "h.0.mlp.c_fc")."""
+    return target.removeprefix("net.").rsplit(".", 1)[0]
+
+
+def tp_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping[str, str] | None = None,
+               ) -> list[TpLayout]:
+    """The layout of each stage graph (all of them, so that a tied parameter is split the same way
+    on every stage that holds it)."""
+    plan = dict(tp_plan or {})
+    for pattern, strategy in plan.items():
+        if strategy not in STRATEGIES:
+            raise ConfigError(f"tp_plan[{pattern!r}] = {strategy!r}; a strategy is one of {STRATEGIES}")
+    matched: set[str] = set()
+    whole: set[str] = set()  # parameters that some stage keeps whole
+    for _ in range(4):
+        layouts = [_layout(g, tp, plan, matched, whole) for g in graphs]
+        placed: dict[str, set[tuple[int, int] | None]] = {}
+        for g, lay in zip(graphs, layouts):
+            for n in g.graph.nodes:
+                if n.op == "get_attr":
+                    placed.setdefault(n.target, set()).add(lay.params.get(n.target))
+        split_twice = {t for t, ways in placed.items() if len(ways) > 1}
+        if not split_twice - whole:
+            break
+        whole |= split_twice
+    unmatched = [p for p in plan if p not in matched]
+    if unmatched:
+        names = sorted({module_of(n.target) for g in graphs for n in g.graph.nodes if n.op == "get_attr"})
+        raise ConfigError(f"tp_plan pattern(s) {unmatched} match no linear or embedding of the model; "
+                          f"its modules with parameters are {names[:12]}{' ...' if len(names) > 12 else ''}")
+    return layouts
+
+
+def _strategy(module: str, plan: Mapping[str, str], matched: set[str]) -> str | None:
+    for pattern, strategy in plan.items():
+        if fnmatch.fnmatchcase(module, pattern):
+            matched.add(pattern)
+            return strategy
+    return None
+
+
+def _layout(gm: fx.GraphModule, tp: int, plan: Mapping[str, str], matched: set[str],
+            whole: set[str]) -> TpLayout:
+    """The layout, with a parameter kept whole when an operation that does not split it reads it."""
+    whole = set(whole)
+    while True:
+        layout = _layout_once(gm, tp, plan, matched, whole)
+        readers: dict[str, set[tuple[int, int] | None]] = {}
+        for n in gm.graph.nodes:
+            if n.op == "get_attr" and n.target in layout.params:
+                for user in n.users:
+                    role = layout.roles.get(user.name)
+                    readers.setdefault(n.target, set()).add(layout.params[n.target] if role else None)
+        mixed = {t for t, ways in readers.items() if len(ways) > 1}
+        if not mixed:
+            return layout
+        whole |= mixed
+
+
+def _layout_once(gm: fx.GraphModule, tp: int, plan: Mapping[str, str], matched: set[str],
+                 whole: set[str]) -> TpLayout:
+    nodes = list(gm.graph.nodes)
+    linears = {n: p for n in nodes if (p := linear_parts(n)) is not None}
+    embeddings = [n for n in nodes if n.op == "call_function" and n.target is aten.embedding.default
+                  and isinstance(args_of(n)[0], fx.Node) and args_of(n)[0].op == "get_attr"]
+    fixed = {n: s for n in [*linears, *embeddings]
+             if (s := _strategy(module_of(str((linears[n].weight if n in linears else args_of(n)[0]).target)),
+                                plan, matched)) is not None}
+    col: set[fx.Node] = set()
+    for n, p in linears.items():
+        out = (shape_of(p.weight) or (0, 0))[p.out_dim]
+        wanted = fixed.get(n)
+        if wanted in ("colwise", "vocab") and out % tp:
+            raise ConfigError(f"tp_plan gives {module_of(str(p.weight.target))} {wanted!r} but its "
+                              f"{out} output features do not divide by tp={tp}; use 'replicate' or another tp")
+        if out % tp == 0 and wanted not in ("replicate", "rowwise") and p.weight.target not in whole:
+            col.add(n)
+    vocab = _vocab(embeddings, linears, fixed, tp, whole)
+    why: dict[fx.Node, str] = {}
+    for _ in range(len(col) + 2):
+        roles: dict[fx.Node, str] = {}
+        try:
+            values = propagate(nodes, _start(linears, col, vocab, fixed, roles, tp), tp)
+        except Conflict as conflict:
+            bad = {n for n in col if n.name in conflict.sources}
+            forced = [n for n in bad if fixed.get(n) in ("colwise", "vocab")]
+            if forced or not bad:
+                name = module_of(str(linears[forced[0]].weight.target)) if forced else conflict.node.name
+                raise ConfigError(f"tp_plan: {name} cannot run split: {conflict}; use 'replicate' for it "
+                                  "or give the whole block's strategies") from None
+            for n in bad:
+                why[n] = conflict.why
+            col -= bad
+            continue
+        break
+    params: dict[str, tuple[int, int]] = {}
+    for n, role in roles.items():
+        if role == "vocab":
+            params[str(args_of(n)[0].target)] = (0, 1)
+            continue
+        p = linears[n]
+        if role == "colwise":
+            blocks = _blocks(n, tp)
+            params[str(p.weight.target)] = (p.out_dim, blocks)
+            if p.bias is not None:
+                params[str(p.bias.target)] = (0, blocks)
+        else:
+            lay = values[p.x]
+            params[str(p.weight.target)] = (p.in_dim, lay.blocks if isinstance(lay, Shard) else 1)
+    replicated = tuple((module_of(str(linears[n].weight.target)), w) for n, w in why.items())
+    return TpLayout(tp, {n.name: r for n, r in roles.items()}, params,
+                    {n.name: v for n, v in values.items() if v is not None}, replicated)
+
+
+def _vocab(embeddings: list[fx.Node], linears: Mapping[fx.Node, LinearParts], fixed: Mapping[fx.Node, str],
+           tp: int, whole: set[str]) -> set[fx.Node]:
+    """Embeddings split by rows: those tp_plan names "vocab", else the largest one (the words')."""
+    chosen = {n for n in embeddings if fixed.get(n) == "vocab"}
+    for n in chosen:
+        rows = (shape_of(args_of(n)[0]) or (0,))[0]
+        if rows % tp:
+            raise ConfigError(f"tp_plan gives {module_of(str(args_of(n)[0].target))} 'vocab' but its {rows} "
+                              f"rows do not divide by tp={tp}")
+    free = [n for n in embeddings if n not in fixed and str(args_of(n)[0].target) not in whole]
+    if free and not chosen:
+        largest = max(free, key=lambda n: math.prod(shape_of(args_of(n)[0]) or (0,)))
+        if (shape_of(args_of(largest)[0]) or (1,))[0] % tp == 0:
+            chosen.add(largest)
+    return chosen
+
+
+def _start(linears: Mapping[fx.Node, LinearParts], col: set[fx.Node], vocab: set[fx.Node],
+           fixed: Mapping[fx.Node, str], roles: dict[fx.Node, str], tp: int,
+           ) -> Callable[[fx.Node, Callable[[Any], Layout]], Layout | bool]:
+    def start(node: fx.Node, layout_of: Callable[[Any], Layout]) -> Layout | bool:
+        if node in vocab:
+            roles[node] = "vocab"
+            return None
+        p = linears.get(node)
+        if p is None:
+            return False
+        x = layout_of(p.x)
+        rank = len(shape_of(p.x) or ())
+        if x is None:
+            if node in col:
+                roles[node] = "colwise"
+                return Shard(len(shape_of(node) or (0,)) - 1, _blocks(node, tp), frozenset({node.name}))
+            return None
+        in_features = (shape_of(p.weight) or (0, 0))[p.in_dim]
+        if isinstance(x, Shard) and x.dim == rank - 1 and in_features % (tp * x.blocks) == 0 \
+                and fixed.get(node) not in ("replicate", "colwise", "vocab"):
+            roles[node] = "rowwise"
+            return None
+        raise Conflict(node, x.sources if isinstance(x, Shard) else frozenset(), "a linear over a split input")
+    return start
+
+
+_FOLLOW = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.contiguous.default,
+           aten.clone.default}
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+
+
+def _blocks(node: fx.Node, tp: int) -> int:
+    """The blocks of a column-parallel output: k when views of it are cut into k equal pieces
+    along the features (a fused q|k|v), else 1."""
+    dim = len(shape_of(node) or (0,)) - 1
+    seen = [(node, dim)]
+    while seen:
+        value, d = seen.pop()
+        for user in value.users:
+            if user.op != "call_function":
+                continue
+            if user.target in _SPLITS:
+                pieces = user.meta.get("val", ())
+                along = (args_of(user)[2] if len(args_of(user)) > 2 else kwargs_of(user).get("dim", 0)) % len(shape_of(value) or (1,))
+                sizes = {tuple(p.shape)[d] for p in pieces}
+                if along == d and len(sizes) == 1 and len(pieces) > 1:
+                    size = (shape_of(value) or ())[d]
+                    if (size // len(pieces)) % tp == 0:
+                        return len(pieces)
+            elif user.target in _FOLLOW:
+                before, after = shape_of(value), shape_of(user)
+                e = reshape_dim(before, after, d, tp, 1) if before and after else None
+                if e is not None:
+                    seen.append((user, e))
+    return 1

@@ -1,0 +1,289 @@
+"""Running a stage graph tensor-parallel: parameters cut, shapes made local, collectives inserted.
+
+Each parameter is cut to this rank's part, and the collectives of Megatron-LM go where the stage's
+`TpLayout` says:
+
+    colwise   x -> copy(x) -> linear(x, W[r]) -> split output   copy: identity; backward all-reduce
+    rowwise   split x -> linear(x, W[:, r]) -> reduce -> + b    reduce: all-reduce; backward identity
+    vocab     ids -> lookup of the rows this rank holds (others 0) -> reduce
+    output    a split value leaving the stage -> gather (all-gather; backward: this rank's part)
+
+(Megatron's f and g operators, Shoeybi et al. 2019, figure 3.) A view, expand or split of a split
+value gets its shape with the split dimension divided by tp. A dropout on a split value draws the
+whole mask (the same random numbers one process draws) and keeps this rank's part, so training
+with dropout is still one process's. Each parameter is cut in place (`p.data`), once: the module,
+the user's model and every stage graph keep holding the same `Parameter`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from plait.capture.shard_rules import args_of, kwargs_of, Shard, linear_parts
+from plait.capture.tp_layout import TpLayout
+from plait.errors import ConfigError
+
+__all__ = ["TpShard", "local_part", "whole_of", "shard_stage", "shard_of"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class TpShard:
+    """How a parameter was cut: its whole shape, the dimension, blocks, and which part this is."""
+
+    shape: tuple[int, ...]
+    dim: int
+    blocks: int
+    tp_rank: int
+    tp: int
+
+
+def shard_of(t: torch.Tensor) -> TpShard | None:
+    """The cut of a tensor-parallel parameter, or None for a whole one."""
+    return getattr(t, "_plait_tp", None)
+
+
+def local_part(t: torch.Tensor, dim: int, blocks: int, tp_rank: int, tp: int) -> torch.Tensor:
+    """Part `tp_rank` of `t` along `dim`: its slice of each of the `blocks` blocks, in block order."""
+    n = t.shape[dim]
+    parts = t.reshape(*t.shape[:dim], blocks, tp, n // (blocks * tp), *t.shape[dim + 1:])
+    return parts.select(dim + 1, tp_rank).flatten(dim, dim + 1)
+
+
+def whole_of(parts: list[torch.Tensor], dim: int, blocks: int) -> torch.Tensor:
+    """The inverse of `local_part`: the tp parts (in rank order) joined."""
+    cut = [p.reshape(*p.shape[:dim], blocks, p.shape[dim] // blocks, *p.shape[dim + 1:]) for p in parts]
+    return torch.stack(cut, dim + 1).flatten(dim, dim + 2)
+
+
+def _cut(param: torch.Tensor, dim: int, blocks: int, tp_rank: int, tp: int) -> None:
+    done = shard_of(param)
+    if done is not None:
+        if (done.dim, done.blocks, done.tp_rank, done.tp) != (dim, blocks, tp_rank, tp):
+            raise ConfigError(f"a parameter of shape {done.shape} is cut on dim {done.dim} by one stage graph "
+                              f"and on dim {dim} by another; give it one strategy in tp_plan")
+        return
+    shape = tuple(param.shape)
+    with torch.no_grad():
+        part = torch.empty(0, dtype=param.dtype, device=param.device) if param.is_meta else None
+        if part is None:
+            param.data = local_part(param.data, dim, blocks, tp_rank, tp).clone()
+        else:
+            size = list(shape)
+            size[dim] //= tp
+            param.data = torch.empty(size, dtype=param.dtype, device="meta")
+    param.grad = None  # a whole-shaped gradient left by an earlier backward (the planner's profile)
+    param._plait_tp = TpShard(shape, dim, blocks, tp_rank, tp)  # type: ignore[attr-defined]
+
+
+# -- the collectives, as autograd functions -----------------------------------------------------
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, blocks: int, tp_rank: int, tp: int) -> torch.Tensor:
+        ctx.args = (dim, blocks, tp_rank, tp)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(tp)]
+        dist.all_gather(parts, x, group=group)
+        return whole_of(parts, dim, blocks)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        dim, blocks, tp_rank, tp = ctx.args
+        return local_part(grad, dim, blocks, tp_rank, tp).contiguous(), None, None, None, None, None
+
+
+def _apply(fn: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
+    return cast(torch.Tensor, fn.apply(*args))  # type: ignore[no-untyped-call]
+
+
+class TpCollective(nn.Module):
+    """One collective of the tp group, as a module the stage graph calls."""
+
+    def __init__(self, kind: str, group: Any, tp_rank: int, tp: int, dim: int = -1, blocks: int = 1):
+        super().__init__()
+        self.kind, self.group, self.tp_rank, self.tp, self.dim, self.blocks = kind, group, tp_rank, tp, dim, blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "copy":
+            return _apply(_Copy, x, self.group)
+        if self.kind == "reduce":
+            return _apply(_Reduce, x, self.group)
+        return _apply(_Gather, x, self.group, self.dim % x.dim(), self.blocks, self.tp_rank, self.tp)
+
+
+class VocabLookup(nn.Module):
+    """An embedding whose rows are split over the tp ranks: each looks up the ids in its rows."""
+
+    def __init__(self, group: Any, tp_rank: int, padding_idx: int):
+        super().__init__()
+        self.group, self.tp_rank, self.padding_idx = group, tp_rank, padding_idx
+
+    def forward(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        rows = weight.shape[0]
+        start = self.tp_rank * rows
+        outside = (ids < start) | (ids >= start + rows)
+        local = (ids - start).masked_fill(outside, 0)
+        pad = self.padding_idx - start if start <= self.padding_idx < start + rows else None
+        out = F.embedding(local, weight, padding_idx=pad)
+        return _apply(_Reduce, out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+
+class SplitDropout(nn.Module):
+    """Dropout of a split value: the whole mask drawn (as one process draws it), this rank's part kept."""
+
+    def __init__(self, dim: int, blocks: int, tp_rank: int, tp: int):
+        super().__init__()
+        self.dim, self.blocks, self.tp_rank, self.tp = dim, blocks, tp_rank, tp
+
+    def forward(self, x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+        if not train or p == 0.0:
+            return x
+        shape = list(x.shape)
+        shape[self.dim] *= self.tp
+        keep = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
+        if p < 1.0:
+            keep.div_(1 - p)
+        return x * local_part(keep, self.dim, self.blocks, self.tp_rank, self.tp)
+
+
+# -- the rewrite ---------------------------------------------------------------------------------
+
+def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any) -> None:
+    """Cut `gm`'s parameters to this rank's parts and rewrite its graph to run on them."""
+    tp = layout.tp
+    for target, (dim, blocks) in layout.params.items():
+        _cut(gm.get_parameter(target), dim, blocks, tp_rank, tp)
+    graph = gm.graph
+    count = [0]
+
+    def module(mod: nn.Module) -> str:
+        name = f"_plait_tp_{count[0]}"
+        count[0] += 1
+        gm.add_submodule(name, mod)
+        return name
+
+    copies: dict[fx.Node, fx.Node] = {}
+    for node in list(graph.nodes):
+        role = layout.roles.get(node.name)
+        here = layout.values.get(node.name)
+        if role == "colwise":
+            x = linear_parts(node).x  # type: ignore[union-attr]
+            if x not in copies:
+                with graph.inserting_before(node):
+                    copies[x] = graph.call_module(module(TpCollective("copy", group, tp_rank, tp)), (x,))
+            node.replace_input_with(x, copies[x])
+        elif role == "rowwise":
+            _rowwise(graph, node, module(TpCollective("reduce", group, tp_rank, tp)))
+        elif role == "vocab":
+            pad = args_of(node)[2] if len(args_of(node)) > 2 else -1
+            with graph.inserting_before(node):
+                new = graph.call_module(module(VocabLookup(group, tp_rank, int(pad))), (args_of(node)[0], args_of(node)[1]))
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+        elif node.op == "output":
+            def gather(value: fx.Node) -> fx.Node:
+                lay = layout.values.get(value.name)
+                if not isinstance(lay, Shard):
+                    return value
+                with graph.inserting_before(node):
+                    return graph.call_module(module(TpCollective("gather", group, tp_rank, tp, lay.dim, lay.blocks)),
+                                             (value,))
+            node.args = fx.map_arg(args_of(node), gather)
+        elif node.op == "call_function":
+            _local_shapes(graph, node, here, layout, module, tp_rank)
+    graph.lint()
+    gm.recompile()
+
+
+def _rowwise(graph: fx.Graph, node: fx.Node, reduce: str) -> None:
+    """y = x W (+ b) -> reduce(x W[r]) (+ b): the bias added once, after the sum."""
+    p = linear_parts(node)
+    assert p is not None
+    with graph.inserting_after(node):
+        if node.target is aten.addmm.default:
+            product = graph.call_function(aten.mm.default, (p.x, p.weight))
+        elif node.target is aten.linear.default:
+            product = graph.call_function(aten.linear.default, (p.x, p.weight))
+        else:
+            product = graph.call_function(aten.mm.default, (p.x, p.weight))
+    with graph.inserting_after(product):
+        total = graph.call_module(reduce, (product,))
+    last = total
+    if p.bias is not None:
+        with graph.inserting_after(total):
+            last = graph.call_function(aten.add.Tensor, (total, p.bias))
+    for key in ("val", "nn_module_stack", "stack_trace"):
+        if key in node.meta:
+            for n in (product, total, last):
+                n.meta[key] = node.meta[key]
+    node.replace_all_uses_with(last)
+    graph.erase_node(node)
+
+
+_SHAPED = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+
+
+def _local_shapes(graph: fx.Graph, node: fx.Node, here: Any, layout: TpLayout, module: Any, tp_rank: int) -> None:
+    """Shapes and splits of split values, made local; dropout on them drawn whole."""
+    tp = layout.tp
+    source = args_of(node)[0] if args_of(node) else None
+    before = layout.values.get(source.name) if isinstance(source, fx.Node) else None
+    if not isinstance(before, Shard):
+        return
+    if node.target in _SHAPED and isinstance(here, Shard):
+        sizes = list(args_of(node)[1])
+        if isinstance(sizes[here.dim], int) and sizes[here.dim] != -1:
+            sizes[here.dim] //= tp
+        node.args = (args_of(node)[0], sizes, *args_of(node)[2:])
+    elif node.target is aten.split.Tensor and _along(node, before):
+        node.args = (args_of(node)[0], args_of(node)[1] // tp, *args_of(node)[2:])
+    elif node.target is aten.split_with_sizes.default and _along(node, before):
+        node.args = (args_of(node)[0], [s // tp for s in args_of(node)[1]], *args_of(node)[2:])
+    elif node.target is aten.dropout.default:
+        drop = module(SplitDropout(before.dim, before.blocks, tp_rank, tp))
+        with graph.inserting_before(node):
+            new = graph.call_module(drop, tuple(args_of(node)))
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    elif node.target is aten._assert_tensor_metadata.default:
+        graph.erase_node(node)
+
+
+def _along(node: fx.Node, lay: Shard) -> bool:
+    rank = args_of(node)[0].meta["val"].dim()
+    d = args_of(node)[2] if len(args_of(node)) > 2 else kwargs_of(node).get("dim", 0)
+    return bool(int(d) % rank == lay.dim)

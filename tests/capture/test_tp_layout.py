@@ -1,0 +1,140 @@
+"""Tests for plait.capture.tp_layout and shard_rules: Megatron's layout found on captured graphs
+(Hugging Face GPT-2, Llama with grouped-query attention, BERT), what is left whole and why, and
+tp_plan's overrides and errors. Pure: one process, no collectives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+from plait.capture.shard_rules import reshape_dim
+from plait.capture.split import split
+from plait.capture.tp_layout import TpLayout, module_of, tp_layouts
+from plait.capture.trace import capture_batch
+from plait.errors import ConfigError
+
+transformers = pytest.importorskip("transformers")
+VOCAB = 64
+
+
+def _graphs(net: nn.Module, cuts: tuple[int, ...] = ()) -> list[fx.GraphModule]:
+    x = torch.randint(0, VOCAB, (2, 8))
+    captured = capture_batch(net, {"input_ids": x})
+    n = len(captured.layers.layer_names)
+    stage, marks = [], list(cuts)
+    s = 0
+    for i in range(n):
+        if marks and i == marks[0]:
+            marks.pop(0)
+            s += 1
+        stage.append(s)
+    return [st.module for st in split(captured, stage)]
+
+
+def gpt2(heads: int = 4) -> nn.Module:
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=heads, vocab_size=VOCAB, n_positions=16,
+                                  use_cache=False, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def llama() -> nn.Module:
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16,
+                                   use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _split_modules(layout: TpLayout) -> dict[str, tuple[int, int]]:
+    return {t.removeprefix("net."): v for t, v in layout.params.items()}
+
+
+def test_gpt2_gets_megatron_layout() -> None:
+    [layout] = tp_layouts(_graphs(gpt2()), 2)
+    params = _split_modules(layout)
+    for i in range(2):
+        h = f"transformer.h.{i}"
+        assert params[f"{h}.attn.c_attn.weight"] == (1, 3)  # Conv1D (in, out): q|k|v by heads
+        assert params[f"{h}.attn.c_attn.bias"] == (0, 3)
+        assert params[f"{h}.attn.c_proj.weight"] == (0, 1)  # rowwise: input features
+        assert f"{h}.attn.c_proj.bias" not in params  # added once, after the all-reduce
+        assert params[f"{h}.mlp.c_fc.weight"] == (1, 1)
+        assert params[f"{h}.mlp.c_proj.weight"] == (0, 1)
+    assert params["lm_head.weight"] == (0, 1)  # tied with wte: vocab rows for both
+    assert sorted(set(layout.roles.values())) == ["colwise", "rowwise", "vocab"]
+    assert list(layout.roles.values()).count("rowwise") == 4
+    assert layout.replicated == ()
+
+
+def test_llama_grouped_query_attention_split_by_heads() -> None:
+    [layout] = tp_layouts(_graphs(llama()), 2)
+    params = _split_modules(layout)
+    attn = "model.layers.0.self_attn"
+    assert params[f"{attn}.q_proj.weight"] == (0, 1)
+    assert params[f"{attn}.k_proj.weight"] == (0, 1)  # 2 key/value heads: one per rank
+    assert params[f"{attn}.o_proj.weight"] == (1, 1)
+    assert params["model.layers.0.mlp.down_proj.weight"] == (1, 1)
+    assert layout.replicated == ()
+
+
+def test_heads_that_do_not_divide_stay_replicated_with_the_reason() -> None:
+    [layout] = tp_layouts(_graphs(gpt2(heads=2)), 4)  # 2 heads on 4 ranks
+    params = _split_modules(layout)
+    assert "transformer.h.0.attn.c_attn.weight" not in params
+    assert params["transformer.h.0.mlp.c_fc.weight"] == (1, 1)  # the MLP still splits
+    names = [name for name, _ in layout.replicated]
+    assert "transformer.h.0.attn.c_attn" in names
+    assert any("replicated" in line for line in layout.describe())
+
+
+def test_bert_masked_lm_head_splits_the_decoder_not_the_transform() -> None:
+    cfg = transformers.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                  intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=16)
+    [layout] = tp_layouts(_graphs(transformers.BertForMaskedLM(cfg)), 2)
+    params = _split_modules(layout)
+    assert params["cls.predictions.decoder.weight"] == (0, 1)
+    assert params["cls.predictions.decoder.bias"] == (0, 1)
+    assert dict(layout.replicated)["cls.predictions.transform.dense"].startswith("aten.layer_norm")
+
+
+def test_tied_weight_on_two_stages_is_cut_alike() -> None:
+    graphs = _graphs(gpt2(), cuts=(12,))
+    first, last = tp_layouts(graphs, 2)
+    assert _split_modules(first).get("lm_head.weight") == _split_modules(last).get("lm_head.weight") == (0, 1)
+
+
+def test_tp_plan_overrides_and_errors() -> None:
+    graphs = _graphs(gpt2())
+    [layout] = tp_layouts(graphs, 2, {"*.mlp.c_fc": "replicate"})
+    params = _split_modules(layout)
+    assert "transformer.h.0.mlp.c_fc.weight" not in params
+    assert "transformer.h.0.mlp.c_proj.weight" not in params  # no split input reaches it: whole
+    assert params["transformer.h.0.attn.c_attn.weight"] == (1, 3)
+    with pytest.raises(ConfigError, match=r"\*\.nothing.*match no linear"):
+        tp_layouts(graphs, 2, {"*.nothing": "colwise"})
+    with pytest.raises(ConfigError, match="ln_f.*cannot run split|do not divide"):
+        tp_layouts(graphs, 3, {"*.mlp.c_fc": "colwise"})  # 128 features do not divide by 3
+    with pytest.raises(ConfigError, match="strategy is one of"):
+        tp_layouts(graphs, 2, {"*.mlp.c_fc": "diagonal"})
+
+
+def test_forced_colwise_that_cannot_split_names_the_module() -> None:
+    with pytest.raises(ConfigError, match="lm_head|c_proj"):
+        tp_layouts(_graphs(gpt2()), 2, {"*.mlp.c_proj": "colwise"})  # its output meets the residual add
+
+
+def test_module_of() -> None:
+    assert module_of("net.transformer.h.0.mlp.c_fc.weight") == "transformer.h.0.mlp.c_fc"
+
+
+@pytest.mark.parametrize("before, after, dim, parts, want", [
+    ((2, 8, 96), (16, 96), 2, 2, 1),            # rows merged before: the features stay
+    ((2, 8, 32), (2, 8, 4, 8), 2, 2, 2),        # features -> heads x head_dim: heads split
+    ((2, 4, 8, 8), (2, 4, 64), 1, 2, 1),        # heads keep their place, the rest merged
+    ((2, 4, 8, 8), (8, 8, 8), 1, 2, None),      # heads merged into the rows: not one dimension's split
+    ((2, 8, 4, 8), (2, 8, 32), 2, 2, 2),        # heads x head_dim -> features
+    ((2, 8, 6), (2, 8, 3, 2), 2, 2, None),      # 3 pieces do not divide by 2
+])
+def test_reshape_dim(before: tuple[int, ...], after: tuple[int, ...], dim: int, parts: int, want: int | None) -> None:
+    assert reshape_dim(before, after, dim, parts, 1) == want

@@ -1,0 +1,117 @@
+"""Tensor parallelism (Config(tp=...)) trains exactly as one process: Hugging Face GPT-2 (Conv1D,
+fused q|k|v, tied head), Llama (grouped-query attention, tied head) and BERT, at tp=2, at 2 stages
+x tp=2 (the tied weight on both stages) and at dp=2 x tp=2 with ZeRO-1.
+
+Each rank trains plait and, on the side, a deep copy in one process through the same 3 steps
+(SGD with momentum; Adam for Llama), and returns what differs: the loss of each step, this rank's
+part of every parameter and gradient after the last, the gathered `state_dict()` and `predict`'s
+logits. fp32, atol 2e-5 (the all-reduced partial sums add in another order than one GEMM)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import plait
+from plait.errors import CheckpointError
+from plait.runtime.tensor_parallel import local_part, shard_of
+from tests.harness import run_ranks
+from tests.test_real_models import BATCHES, MICROBATCHES, _call, _reference_step, _rows, _sgd, make
+
+pytest.importorskip("transformers")
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str, problems: list[str]) -> None:
+    try:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    except AssertionError as e:
+        problems.append(f"{what}: {str(e)[:300]}")
+
+
+def train_and_compare(name: str, config: dict[str, Any], adam: bool = False) -> tuple[list[str], int, str]:
+    """(what differs from one process, how many parameters this rank holds split, the plan)."""
+    case = make(name)
+    ref = copy.deepcopy(case.net)
+    optimizer = _adam if adam else _sgd
+    ref_opt = optimizer(ref.parameters())
+    model = plait.Model(case.net, plait.Config(num_microbatches=MICROBATCHES, schedule="1f1b", timeout_s=60.0,
+                                               **config), optimizer=optimizer, loss=case.loss)
+    problems: list[str] = []
+    a = 0
+    for rows in BATCHES:
+        xb, yb = _rows(case.x, a, a + rows), case.y[a:a + rows]
+        got, want = model.train_on_batch(xb, yb), _reference_step(ref, ref_opt, case, xb, yb)
+        if abs(got - want) > 1e-5 * abs(want) + 1e-6:
+            problems.append(f"loss of rows {a}:{a + rows}: {got} != {want}")
+        a += rows
+    split = 0
+    ref_params = dict(ref.named_parameters())
+    for pname, p in case.net.named_parameters():
+        if p.is_meta:  # another stage's
+            continue
+        want_value, want_grad = ref_params[pname].detach(), ref_params[pname].grad
+        cut = shard_of(p)
+        if cut is not None:
+            split += 1
+            assert tuple(want_value.shape) == cut.shape
+            want_value = local_part(want_value, cut.dim, cut.blocks, cut.tp_rank, cut.tp)
+            want_grad = local_part(want_grad, cut.dim, cut.blocks, cut.tp_rank, cut.tp)
+        _close(p.detach(), want_value, f"parameter {pname}", problems)
+        if p.grad is not None:
+            _close(p.grad, want_grad, f"gradient {pname}", problems)
+    state = model.state_dict()
+    for key, value in ref.state_dict().items():
+        _close(state[key], value, f"state {key}", problems)
+    ref.eval()
+    with torch.no_grad():
+        want_out = _call(ref, case.x)
+    got_out = model.predict(case.x, batch_size=BATCHES[0])
+    _close(getattr(got_out, "logits", got_out), getattr(want_out, "logits", want_out), "predict", problems)
+    return problems, split, str(model.plan)
+
+
+def _two_ranks(rank: int, world: int) -> dict[str, Any]:
+    out = {name: train_and_compare(name, {"tp": 2}, adam=name == "llama") for name in ("gpt2", "llama", "bert")}
+    try:
+        plait_model = plait.Model(make("gpt2").net, plait.Config(tp=2), optimizer=_sgd)
+        plait_model.save("unused")
+        out["save"] = "saved"
+    except CheckpointError as e:
+        out["save"] = str(e)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_tp2_gpt2_llama_bert_equal_one_process() -> None:
+    report = run_ranks(2, _two_ranks, timeout=280)
+    for rank, per_model in enumerate(report):
+        for name in ("gpt2", "llama", "bert"):
+            problems, split, plan = per_model[name]
+            assert not problems, f"rank {rank} {name}:\n" + "\n".join(problems)
+            assert split >= 7, (name, split)  # attention and MLP of every layer, and the word embedding
+            assert "x tp=2" in plan and "split over tp=2" in plan
+        assert "not supported yet" in per_model["save"]
+
+
+def _four_ranks(rank: int, world: int, name: str, config: dict[str, Any]) -> tuple[list[str], int, str]:
+    return train_and_compare(name, config)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, config", [
+    ("gpt2", {"tp": 2, "layers_per_proc": (12, 11)}),     # 2 stages x tp=2, wte tied across them
+    ("llama", {"tp": 2, "dp": 2, "num_stages": 1, "zero": 1}),  # dp=2 x tp=2, planned cut, ZeRO-1
+], ids=["pp2xtp2-gpt2", "dp2xtp2-zero1-llama"])
+def test_four_ranks_equal_one_process(name: str, config: dict[str, Any]) -> None:
+    report = run_ranks(4, _four_ranks, name, config, timeout=280)
+    for rank, (problems, split, plan) in enumerate(report):
+        assert not problems, f"rank {rank}:\n" + "\n".join(problems)
+        assert split >= 4
+    assert "x tp=2 on 4 rank(s)" in report[0][2]
