@@ -44,7 +44,6 @@ import os
 import pstats
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -60,7 +59,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import plait
-from job import join_job, leave_job, mlp, run_job
+from job import join_job, leave_job, mlp, run_job, timed
 from plait.cli.demo import PaperCNN
 
 __all__ = ["main"]
@@ -186,16 +185,6 @@ class DDPRunner:
 
 
 # -- measuring -----------------------------------------------------------------------------------
-
-
-def timed(step: Callable[[], None]) -> float:
-    """Wall seconds of one step on the slowest rank, started after a barrier."""
-    dist.barrier()
-    start = time.perf_counter()
-    step()
-    wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-    return float(wall)
 
 
 def check(setting: Setting, rank: int) -> bool:

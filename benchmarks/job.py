@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-__all__ = ["mlp", "regression_batch", "run_job", "join_job", "leave_job"]
+__all__ = ["mlp", "regression_batch", "run_job", "join_job", "leave_job", "timed"]
 
 
 def mlp(width: int, layers: int, seed: int) -> nn.Sequential:
@@ -62,3 +62,13 @@ def run_job(rank_main: Callable[..., None], world_size: int, *args: Any) -> str:
         mp.start_processes(rank_main, args=(_free_port(), *args, str(result)), nprocs=world_size,
                            join=True, start_method="spawn")
         return result.read_text()
+
+
+def timed(step: Callable[[], Any]) -> float:
+    """Wall seconds of one step on the slowest rank, started after a barrier."""
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    return float(wall)

@@ -25,9 +25,8 @@ import copy
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +38,8 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import plait
+
+from job import timed  # noqa: E402 - benchmarks/ is the script's own directory on sys.path
 
 
 def build(width: int, seed: int = 0) -> nn.Module:
@@ -72,15 +73,6 @@ def dtensor_step(net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
 
 def whole(t: Any) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def timed(step: Callable[[], Any]) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    step()
-    t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:

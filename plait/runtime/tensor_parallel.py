@@ -73,13 +73,12 @@ def _cut(param: torch.Tensor, dim: int, blocks: int, tp_rank: int, tp: int) -> N
         return
     shape = tuple(param.shape)
     with torch.no_grad():
-        part = torch.empty(0, dtype=param.dtype, device=param.device) if param.is_meta else None
-        if part is None:
-            param.data = local_part(param.data, dim, blocks, tp_rank, tp).clone()
-        else:
+        if param.is_meta:  # another rank's stage: only the shape changes
             size = list(shape)
             size[dim] //= tp
             param.data = torch.empty(size, dtype=param.dtype, device="meta")
+        else:
+            param.data = local_part(param.data, dim, blocks, tp_rank, tp).clone()
     param.grad = None  # a whole-shaped gradient left by an earlier backward (the planner's profile)
     param._plait_tp = TpShard(shape, dim, blocks, tp_rank, tp)  # type: ignore[attr-defined]
 
