@@ -31,7 +31,7 @@ from plait.plan import Plan
 from plait.plan.report import PlanReport
 from plait.planner.closed_loop import ClosedLoop
 from plait.planner.layout import Layout, Workload, choose_layout, layout_of
-from plait.runtime.collectives import failed_ranks, gather_state_dict, local_device, sum_floats
+from plait.runtime.collectives import failed_ranks, gather_state_dict, local_device, sum_floats, whole_split_tensors
 from plait.runtime.memory_stats import memory_line, memory_stats, state_factor
 from plait.runtime.pipeline import Pipeline, build_pipeline, stage_tensors
 from plait.runtime.report import failure_error
@@ -397,16 +397,15 @@ class Model:
 
     def _save(self, root: str | os.PathLike[str], data: dict[str, Any] | None) -> Path:
         pipe = self._train.pipe if self._train is not None else None
-        self._not_split("a checkpoint")
         return self._checkpoints.save(root, self.step, pipe, self.optimizer, self.config, data)
 
     def export(self, directory: str | os.PathLike[str]) -> str:
         """Write the weights as Hugging Face sharded safetensors (`from_pretrained` reads them):
         each rank its own tensors, rank 0 the index once all are written. Call it on every rank."""
         pipe = self._train.pipe if self._train is not None else None
-        self._not_split("an export")
-        try:
-            written, error = write_own_shard(self.net, pipe.owner_of if pipe else {}, self.rank, directory), ""
+        try:  # a tensor split over tp ranks is written whole by the first of them
+            wholes = whole_split_tensors(self.net, pipe.tp_parts, pipe.tp_group) if pipe and pipe.tp_parts else {}
+            written, error = write_own_shard(self.net, pipe.owner_of if pipe else {}, self.rank, directory, wholes), ""
         except (CheckpointError, OSError) as e:
             written, error = {}, f"{type(e).__name__}: {e}"
         failed = failed_ranks(bool(error))
@@ -417,13 +416,6 @@ class Model:
         if self.world_size > 1:
             sum_floats([0.0])  # the index is written before any rank returns
         return str(directory)
-
-    def _not_split(self, what: str) -> None:
-        """Checkpoints and exports of tensors split over tp ranks are not written yet: refuse."""
-        if self.config.tp > 1:
-            raise CheckpointError(f"{what} of a tensor-parallel run (tp={self.config.tp}) is not supported yet: "
-                                  "take model.state_dict() (each split tensor gathered whole) and torch.save or "
-                                  "safetensors it, or train with tp=1")
 
     def load(self, path: str | os.PathLike[str]) -> int:
         """Load a checkpoint, weights or a plain state-dict file, on every rank; returns its step.
@@ -436,7 +428,6 @@ class Model:
         set the parameters and buffers alone: after `build`, each rank reads only its stages'
         tensors; before it, every rank reads them all (the step stays as it is).
         """
-        self._not_split("loading")
         if weights.holds_weights(path):  # never a plait checkpoint directory: those come first
             self._checkpoints.load_weights(path, self._train.pipe if self._train is not None else None)
         elif Path(path).is_file():

@@ -4,7 +4,7 @@ talks to other ranks.
 The layers, bottom to top (a package imports only from its own layer or below, and within a layer only
 along the order written here, so that the packages form a chain, never a loop):
 
-    base        errors, config, data, metrics, callbacks  (the top-level modules but model)
+    base        errors, config, data, metrics, callbacks, materialize, tensor_parts  (the top-level modules but model)
     pure        capture, schedule, plan                   (no torch.distributed)
     job-side    runtime, job -> planner, checkpoint       (planner and checkpoint use runtime's
                                                           collectives; planner reads job's ranks)
@@ -20,7 +20,7 @@ import plait
 ROOT = pathlib.Path(plait.__file__).parent
 
 # Each unit (a package, or a top-level module) and what it may import besides itself.
-BASE = {"errors", "config", "data", "metrics", "callbacks", "materialize"}
+BASE = {"errors", "config", "data", "metrics", "callbacks", "materialize", "tensor_parts"}
 ALLOWED = {
     "errors": set(),
     "config": {"errors"},
@@ -28,6 +28,7 @@ ALLOWED = {
     "metrics": {"errors"},
     "callbacks": set(),
     "materialize": {"errors"},
+    "tensor_parts": set(),
     "capture": BASE,
     "schedule": BASE,
     "plan": BASE | {"schedule"},
@@ -41,7 +42,7 @@ ALLOWED = {
 }
 # Old import paths kept working (with a DeprecationWarning) after a move: they only re-export.
 DEPRECATED_ALIASES = {"plait.runtime.process_group"}
-PURE = ["capture", "schedule", "plan", "errors", "config", "data", "metrics", "materialize.py", "checkpoint/disk.py",
+PURE = ["capture", "schedule", "plan", "errors", "config", "data", "metrics", "materialize.py", "tensor_parts.py", "checkpoint/disk.py",
         "checkpoint/tensorfile.py", "checkpoint/train_state.py", "checkpoint/resume.py", "checkpoint/weights.py"]
 
 

@@ -32,9 +32,10 @@ import torch
 
 from plait.checkpoint import tensorfile
 from plait.errors import CheckpointError
+from plait.tensor_parts import whole_of
 
 __all__ = ["Checkpoint", "FORMAT", "step_name", "temp_dir", "write_shard", "write_tensor_file", "write_atomic", "commit", "open_checkpoint",
-           "find_resumable", "is_checkpoint_dir", "export", "read_parameters", "read_plain"]
+           "find_resumable", "is_checkpoint_dir", "export", "holders", "join_parts", "read_parameters", "read_plain"]
 
 log = logging.getLogger("plait")
 
@@ -155,7 +156,8 @@ class Checkpoint:
         """Whether `plan` (Plan.to_json() as a dict) puts every stage on the ranks this one did."""
         saved = self.meta.get("plan")
         keys = ("layers_per_stage", "dp", "num_virtual_stages", "world_size")
-        return isinstance(saved, dict) and all(saved.get(k) == plan.get(k) for k in keys)
+        return (isinstance(saved, dict) and all(saved.get(k) == plan.get(k) for k in keys)
+                and saved.get("tp", 1) == plan.get("tp", 1))
 
     def shard_path(self, rank: int) -> Path:
         return self.path / str(self.meta["shards"][rank]["file"])
@@ -204,6 +206,7 @@ def _check_meta(meta: Any, where: Path) -> dict[str, Any]:
     tensors = meta.get("tensors")
     if not isinstance(tensors, dict) or not all(
             isinstance(v, dict) and type(v.get("shard")) is int and 0 <= v["shard"] < len(shards)
+            and _split_ok(v.get("split"), v.get("shape"), len(shards))
             for v in tensors.values()):
         raise bad("the tensor index is malformed")
     if not (isinstance(meta.get("state_keys"), list) and all(isinstance(k, str) for k in meta["state_keys"])):
@@ -218,6 +221,18 @@ def _check_meta(meta: Any, where: Path) -> dict[str, Any]:
     if not all(isinstance(a, str) and isinstance(b, str) for a, b in meta["aliases"].items()):
         raise bad("aliases must map names to names")
     return meta
+
+
+def _split_ok(split: Any, shape: Any, world: int) -> bool:
+    """A tensor's "split" in meta.json: none, or {"dim", "blocks", "shards"} that cut its shape."""
+    if split is None:
+        return True
+    if not isinstance(split, dict) or not isinstance(shape, list):
+        return False
+    dim, blocks, ranks = split.get("dim"), split.get("blocks"), split.get("shards")
+    return (type(dim) is int and type(blocks) is int and isinstance(ranks, list) and len(ranks) > 0
+            and all(type(r) is int and 0 <= r < world for r in ranks) and 0 <= dim < len(shape) and blocks > 0
+            and type(shape[dim]) is int and shape[dim] % (blocks * len(ranks)) == 0)
 
 
 def open_checkpoint(path: str | os.PathLike[str], verify: bool = False) -> Checkpoint:
@@ -301,20 +316,35 @@ def export(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> Check
     return ckpt
 
 
+def holders(entry: Mapping[str, Any]) -> list[int]:
+    """The ranks whose shards hold (a part of) the tensor of an index entry."""
+    split = entry.get("split")
+    return [int(r) for r in split["shards"]] if split else [int(entry["shard"])]
+
+
+def join_parts(entry: Mapping[str, Any], values: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    """The whole tensor of an index entry from its value in each holder's shard (rank -> tensor)."""
+    split = entry.get("split")
+    if not split:
+        return values[int(entry["shard"])]
+    return whole_of([values[int(r)] for r in split["shards"]], int(split["dim"]), int(split["blocks"]))
+
+
 def read_parameters(ckpt: Checkpoint, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """The model tensors (parameters and buffers, aliases not repeated) of a checkpoint by name:
-    all, or those of `names` (first names, as meta.json lists them), reading only their shards."""
+    all, or those of `names` (first names, as meta.json lists them), reading only their shards.
+    A tensor saved split over tp ranks is joined whole from its parts."""
     entries = ckpt.meta["tensors"]
     chosen = set(entries) if names is None else set(names) & set(entries)
-    out: dict[str, torch.Tensor] = {}
-    for rank in sorted({int(entries[n]["shard"]) for n in chosen}):
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    for rank in sorted({r for n in chosen for r in holders(entries[n])}):
         tensors, _ = ckpt.read_shard(rank)
-        for name, entry in entries.items():
-            if entry["shard"] == rank and name in chosen:
+        for name in chosen:
+            if rank in holders(entries[name]):
                 if name not in tensors:
                     raise CheckpointError(f"{ckpt.shard_path(rank)} lacks {name!r}, which meta.json places there")
-                out[name] = tensors[name]
-    return out
+                pieces.setdefault(name, {})[rank] = tensors[name]
+    return {name: join_parts(entries[name], pieces[name]) for name in entries if name in chosen}
 
 
 def read_plain(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

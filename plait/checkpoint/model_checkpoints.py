@@ -76,7 +76,8 @@ class ModelCheckpoints:
     def save(self, root: str | os.PathLike[str], step: int, pipe: Pipeline | None,
              optimizer: torch.optim.Optimizer | None, config: Config, data: dict[str, Any] | None) -> Path:
         """Write this rank's shard of step `step`; returns the checkpoint's path once complete."""
-        shard = train_state.snapshot(self.net, pipe.owner_of if pipe else {}, self.rank, optimizer)
+        shard = train_state.snapshot(self.net, pipe.owner_of if pipe else {}, self.rank, optimizer,
+                                     pipe.tp_parts if pipe else None)
 
         def meta() -> dict[str, Any]:
             plan = json.loads(pipe.plan.to_json()) if pipe is not None else None

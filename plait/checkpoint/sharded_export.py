@@ -9,7 +9,8 @@ is on disk, so a reader that finds the index finds every file it names::
     out/model.safetensors.index.json         {"metadata": {"total_size": ...}, "weight_map": {name: file}}
     out/config.json                          a Hugging Face model's config, as save_pretrained writes it
 
-A tensor shared under several names (a tied head) is written once, under its first name, as
+A tensor split over a tp group is gathered to its first rank, which writes it whole. A tensor
+shared under several names (a tied head) is written once, under its first name, as
 `save_pretrained` does; `from_pretrained` and `plait.Model.load` tie it again. With one shard
 the file is `model.safetensors` and there is no index.
 """
@@ -17,16 +18,19 @@ the file is `model.safetensors` and there is no index.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
 from torch import nn
 
 from plait.checkpoint.disk import write_atomic, write_tensor_file
 from plait.checkpoint.train_state import model_index, owned_tensors
 from plait.checkpoint.weights import INDEX, SINGLE
 from plait.errors import CheckpointError
+from plait.tensor_parts import whole_shape
 
 __all__ = ["shard_files", "write_own_shard", "write_index", "model_bytes", "available_bytes"]
 
@@ -39,11 +43,15 @@ def shard_files(entries: Mapping[str, Mapping[str, Any]]) -> dict[int, str]:
     return {r: f"model-{i + 1:05d}-of-{len(ranks):05d}.safetensors" for i, r in enumerate(ranks)}
 
 
-def write_own_shard(net: nn.Module, owner_of: Mapping[int, int], rank: int, out: str | os.PathLike[str]) -> dict[str, Any]:
-    """Write this rank's shard (if it owns any tensor); return the index's weight map and size."""
+def write_own_shard(net: nn.Module, owner_of: Mapping[int, int], rank: int, out: str | os.PathLike[str],
+                    wholes: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """Write this rank's shard (if it owns any tensor); return the index's weight map and size.
+
+    `wholes`: the whole values, by first name, of the tensors this rank owns that are split over
+    a tp group (gathered from its parts: `gather_parts_to_first`); the file holds them whole."""
     _, _, entries = model_index(net, owner_of)
     files = shard_files(entries)
-    mine = owned_tensors(net, entries, rank)
+    mine = {**owned_tensors(net, entries, rank), **(wholes or {})}
     on_meta = sorted(name for name, t in mine.items() if t.is_meta)
     if on_meta:
         raise CheckpointError(
@@ -70,9 +78,10 @@ def write_index(out: str | os.PathLike[str], written: Mapping[str, Any], net: nn
 
 
 def model_bytes(net: nn.Module) -> int:
-    """Bytes of the model's tensors, each shared one once (meta tensors counted by their shape)."""
+    """Bytes of the model's tensors, each shared one once (meta tensors counted by their shape,
+    a tensor split over tp ranks by its whole shape)."""
     seen = {id(t): t for t in net.state_dict(keep_vars=True).values()}
-    return sum(t.numel() * t.element_size() for t in seen.values())
+    return sum(math.prod(whole_shape(t)) * t.element_size() for t in seen.values())
 
 
 def available_bytes() -> float:

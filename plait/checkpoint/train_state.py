@@ -4,7 +4,10 @@ Everything is keyed by the names of `net.state_dict()`, never by rank or stage, 
 saved by one layout loads into any other: a rank takes the names it needs from whichever shard
 holds them. Inside a shard:
 
-    "0.weight"                       a model tensor, saved once by the rank that trains it
+    "0.weight"                       a model tensor, saved once by the rank that trains it, or
+                                     this rank's part of one split over a tp group (each part
+                                     under the full name; meta.json's index has the whole shape
+                                     and the split: {"dim", "blocks", "shards": rank of each part})
     "optimizer/0.weight/exp_avg"     a tensor of that parameter's optimizer state
     "rng/torch", "rng/cuda/0"        this rank's torch generator states
     __metadata__["plait"] (JSON)     non-tensor optimizer state, each param group's settings
@@ -17,30 +20,34 @@ import json
 import logging
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from plait.checkpoint.disk import Checkpoint, holders
 from plait.errors import CheckpointError
+from plait.tensor_parts import as_held, whole_of, whole_shape
 
-if TYPE_CHECKING:
-    from plait.checkpoint.disk import Checkpoint
 
-__all__ = ["Snapshot", "snapshot", "restore", "model_index", "owned_tensors", "optimizer_state",
-           "restore_optimizer", "rng_state", "restore_rng", "copy_into", "check_names"]
+__all__ = ["Snapshot", "snapshot", "restore", "model_index", "owned_tensors",
+           "optimizer_state", "restore_optimizer", "rng_state", "restore_rng", "copy_into", "check_names"]
 
 log = logging.getLogger("plait")
 
 _OPT, _RNG = "optimizer/", "rng/"
+Split = tuple[int, int, Sequence[int]]  # a tp-split tensor: dim, blocks, the rank of each part
 _SIMPLE = (bool, int, float, str, type(None))
 
 
-def model_index(net: nn.Module, owner_of: Mapping[int, int]) -> tuple[list[str], dict[str, str], dict[str, dict[str, Any]]]:
+def model_index(net: nn.Module, owner_of: Mapping[int, int], parts: Mapping[int, Split] | None = None,
+                ) -> tuple[list[str], dict[str, str], dict[str, dict[str, Any]]]:
     """(state_dict names in order, alias -> first name of a shared tensor, first name -> entry).
 
     An entry is {"shard": the rank that saves it, "shape", "dtype"}; tensors no stage uses
-    are saved by rank 0, as `gather_state_dict` takes them from there.
+    are saved by rank 0, as `gather_state_dict` takes them from there. A tensor split over a tp
+    group (`parts`: id -> (dim, blocks, rank of each part)) has its whole shape, and "split":
+    {"dim", "blocks", "shards"}; "shard" is its first part's rank.
     """
     keys: list[str] = []
     aliases: dict[str, str] = {}
@@ -52,14 +59,19 @@ def model_index(net: nn.Module, owner_of: Mapping[int, int]) -> tuple[list[str],
             aliases[name] = first[id(t)]
             continue
         first[id(t)] = name
-        entries[name] = {"shard": owner_of.get(id(t), 0), "shape": list(t.shape), "dtype": str(t.dtype)}
+        entry: dict[str, Any] = {"shard": owner_of.get(id(t), 0), "shape": list(whole_shape(t)), "dtype": str(t.dtype)}
+        split = (parts or {}).get(id(t))
+        if split is not None:
+            dim, blocks, ranks = split
+            entry.update(shard=ranks[0], split={"dim": dim, "blocks": blocks, "shards": list(ranks)})
+        entries[name] = entry
     return keys, aliases, entries
 
 
 def owned_tensors(net: nn.Module, entries: Mapping[str, Mapping[str, Any]], rank: int) -> dict[str, torch.Tensor]:
-    """The model tensors this rank saves, by their first name."""
+    """The model tensors this rank saves (its part of a split one), by their first name."""
     state = net.state_dict(keep_vars=True)
-    return {name: state[name].detach() for name, e in entries.items() if e["shard"] == rank}
+    return {name: state[name].detach() for name, e in entries.items() if rank in holders(e)}
 
 
 def _names(net: nn.Module) -> dict[int, str]:
@@ -108,23 +120,28 @@ def optimizer_state(optimizer: torch.optim.Optimizer | None, net: nn.Module, own
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params: Iterable[nn.Parameter],
-                      shards: Mapping[int, tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]]) -> int:
+                      shards: Mapping[int, tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]],
+                      entries: Mapping[str, Mapping[str, Any]] | None = None) -> int:
     """Set the state of `params` (this rank's) from the shards that hold it; return how many got one.
 
     `shards` maps a rank to its (tensors, JSON optimizer part). Each parameter's group settings
     come from the group that held it when saved, so a new layout keeps changed learning rates.
+    The state of a parameter saved split over tp ranks (`entries`: the checkpoint's index) is
+    joined from its parts, and cut to this rank's part where the parameter is split here.
     """
     try:
-        return _restore_optimizer(optimizer, net, params, shards)
+        return _restore_optimizer(optimizer, net, params, shards, entries or {})
     except (TypeError, ValueError, AttributeError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"the checkpoint's optimizer state is malformed or does not fit this "
                               f"optimizer ({type(e).__name__}: {e})") from None
 
 
 def _restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params: Iterable[nn.Parameter],
-                       shards: Mapping[int, tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]]) -> int:
+                       shards: Mapping[int, tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]],
+                       entries: Mapping[str, Mapping[str, Any]]) -> int:
     names = _names(net)
     found: dict[str, dict[str, Any]] = {}
+    pieces: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (name, field) -> rank -> its tensor
     settings: dict[str, dict[str, Any]] = {}
     kinds = {part.get("class") for _, part in shards.values()} - {None}
     mine = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
@@ -132,10 +149,11 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params:
         log.warning("plait: the checkpoint's optimizer is %s, this one is %s: optimizer state not restored",
                     sorted(str(k) for k in kinds), mine)
         return 0
-    for tensors, part in shards.values():
+    for rank, (tensors, part) in shards.items():
         for key, t in tensors.items():
             if key.startswith(_OPT):
                 name, _, field = key[len(_OPT):].rpartition("/")
+                pieces.setdefault((name, field), {})[rank] = t
                 found.setdefault(name, {})[field] = t
         for name, values in part.get("state", {}).items():
             found.setdefault(name, {}).update(values)
@@ -144,6 +162,8 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params:
                 settings.setdefault(name, group.get("settings", {}))
     wanted = {id(p) for p in params}
     restored: dict[nn.Parameter, dict[str, Any]] = {}
+    for (name, field), values in pieces.items():
+        found[name][field] = _joined(entries.get(name, {}), values)
     for group in optimizer.param_groups:
         group_names = [names.get(id(p), "") for p in group["params"]]
         saved = next((settings[n] for n in group_names if n in settings), None)
@@ -154,12 +174,26 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params:
                 group[key].fill_(value)
         for p, name in zip(group["params"], group_names):
             if id(p) in wanted and name in found:
-                state = {k: v.to(p.device) if isinstance(v, torch.Tensor) else v for k, v in found[name].items()}
+                state = {k: as_held(p, v).to(p.device) if isinstance(v, torch.Tensor) else v
+                         for k, v in found[name].items()}
                 _check_like(name, state, optimizer.state.get(p) or next(iter(restored.values()), None))
                 restored[p] = state
     for p, state in restored.items():
         optimizer.state[p] = state
     return len(restored)
+
+
+def _joined(entry: Mapping[str, Any], values: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    """One optimizer tensor of a parameter from the shards holding it: the parts of a split
+    parameter's state (a tensor of its part's shape) joined; otherwise any one (a step count)."""
+    split, any_one = entry.get("split"), next(iter(values.values()))
+    if not split or set(values) != set(split["shards"]):
+        return any_one
+    shape, dim = entry["shape"], int(split["dim"])
+    parts = len(split["shards"])
+    if any_one.dim() != len(shape) or any_one.shape[dim] * parts != shape[dim]:
+        return any_one
+    return whole_of([values[int(r)] for r in split["shards"]], dim, int(split["blocks"]))
 
 
 def _check_like(name: str, state: dict[str, Any], like: dict[str, Any] | None) -> None:
@@ -252,7 +286,7 @@ def copy_into(net: nn.Module, values: Mapping[str, torch.Tensor], aliases: Mappi
                 continue  # another rank's tensor
             value = values.get(name, values.get(aliases.get(name, name)))
             assert value is not None, name
-            t.copy_(value)
+            t.copy_(as_held(t, value))
 
 
 def check_saved(net: nn.Module, shapes: Mapping[str, Sequence[int]], aliases: Mapping[str, str], where: str) -> None:
@@ -260,7 +294,7 @@ def check_saved(net: nn.Module, shapes: Mapping[str, Sequence[int]], aliases: Ma
     are net.state_dict()'s, by name and shape."""
     saved = {n: tuple(shape) for n, shape in shapes.items()}
     state = net.state_dict(keep_vars=True)
-    expected = {n: tuple(t.shape) for n, t in state.items()}
+    expected = {n: whole_shape(t) for n, t in state.items()}
     got = {n: shape for n in state if (shape := saved.get(n, saved.get(aliases.get(n, n)))) is not None}
     got.update({n: shape for n, shape in saved.items() if n not in state})
     check_names(expected, got, where)
@@ -276,9 +310,10 @@ class Snapshot:
 
 
 def snapshot(net: nn.Module, owner_of: Mapping[int, int], rank: int,
-             optimizer: torch.optim.Optimizer | None) -> Snapshot:
-    """What rank `rank` saves: the model tensors it owns, their optimizer state, its RNG states."""
-    keys, aliases, entries = model_index(net, owner_of)
+             optimizer: torch.optim.Optimizer | None, parts: Mapping[int, Split] | None = None) -> Snapshot:
+    """What rank `rank` saves: the model tensors it owns (its parts of tp-split ones: `parts`),
+    their optimizer state, its RNG states."""
+    keys, aliases, entries = model_index(net, owner_of, parts)
     tensors = owned_tensors(net, entries, rank)
     opt_tensors, opt_json = optimizer_state(optimizer, net, list(tensors))
     rng_tensors, rng_json = rng_state()
@@ -287,17 +322,18 @@ def snapshot(net: nn.Module, owner_of: Mapping[int, int], rank: int,
                     {"state_keys": keys, "aliases": aliases, "tensors": entries})
 
 
-def restore(ckpt: "Checkpoint", net: nn.Module, optimizer: torch.optim.Optimizer | None,
+def restore(ckpt: Checkpoint, net: nn.Module, optimizer: torch.optim.Optimizer | None,
             local: Iterable[nn.Parameter], rank: int, same_layout: bool) -> None:
     """The optimizer state of this rank's parameters (from whichever shards hold it) and, when
     the layout is the one that saved it, this rank's RNG states."""
     local = list(local)
     entries = ckpt.meta["tensors"]
     names = _names(net)
-    wanted = {entries[names[id(p)]]["shard"] for p in local if names.get(id(p)) in entries}
+    wanted = {r for p in local if names.get(id(p)) in entries for r in holders(entries[names[id(p)]])}
     shards = {r: ckpt.read_shard(r) for r in sorted(wanted | ({rank} if same_layout else set()))}
     if optimizer is not None:
-        restore_optimizer(optimizer, net, local, {r: (t, part.get("optimizer", {})) for r, (t, part) in shards.items()})
+        restore_optimizer(optimizer, net, local, {r: (t, part.get("optimizer", {})) for r, (t, part) in shards.items()},
+                          entries)
     if same_layout:
         tensors, part = shards[rank]
         restore_rng(tensors, part.get("rng", {}))

@@ -28,6 +28,7 @@ import torch
 
 from plait.checkpoint import disk, tensorfile
 from plait.errors import CheckpointError
+from plait.tensor_parts import as_held, whole_shape
 
 __all__ = ["INDEX", "SINGLE", "Loaded", "holds_weights", "weight_map", "load_weights"]
 
@@ -177,7 +178,7 @@ def load_weights(path: str | os.PathLike[str], state: Mapping[str, torch.Tensor]
         with torch.no_grad():
             for file, firsts in by_file.items():
                 for first in firsts:
-                    state[first].copy_(opened[file].tensor(source[first]))
+                    state[first].copy_(as_held(state[first], opened[file].tensor(source[first])))
     order = {name: i for i, name in enumerate(files)}
     return Loaded(sorted(source.values(), key=order.__getitem__), [str(f) for f in by_file], ignored)
 
@@ -195,8 +196,8 @@ def _check(path: str | os.PathLike[str], state: Mapping[str, torch.Tensor], sour
             name = source[first]
             if name not in present:
                 lost.append(f"{name} (in {f.path.name})")
-            elif f.shape(name) != tuple(state[first].shape):
-                shapes.append(f"{name}: file {list(f.shape(name))}, model {list(state[first].shape)}")
+            elif f.shape(name) != whole_shape(state[first]):
+                shapes.append(f"{name}: file {list(f.shape(name))}, model {list(whole_shape(state[first]))}")
     parts = []
     if missing:
         parts.append(f"it lacks {len(missing)} of the {len(missing) + len(source)} tensors to load: "

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.runtime.tensor_parallel import shard_of, whole_of
+from plait.tensor_parts import shard_of, whole_of
 
 __all__ = ["local_device", "make_group", "sum_floats", "failed_ranks", "max_floats", "start_sum_floats", "broadcast_tensors", "TiedGradients",
-           "gather_state_dict", "broadcast_json", "all_gather_text"]
+           "gather_state_dict", "gather_parts_to_first", "whole_split_tensors", "broadcast_json", "all_gather_text"]
 
 
 def local_device() -> torch.device:
@@ -125,6 +125,32 @@ def _gather_parts(t: torch.Tensor, dim: int, blocks: int, ranks: Sequence[int]) 
         dist.broadcast(piece, r)
         pieces.append(piece)
     return whole_of(pieces, dim, blocks)
+
+
+def gather_parts_to_first(t: torch.Tensor, dim: int, blocks: int, ranks: Sequence[int], group: Any) -> torch.Tensor | None:
+    """This rank's part of a tensor split over `ranks` (its tp group, whose members alone call
+    this), whole on ranks[0]; None on the others."""
+    first = dist.get_rank() == ranks[0]
+    parts = [torch.empty_like(t) for _ in ranks] if first else None
+    dist.gather(t.detach().contiguous(), parts, dst=ranks[0], group=group)
+    return whole_of(parts, dim, blocks) if parts is not None else None
+
+
+def whole_split_tensors(net: nn.Module, parts: Mapping[int, tuple[int, int, Sequence[int]]],
+                        group: Any) -> dict[str, torch.Tensor]:
+    """The tensors split over this rank's tp group (`parts`: id -> dim, blocks, ranks), gathered
+    one at a time in state-dict order: whole, by first name, on the group's first rank."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in net.state_dict(keep_vars=True).items():
+        split = parts.get(id(t))
+        if id(t) in seen or split is None or dist.get_rank() not in split[2]:
+            continue
+        seen.add(id(t))
+        whole = gather_parts_to_first(t, *split, group)
+        if whole is not None:
+            out[name] = whole
+    return out
 
 
 def failed_ranks(failed: bool) -> list[int]:

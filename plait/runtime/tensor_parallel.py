@@ -17,7 +17,6 @@ the user's model and every stage graph keep holding the same `Parameter`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -29,39 +28,11 @@ from torch import nn
 from plait.capture.shard_rules import args_of, kwargs_of, Shard, linear_parts
 from plait.capture.tp_layout import TpLayout
 from plait.errors import ConfigError
+from plait.tensor_parts import TpShard, local_part, shard_of, whole_of
 
-__all__ = ["TpShard", "local_part", "whole_of", "shard_stage", "shard_of"]
+__all__ = ["shard_stage", "TpCollective", "VocabLookup", "SplitDropout"]
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class TpShard:
-    """How a parameter was cut: its whole shape, the dimension, blocks, and which part this is."""
-
-    shape: tuple[int, ...]
-    dim: int
-    blocks: int
-    tp_rank: int
-    tp: int
-
-
-def shard_of(t: torch.Tensor) -> TpShard | None:
-    """The cut of a tensor-parallel parameter, or None for a whole one."""
-    return getattr(t, "_plait_tp", None)
-
-
-def local_part(t: torch.Tensor, dim: int, blocks: int, tp_rank: int, tp: int) -> torch.Tensor:
-    """Part `tp_rank` of `t` along `dim`: its slice of each of the `blocks` blocks, in block order."""
-    n = t.shape[dim]
-    parts = t.reshape(*t.shape[:dim], blocks, tp, n // (blocks * tp), *t.shape[dim + 1:])
-    return parts.select(dim + 1, tp_rank).flatten(dim, dim + 1)
-
-
-def whole_of(parts: list[torch.Tensor], dim: int, blocks: int) -> torch.Tensor:
-    """The inverse of `local_part`: the tp parts (in rank order) joined."""
-    cut = [p.reshape(*p.shape[:dim], blocks, p.shape[dim] // blocks, *p.shape[dim + 1:]) for p in parts]
-    return torch.stack(cut, dim + 1).flatten(dim, dim + 2)
 
 
 def _cut(param: torch.Tensor, dim: int, blocks: int, tp_rank: int, tp: int) -> None:

@@ -354,3 +354,34 @@ def test_read_plain_refuses_what_is_not_a_state_dict(tmp_path: Path, content: ob
     with pytest.raises(CheckpointError) as info:
         disk.read_plain(path)
     assert str(info.value).startswith(f"{path}: {message}")
+
+
+def _commit_split(root: Path, split: dict) -> Path:
+    """A checkpoint of one 6 x 4 tensor (a fused 3-block weight) saved in two tp parts."""
+    whole = torch.arange(24.0).reshape(6, 4)
+    parts = [whole[[0, 2, 4]], whole[[1, 3, 5]]]  # each rank's row of every block
+    temp = disk.temp_dir(root, 1, "t0")
+    described = []
+    for rank, part in enumerate(parts):
+        size, digest = disk.write_shard(temp, rank, {"w": part}, {"plait": "{}"})
+        described.append({"file": f"rank{rank}.safetensors", "bytes": size, "sha256": digest})
+    meta = {"step": 1, "state_keys": ["w"], "aliases": {}, "plan": None, "shards": described,
+            "tensors": {"w": {"shard": 0, "shape": [6, 4], "dtype": "torch.float32", "split": split}}}
+    return disk.commit(root, temp, 1, meta, 2)
+
+
+def test_a_tensor_saved_in_tp_parts_is_read_whole(tmp_path):
+    path = _commit_split(tmp_path, {"dim": 0, "blocks": 3, "shards": [0, 1]})
+    ckpt = disk.open_checkpoint(path, verify=True)
+    assert torch.equal(disk.read_parameters(ckpt)["w"], torch.arange(24.0).reshape(6, 4))
+    assert disk.holders(ckpt.meta["tensors"]["w"]) == [0, 1]
+
+
+@pytest.mark.parametrize("split", [{"dim": 2, "blocks": 1, "shards": [0, 1]},      # no such dim
+                                   {"dim": 0, "blocks": 4, "shards": [0, 1]},      # 6 rows not in 4 x 2
+                                   {"dim": 0, "blocks": 1, "shards": [0, 5]},      # no rank 5
+                                   {"dim": 0, "blocks": 1}])
+def test_a_malformed_split_is_not_a_complete_checkpoint(tmp_path, split):
+    path = _commit_split(tmp_path, split)
+    with pytest.raises(CheckpointError, match="tensor index is malformed"):
+        disk.open_checkpoint(path)

@@ -15,6 +15,7 @@ from torch import nn
 
 from plait.checkpoint import disk, train_state
 from plait.errors import CheckpointError
+from plait.tensor_parts import TpShard, local_part
 
 
 class Tied(nn.Module):
@@ -62,6 +63,48 @@ def test_model_index_names_each_tensor_once_and_the_aliases() -> None:
     owned = train_state.owned_tensors(net, entries, 1)
     assert list(owned) == ["mid.weight", "mid.bias"] and owned["mid.weight"] is not net.mid.weight
     assert torch.equal(owned["mid.weight"], net.mid.weight) and not owned["mid.weight"].requires_grad
+
+
+def test_a_split_parameter_and_its_state_are_saved_in_parts_and_restored_whole_or_cut() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 4), nn.Linear(4, 2))  # 0.weight: 4 rows, 2 per tp rank
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        net(torch.randn(3, 2)).sum().backward()
+        opt.step()
+    whole_w, whole_avg = net[0].weight.detach().clone(), opt.state[net[0].weight]["exp_avg"].clone()
+
+    def cut(n: nn.Module, o: torch.optim.Optimizer | None, tp_rank: int) -> None:  # as tp=2 cuts 0.weight
+        p = n[0].weight
+        if o is not None:
+            o.state[p] = {k: local_part(v, 0, 1, tp_rank, 2) if v.dim() else v for k, v in o.state[p].items()}
+        p.data = local_part(p.data, 0, 1, tp_rank, 2).clone()
+        p._plait_tp = TpShard((4, 2), 0, 1, tp_rank, 2)
+
+    shards = {}
+    for r in range(2):
+        n, o = copy.deepcopy((net, opt))
+        cut(n, o, r)
+        snap = train_state.snapshot(n, {}, r, o, {id(n[0].weight): (0, 1, [0, 1])})
+        assert snap.index["tensors"]["0.weight"] == {"shard": 0, "shape": [4, 2], "dtype": "torch.float32",
+                                                     "split": {"dim": 0, "blocks": 1, "shards": [0, 1]}}
+        assert torch.equal(snap.tensors["0.weight"], whole_w[2 * r:2 * r + 2])
+        assert ("1.weight" in snap.tensors) == (r == 0)  # a whole tensor once, by rank 0
+        shards[r] = (snap.tensors, json.loads(snap.metadata["plait"])["optimizer"])
+    entries = snap.index["tensors"]
+    whole = nn.Sequential(nn.Linear(2, 4), nn.Linear(4, 2))
+    whole_opt = torch.optim.Adam(whole.parameters(), lr=0.1)
+    assert train_state.restore_optimizer(whole_opt, whole, [whole[0].weight], shards, entries) == 1
+    assert torch.equal(whole_opt.state[whole[0].weight]["exp_avg"], whole_avg)  # the parts joined
+    part = nn.Sequential(nn.Linear(2, 4), nn.Linear(4, 2))
+    cut(part, None, 1)
+    part_opt = torch.optim.Adam(part.parameters(), lr=0.1)
+    assert train_state.restore_optimizer(part_opt, part, [part[0].weight], shards, entries) == 1
+    assert torch.equal(part_opt.state[part[0].weight]["exp_avg"], whole_avg[2:])  # tp rank 1's part
+    values = {k: v.detach() for k, v in net.state_dict().items()}
+    train_state.copy_into(part, values, {}, "a state dict")
+    assert torch.equal(part[0].weight.detach(), whole_w[2:])
 
 
 # -- optimizer state ----------------------------------------------------------------------------

@@ -1,5 +1,4 @@
-"""Tests for plait.runtime.tensor_parallel's pure parts: a parameter's part on each tp rank (fused
-q|k|v blocks included) and the parts joined back, and the rank layout with tp innermost."""
+"""Tests for plait.runtime.tensor_parallel's pure parts: the rank layout with tp innermost."""
 
 from __future__ import annotations
 
@@ -7,22 +6,6 @@ import pytest
 import torch
 
 from plait.plan import Plan
-from plait.runtime.tensor_parallel import local_part, whole_of
-
-
-def test_local_part_takes_each_rank_its_slice_of_every_block() -> None:
-    qkv = torch.arange(12.0)  # [q0 q1 | k0 k1 | v0 v1] with 2 features per piece
-    assert local_part(qkv, 0, 3, 0, 2).tolist() == [0, 1, 4, 5, 8, 9]
-    assert local_part(qkv, 0, 3, 1, 2).tolist() == [2, 3, 6, 7, 10, 11]
-    assert local_part(qkv, 0, 1, 1, 2).tolist() == list(range(6, 12))
-
-
-@pytest.mark.parametrize("dim, blocks, tp", [(0, 1, 2), (1, 3, 2), (1, 1, 4), (0, 2, 4)])
-def test_whole_of_joins_the_parts(dim: int, blocks: int, tp: int) -> None:
-    t = torch.randn(8 * blocks, 24 * blocks)
-    parts = [local_part(t, dim, blocks, r, tp) for r in range(tp)]
-    assert all(p.shape[dim] == t.shape[dim] // tp for p in parts)
-    assert torch.equal(whole_of(parts, dim, blocks), t)
 
 
 def _plan(pp: int, dp: int, tp: int) -> Plan:

@@ -1,0 +1,67 @@
+"""How a tensor split over the ranks of a tensor-parallel group is cut, and joined again.
+
+A parameter split along `dim` over `tp` ranks may be a concatenation of `blocks` equal blocks
+(a fused q|k|v weight: 3 blocks): each rank's part is its slice of every block, in block order::
+
+    whole, dim 0, blocks=3, tp=2:   [q0 q1 | k0 k1 | v0 v1]
+    part 0: [q0 k0 v0]      part 1: [q1 k1 v1]
+
+A cut parameter carries its `TpShard` (`shard_of`), so checkpoints save it under its own name with
+its whole shape, and load a whole tensor into its part. Pure tensor arithmetic: no collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TpShard", "shard_of", "whole_shape", "as_held", "local_part", "whole_of"]
+
+
+@dataclass(frozen=True)
+class TpShard:
+    """How a parameter was cut: its whole shape, the dimension, blocks, and which part this is."""
+
+    shape: tuple[int, ...]
+    dim: int
+    blocks: int
+    tp_rank: int
+    tp: int
+
+    def part(self, whole: torch.Tensor) -> torch.Tensor:
+        """This shard's part of the whole tensor."""
+        return local_part(whole, self.dim, self.blocks, self.tp_rank, self.tp)
+
+
+def shard_of(t: torch.Tensor) -> TpShard | None:
+    """The cut of a tensor-parallel parameter, or None for a whole one."""
+    return getattr(t, "_plait_tp", None)
+
+
+def whole_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the whole tensor `t` is a part of (its own shape when it is not cut)."""
+    cut = shard_of(t)
+    return cut.shape if cut is not None else tuple(t.shape)
+
+
+def as_held(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` as `t` holds it: this rank's part of a whole value when `t` is a cut tensor (a value
+    of the part's shape, or of a tensor not cut, as it is)."""
+    cut = shard_of(t)
+    if cut is not None and tuple(value.shape) == cut.shape and cut.shape != tuple(t.shape):
+        return cut.part(value)
+    return value
+
+
+def local_part(t: torch.Tensor, dim: int, blocks: int, tp_rank: int, tp: int) -> torch.Tensor:
+    """Part `tp_rank` of `t` along `dim`: its slice of each of the `blocks` blocks, in block order."""
+    n = t.shape[dim]
+    parts = t.reshape(*t.shape[:dim], blocks, tp, n // (blocks * tp), *t.shape[dim + 1:])
+    return parts.select(dim + 1, tp_rank).flatten(dim, dim + 1)
+
+
+def whole_of(parts: list[torch.Tensor], dim: int, blocks: int) -> torch.Tensor:
+    """The inverse of `local_part`: the tp parts (in rank order) joined."""
+    cut = [p.reshape(*p.shape[:dim], blocks, p.shape[dim] // blocks, *p.shape[dim + 1:]) for p in parts]
+    return torch.stack(cut, dim + 1).flatten(dim, dim + 2)

@@ -1,0 +1,33 @@
+"""Tests for plait.tensor_parts: a parameter's part on each tp rank (fused q|k|v blocks included),
+the parts joined back, and a cut tensor's whole shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.tensor_parts import TpShard, local_part, whole_of, whole_shape
+
+
+def test_local_part_takes_each_rank_its_slice_of_every_block() -> None:
+    qkv = torch.arange(12.0)  # [q0 q1 | k0 k1 | v0 v1] with 2 features per piece
+    assert local_part(qkv, 0, 3, 0, 2).tolist() == [0, 1, 4, 5, 8, 9]
+    assert local_part(qkv, 0, 3, 1, 2).tolist() == [2, 3, 6, 7, 10, 11]
+    assert local_part(qkv, 0, 1, 1, 2).tolist() == list(range(6, 12))
+
+
+@pytest.mark.parametrize("dim, blocks, tp", [(0, 1, 2), (1, 3, 2), (1, 1, 4), (0, 2, 4)])
+def test_whole_of_joins_the_parts(dim: int, blocks: int, tp: int) -> None:
+    t = torch.randn(8 * blocks, 24 * blocks)
+    parts = [local_part(t, dim, blocks, r, tp) for r in range(tp)]
+    assert all(p.shape[dim] == t.shape[dim] // tp for p in parts)
+    assert torch.equal(whole_of(parts, dim, blocks), t)
+
+
+def test_whole_shape_of_a_cut_tensor_and_a_plain_one() -> None:
+    t = torch.zeros(3, 4)
+    assert whole_shape(t) == (3, 4)
+    t._plait_tp = TpShard((6, 4), 0, 1, 1, 2)  # type: ignore[attr-defined]
+    assert whole_shape(t) == (6, 4)
+    whole = torch.arange(24.0).reshape(6, 4)
+    assert torch.equal(t._plait_tp.part(whole), whole[3:])  # type: ignore[attr-defined]
