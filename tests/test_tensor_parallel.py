@@ -1,6 +1,8 @@
 """Tensor parallelism (Config(tp=...)) trains exactly as one process: Hugging Face GPT-2 (Conv1D,
-fused q|k|v, tied head), Llama (grouped-query attention, tied head) and BERT, at tp=2, at 2 stages
-x tp=2 (the tied weight on both stages) and at dp=2 x tp=2 with ZeRO-1.
+fused q|k|v, tied head), Llama (grouped-query attention, tied head), BERT (classification, and
+masked LM with its tied decoder), at tp=2, at 2 stages x tp=2 (the tied weight on both stages) and
+at dp=2 x tp=2 with ZeRO-1; GPT-2 with dropout; parameter bytes at tp=2 against the replicated
+stage's; checkpoints of tp runs resumed in other layouts.
 
 Each rank trains plait and, on the side, a deep copy in one process through the same 3 steps
 (SGD with momentum; Adam for Llama), and returns what differs: the loss of each step, this rank's
@@ -10,6 +12,7 @@ logits. fp32, atol 2e-5 (the all-reduced partial sums add in another order than 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -18,9 +21,9 @@ import torch
 import plait
 from plait.tensor_parts import local_part, shard_of
 from tests.harness import run_ranks
-from tests.test_real_models import BATCHES, MICROBATCHES, _call, _reference_step, _rows, _sgd, make
+from tests.test_real_models import BATCHES, MICROBATCHES, Case, _call, _reference_step, _rows, _sgd, lm_loss, make
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 
 def _adam(params: Any) -> torch.optim.Optimizer:
@@ -36,7 +39,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str, problems: list[str]
 
 def train_and_compare(name: str, config: dict[str, Any], adam: bool = False) -> tuple[list[str], int, str]:
     """(what differs from one process, how many parameters this rank holds split, the plan)."""
-    case = make(name)
+    case = _bert_mlm() if name == "bert-mlm" else make(name)
     ref = copy.deepcopy(case.net)
     optimizer = _adam if adam else _sgd
     ref_opt = optimizer(ref.parameters())
@@ -77,18 +80,87 @@ def train_and_compare(name: str, config: dict[str, Any], adam: bool = False) -> 
 
 
 def _two_ranks(rank: int, world: int) -> dict[str, Any]:
-    return {name: train_and_compare(name, {"tp": 2}, adam=name == "llama") for name in ("gpt2", "llama", "bert")}
+    out = {name: train_and_compare(name, {"tp": 2}, adam=name == "llama")
+           for name in ("gpt2", "llama", "bert", "bert-mlm")}
+    out["dropout"] = _dropout(rank)
+    out["memory"] = _parameter_bytes()
+    return out
+
+
+def _bert_mlm() -> Case:
+    """BERT masked LM: the decoder tied to the word embeddings, both split by vocabulary rows."""
+    case = make("gpt2")  # its tokens and next-token labels
+    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=case.net.config.vocab_size, max_position_embeddings=16,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    return dataclasses.replace(case, net=transformers.BertForMaskedLM(cfg))
+
+
+def _dropout(rank: int) -> list[str]:
+    """GPT-2 with dropout 0.1 on embeddings, attention (eager: on the split heads) and residuals;
+    the ranks' generators seeded apart and rank 1's weights perturbed before the build: plait
+    takes both from tp rank 0, and equals one process drawing from that generator state."""
+    case = make("gpt2")
+    cfg = case.net.config
+    cfg.attn_pdrop = cfg.resid_pdrop = cfg.embd_pdrop = 0.1
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    case = dataclasses.replace(case, net=transformers.GPT2LMHeadModel(cfg), microbatched_reference=True)
+    ref = copy.deepcopy(case.net)
+    ref_opt = _sgd(ref.parameters())
+    if rank == 1:
+        with torch.no_grad():
+            for p in case.net.parameters():
+                p.add_(0.01)
+    torch.manual_seed(100 + rank)
+    model = plait.Model(case.net, plait.Config(num_microbatches=MICROBATCHES, schedule="1f1b", timeout_s=60.0, tp=2),
+                        optimizer=_sgd, loss=case.loss)
+    model.build(_rows(case.x, 0, 2))
+    state = torch.get_rng_state()
+    problems: list[str] = []
+    plait_losses = [model.train_on_batch(_rows(case.x, a, a + n), case.y[a:a + n]) for a, n in _starts()]
+    torch.set_rng_state(state)
+    for (a, n), got in zip(_starts(), plait_losses):
+        want = _reference_step(ref, ref_opt, case, _rows(case.x, a, a + n), case.y[a:a + n])
+        if abs(got - want) > 1e-5 * abs(want) + 1e-6:
+            problems.append(f"loss of rows {a}:{a + n}: {got} != {want}")
+    _state_close(model.state_dict(), ref.state_dict(), "dropout", problems)
+    return problems
+
+
+def _starts() -> list[tuple[int, int]]:
+    return [(sum(BATCHES[:i]), n) for i, n in enumerate(BATCHES)]
+
+
+def _parameter_bytes() -> dict[str, int]:
+    """This rank's measured parameter bytes for a GPT-2 whose weights dominate: at tp=2, and with
+    the stage replicated (dp=2: every rank holds all of it). No attention dropout: inside the fused
+    kernel it keeps attention whole (tests/capture/test_tp_layout.py)."""
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=16, use_cache=False,
+                                  bos_token_id=0, eos_token_id=0, attn_pdrop=0.0)
+    x = torch.randint(0, 512, (4, 8))
+    out = {}
+    for name, config in (("tp", {"tp": 2}), ("replicated", {"dp": 2})):
+        torch.manual_seed(0)
+        model = plait.Model(transformers.GPT2LMHeadModel(cfg), plait.Config(**config), optimizer=_sgd, loss=lm_loss)
+        model.build(x)
+        out[name] = model.memory_stats()["parameters_bytes"]
+    return out
 
 
 @pytest.mark.timeout(300)
 def test_tp2_gpt2_llama_bert_equal_one_process() -> None:
     report = run_ranks(2, _two_ranks, timeout=280)
     for rank, per_model in enumerate(report):
-        for name in ("gpt2", "llama", "bert"):
+        for name in ("gpt2", "llama", "bert", "bert-mlm"):
             problems, split, plan = per_model[name]
             assert not problems, f"rank {rank} {name}:\n" + "\n".join(problems)
             assert split >= 7, (name, split)  # attention and MLP of every layer, and the word embedding
             assert "x tp=2" in plan and "split over tp=2" in plan
+        assert not per_model["dropout"], f"rank {rank} dropout:\n" + "\n".join(per_model["dropout"])
+        memory = per_model["memory"]
+        assert memory["tp"] <= 0.6 * memory["replicated"], memory
 
 
 def _four_ranks(rank: int, world: int, name: str, config: dict[str, Any]) -> tuple[list[str], int, str]:

@@ -330,6 +330,9 @@ def _attention(node: fx.Node, lay: Shard, tp: int) -> Layout:
     shape = shape_of(mask) if isinstance(mask, fx.Node) else None
     if shape is not None and len(shape) == 4 and shape[1] != 1:
         raise _fail(node, lay, "an attention mask per head")
+    p = args_of(node)[4] if len(args_of(node)) > 4 else kwargs_of(node).get("dropout_p", 0.0)
+    if not isinstance(p, (int, float)) or p != 0.0:  # its mask, drawn inside, is not one process's
+        raise _fail(node, lay, f"attention dropout {p} inside the fused kernel (eager attention splits)")
     return lay
 
 

@@ -24,7 +24,7 @@ from plait.runtime.collectives import TiedGradients, broadcast_tensors, make_gro
 from plait.runtime.grad_sync import GradientBuckets
 from plait.runtime.executor import StageExecutor
 from plait.runtime.interpreter import Interpreter
-from plait.runtime.tensor_parallel import shard_stage
+from plait.runtime.tensor_parallel import same_generators, shard_stage
 from plait.runtime.trace import NULL_TRACER, NullTracer, Tracer
 from plait.runtime.wire import Wire
 from plait.runtime.zero import ShardedOptimizerState, zero_owners
@@ -153,11 +153,14 @@ def stage_tensors(captured: CapturedGraph, plan: Plan, rank: int | None) -> list
 
 
 def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, config: Config, rank: int,
-                   loss: Callable[[Any, Any], torch.Tensor] | None, device: torch.device) -> Pipeline:
+                   loss: Callable[[Any, Any], torch.Tensor] | None, device: torch.device,
+                   first: bool = False) -> Pipeline:
     """This rank's share of running `plan` on the captured model: its stage modules, executors,
     interpreter, gradient buckets and tied-parameter sums (`net` owns the parameters).
 
-    The plan is complete (`plait.planner.resolve`): nothing is decided here.
+    The plan is complete (`plait.planner.resolve`): nothing is decided here. The `first` build of
+    a real model with tp > 1 takes its stages' values from the tp group's first rank before they
+    are cut (ranks that drew different values cut parts of one model).
     """
     assert captured.output_spec is not None, "capture with capture_batch: the pipeline rebuilds outputs"
     tracer: Tracer | NullTracer = NULL_TRACER
@@ -170,7 +173,7 @@ def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, config: 
         })
     parts = _Parts(plan, rank, loss, config, Wire(config.timeout_s, device), tracer, captured.output_spec,
                    _tp_group(plan, rank))
-    return _assemble(captured, stage_of_layers(plan.layers_per_stage), parts, make_ties=True)
+    return _assemble(captured, stage_of_layers(plan.layers_per_stage), parts, make_ties=True, equal_tp=first)
 
 
 @dataclass(frozen=True)
@@ -187,9 +190,11 @@ class _Parts:
     tp_group: Any = None  # this rank's tensor-parallel group (plan.tp > 1)
 
 
-def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, make_ties: bool) -> Pipeline:
+def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, make_ties: bool,
+              equal_tp: bool = False) -> Pipeline:
     """Split `captured` by `layer_stage` and make this rank's executors and interpreter; the
-    training pipeline (`make_ties`) also gets its tied-parameter sums and gradient buckets."""
+    training pipeline (`make_ties`) also gets its tied-parameter sums and gradient buckets, and
+    its tp ranks the same generator states (`equal_tp`: the same values too, before the cut)."""
     plan, rank, config = parts.plan, parts.rank, parts.config
     stages = split(captured, layer_stage)
     t = plan.tp_rank_of(rank)
@@ -199,6 +204,13 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
         for s, lay in enumerate(layouts):
             for target, (dim, blocks) in lay.params.items():
                 tp_parts.setdefault(id(stages[s].module.get_parameter(target)), (dim, blocks, [s]))
+        first = rank - t  # the tp group's first rank
+        if equal_tp:
+            held = {id(x): x for s in plan.stages_of(rank) for x in [*stages[s].module.parameters(),
+                                                                    *stages[s].module.buffers()]}
+            broadcast_tensors(list(held.values()), first, parts.tp_group)
+        if make_ties:  # dropout in the regions every tp rank computes whole draws the same masks
+            same_generators(first, parts.tp_group)
         for s in plan.stages_of(rank):
             shard_stage(stages[s].module, layouts[s], t, parts.tp_group)
         plan = replace(plan, tp_layouts=tuple(tuple(lay.describe()) for lay in layouts))

@@ -10,8 +10,9 @@ Each parameter is cut to this rank's part, and the collectives of Megatron-LM go
 
 (Megatron's f and g operators, Shoeybi et al. 2019, figure 3.) A view, expand or split of a split
 value gets its shape with the split dimension divided by tp. A dropout on a split value draws the
-whole mask (the same random numbers one process draws) and keeps this rank's part, so training
-with dropout is still one process's. Each parameter is cut in place (`p.data`), once: the module,
+whole mask (the same random numbers one process draws) and keeps this rank's part; the tp ranks'
+generators are made equal when the pipeline is built (`same_generators`), so every other dropout
+draws the same mask on each, and training with dropout is still one process's. Each parameter is cut in place (`p.data`), once: the module,
 the user's model and every stage graph keep holding the same `Parameter`.
 """
 
@@ -30,7 +31,7 @@ from plait.capture.tp_layout import TpLayout
 from plait.errors import ConfigError
 from plait.tensor_parts import TpShard, local_part, shard_of, whole_of
 
-__all__ = ["shard_stage", "TpCollective", "VocabLookup", "SplitDropout"]
+__all__ = ["shard_stage", "same_generators", "TpCollective", "VocabLookup", "SplitDropout"]
 
 aten = torch.ops.aten
 
@@ -148,6 +149,19 @@ class SplitDropout(nn.Module):
         if p < 1.0:
             keep.div_(1 - p)
         return x * local_part(keep, self.dim, self.blocks, self.tp_rank, self.tp)
+
+
+def same_generators(src: int, group: Any) -> None:
+    """This rank's torch generators (CPU, and its CUDA device's) set to rank `src`'s, over `group`:
+    the tp ranks then draw the same dropout masks where each computes the whole value."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    states = [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
+    moved = [state.to(device) for state in states]
+    for state in moved:
+        dist.broadcast(state, src, group=group)
+    torch.set_rng_state(moved[0].cpu())
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(moved[1].cpu(), device)
 
 
 # -- the rewrite ---------------------------------------------------------------------------------

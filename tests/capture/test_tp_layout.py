@@ -33,9 +33,10 @@ def _graphs(net: nn.Module, cuts: tuple[int, ...] = ()) -> list[fx.GraphModule]:
     return [st.module for st in split(captured, stage)]
 
 
-def gpt2(heads: int = 4) -> nn.Module:
+def gpt2(heads: int = 4, attn_pdrop: float = 0.0, attention: str = "sdpa") -> nn.Module:
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=heads, vocab_size=VOCAB, n_positions=16,
-                                  use_cache=False, bos_token_id=0, eos_token_id=0)
+                                  use_cache=False, bos_token_id=0, eos_token_id=0, attn_pdrop=attn_pdrop)
+    cfg._attn_implementation = attention
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -86,6 +87,16 @@ def test_heads_that_do_not_divide_stay_replicated_with_the_reason() -> None:
     names = [name for name, _ in layout.replicated]
     assert "transformer.h.0.attn.c_attn" in names
     assert any("replicated" in line for line in layout.describe())
+
+
+def test_attention_dropout_splits_when_eager_not_inside_the_fused_kernel() -> None:
+    [fused] = tp_layouts(_graphs(gpt2(attn_pdrop=0.1)), 2)
+    why = dict(fused.replicated)["transformer.h.0.attn.c_attn"]
+    assert "attention dropout 0.1 inside the fused kernel" in why  # its mask would not be one process's
+    assert _split_modules(fused)["transformer.h.0.mlp.c_fc.weight"] == (1, 1)
+    [eager] = tp_layouts(_graphs(gpt2(attn_pdrop=0.1, attention="eager")), 2)
+    assert _split_modules(eager)["transformer.h.0.attn.c_attn.weight"] == (1, 3)  # its dropout drawn whole
+    assert eager.replicated == ()
 
 
 def test_bert_masked_lm_head_splits_the_decoder_not_the_transform() -> None:
