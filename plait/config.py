@@ -83,7 +83,8 @@ class Config:
     dp: data-parallel replicas of the pipeline; world size = dp x num_stages x tp.
     tp: tensor-parallel ranks per stage (Megatron-LM's layout, found on the captured graph: linear
         pairs column- then row-parallel, attention by heads, the word embedding and the LM head
-        by vocabulary rows); tp ranks are consecutive (one node). Default 1.
+        by vocabulary rows); tp ranks are consecutive (one node). Default 1. None: the planner
+        chooses it (1, 2, 4 or 8 within a node) where it plans the whole layout, else 1.
     tp_plan: {module-name pattern: "colwise" | "rowwise" | "vocab" | "replicate"} fixing the
         strategy of the linears and embeddings it names (fnmatch patterns such as
         "*.mlp.c_fc"; the first matching pattern wins); the rest is found automatically.
@@ -125,7 +126,7 @@ class Config:
     memory_limit_bytes: float | None = None
     replan: bool | None = None
     batch_weight_grads: bool = False
-    tp: int = 1
+    tp: int | None = 1
     tp_plan: tuple[tuple[str, str], ...] | None = None  # given as a dict; kept as its items, in order
 
     def __post_init__(self) -> None:
@@ -142,8 +143,9 @@ class Config:
 
     def _check_tp(self) -> None:
         """tp: a positive integer; tp_plan: {pattern: strategy} (kept as a tuple of its items)."""
-        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
-            raise ConfigError(f"tp must be a positive integer (tensor-parallel ranks per stage), got {self.tp!r}")
+        if self.tp is not None and (not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1):
+            raise ConfigError(f"tp must be a positive integer (tensor-parallel ranks per stage) or None (the "
+                              f"planner chooses), got {self.tp!r}")
         plan = self.tp_plan
         if plan is None:
             return
@@ -363,7 +365,8 @@ class Config:
     def with_defaults(self) -> "Config":
         """This config with every field left open set to its unplanned default (dp 1,
         1 micro-batch, "1f1b", no recomputation)."""
-        return replace(self, dp=self.dp or 1, num_microbatches=self.num_microbatches or 1,
+        return replace(self, dp=self.dp or 1, num_microbatches=self.num_microbatches or 1, tp=self.tp or 1,
+                       tp_plan=self.tp_plan if self.tp else None,
                        schedule=self.schedule or "1f1b",
                        recompute=False if self.recompute is None else self.recompute)
 
@@ -399,7 +402,10 @@ class Config:
         object.__setattr__(self, "recompute", stages)
 
     def lanes(self, world_size: int) -> int:
-        """Ranks per tensor-parallel part (world size / tp): the pp x dp ranks the layout is planned on."""
+        """Ranks per tensor-parallel part (world size / tp): the pp x dp ranks the layout is planned on
+        (tp=None: the world, until the planner chooses tp)."""
+        if self.tp is None:
+            return world_size
         if world_size % self.tp:
             factors = [f for f in range(1, world_size + 1) if world_size % f == 0]
             raise ConfigError(
@@ -427,7 +433,7 @@ class Config:
             lpp = None if self.layers_per_proc is None else list(self.layers_per_proc)
             cut = (f"layers_per_proc={lpp}" if self.split_points is None
                    else f"split_points={list(self.split_points)}")
-            tp = self.tp
+            tp = self.tp or 1
             raise ConfigError(
                 f"the config asks for {stages} pipeline stages x dp={dp} replicas"
                 f"{f' x tp={tp}' if tp > 1 else ''} = {stages * dp * tp} ranks ({cut}, num_stages={self.num_stages}, "

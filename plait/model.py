@@ -86,7 +86,7 @@ class Model:
             self.num_stages = 1
             config = self.config
             asked = max(config.num_stages or 1, len(config.layers_per_proc or ()), len(config.split_points or ()) + 1)
-            if asked > 1 or config.tp > 1:  # stages asked for, by size or by cut (Config checks that they agree)
+            if asked > 1 or (config.tp or 1) > 1:  # stages asked for, by size or by cut (Config checks that they agree)
                 log.warning("plait: one process (no launcher): running every layer on one stage")
                 self.config = dataclasses.replace(config, tp=1, tp_plan=None)
         else:  # 0 until planned (`plait.planner.layout`); a size given is checked against the world now

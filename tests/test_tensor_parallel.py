@@ -251,3 +251,34 @@ def test_checkpoint_of_a_tp_run_resumes_in_another_layout(world: int, first: dic
     report = run_ranks(world, _save_and_resume, str(tmp_path), first, second, timeout=280)
     for rank, problems in enumerate(report):
         assert not problems, f"rank {rank}:\n" + "\n".join(problems)
+
+
+# -- the planner chooses tp -----------------------------------------------------------------------
+
+def _planned(rank: int, world: int) -> tuple[list[str], list[int], int, str]:
+    """Config(tp=None): the planner prices tp=1 and tp=2 and runs its choice, equal to one process."""
+    case = make("gpt2")
+    ref = copy.deepcopy(case.net)
+    ref_opt = _sgd(ref.parameters())
+    model = plait.Model(case.net, plait.Config(tp=None, timeout_s=60.0), optimizer=_sgd, loss=case.loss)
+    problems: list[str] = []
+    for a, n in _starts():
+        xb, yb = _rows(case.x, a, a + n), case.y[a:a + n]
+        got, want = model.train_on_batch(xb, yb), _reference_step(ref, ref_opt, case, xb, yb)
+        if abs(got - want) > 1e-5 * abs(want) + 1e-6:
+            problems.append(f"loss of rows {a}:{a + n}: {got} != {want}")
+    _state_close(model.state_dict(), ref.state_dict(), "planned", problems)
+    report = model.plan_report
+    assert report is not None
+    return problems, [int(c["tp"]) for c in [report.chosen, *report.alternatives]], model.plan.tp, report.table
+
+
+@pytest.mark.timeout(300)
+def test_config_tp_none_prices_each_tp_and_runs_the_choice() -> None:
+    report = run_ranks(2, _planned, timeout=280)
+    for rank, (problems, tps, chosen, table) in enumerate(report):
+        assert not problems, f"rank {rank}:\n" + "\n".join(problems)
+        assert {1, 2} <= set(tps), table  # both priced, each one's best listed
+        assert chosen == tps[0]
+    assert report[0][1] == report[1][1]
+    print(report[0][3])

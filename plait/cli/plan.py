@@ -71,6 +71,8 @@ def add_plan_command(commands: Any) -> None:
     plan.add_argument("--schedules", default="1f1b,gpipe,zbh1,interleaved", metavar="S,...",
                       help="schedules to consider (default: all four)")
     plan.add_argument("--pp", type=_ints, default=None, metavar="P,...", help="pipeline sizes to consider")
+    plan.add_argument("--tp", type=_ints, default=None, metavar="T,...",
+                      help="tensor-parallel sizes to consider with --model (default: 1, 2, 4, 8 within a node)")
     plan.add_argument("--microbatches", type=_ints, default=None, metavar="M,...",
                       help="micro-batch counts to consider (default: powers of two, multiples of pp)")
     plan.add_argument("--no-recompute", action="store_true", help="never recompute activations")
@@ -157,8 +159,11 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             cluster = Cluster(dev.network, memory, factor)
         else:
             cluster = local_cluster(args.devices, None, args.memory_gb * gib if args.memory_gb else None, factor)
+        from plait.plan.tp_costs import tp_degrees
+
+        tps = tuple(args.tp) if args.tp else tp_degrees(args.devices, cluster.network.devices_per_node)
         result = plan_model(net, sample, args.devices, batch, cluster,
-                            PlanOptions(space=_search_space(args)))
+                            PlanOptions(space=_search_space(args), tp=tps))
         found = result.candidates
         head = {"model": args.model, "device": args.device or "this machine",
                 "devices": args.devices, "global_batch": batch}

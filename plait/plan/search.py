@@ -6,8 +6,8 @@ the layout in full (all-reduce, optimizer). Settings are visited in order of a l
 their pipeline time and the visit stops once that bound cannot beat the `keep`-th best found
 (branch and bound: a setting is skipped only when it cannot enter the table). The best by the
 closed form are then timed again on the schedule's own program (`steptime`) and re-ranked.
-Tensor parallelism is not searched (tp = 1): a layer that fits no device makes every setting
-infeasible, with the reason. ZeRO (0, 1, 2: `plait.plan.memory`) is searched where dp > 1;
+Tensor parallelism is searched around this (`plait.plan.tp_costs.search_tp`: each tp on world / tp
+ranks); here tp = 1, and a layer that fits no device makes every setting infeasible, with the reason. ZeRO (0, 1, 2: `plait.plan.memory`) is searched where dp > 1;
 left to the search (`SearchSpace.zero` None) it is used where memory needs it: the candidates
 are those of the lowest level at which some layout fits. Candidates that predict the same step
 (to 12 significant digits) rank by the lower level, then in the order found.
@@ -69,6 +69,7 @@ class Candidate:
     closed_form_s: float = math.inf  # the step time by the closed form
     needed_memory_bytes: float = 0.0  # infeasible: the least any layout needs per device
     layer_names: tuple[str, ...] = field(default=(), repr=False)
+    tp: int = 1  # tensor-parallel ranks per stage (`plait.plan.tp_costs.search_tp`)
 
     @property
     def step_time_s(self) -> float:
@@ -78,7 +79,7 @@ class Candidate:
         """JSON-ready: the degrees, schedule, stages, prediction and feasibility."""
         st, pred = self.setting, self.prediction
         data: dict[str, Any] = {
-            "pp": st.pp, "dp": st.dp, "tp": 1, "num_microbatches": st.num_microbatches,
+            "pp": st.pp, "dp": st.dp, "tp": self.tp, "num_microbatches": st.num_microbatches,
             "schedule": st.schedule, "num_virtual_stages": st.num_virtual_stages,
             "recompute": st.recompute, "zero": st.zero, "layers_per_stage": list(self.layers_per_stage),
             "feasible": self.feasible,
@@ -249,7 +250,8 @@ def _actions(setting: Setting) -> int:
 
 
 def format_table(candidates: list[Candidate], top: int = 5) -> str:
-    """The chosen candidate's stages (layers, time, memory), then the alternatives, one a line."""
+    """The chosen candidate's stages (layers, time, memory), then the alternatives, one a line
+    (the first `top`, and the best of each tp beyond them)."""
     if not candidates:
         return "no candidate"
     best = candidates[0]
@@ -257,18 +259,21 @@ def format_table(candidates: list[Candidate], top: int = 5) -> str:
     header = (f"{'#':>2} {'pp':>3} {'dp':>3} {'tp':>2} {'m':>5} {'schedule':<14} {'recompute':<9} "
               f"{'zero':>4} {'step (s)':>10} {'peak memory':>12}  timing")
     lines.append(header)
-    for k, c in enumerate(candidates[:top], 1):
+    rows = candidates[:top]
+    rows += [c for c in candidates[top:] if c.tp not in {r.tp for r in rows}]  # each tp's best
+    for k, c in enumerate(rows, 1):
         st = c.setting
         sched = st.schedule + (f" v={st.num_virtual_stages}" if st.num_virtual_stages > 1 else "")
         step = f"{c.step_time_s:10.4f}" if c.feasible else f"{'-':>10}"
         mem = (c.prediction.peak_memory_bytes if c.prediction else c.needed_memory_bytes) / GIB
         timing = c.prediction.method if c.prediction else "infeasible: " + c.reason
-        lines.append(f"{k:>2} {st.pp:>3} {st.dp:>3} {1:>2} {st.num_microbatches:>5} {sched:<14} "
+        lines.append(f"{k:>2} {st.pp:>3} {st.dp:>3} {c.tp:>2} {st.num_microbatches:>5} {sched:<14} "
                      f"{'yes' if st.recompute else 'no':<9} {st.zero:>4} {step} {mem:9.2f} GiB  {timing}")
     if best.prediction is not None:
         pred = best.prediction
         lines.append(f"chosen: {best.setting.num_microbatches} micro-batches of {pred.rows} rows, "
-                     f"zero={best.setting.zero}; per stage, one micro-batch, and its rank's memory "
+                     f"zero={best.setting.zero}{f', tp={best.tp}' if best.tp > 1 else ''}; per stage, one "
+                     f"micro-batch, and its rank's memory "
                      "(parameters + gradients + optimizer state + activations):")
         for s in pred.stages:
             names = best.layer_names[s.start:s.end]

@@ -22,11 +22,13 @@ from plait import data as batching
 from plait.plan.buckets import DEFAULT_BUCKET_BYTES
 from plait.plan.cost import Cluster
 from plait.plan.devices import device
-from plait.capture.trace import CapturedGraph
+from plait.capture.trace import CapturedGraph, capture
 from plait.job.ranks import threads_per_rank
 from plait.plan.network import Network
 from plait.plan.search import Candidate, SearchSpace, format_table, search
+from plait.plan.tp_costs import search_tp
 from plait.planner.profile import LayerProfile, OptimizerFactory, ProfileOptions, Slowest, profile
+from plait.planner.tp_shares import tp_shares
 
 __all__ = ["PlanOptions", "PlanResult", "plan_model", "profile_sample", "local_cluster"]
 
@@ -53,6 +55,8 @@ class PlanOptions:
     target: Any = None  # with `loss`: the sample's targets, so the last layer includes the loss
     slowest: Slowest | None = None
     captured: CapturedGraph | None = None  # the model as captured (train mode); None: capture here
+    tp: tuple[int, ...] = (1,)  # the tensor-parallel degrees to consider (`plait.plan.tp_costs.tp_degrees`)
+    tp_plan: tuple[tuple[str, str], ...] | None = None  # Config.tp_plan: its entries fix those modules
 
 
 @dataclass(frozen=True)
@@ -125,5 +129,16 @@ def plan_model(net: nn.Module, sample: Any, world_size: int, global_batch: int,
     Runs on one process and leaves `net` as it was; the profile is cached by model signature.
     """
     measured = profile_sample(net, sample, world_size, options)
-    found = search(measured.costs, world_size, global_batch, cluster, options.space)
+    if set(options.tp) <= {1}:
+        found = search(measured.costs, world_size, global_batch, cluster, options.space)
+    else:  # each tp priced on what the runtime's layout splits (`plait.planner.tp_shares`)
+        captured = options.captured if options.captured is not None else capture(net, *_call_of(sample, options))
+        shares = {tp: tp_shares(captured, tp, dict(options.tp_plan or ())) for tp in options.tp if tp > 1}
+        found = search_tp(measured.costs, shares, world_size, global_batch, cluster, options.space)
     return PlanResult(found, measured, cluster, world_size, global_batch)
+
+
+def _call_of(sample: Any, options: PlanOptions) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The (args, kwargs) of the profiled rows of `sample`."""
+    piece = batching.slice_rows(sample, 0, min(batching.num_rows(sample), options.profile_rows))
+    return batching.as_call(piece)

@@ -44,6 +44,7 @@ from plait.materialize import on_meta
 from plait.plan.cost import Cluster
 from plait.plan.network import Network
 from plait.plan.search import SearchSpace
+from plait.plan.tp_costs import tp_degrees
 from plait.plan.split_points import cut_at
 from plait.plan.report import PlanReport
 from plait.runtime.agree import agree
@@ -95,7 +96,12 @@ def layout_of(config: Config, work: Workload, world_size: int, report: PlanRepor
 def choose_layout(work: Workload, config: Config, world_size: int, rank: int,
                   resumed_plan: dict[str, Any] | None = None) -> Layout:
     """The layout of this run (see the module's list); every rank returns the same one."""
-    if config.tp > 1:  # planned on the pp x dp ranks of one tensor-parallel part, then run on all
+    if config.tp is None:  # the planner's choice, where it plans the whole layout by timing
+        tp = _fixed_tp(work, config, world_size, resumed_plan)
+        if tp is not None:
+            return choose_layout(work, replace(config, tp=tp, tp_plan=config.tp_plan if tp > 1 else None),
+                                 world_size, rank, resumed_plan)
+    if config.tp is not None and config.tp > 1:  # planned on the pp x dp ranks of one tensor-parallel part, then run on all
         lanes = choose_layout(work, replace(config, tp=1, tp_plan=None), config.lanes(world_size), rank, resumed_plan)
         return layout_of(replace(lanes.config, tp=config.tp, tp_plan=config.tp_plan), work, world_size, lanes.report)
     if world_size == 1:
@@ -130,11 +136,24 @@ def choose_layout(work: Workload, config: Config, world_size: int, rank: int,
     for name in ("layers_per_proc", "recompute"):
         if isinstance(fields.get(name), list):
             fields[name] = tuple(fields[name])
+    if fields.get("tp", 1) == 1:
+        fields["tp_plan"] = None
     resolved = replace(config, **fields, plan=None).with_defaults()  # the file is applied
     report = None if answer["report"] is None else PlanReport.from_dict(answer["report"], answer["table"])
     if rank == 0:
         log.info("plait: layout %s (%s)", fields, report.source if report else answer["source"])
     return layout_of(resolved, work, world_size, report)
+
+
+def _fixed_tp(work: Workload, config: Config, world_size: int, resumed_plan: dict[str, Any] | None) -> int | None:
+    """Config(tp=None): the tp when nothing is left to choose (1 where the layout is not planned by
+    timing: one rank, sizes given, a plan file, a meta model; a resumed checkpoint's on its world),
+    else None: the search chooses it."""
+    if resumed_plan is not None and resumed_plan.get("world_size") == world_size:
+        return int(resumed_plan.get("tp", 1) or 1)
+    if world_size == 1 or not config.plans_everything or config.plan is not None or on_meta(work.net):
+        return 1
+    return None
 
 
 def candidate_fields(candidate: dict[str, Any]) -> dict[str, Any]:
@@ -143,7 +162,8 @@ def candidate_fields(candidate: dict[str, Any]) -> dict[str, Any]:
             "dp": int(candidate["dp"]), "num_microbatches": int(candidate["num_microbatches"]),
             "schedule": str(candidate["schedule"]),
             "num_virtual_stages": int(candidate.get("num_virtual_stages", 1)),
-            "recompute": bool(candidate.get("recompute", False)), "zero": int(candidate.get("zero", 0) or 0)}
+            "recompute": bool(candidate.get("recompute", False)), "zero": int(candidate.get("zero", 0) or 0),
+            "tp": int(candidate.get("tp", 1) or 1)}
 
 
 def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[str, Any] | None,
@@ -160,6 +180,8 @@ def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[
                     "source": "the resumed checkpoint"}
     space, source, cluster = _search_inputs(config, world_size, work, network)
     options = replace(_profile_options(work), space=space)
+    if config.tp is None:  # the tp within one node (Config.tp=None: the planner's choice)
+        options = replace(options, tp=tp_degrees(world_size, local_world_size(world_size)), tp_plan=config.tp_plan)
     try:
         result = plan_model(work.net, work.x, world_size, batching.num_rows(work.x), cluster, options)
     except (ConfigError, PartitionError):
@@ -175,6 +197,10 @@ def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[
             f"(Config.memory_limit_bytes={config.memory_limit_bytes}): {best.reason}"
         )
     chosen = candidate_fields(best.to_dict())
+    if config.tp is None:
+        chosen["tp"] = best.tp
+    else:
+        chosen.pop("tp")
     if not config.plans_everything:  # the user's layout, with the planner's layers (and ZeRO) only
         chosen = {"layers_per_proc": chosen["layers_per_proc"], "zero": chosen["zero"]}
     data = result.to_dict()
@@ -306,6 +332,7 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
             if data.get("feasible") is False:
                 raise ConfigError(f"{where}: the plan in the file is infeasible: {data.get('reason')}")
             fields = candidate_fields(data)
+            fields.pop("tp")  # a plan file gives the pp x dp layout; Config.tp gives tp
             saved_names = tuple(str(n) for s in data.get("stages", []) for n in s.get("layers", []))
             saved_world = fields["num_stages"] * fields["dp"]
     except (KeyError, TypeError, ValueError) as e:

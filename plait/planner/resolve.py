@@ -70,7 +70,7 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         capture_method=captured.method,
         kept_whole=captured.kept_whole,
         zero=_zero(config, lanes),
-        tp=config.tp,
+        tp=config.tp or 1,
         uncuttable=regions,
         dp=config.dp,
         num_virtual_stages=virtual,

@@ -94,7 +94,10 @@ def test_a_model_file_is_profiled_and_planned(capsys, tmp_path):
     data = run_json(capsys, "--model", f"{model_file}:build", "--sample-shape", "16,8",
                     "--devices", "2", "--schedules", "1f1b,gpipe")
     assert REQUIRED <= set(data) and data["feasible"] is True
-    assert data["pp"] * data["dp"] == 2 and data["global_batch"] == 16
+    assert data["pp"] * data["dp"] * data["tp"] == 2 and data["global_batch"] == 16
+    assert {c["tp"] for c in [data, *data["alternatives"]]} == {1, 2}  # tp=2 priced too (the MLP splits)
+    one = run_json(capsys, "--model", f"{model_file}:build", "--sample-shape", "16,8", "--devices", "2", "--tp", "1")
+    assert {c["tp"] for c in [one, *one["alternatives"]]} == {1}
     assert sum(s["num_layers"] for s in data["stages"]) == 5
     assert data["schedule"] in ("1f1b", "gpipe") and "profiled on" in data["costs"]
 

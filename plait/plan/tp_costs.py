@@ -1,0 +1,156 @@
+"""Tensor parallelism in the cost model: a layer's costs on one of tp ranks, and the search over tp.
+
+What tp splits in each layer is data (`TpShares`, found on the captured graph by
+`plait.planner.tp_shares` with the runtime's own layout): the parameter bytes it splits, the share
+of the layer's work done on split values, and the bytes each collective it inserts moves per row.
+On one of `tp` ranks a layer then costs (a the split share, 1 - a + a / tp its part):
+
+    compute      forward, B and W per row  x (1 - a + a/tp)        the fixed part (launches) kept
+    forward      + all-reduce of each row-parallel output / vocab lookup   2(tp-1)/tp V/B + 2(tp-1) alpha
+                 + all-gather of each split value leaving the layers       (tp-1)/tp V/B + (tp-1) alpha
+    backward     + all-reduce of each column-parallel input's gradient     (Megatron's f and g)
+    memory       parameters, gradients and optimizer step: the split bytes / tp; activations x (1 - a + a/tp)
+
+(the ring formulas of `plait.plan.network`, on the link of tp consecutive ranks: one node).
+`search_tp` prices every tp given on world / tp ranks and ranks all candidates together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Mapping
+
+from plait.errors import ConfigError
+from plait.plan.cost import Cluster
+from plait.plan.layer_costs import LayerCosts
+from plait.plan.network import Link, Network
+from plait.plan.search import Candidate, SearchSpace, search
+
+__all__ = ["TpShares", "at_tp", "tp_degrees", "search_tp"]
+
+_PER_LAYER = ("split_bytes", "split_share", "forward_reduce_row_bytes", "backward_reduce_row_bytes",
+              "gather_row_bytes", "forward_collectives", "backward_collectives")
+
+
+@dataclass(frozen=True)
+class TpShares:
+    """What running each layer over `tp` ranks splits, and the collectives it adds.
+
+    split_bytes: parameter bytes split over the ranks. split_share: the share (0..1) of the
+    layer's work on split values (its ops' output elements). *_row_bytes: bytes per row of a
+    micro-batch all-reduced in the forward (row-parallel outputs, vocabulary lookups) and in the
+    backward (column-parallel inputs' gradients), and gathered whole (split values leaving).
+    *_collectives: how many collectives of each pass (each pays the link's latency).
+    """
+
+    tp: int
+    split_bytes: tuple[float, ...]
+    split_share: tuple[float, ...]
+    forward_reduce_row_bytes: tuple[float, ...]
+    backward_reduce_row_bytes: tuple[float, ...]
+    gather_row_bytes: tuple[float, ...]
+    forward_collectives: tuple[float, ...]
+    backward_collectives: tuple[float, ...]
+    layouts: tuple[str, ...] = ()  # what the layout splits and keeps whole, for the report
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+            raise ConfigError(f"TpShares.tp must be a positive integer, got {self.tp!r}")
+        n = len(self.split_bytes)
+        for name in _PER_LAYER:
+            values = tuple(float(x) for x in getattr(self, name))
+            if len(values) != n or not all(math.isfinite(x) and x >= 0 for x in values):
+                raise ConfigError(f"TpShares.{name} needs {n} finite values >= 0, got {values[:4]}")
+            object.__setattr__(self, name, values)
+        if any(x > 1 for x in self.split_share):
+            raise ConfigError(f"TpShares.split_share is a share of the work (0..1), got {max(self.split_share)}")
+
+    @property
+    def splits(self) -> bool:
+        """Whether any layer splits at all."""
+        return any(self.split_share) or any(self.split_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TpShares":
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"not TpShares data: unknown keys {unknown}")
+        values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        return cls(**values)
+
+
+def at_tp(costs: LayerCosts, shares: TpShares, link: Link) -> LayerCosts:
+    """Each layer's costs on one of `shares.tp` ranks (see the module's table)."""
+    if len(shares.split_bytes) != costs.num_layers:
+        raise ConfigError(f"TpShares has {len(shares.split_bytes)} layers, the costs {costs.num_layers}; "
+                          "find both on the same captured model")
+    tp = shares.tp
+    if tp == 1:
+        return costs
+    part = [1 - a + a / tp for a in shares.split_share]
+    reduce_row, gather_row = 2 * (tp - 1) / (tp * link.bandwidth), (tp - 1) / (tp * link.bandwidth)
+    reduce_fixed = 2 * (tp - 1) * link.latency_s
+    kept = [1 - min(s, p) / p * (1 - 1 / tp) if p > 0 else 1.0 for s, p in zip(shares.split_bytes, costs.param_bytes)]
+
+    def scaled(values: tuple[float, ...], by: list[float]) -> tuple[float, ...]:
+        return tuple(v * k for v, k in zip(values, by))
+
+    return replace(
+        costs,
+        forward_fixed_s=tuple(f + c * reduce_fixed for f, c in zip(costs.forward_fixed_s, shares.forward_collectives)),
+        forward_row_s=tuple(r * k + a * reduce_row + g * gather_row for r, k, a, g in zip(
+            costs.forward_row_s, part, shares.forward_reduce_row_bytes, shares.gather_row_bytes)),
+        backward_fixed_s=tuple(f + c * reduce_fixed for f, c in zip(costs.backward_fixed_s, shares.backward_collectives)),
+        backward_row_s=tuple(r * k + a * reduce_row for r, k, a in zip(
+            costs.backward_row_s, part, shares.backward_reduce_row_bytes)),
+        weight_row_s=scaled(costs.weight_row_s, part),
+        activation_row_bytes=scaled(costs.activation_row_bytes, part),
+        param_bytes=scaled(costs.param_bytes, kept),
+        grad_bytes=scaled(costs.grad_bytes, kept),
+        optimizer_s=scaled(costs.optimizer_s, kept),
+        source=f"{costs.source}; tp={tp}" if costs.source else f"tp={tp}",
+    )
+
+
+def tp_degrees(world_size: int, devices_per_node: int, limit: int = 8) -> tuple[int, ...]:
+    """The tp to consider: 1 and the powers of two up to `limit` that divide the world and fit a node."""
+    out, tp = [1], 2
+    while tp <= min(limit, devices_per_node, world_size):
+        if world_size % tp == 0:
+            out.append(tp)
+        tp *= 2
+    return tuple(out)
+
+
+def _lanes(network: Network, tp: int) -> Network:
+    """The network the world / tp lanes see: tp consecutive ranks make one lane's device."""
+    return replace(network, devices_per_node=max(1, network.devices_per_node // tp))
+
+
+def search_tp(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int, global_batch: int,
+              cluster: Cluster, space: SearchSpace = SearchSpace()) -> list[Candidate]:
+    """The best `space.keep` candidates over every tp in `shares` (tp=1 always), fastest first,
+    then the best of each tp not among them; each tp's layouts searched on world / tp ranks with
+    `at_tp`'s costs. None feasible: the infeasible ones needing the least memory."""
+    found: list[Candidate] = []
+    for tp in sorted({1, *shares}):
+        if world_size % tp:
+            raise ConfigError(f"tp={tp} does not divide the world size {world_size}; tp must be one of its factors")
+        if tp > 1 and not shares[tp].splits:
+            continue  # nothing splits: only the same work on fewer lanes
+        link = cluster.network.reduce_link(list(range(tp)))
+        lane_costs = at_tp(costs, shares[tp], link) if tp > 1 else costs
+        lane_cluster = replace(cluster, network=_lanes(cluster.network, tp))
+        found += [replace(c, tp=tp) for c in search(lane_costs, world_size // tp, global_batch, lane_cluster, space)]
+    feasible = sorted((c for c in found if c.feasible), key=lambda c: (float(f"{c.step_time_s:.12g}"), c.tp))
+    if not feasible:
+        return sorted(found, key=lambda c: c.needed_memory_bytes)[: space.keep]
+    top = feasible[: space.keep]
+    for c in feasible[space.keep:]:  # each tp's best is listed, so the report shows what every tp costs
+        if c.tp not in {t.tp for t in top}:
+            top.append(c)
+    return top

@@ -1,0 +1,122 @@
+"""What tensor parallelism splits in each captured layer, for the cost model (`TpShares`).
+
+The runtime's own layout (`plait.capture.tp_layout`) is found on the whole model as one stage
+graph, and each of its operations is charged to the layer it belongs to:
+
+    a parameter it splits                   -> split_bytes of the parameter's layer
+    an op whose output is split             -> its output elements count as split work
+    a row-parallel linear, a vocab lookup   -> an all-reduce of its output in the forward
+    a column-parallel linear's input        -> an all-reduce of that input's gradient in the backward
+    a split value leaving the model         -> an all-gather (the logits)
+
+Bytes are per row of a micro-batch (the traced batch size taken as one row).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+import torch.fx as fx
+
+from plait.capture.shard_rules import Shard, linear_parts
+from plait.capture.split import split
+from plait.capture.tp_layout import tp_layouts
+from plait.capture.trace import CapturedGraph
+from plait.errors import ConfigError
+from plait.plan.tp_costs import TpShares
+
+__all__ = ["tp_shares"]
+
+
+def tp_shares(captured: CapturedGraph, tp: int, tp_plan: Mapping[str, str] | None = None) -> TpShares:
+    """Each layer's split bytes, split share and collectives at `tp` (see the module)."""
+    n = len(captured.layers.layer_names)
+    [stage] = split(captured, [0] * n)
+    gm = stage.module
+    [layout] = tp_layouts([gm], tp, tp_plan)
+    layer_of = {op.name: captured.layers.op_layer[i] for i, op in enumerate(captured.ops)}
+    split_bytes, split_work, all_work = [0.0] * n, [0.0] * n, [0.0] * n
+    fwd, bwd, gather, fwd_count, bwd_count = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+    users_of_param = {node.target: node for node in gm.graph.nodes if node.op == "get_attr"}
+    for target in layout.params:
+        node = users_of_param.get(target)
+        layer = _layer_of_param(node, layer_of)
+        if layer is not None:
+            p = gm.get_parameter(target)
+            split_bytes[layer] += p.numel() * p.element_size()
+    reduced_inputs: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        layer = layer_of.get(node.name)
+        if node.op == "output":
+            for value in _leaves(node.args):
+                if isinstance(layout.values.get(value.name), Shard):
+                    last = layer_of.get(value.name, n - 1)
+                    gather[last] += _row_bytes(value)
+                    fwd_count[last] += 1
+            continue
+        if layer is None or node.op != "call_function":
+            continue
+        size = _row_numel(node)
+        all_work[layer] += size
+        if isinstance(layout.values.get(node.name), Shard):
+            split_work[layer] += size
+        role = layout.roles.get(node.name)
+        if role in ("rowwise", "vocab"):
+            fwd[layer] += _row_bytes(node)
+            fwd_count[layer] += 1
+            split_work[layer] += size
+        elif role == "colwise":
+            parts = linear_parts(node)
+            if parts is not None and parts.x not in reduced_inputs:
+                reduced_inputs.add(parts.x)
+                bwd[layer] += _row_bytes(parts.x)
+                bwd_count[layer] += 1
+    share = [s / w if w > 0 else 0.0 for s, w in zip(split_work, all_work)]
+    return TpShares(tp, tuple(split_bytes), tuple(min(1.0, x) for x in share), tuple(fwd), tuple(bwd),
+                    tuple(gather), tuple(fwd_count), tuple(bwd_count), tuple(layout.describe()))
+
+
+def _layer_of_param(node: fx.Node | None, layer_of: Mapping[str, int]) -> int | None:
+    """The layer of a parameter: that of its first user op."""
+    if node is None:
+        return None
+    for user in node.users:
+        if user.name in layer_of:
+            return layer_of[user.name]
+    return None
+
+
+def _leaves(args: Any) -> list[fx.Node]:
+    out: list[fx.Node] = []
+
+    def keep(v: fx.Node) -> fx.Node:
+        out.append(v)
+        return v
+
+    fx.node.map_arg(args, keep)
+    return out
+
+
+def _row_numel(node: fx.Node) -> float:
+    """Elements of a node's tensor value per row: a symbolic (batch) size counts as 1."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0.0
+    total = 1.0
+    for size in val.shape:
+        if isinstance(size, int):
+            total *= size
+        else:
+            expr = size.node.expr
+            try:
+                total *= float(expr.subs({sym: 1 for sym in expr.free_symbols}))
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"cannot price tp for {node.name}: its size {size} is not a number per row") from e
+    return total if math.isfinite(total) else 0.0
+
+
+def _row_bytes(node: fx.Node) -> float:
+    val = node.meta.get("val")
+    return _row_numel(node) * val.element_size() if isinstance(val, torch.Tensor) else 0.0

@@ -1,0 +1,54 @@
+"""Tests for plait.planner.tp_shares: what tp splits in each captured layer of a Hugging Face GPT-2
+(the runtime's own layout), and the collectives charged to each layer, per row. One process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.capture.trace import capture_batch
+from plait.planner.tp_shares import tp_shares
+
+transformers = pytest.importorskip("transformers")
+VOCAB, SEQ, EMBD = 64, 8, 32
+
+
+def _captured(heads: int = 4):
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=EMBD, n_head=heads, vocab_size=VOCAB, n_positions=16,
+                                  use_cache=False, bos_token_id=0, eos_token_id=0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return capture_batch(transformers.GPT2LMHeadModel(cfg), {"input_ids": torch.randint(0, VOCAB, (2, SEQ))})
+
+
+def test_gpt2_layers_carry_megatrons_collectives_and_split_weights() -> None:
+    captured = _captured()
+    shares = tp_shares(captured, 2)
+    layer = {name: i for i, name in enumerate(captured.layers.layer_names)}
+    hidden_row = SEQ * EMBD * 4  # one row's hidden states, fp32
+    for h in ("transformer.h.0", "transformer.h.1"):
+        c_attn, c_proj = layer[f"{h}.attn.c_attn"], layer[f"{h}.attn.c_proj"]
+        fc, proj = layer[f"{h}.mlp.c_fc"], layer[f"{h}.mlp.c_proj"]
+        assert shares.split_bytes[c_attn] == (EMBD * 3 * EMBD + 3 * EMBD) * 4  # weight and bias, q|k|v
+        assert shares.split_bytes[fc] == (EMBD * 4 * EMBD + 4 * EMBD) * 4
+        assert shares.split_bytes[proj] == 4 * EMBD * EMBD * 4  # its bias stays whole
+        for rowwise in (c_proj, proj):  # g: the partial sums all-reduced in the forward
+            assert shares.forward_reduce_row_bytes[rowwise] == hidden_row
+            assert shares.forward_collectives[rowwise] == 1
+        for colwise in (c_attn, fc):  # f: the input's gradient all-reduced in the backward
+            assert shares.backward_reduce_row_bytes[colwise] == hidden_row
+            assert shares.backward_collectives[colwise] == 1
+        assert shares.split_share[layer[f"{h}.mlp.act"]] == 1.0  # the GELU runs on the split hidden
+        assert shares.split_share[layer[f"{h}.ln_1"]] == 0.0
+    assert shares.forward_collectives[layer["transformer.wte"]] == 1  # the vocab-split lookup's sum
+    assert shares.gather_row_bytes[layer["lm_head"]] == SEQ * VOCAB * 4  # the logits, gathered whole
+    whole = [i for i, name in enumerate(captured.layers.layer_names) if "ln_" in name or "wpe" in name]
+    assert all(shares.split_bytes[i] == 0 for i in whole)
+
+
+def test_heads_that_do_not_divide_leave_attention_whole() -> None:
+    captured = _captured(heads=2)
+    shares = tp_shares(captured, 4)
+    layer = {name: i for i, name in enumerate(captured.layers.layer_names)}
+    assert shares.split_bytes[layer["transformer.h.0.attn.c_attn"]] == 0
+    assert shares.split_bytes[layer["transformer.h.0.mlp.c_fc"]] > 0
+    assert any("replicated" in line for line in shares.layouts)
