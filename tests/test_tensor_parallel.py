@@ -43,8 +43,8 @@ def train_and_compare(name: str, config: dict[str, Any], adam: bool = False) -> 
     ref = copy.deepcopy(case.net)
     optimizer = _adam if adam else _sgd
     ref_opt = optimizer(ref.parameters())
-    model = plait.Model(case.net, plait.Config(num_microbatches=MICROBATCHES, schedule="1f1b", timeout_s=60.0,
-                                               **config), optimizer=optimizer, loss=case.loss)
+    settings = {"num_microbatches": MICROBATCHES, "schedule": "1f1b", "timeout_s": 60.0, **config}
+    model = plait.Model(case.net, plait.Config(**settings), optimizer=optimizer, loss=case.loss)
     problems: list[str] = []
     a = 0
     for rows in BATCHES:
@@ -171,7 +171,8 @@ def _four_ranks(rank: int, world: int, name: str, config: dict[str, Any]) -> tup
 @pytest.mark.parametrize("name, config", [
     ("gpt2", {"tp": 2, "layers_per_proc": (12, 11)}),     # 2 stages x tp=2, wte tied across them
     ("llama", {"tp": 2, "dp": 2, "num_stages": 1, "zero": 1}),  # dp=2 x tp=2, planned cut, ZeRO-1
-], ids=["pp2xtp2-gpt2", "dp2xtp2-zero1-llama"])
+    ("llama", {"tp": 2, "layers_per_proc": (12, 12), "schedule": "zbh1", "batch_weight_grads": True}),
+], ids=["pp2xtp2-gpt2", "dp2xtp2-zero1-llama", "pp2xtp2-zbh1-batched-wgrad-llama"])
 def test_four_ranks_equal_one_process(name: str, config: dict[str, Any]) -> None:
     report = run_ranks(4, _four_ranks, name, config, timeout=280)
     for rank, (problems, split, plan) in enumerate(report):

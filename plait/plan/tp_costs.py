@@ -5,7 +5,8 @@ What tp splits in each layer is data (`TpShares`, found on the captured graph by
 of the layer's work done on split values, and the bytes each collective it inserts moves per row.
 On one of `tp` ranks a layer then costs (a the split share, 1 - a + a / tp its part):
 
-    compute      forward, B and W per row  x (1 - a + a/tp)        the fixed part (launches) kept
+    compute      forward, B and W          x (1 - a + a/tp)        fixed and per-row parts alike (a
+                 small batch's matmul is bound by reading its weights, which split too)
     forward      + all-reduce of each row-parallel output / vocab lookup   2(tp-1)/tp V/B + 2(tp-1) alpha
                  + all-gather of each split value leaving the layers       (tp-1)/tp V/B + (tp-1) alpha
     backward     + all-reduce of each column-parallel input's gradient     (Megatron's f and g)
@@ -101,10 +102,13 @@ def at_tp(costs: LayerCosts, shares: TpShares, link: Link) -> LayerCosts:
 
     return replace(
         costs,
-        forward_fixed_s=tuple(f + c * reduce_fixed for f, c in zip(costs.forward_fixed_s, shares.forward_collectives)),
+        forward_fixed_s=tuple(f * k + c * reduce_fixed for f, k, c in zip(
+            costs.forward_fixed_s, part, shares.forward_collectives)),
         forward_row_s=tuple(r * k + a * reduce_row + g * gather_row for r, k, a, g in zip(
             costs.forward_row_s, part, shares.forward_reduce_row_bytes, shares.gather_row_bytes)),
-        backward_fixed_s=tuple(f + c * reduce_fixed for f, c in zip(costs.backward_fixed_s, shares.backward_collectives)),
+        backward_fixed_s=tuple(f * k + c * reduce_fixed for f, k, c in zip(
+            costs.backward_fixed_s, part, shares.backward_collectives)),
+        weight_fixed_s=scaled(costs.weight_fixed_s, part),
         backward_row_s=tuple(r * k + a * reduce_row for r, k, a in zip(
             costs.backward_row_s, part, shares.backward_reduce_row_bytes)),
         weight_row_s=scaled(costs.weight_row_s, part),

@@ -1,0 +1,115 @@
+"""The planner's price of tensor parallelism against measured steps: does it choose tp where tp pays?
+
+One job, spawned here: 2 gloo ranks on 127.0.0.1, one CPU thread each. A model, batch and SGD:
+
+    mlp     4 x (Linear W -> 4W, GELU, Linear 4W -> W), batch 16, MSE (tp=2 splits every linear)
+    gpt2    Hugging Face GPT-2 (4 layers, 256 wide, 4 heads, vocabulary 1024, 64 tokens), batch 8
+
+`Config(tp=None)` plans on the job: the planner profiles the model, prices tp = 1 and tp = 2
+(`plait.plan.tp_costs`: split work over tp, Megatron's all-reduces on the measured link) and lists
+each tp's best layout. Then both layouts run, alternating, each step after a barrier and taken as
+the slowest rank's; medians over the rounds. Printed: each layout's predicted step (at plan time)
+and its measured step, and whether the planner's choice is the faster one measured (the target:
+the choice is faster, or within 5% of the other).
+
+    python benchmarks/tp_planner.py [--model mlp|gpt2] [--rounds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    import plait
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import plait
+
+from job import join_job, leave_job, run_job, timed  # noqa: E402 - benchmarks/ is on sys.path
+
+from plait.planner.layout import candidate_fields  # noqa: E402
+
+
+def workload(name: str) -> tuple[nn.Module, Any, torch.Tensor, Any]:
+    """(net, x, y, loss) of the model `name`, identical on every rank."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        width = 1024
+        net = nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+                              for _ in range(4)])
+        return net, torch.randn(16, width, generator=g), torch.randn(16, width, generator=g), nn.functional.mse_loss
+    import transformers
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1024, n_positions=64, use_cache=False,
+                                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    tokens = torch.randint(0, 1024, (8, 64), generator=g)
+
+    def lm_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+        logits = out.logits if hasattr(out, "logits") else out
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    return transformers.GPT2LMHeadModel(cfg), tokens, torch.roll(tokens, -1, dims=1), lm_loss
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-3)
+
+
+def rank_main(rank: int, port: int, args: argparse.Namespace, result: str) -> None:
+    join_job(rank, 2, port)
+    net, x, y, loss = workload(args.model)
+    planned = plait.Model(net, plait.Config(tp=None), optimizer=sgd, loss=loss)
+    planned.build(x)
+    report = planned.plan_report
+    assert report is not None
+    candidates = [report.chosen, *report.alternatives]
+    best = {tp: next(c for c in candidates if int(c["tp"]) == tp) for tp in (1, 2)}
+    models = {}
+    for tp, c in best.items():
+        fields = candidate_fields(c)
+        fields.pop("num_stages")
+        config = plait.Config(**{**fields, "layers_per_proc": tuple(fields["layers_per_proc"])})
+        models[tp] = plait.Model(workload(args.model)[0], replace(config, tp=tp), optimizer=sgd, loss=loss)
+    measured: dict[int, list[float]] = {1: [], 2: []}
+    for r in range(args.warmup + args.rounds):
+        order = (1, 2) if r % 2 == 0 else (2, 1)
+        for tp in order:
+            s = timed(lambda: models[tp].train_on_batch(x, y))
+            if r >= args.warmup:
+                measured[tp].append(s)
+    if rank == 0:
+        lines = [f"{args.model}, 2 gloo ranks x 1 thread, {args.rounds} rounds (medians); plan:",
+                 report.table, ""]
+        med = {tp: statistics.median(measured[tp]) for tp in (1, 2)}
+        for tp in (1, 2):
+            c = best[tp]
+            layout = f"pp={c['pp']} dp={c['dp']} tp={tp} m={c['num_microbatches']} {c['schedule']}"
+            lines.append(f"  {layout:<34} predicted {c['predicted_step_time_s'] * 1e3:8.2f} ms   measured "
+                         f"{med[tp] * 1e3:8.2f} ms   predicted / measured {c['predicted_step_time_s'] / med[tp]:.2f}")
+        chosen, other = int(report.chosen["tp"]), 3 - int(report.chosen["tp"])
+        ratio = med[chosen] / med[other]
+        lines.append(f"the planner chose tp={chosen}: measured {ratio:.3f} of tp={other}'s step  "
+                     f"(target <= 1.05: {'PASS' if ratio <= 1.05 else 'FAIL'})")
+        Path(result).write_text("\n".join(lines))
+    leave_job()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("mlp", "gpt2"), default="mlp")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    print(run_job(rank_main, 2, args))
+
+
+if __name__ == "__main__":
+    main()
