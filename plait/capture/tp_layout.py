@@ -65,6 +65,41 @@ class TpLayout:
         return lines
 
 
+    def data(self, gm: fx.GraphModule) -> dict[str, Any]:
+        """JSON-ready, in DTensor's words, for the plan: each split parameter's placement on the tp
+        axis (Shard(dim), in `blocks` blocks), the collectives the runtime inserts (kind, pass,
+        where, why), and the linears left whole with the reason (a parameter not listed:
+        Replicate())."""
+        params = {f"{module_of(t)}.{t.rsplit('.', 1)[-1]}": {"placement": f"Shard({d})", "blocks": b}
+                  for t, (d, b) in sorted(self.params.items())}
+        collectives: list[dict[str, str]] = []
+        copied: set[fx.Node] = set()
+        why = {"rowwise": "partial sums: Partial() -> Replicate() (Megatron's g)",
+               "vocab": "each rank's vocabulary rows looked up: Partial() -> Replicate()"}
+        for node in gm.graph.nodes:
+            role = self.roles.get(node.name)
+            if role in ("colwise", "rowwise"):
+                parts = linear_parts(node)
+                assert parts is not None
+                at = module_of(str(parts.weight.target))
+                if role == "rowwise":
+                    collectives.append({"kind": "all_reduce", "pass": "forward", "at": at, "why": why[role]})
+                elif parts.x not in copied:
+                    copied.add(parts.x)
+                    collectives.append({"kind": "all_reduce", "pass": "backward", "at": at,
+                                        "why": "the replicated input's gradient (Megatron's f)"})
+            elif role == "vocab":
+                at = module_of(str(args_of(node)[0].target))
+                collectives.append({"kind": "all_reduce", "pass": "forward", "at": at, "why": why[role]})
+            elif node.op == "output":
+                for value in node.all_input_nodes:
+                    lay = self.values.get(value.name)
+                    if isinstance(lay, Shard):
+                        collectives.append({"kind": "all_gather", "pass": "forward", "at": value.name,
+                                            "why": f"Shard({lay.dim}) -> Replicate() as it leaves the stage"})
+        return {"parameters": params, "collectives": collectives, "replicated": dict(self.replicated)}
+
+
 def module_of(target: str) -> str:
     """The user's module name of a captured parameter ("net.h.0.mlp.c_fc.weight" -> "h.0.mlp.c_fc")."""
     return target.removeprefix("net.").rsplit(".", 1)[0]

@@ -32,7 +32,9 @@ class Plan:
     memory: str = field(default="", compare=False)  # printed only: this rank's memory, measured / predicted
     zero: int = 0  # 1: each stage's optimizer state sharded over its replicas (ZeRO-1); 2: gradients too
     tp: int = 1  # tensor-parallel ranks per stage (innermost: consecutive ranks)
-    tp_layouts: tuple[tuple[str, ...], ...] = ()  # per stage: its split parameters, and linears left whole
+    # per stage (tp > 1): {"parameters": {name: {"placement": "Shard(d)", "blocks"}}, "collectives":
+    # [{"kind", "pass", "at", "why"}], "replicated": {module: why}} (`TpLayout.data`)
+    tp_layouts: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         counts = {"num_virtual_stages": self.num_virtual_stages, "dp": self.dp, "tp": self.tp,
@@ -141,7 +143,7 @@ class Plan:
                 kept_whole=tuple(str(n) for n in data.get("kept_whole", ())),
                 zero=int(data.get("zero", 0)),
                 tp=int(data.get("tp", 1)),
-                tp_layouts=tuple(tuple(str(x) for x in s) for s in data.get("tp_layouts", ())),
+                tp_layouts=tuple(_layout(s) for s in data.get("tp_layouts", ())),
             )
         except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as e:
             raise ConfigError(f"not a plait plan ({type(e).__name__}: {e}); expected Plan.to_json() output") from e
@@ -168,8 +170,7 @@ class Plan:
             what = "optimizer state" if self.zero == 1 else "optimizer state and gradients"
             lines.append(f"  ZeRO-{self.zero}: each stage's {what} sharded over its {self.dp} replicas")
         for s, layout in enumerate(self.tp_layouts):
-            if layout:
-                lines.append(f"  stage {s} split over tp={self.tp}: " + "; ".join(layout))
+            lines += _layout_lines(s, self.tp, layout)
         if self.kept_whole:
             lines.append(f"  kept whole (one layer each, not traced into): {', '.join(self.kept_whole)}")
         for name, stages in self.tied_parameters:
@@ -179,3 +180,29 @@ class Plan:
         if self.memory:
             lines.append(f"  {self.memory}")
         return "\n".join(lines)
+
+
+def _layout(data: Any) -> dict[str, Any]:
+    """One stage's tp layout from the JSON (a dict of its three parts)."""
+    if not isinstance(data, dict) or not set(data) <= {"parameters", "collectives", "replicated"}:
+        raise TypeError(f"a stage's tp layout is {{parameters, collectives, replicated}}, got {str(data)[:80]}")
+    return {"parameters": dict(data.get("parameters", {})), "collectives": list(data.get("collectives", [])),
+            "replicated": dict(data.get("replicated", {}))}
+
+
+def _layout_lines(stage: int, tp: int, layout: dict[str, Any]) -> list[str]:
+    """A stage's tp layout for `str(plan)`: its split parameters, collectives, and what stays whole."""
+    params, collectives, whole = layout["parameters"], layout["collectives"], layout["replicated"]
+    if not (params or whole):
+        return []
+    split = [f"{name}: {p['placement']}" + (f" in {p['blocks']} blocks" if p.get("blocks", 1) > 1 else "")
+             for name, p in params.items()]
+    counts: dict[str, int] = {}
+    for c in collectives:
+        key = f"{c['kind']} in the {c['pass']}"
+        counts[key] = counts.get(key, 0) + 1
+    lines = [f"  stage {stage} split over tp={tp}: " + "; ".join(split)]
+    if counts:
+        lines.append(f"  stage {stage} collectives: " + ", ".join(f"{n} {k}" for k, n in counts.items()))
+    lines += [f"  stage {stage} replicated: {name} ({why})" for name, why in whole.items()]
+    return lines

@@ -15,7 +15,7 @@ from torch import nn
 
 from plait.capture.output import OutputSpec
 from plait.capture.split import StageModule, split, stage_of_layers
-from plait.capture.tp_layout import tp_layouts
+from plait.capture.tp_layout import TpLayout, tp_layouts
 from plait.capture.trace import CapturedGraph
 from plait.config import Config
 from plait.plan import Plan
@@ -198,12 +198,10 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     plan, rank, config = parts.plan, parts.rank, parts.config
     stages = split(captured, layer_stage)
     t = plan.tp_rank_of(rank)
-    tp_parts: dict[int, tuple[int, int, list[int]]] = {}  # id(parameter) -> dim, blocks, stage whose ranks hold it
+    layouts: list[TpLayout] = []
     if plan.tp > 1:  # every stage's layout (a tied parameter is cut alike), this rank's stages cut
         layouts = tp_layouts([st.module for st in stages], plan.tp, dict(config.tp_plan or ()))
-        for s, lay in enumerate(layouts):
-            for target, (dim, blocks) in lay.params.items():
-                tp_parts.setdefault(id(stages[s].module.get_parameter(target)), (dim, blocks, [s]))
+        plan = replace(plan, tp_layouts=tuple(lay.data(st.module) for lay, st in zip(layouts, stages)))  # before the cut
         first = rank - t  # the tp group's first rank
         if equal_tp:
             held = {id(x): x for s in plan.stages_of(rank) for x in [*stages[s].module.parameters(),
@@ -213,12 +211,15 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
             same_generators(first, parts.tp_group)
         for s in plan.stages_of(rank):
             shard_stage(stages[s].module, layouts[s], t, parts.tp_group)
-        plan = replace(plan, tp_layouts=tuple(tuple(lay.describe()) for lay in layouts))
     holders, tensors = _holders(stages)
     owners = _zero_owners(stages, plan, holders)
     owner_of = {i: plan.rank_of(min(s), owners.get(i, 0)) for i, s in holders.items()}  # tp rank 0
-    tp_parts = {i: (dim, blocks, [plan.rank_of(min(holders[i]), owners.get(i, 0), u) for u in range(plan.tp)])
-                for i, (dim, blocks, _) in tp_parts.items()}
+    tp_parts: dict[int, tuple[int, int, list[int]]] = {}  # id(parameter) -> dim, blocks, the rank of each part
+    for s, lay in enumerate(layouts):
+        for target, (dim, blocks) in lay.params.items():
+            i = id(stages[s].module.get_parameter(target))
+            tp_parts.setdefault(i, (dim, blocks, [plan.rank_of(min(holders[i]), owners.get(i, 0), u)
+                                                  for u in range(plan.tp)]))
     mine = plan.stages_of(rank)
     local = list({id(p): p for s in mine for p in stages[s].module.parameters()}.values())
     ties, sync, zero = None, None, None

@@ -4,6 +4,8 @@ tp_plan's overrides and errors. Pure: one process, no collectives."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.fx as fx
@@ -66,6 +68,24 @@ def test_gpt2_gets_megatron_layout() -> None:
     assert sorted(set(layout.roles.values())) == ["colwise", "rowwise", "vocab"]
     assert list(layout.roles.values()).count("rowwise") == 4
     assert layout.replicated == ()
+
+
+def test_the_layout_as_data_names_placements_and_collectives() -> None:
+    [graph] = _graphs(gpt2())
+    [layout] = tp_layouts([graph], 2)
+    data = layout.data(graph)
+    assert data["parameters"]["transformer.h.0.attn.c_attn.weight"] == {"placement": "Shard(1)", "blocks": 3}
+    assert data["parameters"]["transformer.h.0.mlp.c_proj.weight"] == {"placement": "Shard(0)", "blocks": 1}
+    kinds = [(c["kind"], c["pass"]) for c in data["collectives"]]
+    # per block: 2 row-parallel sums (g) and 2 input-gradient sums (f); the vocab lookup; the logits
+    assert kinds.count(("all_reduce", "forward")) == 2 * 2 + 1
+    assert kinds.count(("all_reduce", "backward")) == 2 * 2 + 1  # the LM head's input too
+    assert kinds.count(("all_gather", "forward")) == 1
+    at = {c["at"] for c in data["collectives"] if c["pass"] == "forward" and c["kind"] == "all_reduce"}
+    assert {"transformer.h.0.attn.c_proj", "transformer.h.1.mlp.c_proj"} <= at
+    assert sum("vocabulary rows" in c["why"] for c in data["collectives"]) == 1  # the (tied) embedding
+    assert data["replicated"] == {}
+    assert json.loads(json.dumps(data)) == data
 
 
 def test_llama_grouped_query_attention_split_by_heads() -> None:

@@ -61,3 +61,25 @@ def test_zero_and_kept_whole_round_trip_and_print() -> None:
     with pytest.raises(Exception, match="plan has zero=3; it must be 0, 1 or 2"):
         Plan(layer_names=("a",), layers_per_stage=(1,), num_microbatches=1, schedule="1f1b", world_size=1,
              capture_method="torch.export", zero=3)
+
+
+def test_tp_layouts_round_trip_and_print() -> None:
+    layout = {"parameters": {"h.0.mlp.c_fc.weight": {"placement": "Shard(1)", "blocks": 1},
+                             "h.0.attn.c_attn.weight": {"placement": "Shard(1)", "blocks": 3}},
+              "collectives": [{"kind": "all_reduce", "pass": "forward", "at": "h.0.mlp.c_proj", "why": "g"},
+                              {"kind": "all_reduce", "pass": "backward", "at": "h.0.mlp.c_fc", "why": "f"},
+                              {"kind": "all_reduce", "pass": "forward", "at": "h.0.attn.c_proj", "why": "g"}],
+              "replicated": {"h.1.attn.c_attn": "2 heads do not divide over tp=4"}}
+    plan = Plan(layer_names=("a", "b"), layers_per_stage=(2,), num_microbatches=1, schedule="1f1b", world_size=2,
+                capture_method="torch.export", tp=2, tp_layouts=(layout,))
+    assert Plan.from_json(plan.to_json()) == plan
+    text = str(plan)
+    assert "stage 0 split over tp=2: h.0.mlp.c_fc.weight: Shard(1); h.0.attn.c_attn.weight: Shard(1) in 3 blocks" in text
+    assert "stage 0 collectives: 2 all_reduce in the forward, 1 all_reduce in the backward" in text
+    assert "stage 0 replicated: h.1.attn.c_attn (2 heads do not divide over tp=4)" in text
+    import json
+
+    data = json.loads(plan.to_json())
+    data["tp_layouts"] = [["a line"]]
+    with pytest.raises(ConfigError, match="not a plait plan"):
+        Plan.from_json(json.dumps(data))
