@@ -72,7 +72,7 @@ def add_plan_command(commands: Any) -> None:
                       help="schedules to consider (default: all four)")
     plan.add_argument("--pp", type=_ints, default=None, metavar="P,...", help="pipeline sizes to consider")
     plan.add_argument("--tp", type=_ints, default=None, metavar="T,...",
-                      help="tensor-parallel sizes to consider with --model (default: 1, 2, 4, 8 within a node)")
+                      help="tensor-parallel sizes to consider (default: 1, 2, 4, 8 within a node)")
     plan.add_argument("--microbatches", type=_ints, default=None, metavar="M,...",
                       help="micro-batch counts to consider (default: powers of two, multiples of pp)")
     plan.add_argument("--no-recompute", action="store_true", help="never recompute activations")
@@ -118,10 +118,11 @@ def _search_space(args: argparse.Namespace) -> Any:
 
 
 def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from plait.plan.analytic import gpt_costs, optimizer_state_factor, parse_gpt
+    from plait.plan.analytic import gpt_costs, gpt_tp_shares, optimizer_state_factor, parse_gpt
+    from plait.plan.tp_costs import search_tp, tp_degrees
     from plait.plan.cost import Cluster
     from plait.plan.devices import device
-    from plait.plan.search import format_table, search
+    from plait.plan.search import format_table
 
     gib = 2**30
     if args.devices < 1:
@@ -134,8 +135,9 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         dev = device(args.device or "v100-16gb")
         memory = args.memory_gb * gib if args.memory_gb else dev.usable_memory()
         cluster = Cluster(dev.network, memory, optimizer_state_factor(args.optimizer, dev.dtype_bytes))
-        found = search(gpt_costs(spec, dev, args.optimizer), args.devices, args.batch, cluster,
-                       _search_space(args))
+        tps = tuple(args.tp) if args.tp else tp_degrees(args.devices, dev.network.devices_per_node)
+        found = search_tp(gpt_costs(spec, dev, args.optimizer), {t: gpt_tp_shares(spec, dev, t) for t in tps if t > 1},
+                          args.devices, args.batch, cluster, _search_space(args))
         head = {"model": f"GPT {args.gpt} ({spec.parameters / 1e9:.2f}B parameters)",
                 "device": dev.name, "devices": args.devices, "global_batch": args.batch}
         costs_source = f"analytic, {dev.name}"
@@ -159,8 +161,6 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             cluster = Cluster(dev.network, memory, factor)
         else:
             cluster = local_cluster(args.devices, None, args.memory_gb * gib if args.memory_gb else None, factor)
-        from plait.plan.tp_costs import tp_degrees
-
         tps = tuple(args.tp) if args.tp else tp_degrees(args.devices, cluster.network.devices_per_node)
         result = plan_model(net, sample, args.devices, batch, cluster,
                             PlanOptions(space=_search_space(args), tp=tps))

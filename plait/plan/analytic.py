@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from plait.errors import ConfigError
 from plait.plan.devices import Device
 from plait.plan.layer_costs import LayerCosts
+from plait.plan.tp_costs import TpShares
 
-__all__ = ["GptSpec", "gpt_costs", "parse_gpt", "optimizer_state_factor", "ALPA_GPT_SUITE"]
+__all__ = ["GptSpec", "gpt_costs", "gpt_tp_shares", "parse_gpt", "optimizer_state_factor", "ALPA_GPT_SUITE"]
 
 # Bytes read and written per parameter by one optimizer step (fp32 state): Adam reads the
 # parameter, gradient, exp_avg, exp_avg_sq and writes three of them back: 7 x 4.
@@ -70,6 +71,38 @@ ALPA_GPT_SUITE: dict[int, tuple[str, GptSpec]] = {
     32: ("15B", GptSpec(48, 5120, 40)),
     64: ("39B", GptSpec(48, 8192, 64)),
 }
+
+
+def gpt_tp_shares(spec: GptSpec, dev: Device, tp: int) -> TpShares:
+    """What Megatron's layout splits in each layer of `gpt_costs(spec, dev)` on `tp` ranks, as plait's
+    runtime runs it: the word embedding by vocabulary rows (its lookups all-reduced), each block's
+    q|k|v and first MLP linear by columns and their output linears by rows (2 all-reduces of the
+    hidden states in the forward, 2 in the backward; Shoeybi et al. 2019), the head by vocabulary
+    rows with its logits gathered. A block's split activations are Megatron's 24 + 5as/h of its
+    34 + 5as/h bytes per token and hidden unit (Korthikanti et al. 2022); its compute all splits
+    but the layer norms and residual adds (taken as none)."""
+    s, h, a, vocab, d = spec.seq, spec.hidden, spec.heads, spec.vocab, dev.dtype_bytes
+    blocks, hidden_row = spec.layers, float(s * h * d)
+    attention = 5 * a * s / h
+    heads_split = a % tp == 0
+    block_split = (12 * h * h + 7 * h) * d if heads_split else (8 * h * h + 5 * h) * d  # the MLP alone otherwise
+    block_act = ((24 + attention) / (34 + attention)) if heads_split else 16 / (34 + attention)
+    block_work = 1.0 if heads_split else (16 * s * h * h) / (24 * s * h * h + 4 * s * s * h)
+
+    def per(first: float, block: float, last: float) -> tuple[float, ...]:  # embedding, blocks, head
+        return (float(first),) + (float(block),) * blocks + (float(last),)
+
+    return TpShares(
+        tp,
+        split_bytes=per(vocab * h * d, block_split, vocab * h * d),
+        split_share=per(0.0, block_work, 1.0),
+        activation_share=per(0.0, block_act, 1.0),
+        forward_reduce_row_bytes=per(hidden_row, 2 * hidden_row if heads_split else hidden_row, 0.0),
+        backward_reduce_row_bytes=per(0.0, 2 * hidden_row if heads_split else hidden_row, hidden_row),
+        gather_row_bytes=per(0.0, 0.0, s * vocab * d),
+        forward_collectives=per(1, 2 if heads_split else 1, 1),
+        backward_collectives=per(0, 2 if heads_split else 1, 1),
+    )
 
 
 def parse_gpt(text: str) -> GptSpec:

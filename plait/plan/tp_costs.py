@@ -39,7 +39,8 @@ class TpShares:
     """What running each layer over `tp` ranks splits, and the collectives it adds.
 
     split_bytes: parameter bytes split over the ranks. split_share: the share (0..1) of the
-    layer's work on split values (its ops' output elements). *_row_bytes: bytes per row of a
+    layer's work on split values (its ops' output elements); activation_share: of its saved
+    activations (default: the same). *_row_bytes: bytes per row of a
     micro-batch all-reduced in the forward (row-parallel outputs, vocabulary lookups) and in the
     backward (column-parallel inputs' gradients), and gathered whole (split values leaving).
     *_collectives: how many collectives of each pass (each pays the link's latency).
@@ -54,6 +55,7 @@ class TpShares:
     forward_collectives: tuple[float, ...]
     backward_collectives: tuple[float, ...]
     layouts: tuple[str, ...] = ()  # what the layout splits and keeps whole, for the report
+    activation_share: tuple[float, ...] = ()  # the share of saved activations split (): split_share
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
@@ -64,8 +66,13 @@ class TpShares:
             if len(values) != n or not all(math.isfinite(x) and x >= 0 for x in values):
                 raise ConfigError(f"TpShares.{name} needs {n} finite values >= 0, got {values[:4]}")
             object.__setattr__(self, name, values)
-        if any(x > 1 for x in self.split_share):
-            raise ConfigError(f"TpShares.split_share is a share of the work (0..1), got {max(self.split_share)}")
+        if not self.activation_share:
+            object.__setattr__(self, "activation_share", self.split_share)
+        shares = tuple(float(x) for x in self.activation_share)
+        if len(shares) != n or any(not 0 <= x <= 1 for x in self.split_share + shares):
+            raise ConfigError(f"TpShares.split_share and activation_share are shares (0..1), one per layer; got "
+                              f"{self.split_share[:4]}, {shares[:4]}")
+        object.__setattr__(self, "activation_share", shares)
 
     @property
     def splits(self) -> bool:
@@ -112,7 +119,7 @@ def at_tp(costs: LayerCosts, shares: TpShares, link: Link) -> LayerCosts:
         backward_row_s=tuple(r * k + a * reduce_row for r, k, a in zip(
             costs.backward_row_s, part, shares.backward_reduce_row_bytes)),
         weight_row_s=scaled(costs.weight_row_s, part),
-        activation_row_bytes=scaled(costs.activation_row_bytes, part),
+        activation_row_bytes=scaled(costs.activation_row_bytes, [1 - a + a / tp for a in shares.activation_share]),
         param_bytes=scaled(costs.param_bytes, kept),
         grad_bytes=scaled(costs.grad_bytes, kept),
         optimizer_s=scaled(costs.optimizer_s, kept),
@@ -149,7 +156,13 @@ def search_tp(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int
         link = cluster.network.reduce_link(list(range(tp)))
         lane_costs = at_tp(costs, shares[tp], link) if tp > 1 else costs
         lane_cluster = replace(cluster, network=_lanes(cluster.network, tp))
-        found += [replace(c, tp=tp) for c in search(lane_costs, world_size // tp, global_batch, lane_cluster, space)]
+        try:
+            lanes = search(lane_costs, world_size // tp, global_batch, lane_cluster, space)
+        except ConfigError:
+            if tp == 1:
+                raise
+            continue  # the space has no setting on world / tp ranks (ZeRO asked for, no replicas left)
+        found += [replace(c, tp=tp) for c in lanes]
     feasible = sorted((c for c in found if c.feasible), key=lambda c: (float(f"{c.step_time_s:.12g}"), c.tp))
     if not feasible:
         return sorted(found, key=lambda c: c.needed_memory_bytes)[: space.keep]

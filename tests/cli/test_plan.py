@@ -26,7 +26,7 @@ def run_json(capsys, *argv: str) -> dict:
 
 def test_gpt_39b_on_64_v100_needs_tensor_parallelism(capsys):
     data = run_json(capsys, "--gpt", GPT_39B, "--batch", "1024", "--devices", "64",
-                    "--device", "v100-16gb")
+                    "--device", "v100-16gb", "--tp", "1")
     assert REQUIRED | {"reason"} <= set(data)
     assert data["feasible"] is False and data["tp"] == 1 and data["pp"] * data["dp"] == 64
     assert "tensor parallelism" in data["reason"]
@@ -35,10 +35,16 @@ def test_gpt_39b_on_64_v100_needs_tensor_parallelism(capsys):
     # the 14.40 a V100 offers (25.43 GiB without ZeRO)
     assert data["zero"] in (1, 2) and data["peak_memory_bytes"] / 2**30 == pytest.approx(16.42, abs=0.01)
     replicated = run_json(capsys, "--gpt", GPT_39B, "--batch", "1024", "--devices", "64",
-                          "--device", "v100-16gb", "--zero", "0")
+                          "--device", "v100-16gb", "--zero", "0", "--tp", "1")
     assert replicated["zero"] == 0 and replicated["feasible"] is False
     assert replicated["peak_memory_bytes"] / 2**30 == pytest.approx(25.43, abs=0.01)
     assert "sharded optimizer state (ZeRO)" in replicated["reason"]
+    # with tp = 1, 2, 4, 8 within a node (the default), it fits: 8 stages of 8 tp ranks, Megatron's
+    # layout priced by plait.plan.analytic.gpt_tp_shares
+    split = run_json(capsys, "--gpt", GPT_39B, "--batch", "1024", "--devices", "64", "--device", "v100-16gb")
+    assert split["feasible"] is True and split["tp"] == 8 and split["pp"] * split["dp"] == 8
+    assert split["peak_memory_bytes"] <= 14.4 * 2**30
+    assert {c["tp"] for c in split["alternatives"]} >= {4}
 
 
 def test_gpt_350m_on_one_v100_fits(capsys):
@@ -77,7 +83,9 @@ def test_table_lists_stages_and_alternatives(capsys, tmp_path):
     assert "on 4 x a100-40gb (20.00 GiB each)" in text
     assert "stage  0 (rank 0): layers 0-" in text
     ranked = [line for line in text.splitlines() if line[:2].strip().isdigit()]
-    assert [int(line[:2]) for line in ranked] == [1, 2, 3, 4, 5]  # the chosen and 4 alternatives
+    assert [int(line[:2]) for line in ranked][:5] == [1, 2, 3, 4, 5]  # the chosen and 4 alternatives
+    shown = {int(line.split()[3]) for line in ranked}  # the tp column: each tp's best is listed
+    assert shown == {1, 2, 4}
     saved = json.loads(out_file.read_text())
     assert REQUIRED <= set(saved) and saved["device"] == "a100-40gb"
 
@@ -123,4 +131,4 @@ def test_run_as_a_user_runs_it():
         capture_output=True, text=True, timeout=100)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert data["feasible"] and data["pp"] * data["dp"] == 4 and data["device"] == "v100-16gb"
+    assert data["feasible"] and data["pp"] * data["dp"] * data["tp"] == 4 and data["device"] == "v100-16gb"

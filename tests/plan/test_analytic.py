@@ -7,6 +7,7 @@ import pytest
 
 from plait.errors import ConfigError
 from plait.plan.analytic import (
+    gpt_tp_shares,
     ALPA_GPT_SUITE, GptSpec, gpt_costs, optimizer_state_factor, parse_gpt,
 )
 from plait.plan.devices import device
@@ -64,3 +65,15 @@ def test_parse_gpt() -> None:
         parse_gpt("depth=2,hidden=64,heads=4")
     with pytest.raises(ConfigError, match="not a multiple of heads=3"):
         parse_gpt("layers=2,hidden=64,heads=3")
+
+
+def test_gpt_tp_shares_are_megatrons_layout() -> None:
+    spec, dev = parse_gpt("layers=2,hidden=64,heads=8,seq=16,vocab=100"), device("a100-40gb")
+    shares = gpt_tp_shares(spec, dev, 4)
+    d, h, s = dev.dtype_bytes, 64, 16
+    assert shares.split_bytes == (100 * h * d, (12 * h * h + 7 * h) * d, (12 * h * h + 7 * h) * d, 100 * h * d)
+    assert shares.forward_reduce_row_bytes[1:3] == (2 * s * h * d,) * 2  # attention's and the MLP's g
+    assert shares.backward_reduce_row_bytes[1:3] == (2 * s * h * d,) * 2  # their f
+    assert shares.gather_row_bytes == (0.0, 0.0, 0.0, s * 100 * d)  # the logits, gathered
+    mlp_only = gpt_tp_shares(parse_gpt("layers=1,hidden=64,heads=2,seq=16,vocab=100"), dev, 4)  # 2 heads on 4
+    assert mlp_only.split_bytes[1] == (8 * h * h + 5 * h) * d and mlp_only.forward_collectives[1] == 1
