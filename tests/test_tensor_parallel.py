@@ -76,6 +76,10 @@ def train_and_compare(name: str, config: dict[str, Any], adam: bool = False) -> 
         want_out = _call(ref, case.x)
     got_out = model.predict(case.x, batch_size=BATCHES[0])
     _close(getattr(got_out, "logits", got_out), getattr(want_out, "logits", want_out), "predict", problems)
+    last = model._train.pipe.executors.get(model.plan.num_chunks - 1) if model._train is not None else None
+    if last is not None and name != "bert" and (last.split_loss is None or last.split_loss.calls["gathered"]
+                                                or not last.split_loss.calls["split"]):  # vocab-parallel CE
+        problems.append(f"the loss did not run on the split logits: {last.split_loss and last.split_loss.calls}")
     return problems, split, str(model.plan)
 
 

@@ -78,9 +78,10 @@ def gpt_tp_shares(spec: GptSpec, dev: Device, tp: int) -> TpShares:
     runtime runs it: the word embedding by vocabulary rows (its lookups all-reduced), each block's
     q|k|v and first MLP linear by columns and their output linears by rows (2 all-reduces of the
     hidden states in the forward, 2 in the backward; Shoeybi et al. 2019), the head by vocabulary
-    rows with its logits gathered. A block's split activations are Megatron's 24 + 5as/h of its
-    34 + 5as/h bytes per token and hidden unit (Korthikanti et al. 2022); its compute all splits
-    but the layer norms and residual adds (taken as none)."""
+    rows, its logits priced as gathered (an upper bound: a cross-entropy loss runs on them split).
+    A block's split activations are Megatron's 24 + 5as/h of its 34 + 5as/h bytes per token and
+    hidden unit (Korthikanti et al. 2022); its compute all splits but the layer norms and residual
+    adds (taken as none)."""
     s, h, a, vocab, d = spec.seq, spec.hidden, spec.heads, spec.vocab, dev.dtype_bytes
     blocks, hidden_row = spec.layers, float(s * h * d)
     attention = 5 * a * s / h

@@ -44,8 +44,11 @@ class StageExecutor:
         recompute: bool = False,
         batch_weight_grads: bool = False,
         meter: ActivationMeter | None = None,
+        split_loss: Any = None,
     ):
         self.stage = stage
+        # tp > 1, the training pipeline's last stage: its split outputs' loss (`plait.runtime.vocab_loss`)
+        self.split_loss = split_loss
         self.meter = meter  # this rank's bytes held for backward passes (training forwards add to it)
         self._params = list(stage.module.parameters())
         self.recompute = recompute
@@ -94,13 +97,16 @@ class StageExecutor:
                     self._inputs[microbatch_index] = grad_leaves(received)
                     self._outputs[microbatch_index] = grad_leaves(values)
                 return values
-            output = self.finish(out)
+            split = self.split_loss
+            if split is not None and (keep_output or self.loss_fn is None or target is None):
+                out, split = split.gathered(list(out)), None  # the outputs are wanted whole
+            output = self.finish(out) if split is None else None
             if keep_output:
                 self.outputs[microbatch_index] = pytree.tree_map(
                     lambda x: x.detach() if isinstance(x, torch.Tensor) else x, output
                 )
             if self.loss_fn is not None and target is not None:
-                loss = self.loss_fn(output, target)
+                loss = split(list(out), target) if split is not None else self.loss_fn(output, target)
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                     shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                     raise LossError(

@@ -25,6 +25,7 @@ from plait.runtime.grad_sync import GradientBuckets
 from plait.runtime.executor import StageExecutor
 from plait.runtime.interpreter import Interpreter
 from plait.runtime.tensor_parallel import same_generators, shard_stage
+from plait.runtime.vocab_loss import SplitLoss
 from plait.runtime.trace import NULL_TRACER, NullTracer, Tracer
 from plait.runtime.wire import Wire
 from plait.runtime.zero import ShardedOptimizerState, zero_owners
@@ -199,6 +200,7 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     stages = split(captured, layer_stage)
     t = plan.tp_rank_of(rank)
     layouts: list[TpLayout] = []
+    split_loss = None
     if plan.tp > 1:  # every stage's layout (a tied parameter is cut alike), this rank's stages cut
         layouts = tp_layouts([st.module for st in stages], plan.tp, dict(config.tp_plan or ()))
         plan = replace(plan, tp_layouts=tuple(lay.data(st.module) for lay, st in zip(layouts, stages)))  # before the cut
@@ -209,8 +211,11 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
             broadcast_tensors(list(held.values()), first, parts.tp_group)
         if make_ties:  # dropout in the regions every tp rank computes whole draws the same masks
             same_generators(first, parts.tp_group)
-        for s in plan.stages_of(rank):
-            shard_stage(stages[s].module, layouts[s], t, parts.tp_group)
+        for s in plan.stages_of(rank):  # the training pipeline's last stage keeps its logits split
+            keep = make_ties and s == plan.num_chunks - 1 and parts.loss is not None
+            left = shard_stage(stages[s].module, layouts[s], t, parts.tp_group, gather_outputs=not keep)
+            if left and parts.loss is not None:
+                split_loss = SplitLoss(captured.finish, parts.loss, left, parts.tp_group, t, plan.tp)
     holders, tensors = _holders(stages)
     owners = _zero_owners(stages, plan, holders)
     owner_of = {i: plan.rank_of(min(s), owners.get(i, 0)) for i, s in holders.items()}  # tp rank 0
@@ -235,7 +240,8 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     meter = ActivationMeter() if make_ties else None
     executors = {
         s: StageExecutor(stages[s], captured.finish, parts.loss, recompute=s in plan.recompute,
-                         batch_weight_grads=config.batch_weight_grads, meter=meter) for s in mine
+                         batch_weight_grads=config.batch_weight_grads, meter=meter,
+                         split_loss=split_loss if s == plan.num_chunks - 1 else None) for s in mine
     }
     replica = plan.position_of(rank)[1]
     stage_to_rank = [plan.rank_of(s, replica, t) for s in range(plan.num_chunks)]

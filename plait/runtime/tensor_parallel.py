@@ -6,7 +6,9 @@ Each parameter is cut to this rank's part, and the collectives of Megatron-LM go
     colwise   x -> copy(x) -> linear(x, W[r]) -> split output   copy: identity; backward all-reduce
     rowwise   split x -> linear(x, W[:, r]) -> reduce -> + b    reduce: all-reduce; backward identity
     vocab     ids -> lookup of the rows this rank holds (others 0) -> reduce
-    output    a split value leaving the stage -> gather (all-gather; backward: this rank's part)
+    output    a split value leaving the stage -> gather (all-gather; backward: this rank's part);
+              the training pipeline's last stage leaves its logits split for the loss
+              (`plait.runtime.vocab_loss`)
 
 (Megatron's f and g operators, Shoeybi et al. 2019, figure 3.) A view, expand or split of a split
 value gets its shape with the split dimension divided by tp. A dropout on a split value draws the
@@ -166,9 +168,13 @@ def same_generators(src: int, group: Any) -> None:
 
 # -- the rewrite ---------------------------------------------------------------------------------
 
-def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any) -> None:
-    """Cut `gm`'s parameters to this rank's parts and rewrite its graph to run on them."""
+def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
+                gather_outputs: bool = True) -> dict[int, tuple[int, int]]:
+    """Cut `gm`'s parameters to this rank's parts and rewrite its graph to run on them. Split
+    values leaving the graph are gathered, or with `gather_outputs` False (the last stage's, for
+    `plait.runtime.vocab_loss`) left split: returns {output index: (dim, blocks)} of those."""
     tp = layout.tp
+    left: dict[int, tuple[int, int]] = {}
     for target, (dim, blocks) in layout.params.items():
         _cut(gm.get_parameter(target), dim, blocks, tp_rank, tp)
     graph = gm.graph
@@ -198,6 +204,12 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any) 
                 new = graph.call_module(module(VocabLookup(group, tp_rank, int(pad))), (args_of(node)[0], args_of(node)[1]))
             node.replace_all_uses_with(new)
             graph.erase_node(node)
+        elif node.op == "output" and not gather_outputs:
+            outputs = args_of(node)[0]
+            for i, value in enumerate(outputs if isinstance(outputs, (list, tuple)) else [outputs]):
+                lay = layout.values.get(value.name) if isinstance(value, fx.Node) else None
+                if isinstance(lay, Shard):
+                    left[i] = (lay.dim, lay.blocks)
         elif node.op == "output":
             def gather(value: fx.Node) -> fx.Node:
                 lay = layout.values.get(value.name)
@@ -211,6 +223,7 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any) 
             _local_shapes(graph, node, here, layout, module, tp_rank)
     graph.lint()
     gm.recompile()
+    return left
 
 
 def _rowwise(graph: fx.Graph, node: fx.Node, reduce: str) -> None:
