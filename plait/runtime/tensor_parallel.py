@@ -33,7 +33,7 @@ from plait.capture.tp_layout import TpLayout
 from plait.errors import ConfigError
 from plait.tensor_parts import TpShard, local_part, shard_of, whole_of
 
-__all__ = ["shard_stage", "same_generators", "TpCollective", "VocabLookup", "SplitDropout"]
+__all__ = ["shard_stage", "same_generators", "reduce_sum", "sum_both_ways", "TpCollective", "VocabLookup", "SplitDropout"]
 
 aten = torch.ops.aten
 
@@ -84,6 +84,19 @@ class _Reduce(torch.autograd.Function):
         return grad, None
 
 
+class _SumBoth(torch.autograd.Function):
+    """All-reduce SUM forward, and of the gradient backward (each rank holds a share of it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _Reduce.forward(ctx, x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _Copy.backward(ctx, grad)
+
+
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, blocks: int, tp_rank: int, tp: int) -> torch.Tensor:
@@ -101,6 +114,16 @@ class _Gather(torch.autograd.Function):
 
 def _apply(fn: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
     return cast(torch.Tensor, fn.apply(*args))  # type: ignore[no-untyped-call]
+
+
+def reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """x summed over the tp group; its gradient passed back as it is (Megatron's g)."""
+    return _apply(_Reduce, x, group)
+
+
+def sum_both_ways(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """x summed over the tp group, and its gradient summed too (each rank's backward holds a share)."""
+    return _apply(_SumBoth, x, group)
 
 
 class TpCollective(nn.Module):

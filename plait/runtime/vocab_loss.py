@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from plait.capture.shard_rules import reshape_dim
-from plait.runtime.tensor_parallel import TpCollective
+from plait.runtime.tensor_parallel import TpCollective, reduce_sum, sum_both_ways
 
 __all__ = ["SplitLoss"]
 
@@ -38,41 +38,6 @@ _SAME = {aten.clone.default, aten.contiguous.default, aten._to_copy.default, ate
          aten.detach.default}
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 Step = tuple[str, Any]  # how one node runs on the parts: ("as is" | "view" | "log_softmax" | "nll", detail)
-
-
-class _SumBoth(torch.autograd.Function):
-    """All-reduce SUM forward, and of the gradient backward (each rank holds a share of it)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _Sum(torch.autograd.Function):
-    """All-reduce SUM forward; backward the gradient as it is (every rank's is the whole one)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-def _apply(fn: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
-    return cast(torch.Tensor, fn.apply(*args))  # type: ignore[no-untyped-call]
 
 
 class SplitLoss:
@@ -174,7 +139,7 @@ class SplitLoss:
         top = x.detach().amax(dim, keepdim=True)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
         shifted = x - top
-        total = _apply(_SumBoth, shifted.exp().sum(dim, keepdim=True), self.group)
+        total = sum_both_ways(shifted.exp().sum(dim, keepdim=True), self.group)
         return shifted - total.log()
 
     def _nll(self, logp: torch.Tensor, target: torch.Tensor, weight: Any, reduction: int,
@@ -183,7 +148,7 @@ class SplitLoss:
         local = target - self.tp_rank * columns
         mine = (local >= 0) & (local < columns) & (target != ignore_index)
         picked = logp.gather(-1, local.clamp(0, columns - 1).unsqueeze(-1)).squeeze(-1) * mine
-        picked = _apply(_Sum, picked, self.group)
+        picked = reduce_sum(picked, self.group)
         valid = (target != ignore_index).to(logp.dtype)
         count = valid.sum()
         if reduction == 0:
