@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable
 
@@ -83,8 +84,8 @@ class Config:
     dp: data-parallel replicas of the pipeline; world size = dp x num_stages x tp.
     tp: tensor-parallel ranks per stage (Megatron-LM's layout, found on the captured graph: linear
         pairs column- then row-parallel, attention by heads, the word embedding and the LM head
-        by vocabulary rows); tp ranks are consecutive (one node). Default 1. None: the planner
-        chooses it (1, 2, 4 or 8 within a node) where it plans the whole layout, else 1.
+        by vocabulary rows); tp ranks are consecutive (one node). Default None: the planner chooses
+        it (1, 2, 4 or 8 within a node) where it plans the whole layout by timing, else 1.
     tp_plan: {module-name pattern: "colwise" | "rowwise" | "vocab" | "replicate"} fixing the
         strategy of the linears and embeddings it names (fnmatch patterns such as
         "*.mlp.c_fc"; the first matching pattern wins); the rest is found automatically.
@@ -126,7 +127,7 @@ class Config:
     memory_limit_bytes: float | None = None
     replan: bool | None = None
     batch_weight_grads: bool = False
-    tp: int | None = 1
+    tp: int | None = None
     tp_plan: tuple[tuple[str, str], ...] | None = None  # given as a dict; kept as its items, in order
 
     def __post_init__(self) -> None:
@@ -151,10 +152,12 @@ class Config:
             return
         items = tuple(plan.items()) if isinstance(plan, dict) else tuple(tuple(x) for x in plan)
         strategies = ("colwise", "rowwise", "vocab", "replicate")
-        bad = [(k, v) for k, v in items if not isinstance(k, str) or v not in strategies]
+        bad = [(k, v) for k, v in items if not isinstance(k, str) or not isinstance(v, str)
+               or (v not in strategies and not re.fullmatch(r"Shard\(\d\)|Replicate\(\)", v))]
         if bad:
             raise ConfigError(f"tp_plan entries {bad} are not pattern: strategy; a strategy is one of "
-                              f"{strategies}, e.g. tp_plan={{'*.mlp.c_fc': 'colwise'}}")
+                              f"{strategies} or the weight's placement ('Shard(0)', 'Shard(1)', 'Replicate()'), "
+                              f"e.g. tp_plan={{'*.mlp.c_fc': 'colwise'}}")
         if self.tp == 1:
             raise ConfigError(f"tp_plan={ {k: v for k, v in items} } splits modules over tensor-parallel ranks, but tp=1; set tp > 1")
         object.__setattr__(self, "tp_plan", items)

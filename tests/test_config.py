@@ -38,7 +38,7 @@ def test_not_sizes_leave_everything_to_the_planner() -> None:
 
 def test_with_defaults_fills_only_what_is_open() -> None:
     assert dataclasses.astuple(Config().with_defaults()) == dataclasses.astuple(
-        Config(dp=1, num_microbatches=1, schedule="1f1b", recompute=False))
+        Config(dp=1, num_microbatches=1, schedule="1f1b", recompute=False, tp=1))
     given = Config(dp=2, num_microbatches=8, schedule="gpipe", recompute="auto").with_defaults()
     assert (given.dp, given.num_microbatches, given.schedule, given.recompute) == (2, 8, "gpipe", "auto")
 
@@ -245,7 +245,9 @@ def test_tp_lanes_and_errors() -> None:
     with pytest.raises(ConfigError, match="strategy is one of"):
         Config(tp=2, tp_plan={"*.fc": "diagonal"})
     with pytest.raises(ConfigError, match="tp=1"):
-        Config(tp_plan={"*.fc": "colwise"})
+        Config(tp=1, tp_plan={"*.fc": "colwise"})
+    assert Config().tp is None and Config().lanes(6) == 6  # the planner's choice, until it chooses
+    assert Config().with_defaults().tp == 1 and Config(tp_plan={"*.fc": "colwise"}).with_defaults().tp_plan is None
     config = Config(tp=2, tp_plan={"*.fc": "colwise", "*.proj": "rowwise"})
     assert config.tp_plan == (("*.fc", "colwise"), ("*.proj", "rowwise"))
     assert Config.from_json(config.to_json()) == config

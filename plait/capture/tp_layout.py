@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -37,6 +38,7 @@ __all__ = ["TpLayout", "tp_layouts", "STRATEGIES", "module_of"]
 
 aten = torch.ops.aten
 STRATEGIES = ("colwise", "rowwise", "vocab", "replicate")
+PLACEMENT = re.compile(r"Shard\((\d)\)|Replicate\(\)")  # a tp_plan entry given as the weight's placement
 
 
 @dataclass(frozen=True)
@@ -111,8 +113,9 @@ def tp_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping[str, 
     on every stage that holds it)."""
     plan = dict(tp_plan or {})
     for pattern, strategy in plan.items():
-        if strategy not in STRATEGIES:
-            raise ConfigError(f"tp_plan[{pattern!r}] = {strategy!r}; a strategy is one of {STRATEGIES}")
+        if strategy not in STRATEGIES and not PLACEMENT.fullmatch(strategy):
+            raise ConfigError(f"tp_plan[{pattern!r}] = {strategy!r}; a strategy is one of {STRATEGIES}, or the "
+                              "weight's placement: 'Shard(0)', 'Shard(1)' or 'Replicate()'")
     matched: set[str] = set()
     whole: set[str] = set()  # parameters that some stage keeps whole
     for _ in range(4):
@@ -142,6 +145,24 @@ def _strategy(module: str, plan: Mapping[str, str], matched: set[str]) -> str | 
     return None
 
 
+def _as_strategy(given: str, linear: LinearParts | None, module: str) -> str:
+    """A tp_plan entry as a strategy: a weight placement (DTensor's words) turned into the strategy
+    that places it so (a linear's output-feature dimension: colwise, its input one: rowwise; an
+    embedding's rows: vocab)."""
+    found = PLACEMENT.fullmatch(given)
+    if found is None:
+        return given
+    if given == "Replicate()":
+        return "replicate"
+    dim = int(found.group(1))
+    if linear is None and dim == 0:
+        return "vocab"
+    if linear is not None and dim in (linear.out_dim, linear.in_dim):
+        return "colwise" if dim == linear.out_dim else "rowwise"
+    raise ConfigError(f"tp_plan gives {module} {given!r}: its weight can be split on "
+                      f"{'its rows (Shard(0))' if linear is None else f'dim {linear.out_dim} (colwise) or {linear.in_dim} (rowwise)'}")
+
+
 def _layout(gm: fx.GraphModule, tp: int, plan: Mapping[str, str], matched: set[str],
             whole: set[str]) -> TpLayout:
     """The layout, with a parameter kept whole when an operation that does not split it reads it."""
@@ -166,7 +187,8 @@ def _layout_once(gm: fx.GraphModule, tp: int, plan: Mapping[str, str], matched: 
     linears = {n: p for n in nodes if (p := linear_parts(n)) is not None}
     embeddings = [n for n in nodes if n.op == "call_function" and n.target is aten.embedding.default
                   and isinstance(args_of(n)[0], fx.Node) and args_of(n)[0].op == "get_attr"]
-    fixed = {n: s for n in [*linears, *embeddings]
+    fixed = {n: _as_strategy(s, linears.get(n), module_of(str((linears[n].weight if n in linears else args_of(n)[0]).target)))
+             for n in [*linears, *embeddings]
              if (s := _strategy(module_of(str((linears[n].weight if n in linears else args_of(n)[0]).target)),
                                 plan, matched)) is not None}
     col: set[fx.Node] = set()

@@ -11,6 +11,7 @@ The data flow of the planner, each arrow a function of printable data:
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from plait import data as batching
+from plait.errors import ConfigError
 from plait.plan.buckets import DEFAULT_BUCKET_BYTES
 from plait.plan.cost import Cluster
 from plait.plan.devices import device
@@ -31,6 +33,8 @@ from plait.planner.profile import LayerProfile, OptimizerFactory, ProfileOptions
 from plait.planner.tp_shares import tp_shares
 
 __all__ = ["PlanOptions", "PlanResult", "plan_model", "profile_sample", "local_cluster"]
+
+log = logging.getLogger("plait")
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,14 @@ def plan_model(net: nn.Module, sample: Any, world_size: int, global_batch: int,
         found = search(measured.costs, world_size, global_batch, cluster, options.space)
     else:  # each tp priced on what the runtime's layout splits (`plait.planner.tp_shares`)
         captured = options.captured if options.captured is not None else capture(net, *_call_of(sample, options))
-        shares = {tp: tp_shares(captured, tp, dict(options.tp_plan or ())) for tp in options.tp if tp > 1}
+        shares = {}
+        for tp in (t for t in options.tp if t > 1):
+            try:
+                shares[tp] = tp_shares(captured, tp, dict(options.tp_plan or ()))
+            except ConfigError:
+                raise  # the user's tp_plan does not fit: say so
+            except Exception as e:  # noqa: BLE001 - a graph the layout cannot read: tp=1 only
+                log.warning("plait: tp=%d not priced (%s: %s); planning without it", tp, type(e).__name__, e)
         found = search_tp(measured.costs, shares, world_size, global_batch, cluster, options.space)
     return PlanResult(found, measured, cluster, world_size, global_batch)
 

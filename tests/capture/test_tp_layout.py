@@ -148,6 +148,12 @@ def test_tp_plan_overrides_and_errors() -> None:
         tp_layouts(graphs, 3, {"*.mlp.c_fc": "colwise"})  # 128 features do not divide by 3
     with pytest.raises(ConfigError, match="strategy is one of"):
         tp_layouts(graphs, 2, {"*.mlp.c_fc": "diagonal"})
+    # a layout given explicitly, as the weight's placement (Conv1D's weight is in x out)
+    assert tp_layouts(graphs, 2, {"*.mlp.c_fc": "Shard(1)", "*.mlp.c_proj": "Shard(0)"})[0].params == \
+        tp_layouts(graphs, 2)[0].params
+    assert tp_layouts(graphs, 2, {"*.mlp.c_fc": "Replicate()"})[0].params == layout.params
+    with pytest.raises(ConfigError, match=r"h\.0\.mlp\.c_fc 'Shard\(2\)'.*dim 1 \(colwise\) or 0 \(rowwise\)"):
+        tp_layouts(graphs, 2, {"*.mlp.c_fc": "Shard(2)"})
 
 
 def test_forced_colwise_that_cannot_split_names_the_module() -> None:

@@ -79,7 +79,8 @@ def test_config_with_no_sizes_plans_and_trains_like_one_process():
     assert results[0]["plan"] == results[1]["plan"]  # one layout on every rank
     assert results[0]["report"] == results[1]["report"]
     chosen = json.loads(results[0]["report"])
-    assert chosen["pp"] * chosen["dp"] == 2 and chosen["source"] == "planned"
+    assert chosen["pp"] * chosen["dp"] * chosen["tp"] == 2 and chosen["source"] == "planned"
+    assert {c["tp"] for c in [chosen, *chosen["alternatives"]]} == {1, 2}  # Config() prices tp too
     assert results[1]["profiles"] == 1  # rank 1 profiled alongside rank 0, loading the host alike
     assert "(the slowest rank's)" in chosen["costs"]["source"]  # its rounds reduced over both ranks
     # the closed loop: steps 2..4 measured against the prediction, a number for every stage
