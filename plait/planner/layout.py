@@ -147,12 +147,12 @@ def choose_layout(work: Workload, config: Config, world_size: int, rank: int,
 
 def _fixed_tp(work: Workload, config: Config, world_size: int, resumed_plan: dict[str, Any] | None) -> int | None:
     """Config(tp=None): the tp when nothing is left to choose (1 where the layout is not planned by
-    timing: one rank, sizes given, a plan file, a meta model; a resumed checkpoint's on its world),
-    else None: the search chooses it."""
-    if resumed_plan is not None and resumed_plan.get("world_size") == world_size:
-        return int(resumed_plan.get("tp", 1) or 1)
+    timing: one rank, sizes given, a plan file, a meta model; else a resumed checkpoint's, on the
+    world it was saved on), or None: the search chooses it."""
     if world_size == 1 or not config.plans_everything or config.plan is not None or on_meta(work.net):
         return 1
+    if resumed_plan is not None and resumed_plan.get("world_size") == world_size:
+        return int(resumed_plan.get("tp", 1) or 1)
     return None
 
 
