@@ -9,13 +9,17 @@ from typing import Any, Callable
 
 from plait.errors import ConfigError
 
-__all__ = ["Config", "SCHEDULE_NAMES", "SEARCH_ORDER", "NONFINITE_ACTIONS"]
+__all__ = ["Config", "SCHEDULE_NAMES", "SEARCH_ORDER", "NONFINITE_ACTIONS", "TP_STRATEGIES", "TP_PLACEMENT"]
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zbh1")  # the one list (plait.schedule has a generator each)
 SEARCH_ORDER = ("1f1b", "gpipe", "zbh1", "interleaved")  # the planner's order: equal predictions go to the first
 assert sorted(SEARCH_ORDER) == sorted(SCHEDULE_NAMES)
 NONFINITE_ACTIONS = ("stop", "skip", "ignore")
 
+
+# tp_plan's values: a strategy, or the weight's placement in DTensor's words (`plait.capture.tp_layout`)
+TP_STRATEGIES = ("colwise", "rowwise", "vocab", "replicate")
+TP_PLACEMENT = re.compile(r"Shard\((\d)\)|Replicate\(\)")
 
 @dataclass(frozen=True)
 class Config:
@@ -151,12 +155,11 @@ class Config:
         if plan is None:
             return
         items = tuple(plan.items()) if isinstance(plan, dict) else tuple(tuple(x) for x in plan)
-        strategies = ("colwise", "rowwise", "vocab", "replicate")
         bad = [(k, v) for k, v in items if not isinstance(k, str) or not isinstance(v, str)
-               or (v not in strategies and not re.fullmatch(r"Shard\(\d\)|Replicate\(\)", v))]
+               or (v not in TP_STRATEGIES and not TP_PLACEMENT.fullmatch(v))]
         if bad:
             raise ConfigError(f"tp_plan entries {bad} are not pattern: strategy; a strategy is one of "
-                              f"{strategies} or the weight's placement ('Shard(0)', 'Shard(1)', 'Replicate()'), "
+                              f"{TP_STRATEGIES} or the weight's placement ('Shard(0)', 'Shard(1)', 'Replicate()'), "
                               f"e.g. tp_plan={{'*.mlp.c_fc': 'colwise'}}")
         if self.tp == 1:
             raise ConfigError(f"tp_plan={ {k: v for k, v in items} } splits modules over tensor-parallel ranks, but tp=1; set tp > 1")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -32,13 +31,12 @@ import torch.fx as fx
 
 from plait.capture.shard_rules import args_of, kwargs_of, Conflict, Layout, LinearParts, Shard, linear_parts, propagate, \
     reshape_dim, shape_of
+from plait.config import TP_PLACEMENT, TP_STRATEGIES
 from plait.errors import ConfigError
 
-__all__ = ["TpLayout", "tp_layouts", "STRATEGIES", "module_of"]
+__all__ = ["TpLayout", "tp_layouts", "module_of"]
 
 aten = torch.ops.aten
-STRATEGIES = ("colwise", "rowwise", "vocab", "replicate")
-PLACEMENT = re.compile(r"Shard\((\d)\)|Replicate\(\)")  # a tp_plan entry given as the weight's placement
 
 
 @dataclass(frozen=True)
@@ -113,8 +111,8 @@ def tp_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping[str, 
     on every stage that holds it)."""
     plan = dict(tp_plan or {})
     for pattern, strategy in plan.items():
-        if strategy not in STRATEGIES and not PLACEMENT.fullmatch(strategy):
-            raise ConfigError(f"tp_plan[{pattern!r}] = {strategy!r}; a strategy is one of {STRATEGIES}, or the "
+        if strategy not in TP_STRATEGIES and not TP_PLACEMENT.fullmatch(strategy):
+            raise ConfigError(f"tp_plan[{pattern!r}] = {strategy!r}; a strategy is one of {TP_STRATEGIES}, or the "
                               "weight's placement: 'Shard(0)', 'Shard(1)' or 'Replicate()'")
     matched: set[str] = set()
     whole: set[str] = set()  # parameters that some stage keeps whole
@@ -149,7 +147,7 @@ def _as_strategy(given: str, linear: LinearParts | None, module: str) -> str:
     """A tp_plan entry as a strategy: a weight placement (DTensor's words) turned into the strategy
     that places it so (a linear's output-feature dimension: colwise, its input one: rowwise; an
     embedding's rows: vocab)."""
-    found = PLACEMENT.fullmatch(given)
+    found = TP_PLACEMENT.fullmatch(given)
     if found is None:
         return given
     if given == "Replicate()":

@@ -25,9 +25,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from plait.checkpoint.disk import Checkpoint, holders
+from plait.checkpoint.disk import Checkpoint, holders, join_parts
 from plait.errors import CheckpointError
-from plait.tensor_parts import as_held, whole_of, whole_shape
+from plait.tensor_parts import as_held, whole_shape
 
 
 __all__ = ["Snapshot", "snapshot", "restore", "model_index", "owned_tensors",
@@ -190,10 +190,9 @@ def _joined(entry: Mapping[str, Any], values: Mapping[int, torch.Tensor]) -> tor
     if not split or set(values) != set(split["shards"]):
         return any_one
     shape, dim = entry["shape"], int(split["dim"])
-    parts = len(split["shards"])
-    if any_one.dim() != len(shape) or any_one.shape[dim] * parts != shape[dim]:
+    if any_one.dim() != len(shape) or any_one.shape[dim] * len(split["shards"]) != shape[dim]:
         return any_one
-    return whole_of([values[int(r)] for r in split["shards"]], dim, int(split["blocks"]))
+    return join_parts(entry, values)
 
 
 def _check_like(name: str, state: dict[str, Any], like: dict[str, Any] | None) -> None:

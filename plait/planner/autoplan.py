@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -24,10 +24,10 @@ from plait.errors import ConfigError
 from plait.plan.buckets import DEFAULT_BUCKET_BYTES
 from plait.plan.cost import Cluster
 from plait.plan.devices import device
-from plait.capture.trace import CapturedGraph, capture
+from plait.capture.trace import CapturedGraph, capture, in_mode
 from plait.job.ranks import threads_per_rank
 from plait.plan.network import Network
-from plait.plan.search import Candidate, SearchSpace, format_table, search
+from plait.plan.search import Candidate, SearchSpace, format_table
 from plait.plan.tp_costs import search_tp
 from plait.planner.profile import LayerProfile, OptimizerFactory, ProfileOptions, Slowest, profile
 from plait.planner.tp_shares import tp_shares
@@ -114,8 +114,7 @@ def profile_sample(net: nn.Module, sample: Any, world_size: int, options: PlanOp
     """`profile` `net` on up to `options.profile_rows` rows of `sample` (a batch as `fit` takes it),
     with the threads each of `world_size` ranks will have. Leaves `net` as it was; cached by signature."""
     rows = batching.num_rows(sample)
-    piece = batching.slice_rows(sample, 0, min(rows, options.profile_rows))
-    args, kwargs = batching.as_call(piece)
+    args, kwargs = _call_of(sample, options)
     target = options.target
     if target is not None:
         target = batching.slice_rows(target, 0, min(rows, options.profile_rows))
@@ -132,20 +131,20 @@ def plan_model(net: nn.Module, sample: Any, world_size: int, global_batch: int,
 
     Runs on one process and leaves `net` as it was; the profile is cached by model signature.
     """
+    if options.captured is None and any(tp > 1 for tp in options.tp):  # captured once, for both
+        with torch.random.fork_rng(), in_mode(net, True):
+            options = replace(options, captured=capture(net, *_call_of(sample, options)))
     measured = profile_sample(net, sample, world_size, options)
-    if set(options.tp) <= {1}:
-        found = search(measured.costs, world_size, global_batch, cluster, options.space)
-    else:  # each tp priced on what the runtime's layout splits (`plait.planner.tp_shares`)
-        captured = options.captured if options.captured is not None else capture(net, *_call_of(sample, options))
-        shares = {}
-        for tp in (t for t in options.tp if t > 1):
-            try:
-                shares[tp] = tp_shares(captured, tp, dict(options.tp_plan or ()))
-            except ConfigError:
-                raise  # the user's tp_plan does not fit: say so
-            except Exception as e:  # noqa: BLE001 - a graph the layout cannot read: tp=1 only
-                log.warning("plait: tp=%d not priced (%s: %s); planning without it", tp, type(e).__name__, e)
-        found = search_tp(measured.costs, shares, world_size, global_batch, cluster, options.space)
+    shares = {}  # each tp priced on what the runtime's layout splits (`plait.planner.tp_shares`)
+    for tp in (t for t in options.tp if t > 1):
+        assert options.captured is not None
+        try:
+            shares[tp] = tp_shares(options.captured, tp, dict(options.tp_plan or ()))
+        except ConfigError:
+            raise  # the user's tp_plan does not fit: say so
+        except Exception as e:  # noqa: BLE001 - a graph the layout cannot read: tp=1 only
+            log.warning("plait: tp=%d not priced (%s: %s); planning without it", tp, type(e).__name__, e)
+    found = search_tp(measured.costs, shares, world_size, global_batch, cluster, options.space)
     return PlanResult(found, measured, cluster, world_size, global_batch)
 
 

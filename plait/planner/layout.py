@@ -197,9 +197,7 @@ def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[
             f"(Config.memory_limit_bytes={config.memory_limit_bytes}): {best.reason}"
         )
     chosen = candidate_fields(best.to_dict())
-    if config.tp is None:
-        chosen["tp"] = best.tp
-    else:
+    if config.tp is not None:  # the user's tp: the search ran on its lanes
         chosen.pop("tp")
     if not config.plans_everything:  # the user's layout, with the planner's layers (and ZeRO) only
         chosen = {"layers_per_proc": chosen["layers_per_proc"], "zero": chosen["zero"]}

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.tensor_parts import shard_of, whole_of
+from plait.tensor_parts import whole_of, whole_shape
 
 __all__ = ["local_device", "make_group", "sum_floats", "failed_ranks", "max_floats", "start_sum_floats", "broadcast_tensors", "TiedGradients",
            "gather_state_dict", "gather_parts_to_first", "whole_split_tensors", "broadcast_json", "all_gather_text"]
@@ -116,8 +116,7 @@ def gather_state_dict(net: nn.Module, owner_of: dict[int, int],
 
 def _gather_parts(t: torch.Tensor, dim: int, blocks: int, ranks: Sequence[int]) -> torch.Tensor:
     """A tensor split over `ranks` (tensor parallelism), whole on every rank."""
-    cut = shard_of(t)
-    shape = list(cut.shape if cut is not None else t.shape)
+    shape = list(whole_shape(t))
     shape[dim] //= len(ranks)
     pieces = []
     for r in ranks:

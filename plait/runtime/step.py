@@ -243,11 +243,9 @@ class StepRunner:
         outputs = None
         if self.pipe.is_last:
             ex = self.pipe.last_executor
-            count = self.pipe.tp_rank == 0  # the tp ranks of the last stage hold the same loss: one counts it
+            counted = self.pipe.tp_rank == 0  # the tp ranks of the last stage hold the same loss: one counts it
             for k, mb in enumerate(mbs):
-                if mb.target is None:
-                    continue
-                if not count:
+                if mb.target is None or not counted:
                     continue
                 stats[0] += ex.losses.get(k, 0.0) * batching.num_rows(mb.target)
                 for i, name in enumerate(self.metrics):

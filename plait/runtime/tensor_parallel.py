@@ -31,6 +31,7 @@ from torch import nn
 from plait.capture.shard_rules import args_of, kwargs_of, Shard, linear_parts
 from plait.capture.tp_layout import TpLayout
 from plait.errors import ConfigError
+from plait.runtime.collectives import local_device
 from plait.tensor_parts import TpShard, local_part, shard_of, whole_of
 
 __all__ = ["shard_stage", "same_generators", "reduce_sum", "sum_both_ways", "TpCollective", "VocabLookup", "SplitDropout"]
@@ -137,7 +138,7 @@ class TpCollective(nn.Module):
         if self.kind == "copy":
             return _apply(_Copy, x, self.group)
         if self.kind == "reduce":
-            return _apply(_Reduce, x, self.group)
+            return reduce_sum(x, self.group)
         return _apply(_Gather, x, self.group, self.dim % x.dim(), self.blocks, self.tp_rank, self.tp)
 
 
@@ -155,7 +156,7 @@ class VocabLookup(nn.Module):
         local = (ids - start).masked_fill(outside, 0)
         pad = self.padding_idx - start if start <= self.padding_idx < start + rows else None
         out = F.embedding(local, weight, padding_idx=pad)
-        return _apply(_Reduce, out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        return reduce_sum(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
 
 class SplitDropout(nn.Module):
@@ -179,7 +180,7 @@ class SplitDropout(nn.Module):
 def same_generators(src: int, group: Any) -> None:
     """This rank's torch generators (CPU, and its CUDA device's) set to rank `src`'s, over `group`:
     the tp ranks then draw the same dropout masks where each computes the whole value."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = local_device()
     states = [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
     moved = [state.to(device) for state in states]
     for state in moved:

@@ -104,37 +104,11 @@ class SplitLoss:
     # -- running on the parts ------------------------------------------------------------------------
 
     def _run(self, gm: fx.GraphModule, steps: dict[str, Step], leaves: list[Any], target: torch.Tensor) -> torch.Tensor:
-        values: dict[str, Any] = {}
         inputs = [x for x in leaves if isinstance(x, torch.Tensor)] + [target]
-        k = 0
-        result: Any = None
-        for node in gm.graph.nodes:
-            if node.op == "placeholder":
-                values[node.name] = inputs[k]
-                k += 1
-                continue
-            if node.op == "output":
-                result = fx.node.map_arg(node.args[0], lambda n: values[n.name])
-                break
-            args = fx.node.map_arg(node.args, lambda n: values[n.name])
-            kwargs = fx.node.map_arg(node.kwargs, lambda n: values[n.name])
-            kind, detail = steps.get(node.name, ("as is", None))
-            if node.op == "get_attr":
-                values[node.name] = getattr(gm, str(node.target))
-            elif kind == "view":
-                sizes = list(args[1])
-                if sizes[detail] != -1:  # -1: inferred from the part
-                    sizes[detail] //= self.tp
-                values[node.name] = node.target(args[0], sizes, *args[2:], **kwargs)
-            elif kind == "log_softmax":
-                values[node.name] = self._log_softmax(args[0], int(args[1]), bool(args[2]))
-            elif kind == "nll":
-                values[node.name] = self._nll(*args)
-            else:
-                values[node.name] = node.target(*args, **kwargs)
-        return cast(torch.Tensor, result)
+        return cast(torch.Tensor, _OnParts(gm, steps, self).run(*inputs))
 
-    def _log_softmax(self, x: torch.Tensor, dim: int, to_float: bool) -> torch.Tensor:
+    def log_softmax(self, x: torch.Tensor, dim: int, to_float: bool) -> torch.Tensor:
+        """log_softmax over the split dimension `dim` of this rank's part (see the module)."""
         x = x.float() if to_float else x
         top = x.detach().amax(dim, keepdim=True)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
@@ -142,8 +116,9 @@ class SplitLoss:
         total = sum_both_ways(shifted.exp().sum(dim, keepdim=True), self.group)
         return shifted - total.log()
 
-    def _nll(self, logp: torch.Tensor, target: torch.Tensor, weight: Any, reduction: int,
+    def nll(self, logp: torch.Tensor, target: torch.Tensor, weight: Any, reduction: int,
              ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """aten.nll_loss_forward of log-probabilities split over their last dimension."""
         columns = logp.shape[-1]
         local = target - self.tp_rank * columns
         mine = (local >= 0) & (local < columns) & (target != ignore_index)
@@ -156,6 +131,28 @@ class SplitLoss:
         if reduction == 1:
             return -picked.sum() / count, count
         return -picked.sum(), count
+
+
+class _OnParts(fx.Interpreter):
+    """The traced loss run on this rank's parts: the nodes `steps` names run their split form."""
+
+    def __init__(self, gm: fx.GraphModule, steps: dict[str, Step], loss: SplitLoss) -> None:
+        super().__init__(gm)
+        self.steps, self.loss = steps, loss
+
+    def run_node(self, n: fx.Node) -> Any:
+        kind, detail = self.steps.get(n.name, ("as is", None))
+        if kind == "as is":
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        if kind == "view":
+            sizes = list(args[1])
+            if sizes[detail] != -1:  # -1: inferred from the part
+                sizes[detail] //= self.loss.tp
+            return n.target(args[0], sizes, *args[2:], **kwargs)  # type: ignore[operator]
+        if kind == "log_softmax":
+            return self.loss.log_softmax(args[0], int(args[1]), bool(args[2]))
+        return self.loss.nll(*args)
 
 
 def _steps(gm: fx.GraphModule, start: dict[str, int], tp: int) -> dict[str, Step] | None:
