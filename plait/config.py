@@ -71,6 +71,8 @@ class Config:
         of `model.plan.to_json()`. Its world size and layers must match this run.
     memory_limit_bytes: bytes of parameters, gradients, optimizer state and activations one
         rank may hold, for planning (None: 90% of this machine's RAM shared by its local ranks).
+        With tp > 1 it also drives the tp search: the intra-operator ILP keeps whole each linear
+        that is cheaper whole as long as the rank's parameter state fits (None: all that splits does).
     replan: after the first training steps plait compares each stage's measured time with the
         plan's prediction (a log line and `model.plan_report.feedback`); with replan=True, when
         a stage or the step is off by more than 15%, rank 0 re-partitions the layers with costs

@@ -163,7 +163,8 @@ class Model:
         elif self._meta:
             materialize_tensors(self.net, None, self.config.seed, self.config.init_fn, self.device, graphs)
         pipe = build_pipeline(self.net, self._captured, layout.plan, self.config, self.rank, self.loss,
-                              self.device, first=self._train is None and self.world_size > 1 and not self._meta)
+                              self.device, first=self._train is None and self.world_size > 1 and not self._meta,
+                              state_factor=2.0 + state_factor(self._optimizer_arg))
         if self._train is None and self.world_size > 1 and not self._meta:  # a meta model's values follow
             pipe.start_equal()  # from Config.seed; a real one's replicas start equal whatever their seeds
         self._train, self._eval = StepRunner(pipe, self.net, self.metrics, self.device, train=True), None

@@ -5,7 +5,7 @@ at dp=2 x tp=2 with ZeRO-1; GPT-2 with dropout; parameter bytes at tp=2 against 
 stage's; checkpoints of tp runs resumed in other layouts.
 
 Each rank trains plait and, on the side, a deep copy in one process through the same 3 steps
-(SGD with momentum; Adam for Llama), and returns what differs: the loss of each step, this rank's
+(SGD with momentum and Adam), and returns what differs: the loss of each step, this rank's
 part of every parameter and gradient after the last, the gathered `state_dict()` and `predict`'s
 logits. fp32, atol 2e-5 (the all-reduced partial sums add in another order than one GEMM)."""
 
@@ -37,8 +37,10 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str, problems: list[str]
         problems.append(f"{what}: {str(e)[:300]}")
 
 
-def train_and_compare(name: str, config: dict[str, Any], adam: bool = False) -> tuple[list[str], int, str]:
-    """(what differs from one process, how many parameters this rank holds split, the plan)."""
+def train_and_compare(name: str, config: dict[str, Any], adam: bool = False,
+                      split_loss: bool = True) -> tuple[list[str], int, str]:
+    """(what differs from one process, how many parameters this rank holds split, the plan);
+    `split_loss`: the loss must have run on split logits."""
     case = _bert_mlm() if name == "bert-mlm" else make(name)
     ref = copy.deepcopy(case.net)
     optimizer = _adam if adam else _sgd
@@ -77,15 +79,20 @@ def train_and_compare(name: str, config: dict[str, Any], adam: bool = False) -> 
     got_out = model.predict(case.x, batch_size=BATCHES[0])
     _close(getattr(got_out, "logits", got_out), getattr(want_out, "logits", want_out), "predict", problems)
     last = model._train.pipe.executors.get(model.plan.num_chunks - 1) if model._train is not None else None
-    if last is not None and name != "bert" and (last.split_loss is None or last.split_loss.calls["gathered"]
+    if last is not None and split_loss and name != "bert" and (last.split_loss is None or last.split_loss.calls["gathered"]
                                                 or not last.split_loss.calls["split"]):  # vocab-parallel CE
         problems.append(f"the loss did not run on the split logits: {last.split_loss and last.split_loss.calls}")
     return problems, split, str(model.plan)
 
 
+TWO_RANK_RUNS = [(name, adam) for name in ("gpt2", "llama", "bert-mlm") for adam in (False, True)] + [("bert", False)]
+
+
 def _two_ranks(rank: int, world: int) -> dict[str, Any]:
-    out = {name: train_and_compare(name, {"tp": 2}, adam=name == "llama")
-           for name in ("gpt2", "llama", "bert", "bert-mlm")}
+    out: dict[str, Any] = {(name, adam): train_and_compare(name, {"tp": 2}, adam=adam) for name, adam in TWO_RANK_RUNS}
+    # memory_limit_bytes between all-whole and all-split state: the tp search splits a part (the
+    # MLPs, at the CPU preset's prices), the rest runs whole: still exactly one process
+    out["searched"] = train_and_compare("gpt2", {"tp": 2, "memory_limit_bytes": 350_000}, split_loss=False)
     out["dropout"] = _dropout(rank)
     out["memory"] = _parameter_bytes()
     return out
@@ -157,32 +164,48 @@ def _parameter_bytes() -> dict[str, int]:
 def test_tp2_gpt2_llama_bert_equal_one_process() -> None:
     report = run_ranks(2, _two_ranks, timeout=280)
     for rank, per_model in enumerate(report):
-        for name in ("gpt2", "llama", "bert", "bert-mlm"):
-            problems, split, plan = per_model[name]
-            assert not problems, f"rank {rank} {name}:\n" + "\n".join(problems)
+        for name, adam in TWO_RANK_RUNS:
+            problems, split, plan = per_model[(name, adam)]
+            assert not problems, f"rank {rank} {name} {'Adam' if adam else 'SGD'}:\n" + "\n".join(problems)
             assert split >= 7, (name, split)  # attention and MLP of every layer, and the word embedding
             assert "x tp=2" in plan and "split over tp=2" in plan
+        problems, split, plan = per_model["searched"]
+        assert not problems, f"rank {rank} searched:\n" + "\n".join(problems)
+        assert 0 < split < 7 and "kept whole by the tp search" in plan and "tp search: " in plan, (split, plan)
         assert not per_model["dropout"], f"rank {rank} dropout:\n" + "\n".join(per_model["dropout"])
         memory = per_model["memory"]
         assert memory["tp"] <= 0.6 * memory["replicated"], memory
 
 
-def _four_ranks(rank: int, world: int, name: str, config: dict[str, Any]) -> tuple[list[str], int, str]:
-    return train_and_compare(name, config)
+Run = tuple[str, dict[str, Any], bool]  # model, Config settings, Adam (else SGD with momentum)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("name, config", [
-    ("gpt2", {"tp": 2, "layers_per_proc": (12, 11)}),     # 2 stages x tp=2, wte tied across them
-    ("llama", {"tp": 2, "dp": 2, "num_stages": 1, "zero": 1}),  # dp=2 x tp=2, planned cut, ZeRO-1
-    ("llama", {"tp": 2, "layers_per_proc": (12, 12), "schedule": "zbh1", "batch_weight_grads": True}),
-], ids=["pp2xtp2-gpt2", "dp2xtp2-zero1-llama", "pp2xtp2-zbh1-batched-wgrad-llama"])
-def test_four_ranks_equal_one_process(name: str, config: dict[str, Any]) -> None:
-    report = run_ranks(4, _four_ranks, name, config, timeout=280)
-    for rank, (problems, split, plan) in enumerate(report):
-        assert not problems, f"rank {rank}:\n" + "\n".join(problems)
-        assert split >= 4
-    assert "x tp=2 on 4 rank(s)" in report[0][2]
+def _four_ranks(rank: int, world: int, runs: list[Run]) -> list[tuple[list[str], int, str]]:
+    return [train_and_compare(name, config, adam) for name, config, adam in runs]
+
+
+PP2 = {"tp": 2, "num_stages": 2, "dp": 1}  # planned cut; the tied word embedding and head on both stages
+DP2 = {"tp": 2, "dp": 2, "num_stages": 1}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("runs", [
+    [("gpt2", {"tp": 2, "layers_per_proc": (12, 11)}, False), ("gpt2", PP2, True),
+     ("llama", PP2, True), ("bert-mlm", PP2, False), ("bert-mlm", PP2, True)],
+    [("gpt2", DP2, False), ("gpt2", {**DP2, "zero": 1}, True), ("llama", {**DP2, "zero": 1}, False),
+     ("llama", DP2, True), ("bert-mlm", {**DP2, "zero": 1}, False), ("bert-mlm", DP2, True)],
+    [("llama", {"tp": 2, "layers_per_proc": (12, 12), "schedule": "zbh1", "batch_weight_grads": True}, False)],
+], ids=["pp2xtp2", "dp2xtp2-zero0-zero1", "pp2xtp2-zbh1-batched-wgrad-llama"])
+def test_four_ranks_equal_one_process(runs: list[Run]) -> None:
+    """GPT-2, Llama and BERT masked LM at 2 stages x tp=2 and dp=2 x tp=2 (ZeRO-1 or not), SGD with
+    momentum and Adam: every rank's parameters, gradients, state_dict and predictions."""
+    report = run_ranks(4, _four_ranks, runs, timeout=380)
+    for rank, results in enumerate(report):
+        for (name, config, adam), (problems, split, plan) in zip(runs, results):
+            what = f"rank {rank} {name} {config} {'Adam' if adam else 'SGD'}"
+            assert not problems, f"{what}:\n" + "\n".join(problems)
+            assert split >= 4, what
+            assert "x tp=2 on 4 rank(s)" in plan, what
 
 
 # -- checkpoints: any layout in, any layout out ---------------------------------------------------

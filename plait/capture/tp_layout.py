@@ -54,6 +54,7 @@ class TpLayout:
     params: dict[str, tuple[int, int]] = field(default_factory=dict)
     values: dict[str, Layout] = field(default_factory=dict)
     replicated: tuple[tuple[str, str], ...] = ()
+    search: dict[str, Any] = field(default_factory=dict)  # the tp search's choice (plait.runtime.tp_search)
 
     def describe(self) -> list[str]:
         """The split parameters by strategy, and the linears left whole with the reason."""
@@ -97,7 +98,8 @@ class TpLayout:
                     if isinstance(lay, Shard):
                         collectives.append({"kind": "all_gather", "pass": "forward", "at": value.name,
                                             "why": f"Shard({lay.dim}) -> Replicate() as it leaves the stage"})
-        return {"parameters": params, "collectives": collectives, "replicated": dict(self.replicated)}
+        found = {"parameters": params, "collectives": collectives, "replicated": dict(self.replicated)}
+        return {**found, "search": self.search} if self.search else found
 
 
 def module_of(target: str) -> str:

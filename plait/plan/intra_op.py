@@ -18,6 +18,8 @@ reads (and, in training, its gradient back).
                 sum_i e_uv,ij = s_vj           one e per edge at 1, the chosen (i, j): e = s_ui s_vj
                 sum_v sum_i m_vi s_vi <= limit memory (when a limit is given)
                 s_vi = 0 for i other than the one `fixed` pins v to, if any
+                e_uv,ij = 0 where R_uv[i][j] is infinite: the runtime cannot turn i's layout into j's
+
 
 Only s is integral (the e follow from it), the form Alpa uses. HiGHS (scipy.optimize.milp) solves
 it. HiGHS stops within an absolute gap of 1e-6, so the objective is divided by a lower bound on
@@ -47,9 +49,11 @@ __all__ = ["Strategy", "Operator", "Edge", "OpGraph", "Solution", "evaluate", "l
 MAX_BRUTE_FORCE = 1_000_000  # choices brute_force enumerates at most
 
 
-def _check_cost(what: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{what} must be a finite number >= 0, got {value!r}")
+def _check_cost(what: str, value: object, forbidden_ok: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or value < 0 \
+            or (math.isinf(value) and not forbidden_ok):
+        also = " (or math.inf: the pair is not allowed)" if forbidden_ok else ""
+        raise ConfigError(f"{what} must be a finite number >= 0{also}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,8 @@ class Operator:
 
 @dataclass(frozen=True)
 class Edge:
-    """A tensor from `producer` to `consumer`: resharding_s[i][j] seconds between strategies i and j."""
+    """A tensor from `producer` to `consumer`: resharding_s[i][j] seconds between strategies i and j
+    (math.inf: the pair cannot run together)."""
 
     producer: str
     consumer: str
@@ -112,7 +117,7 @@ class Edge:
         rows = tuple(tuple(row) for row in self.resharding_s)
         for i, row in enumerate(rows):
             for j, value in enumerate(row):
-                _check_cost(f"edge {self.producer!r} -> {self.consumer!r}: resharding_s[{i}][{j}]", value)
+                _check_cost(f"edge {self.producer!r} -> {self.consumer!r}: resharding_s[{i}][{j}]", value, True)
         object.__setattr__(self, "resharding_s", tuple(tuple(float(v) for v in row) for row in rows))
         if self.producer == self.consumer:
             raise ConfigError(f"edge {self.producer!r} -> {self.consumer!r} joins an operator to itself; "
@@ -237,10 +242,19 @@ def brute_force(graph: OpGraph, memory_limit_bytes: float | None = None,
     for combo in itertools.product(*allowed):
         found = _price(graph, {op.name: i for op, i in zip(graph.operators, combo)})
         fits = memory_limit_bytes is None or found.memory_bytes <= memory_limit_bytes
-        if fits and (best is None or found.total_s < best.total_s):
+        if fits and math.isfinite(found.total_s) and (best is None or found.total_s < best.total_s):
             best = found
-    assert best is not None, "the memory check lets through only graphs with a fitting choice"
+    if best is None:
+        raise _no_choice(graph, memory_limit_bytes, fixed)
     return best
+
+
+def _no_choice(graph: OpGraph, limit: float | None, fixed: Mapping[str, str] | None) -> ConfigError:
+    """No choice both fits and keeps every edge's pair allowed."""
+    pinned = f" keeping the pins {dict(fixed)}" if fixed else ""
+    fits = f" within memory_limit_bytes={limit:.6g}" if limit is not None else ""
+    return ConfigError(f"no choice of strategies{pinned} runs{fits}: every one that fits pairs strategies an edge "
+                       "does not allow (an infinite resharding cost); drop a pin or raise the limit")
 
 
 def solve(graph: OpGraph, memory_limit_bytes: float | None = None,
@@ -261,10 +275,15 @@ def solve(graph: OpGraph, memory_limit_bytes: float | None = None,
         first[op.name] = len(costs)
         costs.extend(s.cost_s for s in op.strategies)
     num_s = len(costs)
+    forbidden: list[int] = []  # the e of pairs an edge does not allow: held at 0
     for edge in graph.edges:
-        costs.extend(v for row in edge.resharding_s for v in row)
+        for v in (v for row in edge.resharding_s for v in row):
+            if math.isinf(v):
+                forbidden.append(len(costs))
+            costs.append(v if math.isfinite(v) else 0.0)
     least, worst = (math.fsum(pick(s.cost_s for s in op.strategies) for op in graph.operators)
-                    + math.fsum(pick(v for row in e.resharding_s for v in row) for e in graph.edges)
+                    + math.fsum(pick([v for row in e.resharding_s for v in row if math.isfinite(v)] or [0.0])
+                                for e in graph.edges)
                     for pick in (min, max))  # bounds on any choice's total
     scale = max(least, worst * 1e-6) or 1.0  # the optimum is >= 1 in these units when least > 0
 
@@ -288,6 +307,7 @@ def solve(graph: OpGraph, memory_limit_bytes: float | None = None,
     high_bounds = np.ones(num_vars)  # 0 for the strategies a pin rules out
     for op, ids in zip(graph.operators, allowed):
         high_bounds[[first[op.name] + i for i in range(len(op.strategies)) if i not in ids]] = 0.0
+    high_bounds[forbidden] = 0.0
     integrality = np.zeros(num_vars)
     integrality[:num_s] = 1
     entries = [(r, col, value) for r, (row, _, _) in enumerate(rows) for col, value in row]
@@ -296,6 +316,8 @@ def solve(graph: OpGraph, memory_limit_bytes: float | None = None,
     result = milp(np.asarray(costs) / scale, integrality=integrality, bounds=(np.zeros(num_vars), high_bounds),
                   constraints=LinearConstraint(matrix, [r[1] for r in rows], [r[2] for r in rows]),
                   options={"mip_rel_gap": 1e-9})
+    if result.status == 2:  # infeasible
+        raise _no_choice(graph, memory_limit_bytes, fixed)
     if result.status != 0 or result.x is None:
         raise PlaitError(f"HiGHS found no optimum (status {result.status}: {result.message}) for a graph of "
                          f"{len(graph.operators)} operators and {len(graph.edges)} edges")

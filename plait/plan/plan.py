@@ -33,7 +33,9 @@ class Plan:
     zero: int = 0  # 1: each stage's optimizer state sharded over its replicas (ZeRO-1); 2: gradients too
     tp: int = 1  # tensor-parallel ranks per stage (innermost: consecutive ranks)
     # per stage (tp > 1): {"parameters": {name: {"placement": "Shard(d)", "blocks"}}, "collectives":
-    # [{"kind", "pass", "at", "why"}], "replicated": {module: why}} (`TpLayout.data`)
+    # [{"kind", "pass", "at", "why"}], "replicated": {module: why}, "search": the tp search's choice,
+    # when a memory limit made it: {"split", "whole", "ops", "state_bytes", "limit_bytes", "seconds"}}
+    # (`TpLayout.data`)
     tp_layouts: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
@@ -184,10 +186,12 @@ class Plan:
 
 def _layout(data: Any) -> dict[str, Any]:
     """One stage's tp layout from the JSON (a dict of its three parts)."""
-    if not isinstance(data, dict) or not set(data) <= {"parameters", "collectives", "replicated"}:
-        raise TypeError(f"a stage's tp layout is {{parameters, collectives, replicated}}, got {str(data)[:80]}")
-    return {"parameters": dict(data.get("parameters", {})), "collectives": list(data.get("collectives", [])),
-            "replicated": dict(data.get("replicated", {}))}
+    if not isinstance(data, dict) or not set(data) <= {"parameters", "collectives", "replicated", "search"}:
+        raise TypeError(f"a stage's tp layout is {{parameters, collectives, replicated[, search]}}, got "
+                        f"{str(data)[:80]}")
+    found = {"parameters": dict(data.get("parameters", {})), "collectives": list(data.get("collectives", [])),
+             "replicated": dict(data.get("replicated", {}))}
+    return {**found, "search": dict(data["search"])} if data.get("search") else found
 
 
 def _layout_lines(stage: int, tp: int, layout: dict[str, Any]) -> list[str]:
@@ -205,4 +209,9 @@ def _layout_lines(stage: int, tp: int, layout: dict[str, Any]) -> list[str]:
     if counts:
         lines.append(f"  stage {stage} collectives: " + ", ".join(f"{n} {k}" for k, n in counts.items()))
     lines += [f"  stage {stage} replicated: {name} ({why})" for name, why in whole.items()]
+    search = layout.get("search")
+    if search:
+        lines.append(f"  stage {stage} tp search: {len(search['split'])} of {search['ops']} operations split, "
+                     f"{search['state_bytes']:.4g} of {search['limit_bytes']:.4g} bytes of parameter state, "
+                     f"{search['seconds'] * 1e3:.4g} ms priced")
     return lines

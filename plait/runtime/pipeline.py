@@ -15,7 +15,7 @@ from torch import nn
 
 from plait.capture.output import OutputSpec
 from plait.capture.split import StageModule, split, stage_of_layers
-from plait.capture.tp_layout import TpLayout, tp_layouts
+from plait.capture.tp_layout import TpLayout
 from plait.capture.trace import CapturedGraph
 from plait.config import Config
 from plait.plan import Plan
@@ -25,6 +25,7 @@ from plait.runtime.grad_sync import GradientBuckets
 from plait.runtime.executor import StageExecutor
 from plait.runtime.interpreter import Interpreter
 from plait.runtime.tensor_parallel import same_generators, shard_stage
+from plait.runtime.tp_search import runtime_search, searched_layouts
 from plait.runtime.vocab_loss import SplitLoss
 from plait.runtime.trace import NULL_TRACER, NullTracer, Tracer
 from plait.runtime.wire import Wire
@@ -56,6 +57,7 @@ class Pipeline:
     zero: ShardedOptimizerState | None = None  # optimizer state sharded over the replicas (plan.zero)
     meter: ActivationMeter | None = None  # bytes held for backward passes (training pipeline)
     tp_group: Any = None  # this rank's tensor-parallel group (plan.tp > 1)
+    state_factor: float = 4.0  # bytes of parameter, gradient and optimizer state per parameter byte
     tp_parts: dict[int, tuple[int, int, list[int]]] = field(default_factory=dict)  # id(tensor) -> dim, blocks, ranks
     _programs: dict[tuple[int, bool], Program] = field(default_factory=dict)
 
@@ -155,13 +157,14 @@ def stage_tensors(captured: CapturedGraph, plan: Plan, rank: int | None) -> list
 
 def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, config: Config, rank: int,
                    loss: Callable[[Any, Any], torch.Tensor] | None, device: torch.device,
-                   first: bool = False) -> Pipeline:
+                   first: bool = False, state_factor: float = 4.0) -> Pipeline:
     """This rank's share of running `plan` on the captured model: its stage modules, executors,
     interpreter, gradient buckets and tied-parameter sums (`net` owns the parameters).
 
     The plan is complete (`plait.planner.resolve`): nothing is decided here. The `first` build of
     a real model with tp > 1 takes its stages' values from the tp group's first rank before they
-    are cut (ranks that drew different values cut parts of one model).
+    are cut (ranks that drew different values cut parts of one model). `state_factor`: bytes of
+    parameter, gradient and optimizer state per parameter byte, for the tp search's memory limit.
     """
     assert captured.output_spec is not None, "capture with capture_batch: the pipeline rebuilds outputs"
     tracer: Tracer | NullTracer = NULL_TRACER
@@ -173,7 +176,7 @@ def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, config: 
             "stage_to_rank": list(plan.stage_to_rank), "recompute": list(plan.recompute),
         })
     parts = _Parts(plan, rank, loss, config, Wire(config.timeout_s, device), tracer, captured.output_spec,
-                   _tp_group(plan, rank))
+                   _tp_group(plan, rank), state_factor)
     return _assemble(captured, stage_of_layers(plan.layers_per_stage), parts, make_ties=True, equal_tp=first)
 
 
@@ -189,6 +192,7 @@ class _Parts:
     tracer: Tracer | NullTracer
     output_spec: OutputSpec
     tp_group: Any = None  # this rank's tensor-parallel group (plan.tp > 1)
+    state_factor: float = 4.0  # bytes of parameter, gradient and optimizer state per parameter byte
 
 
 def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, make_ties: bool,
@@ -202,7 +206,10 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     layouts: list[TpLayout] = []
     split_loss = None
     if plan.tp > 1:  # every stage's layout (a tied parameter is cut alike), this rank's stages cut
-        layouts = tp_layouts([st.module for st in stages], plan.tp, dict(config.tp_plan or ()))
+        search = runtime_search(config.memory_limit_bytes, plan.tp, plan.num_virtual_stages, parts.wire.device,
+                                parts.state_factor)
+        layouts = searched_layouts([st.module for st in stages], plan.tp, dict(config.tp_plan or ()), search,
+                                   plan.tp_layouts)
         plan = replace(plan, tp_layouts=tuple(lay.data(st.module) for lay, st in zip(layouts, stages)))  # before the cut
         first = rank - t  # the tp group's first rank
         if equal_tp:

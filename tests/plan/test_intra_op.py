@@ -4,6 +4,7 @@ validation; and on plait.plan.tp_strategies' transformer block, that it finds Me
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 
@@ -56,6 +57,45 @@ def test_the_ilp_finds_brute_forces_minimum_on_random_graphs(seed: int) -> None:
     assert evaluate(graph, found.choice).total_s == pytest.approx(found.total_s, rel=1e-12)
     if limit is not None:
         assert found.memory_bytes <= limit * (1 + 1e-7)
+
+
+def forbidding(graph: OpGraph, rng: random.Random) -> OpGraph:
+    """The graph with some of its edges' pairs not allowed (infinite), each row keeping one."""
+    edges = []
+    for e in graph.edges:
+        rows = []
+        for row in e.resharding_s:
+            keep = rng.randrange(len(row))
+            rows.append(tuple(v if j == keep or rng.random() < 0.5 else math.inf for j, v in enumerate(row)))
+        edges.append(Edge(e.producer, e.consumer, tuple(rows)))
+    return OpGraph(graph.operators, tuple(edges))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_pairs_an_edge_does_not_allow_are_never_chosen(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    graph = forbidding(random_graph(rng), rng)
+    try:
+        best = brute_force(graph)
+    except ConfigError as e:  # no choice keeps every edge allowed: the ILP says so too
+        assert "does not allow" in str(e)
+        with pytest.raises(ConfigError, match="does not allow"):
+            solve(graph)
+        return
+    found = solve(graph)
+    assert math.isfinite(found.total_s)
+    assert found.total_s == pytest.approx(best.total_s, rel=1e-9, abs=1e-12)
+
+
+def test_a_forbidden_pair_ties_two_operators_together() -> None:
+    # b is cheaper split, a is cheaper whole; they may only run alike: the cheaper pair wins
+    a = Operator("a", (Strategy("whole", 1.0), Strategy("split", 1.5)))
+    b = Operator("b", (Strategy("whole", 3.0), Strategy("split", 1.0)))
+    tie = Edge("a", "b", ((0.0, math.inf), (math.inf, 0.0)))
+    graph = OpGraph((a, b), (tie,))
+    assert solve(graph).choice == brute_force(graph).choice == {"a": "split", "b": "split"}
+    assert evaluate(graph, {"a": "whole", "b": "split"}).total_s == math.inf
+    assert solve(graph, fixed={"a": "whole"}).choice == {"a": "whole", "b": "whole"}
 
 
 def scaled(graph: OpGraph, factor: float) -> OpGraph:
