@@ -68,9 +68,10 @@ class TpLayout:
 
     def data(self, gm: fx.GraphModule) -> dict[str, Any]:
         """JSON-ready, in DTensor's words, for the plan: each split parameter's placement on the tp
-        axis (Shard(dim), in `blocks` blocks), the collectives the runtime inserts (kind, pass,
-        where, why), and the linears left whole with the reason (a parameter not listed:
-        Replicate())."""
+        axis (Shard(dim), in `blocks` blocks), each graph value's that is not Replicate() (a split
+        activation; a row-parallel product: Partial(), all-reduced at once), the collectives the
+        runtime inserts (kind, pass, where, why), and the linears left whole with the reason (a
+        parameter or value not listed: Replicate())."""
         params = {f"{module_of(t)}.{t.rsplit('.', 1)[-1]}": {"placement": f"Shard({d})", "blocks": b}
                   for t, (d, b) in sorted(self.params.items())}
         collectives: list[dict[str, str]] = []
@@ -98,8 +99,24 @@ class TpLayout:
                     if isinstance(lay, Shard):
                         collectives.append({"kind": "all_gather", "pass": "forward", "at": value.name,
                                             "why": f"Shard({lay.dim}) -> Replicate() as it leaves the stage"})
+        activations: dict[str, str] = {}  # each split value of the graph, and each partial sum
+        for node in gm.graph.nodes:
+            lay = self.values.get(node.name)
+            lays = lay if isinstance(lay, tuple) else (lay,)
+            shown = [_placement(x) for x in lays]
+            if any(x != "Replicate()" for x in shown):
+                activations[node.name] = shown[0] if len(shown) == 1 else "(" + ", ".join(shown) + ")"
+            if self.roles.get(node.name) in ("rowwise", "vocab"):
+                activations[node.name] = "Partial() -> Replicate()"
         found = {"parameters": params, "collectives": collectives, "replicated": dict(self.replicated)}
-        return {**found, "search": self.search} if self.search else found
+        return {**found, **{key: value for key, value in (("activations", activations), ("search", self.search))
+                            if value}}
+
+
+def _placement(lay: Layout) -> str:
+    if isinstance(lay, Shard):
+        return f"Shard({lay.dim})" + (f" in {lay.blocks} blocks" if lay.blocks > 1 else "")
+    return "Replicate()"
 
 
 def module_of(target: str) -> str:

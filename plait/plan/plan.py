@@ -32,7 +32,8 @@ class Plan:
     memory: str = field(default="", compare=False)  # printed only: this rank's memory, measured / predicted
     zero: int = 0  # 1: each stage's optimizer state sharded over its replicas (ZeRO-1); 2: gradients too
     tp: int = 1  # tensor-parallel ranks per stage (innermost: consecutive ranks)
-    # per stage (tp > 1): {"parameters": {name: {"placement": "Shard(d)", "blocks"}}, "collectives":
+    # per stage (tp > 1): {"parameters": {name: {"placement": "Shard(d)", "blocks"}}, "activations":
+    # {graph value: "Shard(d)" | "Partial() -> Replicate()"} (any other: Replicate()), "collectives":
     # [{"kind", "pass", "at", "why"}], "replicated": {module: why}, "search": the tp search's choice,
     # when a memory limit made it: {"split", "whole", "ops", "state_bytes", "limit_bytes", "seconds"}}
     # (`TpLayout.data`)
@@ -186,12 +187,13 @@ class Plan:
 
 def _layout(data: Any) -> dict[str, Any]:
     """One stage's tp layout from the JSON (a dict of its three parts)."""
-    if not isinstance(data, dict) or not set(data) <= {"parameters", "collectives", "replicated", "search"}:
-        raise TypeError(f"a stage's tp layout is {{parameters, collectives, replicated[, search]}}, got "
-                        f"{str(data)[:80]}")
+    if not isinstance(data, dict) or not set(data) <= {"parameters", "activations", "collectives", "replicated",
+                                                       "search"}:
+        raise TypeError(f"a stage's tp layout is {{parameters, activations, collectives, replicated[, search]}}, "
+                        f"got {str(data)[:80]}")
     found = {"parameters": dict(data.get("parameters", {})), "collectives": list(data.get("collectives", [])),
              "replicated": dict(data.get("replicated", {}))}
-    return {**found, "search": dict(data["search"])} if data.get("search") else found
+    return {**found, **{key: dict(data[key]) for key in ("activations", "search") if data.get(key)}}
 
 
 def _layout_lines(stage: int, tp: int, layout: dict[str, Any]) -> list[str]:
@@ -206,6 +208,10 @@ def _layout_lines(stage: int, tp: int, layout: dict[str, Any]) -> list[str]:
         key = f"{c['kind']} in the {c['pass']}"
         counts[key] = counts.get(key, 0) + 1
     lines = [f"  stage {stage} split over tp={tp}: " + "; ".join(split)]
+    placed = layout.get("activations", {}).values()
+    shards, partial = sum(1 for p in placed if p.startswith("Shard")), sum(1 for p in placed if p.startswith("Partial"))
+    if shards or partial:
+        lines.append(f"  stage {stage} activations: {shards} split (Shard), {partial} partial sums (Partial())")
     if counts:
         lines.append(f"  stage {stage} collectives: " + ", ".join(f"{n} {k}" for k, n in counts.items()))
     lines += [f"  stage {stage} replicated: {name} ({why})" for name, why in whole.items()]

@@ -85,6 +85,21 @@ def test_the_layout_as_data_names_placements_and_collectives() -> None:
     assert {"transformer.h.0.attn.c_proj", "transformer.h.1.mlp.c_proj"} <= at
     assert sum("vocabulary rows" in c["why"] for c in data["collectives"]) == 1  # the (tied) embedding
     assert data["replicated"] == {}
+    # activations: the fused q|k|v output split in 3 blocks, the MLP's hidden split, each row-parallel
+    # product and the vocab lookup a partial sum, the logits split by vocabulary; the rest replicated
+    acts = data["activations"]
+    nodes = {n.name: n for n in graph.graph.nodes}
+    qkv = next(n for n in nodes.values() if layout.roles.get(n.name) == "colwise"
+               and "c_attn" in str(n.args[2].target))
+    assert acts[qkv.name] == "Shard(1) in 3 blocks"
+    assert list(acts.values()).count("Partial() -> Replicate()") == 2 * 2 + 1
+    gelu = [name for name, p in acts.items() if "gelu" in name or "tanh" in name]
+    assert gelu and all(acts[g] == "Shard(2)" or acts[g] == "Shard(1)" for g in gelu)
+    output_args = nodes["output"].all_input_nodes
+    assert [acts.get(v.name) for v in output_args].count("Shard(2)") == 1  # the logits
+    for n in nodes.values():  # the layer norms' outputs are whole
+        if n.target is torch.ops.aten.native_layer_norm.default:
+            assert n.name not in acts
     assert json.loads(json.dumps(data)) == data
 
 

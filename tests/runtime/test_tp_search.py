@@ -112,4 +112,6 @@ def test_the_choice_is_replayed_from_the_plan_and_printed() -> None:
     text = str(plan)
     assert f"tp search: {len(layout.search['split'])} of 10 operations split" in text
     assert "kept whole by the tp search" in text
+    shards = sum(p.startswith("Shard") for p in data["activations"].values())
+    assert shards > 0 and f"stage 0 activations: {shards} split (Shard)" in text
     assert json.loads(plan.to_json())["tp_layouts"][0]["search"]["split"] == layout.search["split"]
