@@ -95,6 +95,12 @@ class Config:
     tp_plan: {module-name pattern: "colwise" | "rowwise" | "vocab" | "replicate"} fixing the
         strategy of the linears and embeddings it names (fnmatch patterns such as
         "*.mlp.c_fc"; the first matching pattern wins); the rest is found automatically.
+    sequence_parallel: with tp > 1, Megatron's sequence parallelism: each row-parallel sum is
+        reduce-scattered over the tokens (instead of all-reduced), the layer norms, dropouts and
+        residual adds between the blocks run on each rank's tokens, and the tokens are gathered
+        where an operation needs them all (a column-parallel linear's input): the activations
+        there take 1/tp of the memory, for the same bytes sent. The sequence length must divide
+        by tp. Ignored at tp=1.
     grad_reduction: "mean" -- gradients of the global batch's mean loss, exactly what one process
         computes, even when the batch does not divide by dp -- or "sum": the sum over replicas of
         each replica's own mean-loss gradients.
@@ -135,6 +141,7 @@ class Config:
     batch_weight_grads: bool = False
     tp: int | None = None
     tp_plan: tuple[tuple[str, str], ...] | None = None  # given as a dict; kept as its items, in order
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         self._check_tp()
@@ -153,6 +160,8 @@ class Config:
         if self.tp is not None and (not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1):
             raise ConfigError(f"tp must be a positive integer (tensor-parallel ranks per stage) or None (the "
                               f"planner chooses), got {self.tp!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
         plan = self.tp_plan
         if plan is None:
             return

@@ -1,8 +1,8 @@
 """Tensor parallelism (Config(tp=...)) trains exactly as one process: Hugging Face GPT-2 (Conv1D,
 fused q|k|v, tied head), Llama (grouped-query attention, tied head), BERT (classification, and
 masked LM with its tied decoder), at tp=2, at 2 stages x tp=2 (the tied weight on both stages) and
-at dp=2 x tp=2 with ZeRO-1; GPT-2 with dropout; parameter bytes at tp=2 against the replicated
-stage's; checkpoints of tp runs resumed in other layouts.
+at dp=2 x tp=2 with ZeRO-1, with sequence parallelism too; GPT-2 with dropout; parameter bytes at
+tp=2 against the replicated stage's; checkpoints of tp runs resumed in other layouts.
 
 Each rank trains plait and, on the side, a deep copy in one process through the same 3 steps
 (SGD with momentum and Adam), and returns what differs: the loss of each step, this rank's
@@ -85,16 +85,21 @@ def train_and_compare(name: str, config: dict[str, Any], adam: bool = False,
     return problems, split, str(model.plan)
 
 
-TWO_RANK_RUNS = [(name, adam) for name in ("gpt2", "llama", "bert-mlm") for adam in (False, True)] + [("bert", False)]
+SP2 = {"tp": 2, "sequence_parallel": True}
+TWO_RANK_RUNS = [(name, {"tp": 2}, adam) for name in ("gpt2", "llama", "bert-mlm") for adam in (False, True)] + [
+    ("bert", {"tp": 2}, False), ("gpt2", SP2, True), ("llama", SP2, False), ("bert-mlm", SP2, False)]
 
 
-def _two_ranks(rank: int, world: int) -> dict[str, Any]:
-    out: dict[str, Any] = {(name, adam): train_and_compare(name, {"tp": 2}, adam=adam) for name, adam in TWO_RANK_RUNS}
+def _two_ranks(rank: int, world: int) -> dict[Any, Any]:
+    out: dict[Any, Any] = {i: train_and_compare(name, config, adam=adam)
+                           for i, (name, config, adam) in enumerate(TWO_RANK_RUNS)}
     # memory_limit_bytes between all-whole and all-split state: the tp search splits a part (the
     # MLPs, at the CPU preset's prices), the rest runs whole: still exactly one process
     out["searched"] = train_and_compare("gpt2", {"tp": 2, "memory_limit_bytes": 350_000}, split_loss=False)
     out["dropout"] = _dropout(rank)
+    out["sp dropout"] = _dropout(rank, sequence_parallel=True)
     out["memory"] = _parameter_bytes()
+    out["sp memory"] = _activation_bytes()
     return out
 
 
@@ -108,10 +113,11 @@ def _bert_mlm() -> Case:
     return dataclasses.replace(case, net=transformers.BertForMaskedLM(cfg))
 
 
-def _dropout(rank: int) -> list[str]:
-    """GPT-2 with dropout 0.1 on embeddings, attention (eager: on the split heads) and residuals;
-    the ranks' generators seeded apart and rank 1's weights perturbed before the build: plait
-    takes both from tp rank 0, and equals one process drawing from that generator state."""
+def _dropout(rank: int, sequence_parallel: bool = False) -> list[str]:
+    """GPT-2 with dropout 0.1 on embeddings, attention (eager: on the split heads) and residuals
+    (with sequence parallelism: on split tokens); the ranks' generators seeded apart and rank 1's
+    weights perturbed before the build: plait takes both from tp rank 0, and equals one process
+    drawing from that generator state."""
     case = make("gpt2")
     cfg = case.net.config
     cfg.attn_pdrop = cfg.resid_pdrop = cfg.embd_pdrop = 0.1
@@ -125,8 +131,8 @@ def _dropout(rank: int) -> list[str]:
             for p in case.net.parameters():
                 p.add_(0.01)
     torch.manual_seed(100 + rank)
-    model = plait.Model(case.net, plait.Config(num_microbatches=MICROBATCHES, schedule="1f1b", timeout_s=60.0, tp=2),
-                        optimizer=_sgd, loss=case.loss)
+    model = plait.Model(case.net, plait.Config(num_microbatches=MICROBATCHES, schedule="1f1b", timeout_s=60.0, tp=2,
+                                               sequence_parallel=sequence_parallel), optimizer=_sgd, loss=case.loss)
     model.build(_rows(case.x, 0, 2))
     state = torch.get_rng_state()
     problems: list[str] = []
@@ -142,6 +148,22 @@ def _dropout(rank: int) -> list[str]:
 
 def _starts() -> list[tuple[int, int]]:
     return [(sum(BATCHES[:i]), n) for i, n in enumerate(BATCHES)]
+
+
+def _activation_bytes() -> dict[str, int]:
+    """This rank's measured activation peak for a GPT-2 (64 tokens, dropout 0.1) at tp=2, with
+    and without sequence parallelism."""
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=64, use_cache=False,
+                                  bos_token_id=0, eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.1, embd_pdrop=0.1)
+    x = torch.randint(0, 512, (4, 64))
+    out = {}
+    for name, sp in (("sequence_parallel", True), ("tp", False)):
+        torch.manual_seed(0)
+        model = plait.Model(transformers.GPT2LMHeadModel(cfg), plait.Config(tp=2, num_microbatches=1, sequence_parallel=sp),
+                            optimizer=_sgd, loss=lm_loss)
+        model.train_on_batch(x, x)
+        out[name] = model.memory_stats()["activations_peak_bytes"]
+    return out
 
 
 def _parameter_bytes() -> dict[str, int]:
@@ -164,15 +186,20 @@ def _parameter_bytes() -> dict[str, int]:
 def test_tp2_gpt2_llama_bert_equal_one_process() -> None:
     report = run_ranks(2, _two_ranks, timeout=280)
     for rank, per_model in enumerate(report):
-        for name, adam in TWO_RANK_RUNS:
-            problems, split, plan = per_model[(name, adam)]
-            assert not problems, f"rank {rank} {name} {'Adam' if adam else 'SGD'}:\n" + "\n".join(problems)
+        for i, (name, config, adam) in enumerate(TWO_RANK_RUNS):
+            problems, split, plan = per_model[i]
+            assert not problems, f"rank {rank} {name} {config} {'Adam' if adam else 'SGD'}:\n" + "\n".join(problems)
+            if config.get("sequence_parallel"):
+                assert "reduce_scatter in the forward" in plan, plan
             assert split >= 7, (name, split)  # attention and MLP of every layer, and the word embedding
             assert "x tp=2" in plan and "split over tp=2" in plan
         problems, split, plan = per_model["searched"]
         assert not problems, f"rank {rank} searched:\n" + "\n".join(problems)
         assert 0 < split < 7 and "kept whole by the tp search" in plan and "tp search: " in plan, (split, plan)
         assert not per_model["dropout"], f"rank {rank} dropout:\n" + "\n".join(per_model["dropout"])
+        assert not per_model["sp dropout"], f"rank {rank} sp dropout:\n" + "\n".join(per_model["sp dropout"])
+        sp = per_model["sp memory"]  # the layer norm / dropout / residual regions hold half the tokens
+        assert sp["sequence_parallel"] < 0.97 * sp["tp"], sp
         memory = per_model["memory"]
         assert memory["tp"] <= 0.6 * memory["replicated"], memory
 
@@ -191,9 +218,11 @@ DP2 = {"tp": 2, "dp": 2, "num_stages": 1}
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("runs", [
     [("gpt2", {"tp": 2, "layers_per_proc": (12, 11)}, False), ("gpt2", PP2, True),
-     ("llama", PP2, True), ("bert-mlm", PP2, False), ("bert-mlm", PP2, True)],
+     ("llama", PP2, True), ("bert-mlm", PP2, False), ("bert-mlm", PP2, True),
+     ("gpt2", {**PP2, "sequence_parallel": True}, False)],
     [("gpt2", DP2, False), ("gpt2", {**DP2, "zero": 1}, True), ("llama", {**DP2, "zero": 1}, False),
-     ("llama", DP2, True), ("bert-mlm", {**DP2, "zero": 1}, False), ("bert-mlm", DP2, True)],
+     ("llama", DP2, True), ("bert-mlm", {**DP2, "zero": 1}, False), ("bert-mlm", DP2, True),
+     ("llama", {**DP2, "zero": 1, "sequence_parallel": True}, True)],
     [("llama", {"tp": 2, "layers_per_proc": (12, 12), "schedule": "zbh1", "batch_weight_grads": True}, False)],
 ], ids=["pp2xtp2", "dp2xtp2-zero0-zero1", "pp2xtp2-zbh1-batched-wgrad-llama"])
 def test_four_ranks_equal_one_process(runs: list[Run]) -> None:

@@ -25,18 +25,20 @@ import torch
 import torch.fx as fx
 
 __all__ = ["Shard", "Conflict", "args_of", "kwargs_of", "linear_parts", "LinearParts", "propagate", "shape_of", "reshape_dim",
-           "SAME_LAYOUT"]
+           "SAME_LAYOUT", "is_seq", "seq_operands"]
 
 aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
 class Shard:
-    """Dimension `dim` split over the tp ranks (in `blocks` equal blocks), started by `sources`."""
+    """Dimension `dim` split over the tp ranks (in `blocks` equal blocks), started by `sources`;
+    `seq`: split along the tokens by sequence parallelism (`plait.capture.tp_layout`)."""
 
     dim: int
     blocks: int = 1
     sources: frozenset[str] = field(default=frozenset(), compare=False)
+    seq: bool = False
 
 
 Layout = Any  # Shard | None | tuple[Layout, ...] (an operation with several outputs)
@@ -150,18 +152,29 @@ def _sources(*layouts: Layout) -> frozenset[str]:
 
 
 def propagate(nodes: Sequence[fx.Node], start: Callable[[fx.Node, Callable[[Any], Layout]], Layout | bool],
-              tp: int) -> dict[fx.Node, Layout]:
+              tp: int, gathered: frozenset[fx.Node] = frozenset()) -> dict[fx.Node, Layout]:
     """Every node's layout, in order. `start(node, layout_of)` decides the linear and embedding
-    operations (their layout, or False to use the rules here); raises Conflict."""
+    operations (their layout, or False to use the rules here); raises Conflict. The nodes in
+    `gathered` read their sequence-split inputs whole (gathered before them)."""
     layouts: dict[fx.Node, Layout] = {}
 
     def layout_of(value: Any) -> Layout:
         return layouts.get(value) if isinstance(value, fx.Node) else None
 
+    def whole_seq(value: Any) -> Layout:
+        lay = layout_of(value)
+        return None if is_seq(lay) else lay
+
     for node in nodes:
-        given = start(node, layout_of)
-        layouts[node] = _rule(node, layout_of, tp) if given is False else given
+        look = whole_seq if node in gathered else layout_of
+        given = start(node, look)
+        layouts[node] = _rule(node, look, tp) if given is False else given
     return layouts
+
+
+def is_seq(lay: Layout) -> bool:
+    """A value split along its tokens (sequence parallelism)."""
+    return isinstance(lay, Shard) and lay.seq
 
 
 def _rule(node: fx.Node, layout_of: Callable[[Any], Layout], tp: int) -> Layout:
@@ -211,13 +224,36 @@ def _pointwise(node: fx.Node, layout_of: Callable[[Any], Layout]) -> Layout:
             d = lay.dim + len(out) - len(shape_of(a) or ())
             if found is not None and (found.dim, found.blocks) != (d, lay.blocks):
                 raise _fail(node, lay, "operands split along different dimensions")
-            found = Shard(d, lay.blocks, lay.sources | (found.sources if found else frozenset()))
+            if found is not None and found.seq != lay.seq:
+                raise _fail(node, lay, "operands split along the tokens and along the features")
+            found = Shard(d, lay.blocks, lay.sources | (found.sources if found else frozenset()), lay.seq)
     assert found is not None
     for a in tensors:
         shape = shape_of(a) or ()
         offset = len(out) - len(shape)
-        if layout_of(a) is None and found.dim >= offset and shape[found.dim - offset] != 1:
+        if layout_of(a) is None and found.dim >= offset and shape[found.dim - offset] != 1 and not found.seq:
             raise _fail(node, found, f"whole operand {a.name} meets a split one along dim {found.dim}")
+    return found  # a whole operand along split tokens: each rank takes its tokens' part (`seq_operands`)
+
+
+def seq_operands(node: fx.Node, lay: Layout, layout_of: Callable[[Any], Layout]) -> list[tuple[fx.Node, str, int]]:
+    """The whole tensor operands of an operation on tokens split by sequence parallelism (`lay`,
+    its output's layout), and what each needs: "scatter" (it spans the split tokens: each rank
+    takes its part; the gradient all-gathered back) or "sum" (broadcast over them, e.g. a bias or
+    a layer norm's weight: each rank's gradient covers its tokens only, all-reduced), with the
+    operand's dimension along the tokens (-1 for "sum")."""
+    first = lay[0] if isinstance(lay, tuple) else lay
+    if not is_seq(first) or node.op != "call_function":
+        return []
+    out = shape_of(node) or shape_of_val(node.meta["val"][0])
+    found = []
+    for a in node.all_input_nodes:
+        shape = shape_of(a)
+        if shape is None or layout_of(a) is not None:
+            continue
+        offset = len(out) - len(shape)
+        spans = first.dim >= offset and shape[first.dim - offset] != 1
+        found.append((a, "scatter", first.dim - offset) if spans else (a, "sum", -1))
     return found
 
 
@@ -336,6 +372,15 @@ def _attention(node: fx.Node, lay: Shard, tp: int) -> Layout:
     return lay
 
 
+def _layer_norm(node: fx.Node, lay: Shard, tp: int) -> Layout:
+    """native_layer_norm over the last dims: fine along another one (the tokens); its outputs
+    (normalised, mean, 1/std) split alike."""
+    rank = len(shape_of(args_of(node)[0]) or ())
+    if lay.dim >= rank - len(args_of(node)[1]):
+        raise _fail(node, lay, "layer norm over the split dimension")
+    return (lay, lay, lay) if node.target is aten.native_layer_norm.default else lay
+
+
 def _size(node: fx.Node, lay: Shard, tp: int) -> Layout:
     if _dim_arg(node, 1, 0) == lay.dim:
         raise _fail(node, lay, "the size of the split dimension is read")
@@ -366,6 +411,7 @@ _RULES: dict[Any, Callable[[fx.Node, Shard, int], Layout]] = {
     aten.log_softmax.int: _other_dim(1), aten._log_softmax.default: _other_dim(1),
     aten.expand.default: _expand, aten.scaled_dot_product_attention.default: _attention,
     aten.matmul.default: _bmm, aten.bmm.default: _bmm,
-    aten.sym_size.int: _size,
+    aten.sym_size.int: _size, aten.native_layer_norm.default: _layer_norm,
+    aten.layer_norm.default: _layer_norm,
     **{r: _reduce for r in REDUCTIONS},
 }

@@ -15,6 +15,11 @@ propagation is run again until nothing conflicts. What is left split at a stage'
 LM head's logits) is gathered there. The word embedding is split by vocabulary rows (a masked
 lookup and an all-reduce).
 
+With `sequence_parallel` (Megatron's, Korthikanti et al. 2022) a row-parallel sum is not made
+whole but split along its tokens (dim -2 of its (batch, sequence, features) value), so the layer
+norms, dropouts and residual adds between the blocks run on each rank's tokens; an operation that
+needs all of them (a linear, a view merging the tokens) gets them gathered first (`gathers`).
+
 `Config(tp_plan={pattern: strategy})` fixes the strategy of the modules it names ("colwise",
 "rowwise", "vocab", "replicate"); a tied parameter held by several stages gets one placement.
 """
@@ -29,8 +34,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from plait.capture.shard_rules import args_of, kwargs_of, Conflict, Layout, LinearParts, Shard, linear_parts, propagate, \
-    reshape_dim, shape_of
+from plait.capture.shard_rules import args_of, kwargs_of, Conflict, Layout, LinearParts, Shard, is_seq, linear_parts, \
+    propagate, reshape_dim, seq_operands, shape_of
 from plait.config import TP_PLACEMENT, TP_STRATEGIES
 from plait.errors import ConfigError
 
@@ -55,6 +60,8 @@ class TpLayout:
     values: dict[str, Layout] = field(default_factory=dict)
     replicated: tuple[tuple[str, str], ...] = ()
     search: dict[str, Any] = field(default_factory=dict)  # the tp search's choice (plait.runtime.tp_search)
+    seq_entries: dict[str, tuple[str, int]] = field(default_factory=dict)  # rowwise -> (value, dim) reduce-scattered
+    gathers: frozenset[str] = frozenset()  # nodes whose token-split inputs are gathered first
 
     def describe(self) -> list[str]:
         """The split parameters by strategy, and the linears left whole with the reason."""
@@ -65,6 +72,9 @@ class TpLayout:
         lines += [f"{name}: replicated ({why})" for name, why in self.replicated]
         return lines
 
+
+    def _layout_of(self, value: Any) -> Layout:
+        return self.values.get(value.name) if isinstance(value, fx.Node) else None
 
     def data(self, gm: fx.GraphModule) -> dict[str, Any]:
         """JSON-ready, in DTensor's words, for the plan: each split parameter's placement on the tp
@@ -78,13 +88,36 @@ class TpLayout:
         copied: set[fx.Node] = set()
         why = {"rowwise": "partial sums: Partial() -> Replicate() (Megatron's g)",
                "vocab": "each rank's vocabulary rows looked up: Partial() -> Replicate()"}
+        entries = {value for value, _ in self.seq_entries.values()}
+
+        def add(kind: str, where: str, at: str, because: str) -> None:
+            collectives.append({"kind": kind, "pass": where, "at": at, "why": because})
+
         for node in gm.graph.nodes:
             role = self.roles.get(node.name)
+            if node.name in self.gathers:
+                for value in node.all_input_nodes:
+                    lay = self.values.get(value.name)
+                    if is_seq(lay):
+                        add("all_gather", "forward", node.name, f"Shard({lay.dim}) over the tokens -> Replicate(): "
+                            f"{node.target} reads them whole (backward: this rank's part)")
+            if not role and node.name not in entries:
+                for value, need, dim in seq_operands(node, self.values.get(node.name), self._layout_of):
+                    if need == "scatter":
+                        add("all_gather", "backward", node.name, f"{value.name} Replicate() -> Shard({dim}) over the "
+                            "tokens, a local part; its gradient all-gathered")
+                    else:
+                        add("all_reduce", "backward", node.name, f"{value.name} broadcast over split tokens: each "
+                            "rank's gradient covers its own")
             if role in ("colwise", "rowwise"):
                 parts = linear_parts(node)
                 assert parts is not None
                 at = module_of(str(parts.weight.target))
-                if role == "rowwise":
+                if role == "rowwise" and node.name in self.seq_entries:
+                    dim = self.seq_entries[node.name][1]
+                    add("reduce_scatter", "forward", at, f"partial sums: Partial() -> Shard({dim}) over the tokens "
+                        "(sequence parallel; backward: all-gather)")
+                elif role == "rowwise":
                     collectives.append({"kind": "all_reduce", "pass": "forward", "at": at, "why": why[role]})
                 elif parts.x not in copied:
                     copied.add(parts.x)
@@ -96,6 +129,10 @@ class TpLayout:
             elif node.op == "output":
                 for value in node.all_input_nodes:
                     lay = self.values.get(value.name)
+                    if is_seq(lay):
+                        add("all_gather", "forward", value.name, f"Shard({lay.dim}) over the tokens -> Replicate() "
+                            "as it leaves the stage")
+                        continue
                     if isinstance(lay, Shard):
                         collectives.append({"kind": "all_gather", "pass": "forward", "at": value.name,
                                             "why": f"Shard({lay.dim}) -> Replicate() as it leaves the stage"})
@@ -106,7 +143,9 @@ class TpLayout:
             shown = [_placement(x) for x in lays]
             if any(x != "Replicate()" for x in shown):
                 activations[node.name] = shown[0] if len(shown) == 1 else "(" + ", ".join(shown) + ")"
-            if self.roles.get(node.name) in ("rowwise", "vocab"):
+            if node.name in self.seq_entries:
+                activations[node.name] = f"Partial() -> Shard({self.seq_entries[node.name][1]})"
+            elif self.roles.get(node.name) in ("rowwise", "vocab"):
                 activations[node.name] = "Partial() -> Replicate()"
         found = {"parameters": params, "collectives": collectives, "replicated": dict(self.replicated)}
         return {**found, **{key: value for key, value in (("activations", activations), ("search", self.search))
@@ -115,7 +154,7 @@ class TpLayout:
 
 def _placement(lay: Layout) -> str:
     if isinstance(lay, Shard):
-        return f"Shard({lay.dim})" + (f" in {lay.blocks} blocks" if lay.blocks > 1 else "")
+        return f"Shard({lay.dim})" + (f" in {lay.blocks} blocks" if lay.blocks > 1 else "") + (" tokens" if lay.seq else "")
     return "Replicate()"
 
 
@@ -125,9 +164,9 @@ def module_of(target: str) -> str:
 
 
 def tp_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping[str, str] | None = None,
-               ) -> list[TpLayout]:
+               sequence_parallel: bool = False) -> list[TpLayout]:
     """The layout of each stage graph (all of them, so that a tied parameter is split the same way
-    on every stage that holds it)."""
+    on every stage that holds it); `sequence_parallel`: see the module."""
     plan = dict(tp_plan or {})
     for pattern, strategy in plan.items():
         if strategy not in TP_STRATEGIES and not TP_PLACEMENT.fullmatch(strategy):
@@ -136,7 +175,7 @@ def tp_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping[str, 
     matched: set[str] = set()
     whole: set[str] = set()  # parameters that some stage keeps whole
     for _ in range(4):
-        layouts = [_layout(g, tp, plan, matched, whole) for g in graphs]
+        layouts = [_layout(g, tp, plan, matched, whole, sequence_parallel) for g in graphs]
         placed: dict[str, set[tuple[int, int] | None]] = {}
         for g, lay in zip(graphs, layouts):
             for n in g.graph.nodes:
@@ -181,11 +220,11 @@ def _as_strategy(given: str, linear: LinearParts | None, module: str) -> str:
 
 
 def _layout(gm: fx.GraphModule, tp: int, plan: Mapping[str, str], matched: set[str],
-            whole: set[str]) -> TpLayout:
+            whole: set[str], sequence_parallel: bool) -> TpLayout:
     """The layout, with a parameter kept whole when an operation that does not split it reads it."""
     whole = set(whole)
     while True:
-        layout = _layout_once(gm, tp, plan, matched, whole)
+        layout = _layout_once(gm, tp, plan, matched, whole, sequence_parallel)
         readers: dict[str, set[tuple[int, int] | None]] = {}
         for n in gm.graph.nodes:
             if n.op == "get_attr" and n.target in layout.params:
@@ -199,7 +238,7 @@ def _layout(gm: fx.GraphModule, tp: int, plan: Mapping[str, str], matched: set[s
 
 
 def _layout_once(gm: fx.GraphModule, tp: int, plan: Mapping[str, str], matched: set[str],
-                 whole: set[str]) -> TpLayout:
+                 whole: set[str], sequence_parallel: bool) -> TpLayout:
     nodes = list(gm.graph.nodes)
     linears = {n: p for n in nodes if (p := linear_parts(n)) is not None}
     embeddings = [n for n in nodes if n.op == "call_function" and n.target is aten.embedding.default
@@ -219,11 +258,19 @@ def _layout_once(gm: fx.GraphModule, tp: int, plan: Mapping[str, str], matched: 
             col.add(n)
     vocab = _vocab(embeddings, linears, fixed, tp, whole)
     why: dict[fx.Node, str] = {}
-    for _ in range(len(col) + 2):
+    gathered: set[fx.Node] = set()
+    entries: dict[fx.Node, tuple[fx.Node, int]] = {}
+    for _ in range(len(col) + len(nodes) + 2):
         roles: dict[fx.Node, str] = {}
+        entries = _seq_entries(linears, tp) if sequence_parallel else {}
         try:
-            values = propagate(nodes, _start(linears, col, vocab, fixed, roles, tp), tp)
+            values = propagate(nodes, _start(linears, col, vocab, fixed, roles, tp, entries), tp, frozenset(gathered))
         except Conflict as conflict:
+            scattered = {n.name for n in entries if roles.get(n) == "rowwise"}
+            if conflict.sources and conflict.sources <= scattered and conflict.node not in gathered:
+                # tokens split by sequence parallelism: gather them for this operation
+                gathered.add(conflict.node)
+                continue
             bad = {n for n in col if n.name in conflict.sources}
             forced = [n for n in bad if fixed.get(n) in ("colwise", "vocab")]
             if forced or not bad:
@@ -251,7 +298,33 @@ def _layout_once(gm: fx.GraphModule, tp: int, plan: Mapping[str, str], matched: 
             params[str(p.weight.target)] = (p.in_dim, lay.blocks if isinstance(lay, Shard) else 1)
     replicated = tuple((module_of(str(linears[n].weight.target)), w) for n, w in why.items())
     return TpLayout(tp, {n.name: r for n, r in roles.items()}, params,
-                    {n.name: v for n, v in values.items() if v is not None}, replicated)
+                    {n.name: v for n, v in values.items() if v is not None}, replicated,
+                    seq_entries={n.name: (e.name, d) for n, (e, d) in entries.items() if roles.get(n) == "rowwise"},
+                    gathers=frozenset(n.name for n in gathered))
+
+
+def _seq_entries(linears: Mapping[fx.Node, LinearParts], tp: int) -> dict[fx.Node, tuple[fx.Node, int]]:
+    """Sequence parallelism: for each linear, the value its (row-parallel) partial sums are
+    reduce-scattered at, and along which dimension -- the tokens (dim -2) of its output, or of the
+    view that gives a flattened (tokens, features) output its (batch, sequence, features) shape back
+    (Conv1D); only where that dimension's size is fixed and divides by tp."""
+    found: dict[fx.Node, tuple[fx.Node, int]] = {}
+    for node in linears:
+        value = node
+        while len(shape_of(value) or ()) < 3 and len(value.users) == 1:
+            [user] = value.users
+            if user.op != "call_function" or user.target not in _FOLLOW - {aten.clone.default, aten.contiguous.default}:
+                break
+            value = user
+        shape = shape_of(value) or ()
+        if len(shape) < 3 or shape[-1] != (shape_of(node) or (0,))[-1]:
+            continue
+        dim = len(shape) - 2
+        sizes = args_of(value)[1] if value is not node else None
+        symbolic = isinstance(sizes, (list, tuple)) and dim < len(sizes) and not isinstance(sizes[dim], int)
+        if shape[dim] > 0 and shape[dim] % tp == 0 and not symbolic:
+            found[node] = (value, dim)
+    return found
 
 
 def _vocab(embeddings: list[fx.Node], linears: Mapping[fx.Node, LinearParts], fixed: Mapping[fx.Node, str],
@@ -273,8 +346,17 @@ def _vocab(embeddings: list[fx.Node], linears: Mapping[fx.Node, LinearParts], fi
 
 def _start(linears: Mapping[fx.Node, LinearParts], col: set[fx.Node], vocab: set[fx.Node],
            fixed: Mapping[fx.Node, str], roles: dict[fx.Node, str], tp: int,
+           entries: Mapping[fx.Node, tuple[fx.Node, int]],
            ) -> Callable[[fx.Node, Callable[[Any], Layout]], Layout | bool]:
+    at = {value: (rowwise, dim) for rowwise, (value, dim) in entries.items()}
+
     def start(node: fx.Node, layout_of: Callable[[Any], Layout]) -> Layout | bool:
+        found = at.get(node)
+        if found is not None and roles.get(found[0]) == "rowwise":  # sequence parallel: its tokens split
+            rowwise, dim = found
+            if node is not rowwise and layout_of(args_of(node)[0]) is not None:
+                raise Conflict(node, frozenset(), "a view of a split row-parallel sum")
+            return Shard(dim, 1, frozenset({rowwise.name}), seq=True)
         if node in vocab:
             roles[node] = "vocab"
             return None
@@ -292,6 +374,9 @@ def _start(linears: Mapping[fx.Node, LinearParts], col: set[fx.Node], vocab: set
         if isinstance(x, Shard) and x.dim == rank - 1 and in_features % (tp * x.blocks) == 0 \
                 and fixed.get(node) not in ("replicate", "colwise", "vocab"):
             roles[node] = "rowwise"
+            entry = entries.get(node)
+            if entry is not None and entry[0] is node:  # sequence parallel: reduce-scattered over its tokens
+                return Shard(entry[1], 1, frozenset({node.name}), seq=True)
             return None
         raise Conflict(node, x.sources if isinstance(x, Shard) else frozenset(), "a linear over a split input")
     return start

@@ -209,7 +209,7 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
         search = runtime_search(config.memory_limit_bytes, plan.tp, plan.num_virtual_stages, parts.wire.device,
                                 parts.state_factor)
         layouts = searched_layouts([st.module for st in stages], plan.tp, dict(config.tp_plan or ()), search,
-                                   plan.tp_layouts)
+                                   plan.tp_layouts, config.sequence_parallel)
         plan = replace(plan, tp_layouts=tuple(lay.data(st.module) for lay, st in zip(layouts, stages)))  # before the cut
         first = rank - t  # the tp group's first rank
         if equal_tp:

@@ -10,7 +10,11 @@ Each parameter is cut to this rank's part, and the collectives of Megatron-LM go
               the training pipeline's last stage leaves its logits split for the loss
               (`plait.runtime.vocab_loss`)
 
-(Megatron's f and g operators, Shoeybi et al. 2019, figure 3.) A view, expand or split of a split
+(Megatron's f and g operators, Shoeybi et al. 2019, figure 3.) With sequence parallelism
+(Korthikanti et al. 2022) a row-parallel sum is reduce-scattered over the tokens instead (its bias
+added after), a whole operand spanning the split tokens is cut to this rank's part (its gradient
+all-gathered), one broadcast over them (a bias, a layer norm's weight) gets its gradient
+all-reduced, and the tokens are all-gathered before an operation that needs them whole. A view, expand or split of a split
 value gets its shape with the split dimension divided by tp. A dropout on a split value draws the
 whole mask (the same random numbers one process draws) and keeps this rank's part; the tp ranks'
 generators are made equal when the pipeline is built (`same_generators`), so every other dropout
@@ -28,7 +32,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from plait.capture.shard_rules import args_of, kwargs_of, Shard, linear_parts
+from plait.capture.shard_rules import args_of, is_seq, kwargs_of, Shard, linear_parts, seq_operands
 from plait.capture.tp_layout import TpLayout
 from plait.errors import ConfigError
 from plait.runtime.collectives import local_device
@@ -113,6 +117,52 @@ class _Gather(torch.autograd.Function):
         return local_part(grad, dim, blocks, tp_rank, tp).contiguous(), None, None, None, None, None
 
 
+def _gather_along(x: torch.Tensor, group: Any, dim: int, tp: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(tp)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim)
+
+
+def _reduce_scatter_along(x: torch.Tensor, group: Any, dim: int, tp: int) -> torch.Tensor:
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] // tp, *front.shape[1:]))
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # its newer name, if any
+    scatter(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Partial sums summed over the tp group, each rank keeping its part along `dim` (Megatron's
+    sequence-parallel g); backward: the parts' gradients all-gathered."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, tp: int) -> torch.Tensor:
+        if x.shape[dim] % tp:
+            raise ConfigError(f"sequence parallelism splits dimension {dim} of size {x.shape[dim]} over tp={tp}; "
+                              "use sequences whose length divides by tp, or sequence_parallel=False")
+        ctx.args = (group, dim, tp)
+        return _reduce_scatter_along(x, group, dim, tp)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        group, dim, tp = ctx.args
+        return _gather_along(grad, group, dim, tp), None, None, None
+
+
+class _Scatter(torch.autograd.Function):
+    """A whole value's part along `dim` on this rank (no communication); backward: all-gathered."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, tp_rank: int, tp: int) -> torch.Tensor:
+        ctx.args = (group, dim, tp)
+        return local_part(x, dim, 1, tp_rank, tp).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        group, dim, tp = ctx.args
+        return _gather_along(grad, group, dim, tp), None, None, None, None
+
+
 def _apply(fn: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
     return cast(torch.Tensor, fn.apply(*args))  # type: ignore[no-untyped-call]
 
@@ -139,6 +189,10 @@ class TpCollective(nn.Module):
             return _apply(_Copy, x, self.group)
         if self.kind == "reduce":
             return reduce_sum(x, self.group)
+        if self.kind == "reduce_scatter":
+            return _apply(_ReduceScatter, x, self.group, self.dim % x.dim(), self.tp)
+        if self.kind == "scatter":
+            return _apply(_Scatter, x, self.group, self.dim % x.dim(), self.tp_rank, self.tp)
         return _apply(_Gather, x, self.group, self.dim % x.dim(), self.blocks, self.tp_rank, self.tp)
 
 
@@ -210,16 +264,58 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
         gm.add_submodule(name, mod)
         return name
 
-    copies: dict[fx.Node, fx.Node] = {}
+    copies: dict[fx.Node, fx.Node] = {}  # a value whose gradient each rank holds a share of: all-reduced
+    gathered: dict[fx.Node, fx.Node] = {}  # a token-split value, whole
+    scattered: dict[tuple[fx.Node, int], fx.Node] = {}  # a whole value, this rank's tokens
+    entries = {value: (rowwise, dim) for rowwise, (value, dim) in layout.seq_entries.items()}
+    biases: dict[str, fx.Node | None] = {}  # a row-parallel bias, added after the reduce-scatter
+
+    values: dict[str, Any] = dict(layout.values)  # and the nodes inserted here
+
+    def layout_of(value: Any) -> Any:
+        return values.get(value.name) if isinstance(value, fx.Node) else None
+
+    def collective(before: fx.Node, cache: dict[Any, fx.Node], key: Any, value: fx.Node, kind: str,
+                   dim: int = -1) -> fx.Node:
+        if key not in cache:
+            with graph.inserting_before(before):
+                cache[key] = graph.call_module(module(TpCollective(kind, group, tp_rank, tp, dim)), (value,))
+            values[cache[key].name] = Shard(dim, 1, seq=True) if kind == "scatter" else (
+                None if kind == "gather" else layout_of(value))
+        return cache[key]
+
     for node in list(graph.nodes):
         role = layout.roles.get(node.name)
-        here = layout.values.get(node.name)
+        here = values.get(node.name)
+        if node.name in layout.gathers:  # token-split inputs of an operation that needs them whole
+            for value in node.all_input_nodes:
+                if is_seq(layout_of(value)):
+                    node.replace_input_with(value, collective(node, gathered, value, value, "gather",
+                                                              layout_of(value).dim))
+        if not role and node.name not in entries:
+            for value, need, dim in seq_operands(node, here, layout_of):
+                new = (collective(node, scattered, (value, dim), value, "scatter", dim) if need == "scatter"
+                       else collective(node, copies, value, value, "copy"))
+                node.replace_input_with(value, new)
+        if node.name in entries and entries[node.name][0] != node.name:  # a row-parallel sum's view: scatter it
+            for new in _reduce_scatter_after(graph, node, module(TpCollective("reduce_scatter", group, tp_rank, tp,
+                                                                              entries[node.name][1])),
+                                             biases.pop(entries[node.name][0]), copies, module, group, tp_rank, tp):
+                values[new.name] = here
+            continue
         if role == "colwise":
             x = linear_parts(node).x  # type: ignore[union-attr]
-            if x not in copies:
-                with graph.inserting_before(node):
-                    copies[x] = graph.call_module(module(TpCollective("copy", group, tp_rank, tp)), (x,))
-            node.replace_input_with(x, copies[x])
+            node.replace_input_with(x, collective(node, copies, x, x, "copy"))
+        elif role == "rowwise" and node.name in layout.seq_entries:
+            entry, dim = layout.seq_entries[node.name]
+            product, bias = _partial_product(graph, node)
+            if entry == node.name:
+                for new in _reduce_scatter_after(graph, product, module(TpCollective("reduce_scatter", group, tp_rank,
+                                                                                      tp, dim)),
+                                                 bias, copies, module, group, tp_rank, tp):
+                    values[new.name] = here
+            else:
+                biases[node.name] = bias
         elif role == "rowwise":
             _rowwise(graph, node, module(TpCollective("reduce", group, tp_rank, tp)))
         elif role == "vocab":
@@ -228,26 +324,62 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
                 new = graph.call_module(module(VocabLookup(group, tp_rank, int(pad))), (args_of(node)[0], args_of(node)[1]))
             node.replace_all_uses_with(new)
             graph.erase_node(node)
-        elif node.op == "output" and not gather_outputs:
-            outputs = args_of(node)[0]
-            for i, value in enumerate(outputs if isinstance(outputs, (list, tuple)) else [outputs]):
-                lay = layout.values.get(value.name) if isinstance(value, fx.Node) else None
-                if isinstance(lay, Shard):
-                    left[i] = (lay.dim, lay.blocks)
         elif node.op == "output":
+            if not gather_outputs:
+                outputs = args_of(node)[0]
+                for i, value in enumerate(outputs if isinstance(outputs, (list, tuple)) else [outputs]):
+                    lay = layout_of(value)
+                    if isinstance(lay, Shard) and not lay.seq:
+                        left[i] = (lay.dim, lay.blocks)
+
             def gather(value: fx.Node) -> fx.Node:
-                lay = layout.values.get(value.name)
-                if not isinstance(lay, Shard):
+                lay = values.get(value.name)
+                if not isinstance(lay, Shard) or (not gather_outputs and not lay.seq):
                     return value
                 with graph.inserting_before(node):
                     return graph.call_module(module(TpCollective("gather", group, tp_rank, tp, lay.dim, lay.blocks)),
                                              (value,))
             node.args = fx.map_arg(args_of(node), gather)
-        elif node.op == "call_function":
-            _local_shapes(graph, node, here, layout, module, tp_rank)
+        elif node.op == "call_function" and node.name not in layout.gathers:
+            _local_shapes(graph, node, here, values, tp, module, tp_rank)
     graph.lint()
     gm.recompile()
     return left
+
+
+def _partial_product(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node | None]:
+    """A row-parallel linear without its bias: x W[r], a partial sum (and the bias, to add after)."""
+    p = linear_parts(node)
+    assert p is not None
+    with graph.inserting_after(node):
+        target = aten.linear.default if node.target is aten.linear.default else aten.mm.default
+        product = graph.call_function(target, (p.x, p.weight))
+    for key in ("val", "nn_module_stack", "stack_trace"):
+        if key in node.meta:
+            product.meta[key] = node.meta[key]
+    node.replace_all_uses_with(product)
+    graph.erase_node(node)
+    return product, p.bias
+
+
+def _reduce_scatter_after(graph: fx.Graph, value: fx.Node, reduce_scatter: str, bias: fx.Node | None,
+                          copies: dict[fx.Node, fx.Node], module: Any, group: Any, tp_rank: int, tp: int,
+                          ) -> list[fx.Node]:
+    """value (partial sums, whole shape) -> reduce-scatter over its tokens (+ the bias, whose gradient
+    each rank then holds for its tokens only: all-reduced); returns the token-split nodes made."""
+    users = list(value.users)
+    with graph.inserting_after(value):
+        last = scattered = graph.call_module(reduce_scatter, (value,))
+    if bias is not None:
+        anchor = scattered
+        if bias not in copies:
+            with graph.inserting_after(scattered):
+                copies[bias] = anchor = graph.call_module(module(TpCollective("copy", group, tp_rank, tp)), (bias,))
+        with graph.inserting_after(anchor):
+            last = graph.call_function(aten.add.Tensor, (scattered, copies[bias]))
+    for user in users:
+        user.replace_input_with(value, last)
+    return [scattered, last]
 
 
 def _rowwise(graph: fx.Graph, node: fx.Node, reduce: str) -> None:
@@ -278,11 +410,11 @@ def _rowwise(graph: fx.Graph, node: fx.Node, reduce: str) -> None:
 _SHAPED = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 
 
-def _local_shapes(graph: fx.Graph, node: fx.Node, here: Any, layout: TpLayout, module: Any, tp_rank: int) -> None:
+def _local_shapes(graph: fx.Graph, node: fx.Node, here: Any, values: dict[str, Any], tp: int, module: Any,
+                  tp_rank: int) -> None:
     """Shapes and splits of split values, made local; dropout on them drawn whole."""
-    tp = layout.tp
     source = args_of(node)[0] if args_of(node) else None
-    before = layout.values.get(source.name) if isinstance(source, fx.Node) else None
+    before = values.get(source.name) if isinstance(source, fx.Node) else None
     if not isinstance(before, Shard):
         return
     if node.target in _SHAPED and isinstance(here, Shard):

@@ -142,11 +142,12 @@ def _embeddings(gm: fx.GraphModule) -> set[str]:
 
 
 def searched_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping[str, str] | None,
-                     search: TpSearch | None, earlier: Sequence[Mapping[str, Any]] = ()) -> list[TpLayout]:
+                     search: TpSearch | None, earlier: Sequence[Mapping[str, Any]] = (),
+                     sequence_parallel: bool = False) -> list[TpLayout]:
     """Each stage's layout: everything split that can be, or (a `search`) what the ILP splits;
     `earlier`: a plan's tp layouts whose search is taken as it is (the evaluation pipeline)."""
     plan = dict(tp_plan or {})
-    layouts = tp_layouts(graphs, tp, plan)
+    layouts = tp_layouts(graphs, tp, plan, sequence_parallel)
     chosen: list[dict[str, Any]] = [dict(lay.get("search") or {}) for lay in earlier]
     if not any(chosen) and search is None:
         return layouts
@@ -169,6 +170,6 @@ def searched_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping
              for n in g.graph.nodes if lay.roles.get(n.name) == "vocab"}
     unsplit = {m for g in graphs for m in _embeddings(g)} - vocab  # stay whole when the search drops the vocab split
     extended = {**plan, **{glob.escape(m): "replicate" for m in sorted(whole | unsplit) if m not in plan}}
-    final = tp_layouts(graphs, tp, extended)
+    final = tp_layouts(graphs, tp, extended, sequence_parallel)
     return [replace(lay, replicated=lay.replicated + tuple((m, KEPT_WHOLE) for m in c.get("whole", ())), search=c)
             for lay, c in zip(final, chosen)]

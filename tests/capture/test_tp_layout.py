@@ -190,3 +190,42 @@ def test_module_of() -> None:
 ])
 def test_reshape_dim(before: tuple[int, ...], after: tuple[int, ...], dim: int, parts: int, want: int | None) -> None:
     assert reshape_dim(before, after, dim, parts, 1) == want
+
+
+# -- sequence parallelism --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
+def test_sequence_parallel_splits_the_tokens_between_the_blocks(build) -> None:
+    from plait.capture.shard_rules import Shard
+    graph = _graphs(build())
+    [plain] = tp_layouts(graph, 2)
+    [layout] = tp_layouts(graph, 2, sequence_parallel=True)
+    assert layout.params == plain.params and layout.roles == plain.roles  # the same weights split
+    rowwise = [n for n, r in layout.roles.items() if r == "rowwise"]
+    assert sorted(layout.seq_entries) == sorted(rowwise)  # every row-parallel sum reduce-scattered
+    nodes = {n.name: n for n in graph[0].graph.nodes}
+    for value, dim in layout.seq_entries.values():
+        assert len(nodes[value].meta["val"].shape) == 3 and dim == 1  # (batch, sequence, features): the sequence
+    seq = {name for name, lay in layout.values.items() if isinstance(lay, Shard) and lay.seq}
+    norms = [n for n in nodes.values() if "norm" in str(n.target) or n.target is torch.ops.aten.rsqrt.default]
+    assert sum(n.name in seq for n in norms) >= 2  # the norms after the first block's halves run on split tokens
+    # whatever reads the tokens whole gets them gathered: the column-parallel inputs, the LM head
+    for name in layout.gathers:
+        assert any(isinstance(layout.values.get(a.name), Shard) and layout.values[a.name].seq
+                   for a in nodes[name].all_input_nodes)
+    data = layout.data(graph[0])
+    kinds = [(c["kind"], c["pass"]) for c in data["collectives"]]
+    assert kinds.count(("reduce_scatter", "forward")) == len(rowwise)
+    assert kinds.count(("all_gather", "forward")) >= len(layout.gathers)
+    assert ("all_reduce", "forward") in kinds  # the vocab lookup's sum; no row-parallel all-reduce left
+    assert sum(c["kind"] == "all_reduce" and c["pass"] == "forward" for c in data["collectives"]) == 1
+    assert any(p.endswith("tokens") for p in data["activations"].values())
+
+
+def test_sequence_parallel_leaves_a_sequence_that_does_not_divide_to_all_reduce() -> None:
+    net = gpt2()
+    captured = capture_batch(net, {"input_ids": torch.randint(0, VOCAB, (2, 7))})
+    [stage] = split(captured, [0] * len(captured.layers.layer_names))
+    [layout] = tp_layouts([stage.module], 2, sequence_parallel=True)
+    assert layout.seq_entries == {} and layout.gathers == frozenset()
+    assert any(r == "rowwise" for r in layout.roles.values())
