@@ -211,15 +211,20 @@ def _four_ranks(rank: int, world: int, runs: list[Run]) -> list[tuple[list[str],
     return [train_and_compare(name, config, adam) for name, config, adam in runs]
 
 
-PP2 = {"tp": 2, "num_stages": 2, "dp": 1}  # planned cut; the tied word embedding and head on both stages
 DP2 = {"tp": 2, "dp": 2, "num_stages": 1}
+
+
+def pp2(*layers: int) -> dict[str, Any]:
+    """2 stages x tp=2 cut after the given layers (a cut inside a block gathers the split value
+    crossing it, and the rest of the block runs whole); the tied word embedding and head on both."""
+    return {"tp": 2, "layers_per_proc": layers}
 
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("runs", [
-    [("gpt2", {"tp": 2, "layers_per_proc": (12, 11)}, False), ("gpt2", PP2, True),
-     ("llama", PP2, True), ("bert-mlm", PP2, False), ("bert-mlm", PP2, True),
-     ("gpt2", {**PP2, "sequence_parallel": True}, False)],
+    [("gpt2", pp2(12, 11), False), ("gpt2", pp2(9, 14), True),  # between blocks; after the MLP's GELU
+     ("llama", pp2(10, 14), True), ("bert-mlm", pp2(16, 15), False), ("bert-mlm", pp2(13, 18), True),
+     ("gpt2", {**pp2(9, 14), "sequence_parallel": True}, False)],
     [("gpt2", DP2, False), ("gpt2", {**DP2, "zero": 1}, True), ("llama", {**DP2, "zero": 1}, False),
      ("llama", DP2, True), ("bert-mlm", {**DP2, "zero": 1}, False), ("bert-mlm", DP2, True),
      ("llama", {**DP2, "zero": 1, "sequence_parallel": True}, True)],

@@ -217,6 +217,7 @@ def _pointwise(node: fx.Node, layout_of: Callable[[Any], Layout]) -> Layout:
     if out is None:
         raise Conflict(node, _sources(*[layout_of(a) for a in node.all_input_nodes]), "no traced shape")
     found: Shard | None = None
+    unknown = [a for a in node.all_input_nodes if a.meta.get("val") is None and a.op != "get_attr"]
     tensors = [a for a in node.all_input_nodes if shape_of(a) is not None]
     for a in tensors:
         lay = layout_of(a)
@@ -228,6 +229,8 @@ def _pointwise(node: fx.Node, layout_of: Callable[[Any], Layout]) -> Layout:
                 raise _fail(node, lay, "operands split along the tokens and along the features")
             found = Shard(d, lay.blocks, lay.sources | (found.sources if found else frozenset()), lay.seq)
     assert found is not None
+    if unknown:
+        raise _fail(node, found, f"operand {unknown[0].name} has no traced shape")
     for a in tensors:
         shape = shape_of(a) or ()
         offset = len(out) - len(shape)

@@ -113,6 +113,8 @@ def _build(
     env: dict[fx.Node, fx.Node] = {}
     for node in recv:
         env[node] = graph.placeholder(f"recv_{node.name}")
+        if "val" in node.meta:  # the traced value, for what reads shapes (the tp layout)
+            env[node].meta["val"] = node.meta["val"]
     # Which model inputs does this stage touch (directly or through a local size op)?
     used: set[fx.Node] = set()
 
@@ -129,6 +131,8 @@ def _build(
     input_indices = [i for i, p in enumerate(placeholders) if p in used]
     for i in input_indices:
         env[placeholders[i]] = graph.placeholder(f"input_{placeholders[i].name}")
+        if "val" in placeholders[i].meta:
+            env[placeholders[i]].meta["val"] = placeholders[i].meta["val"]
 
     def lookup(src: fx.Node) -> fx.Node:
         if src not in env:  # a local node used for the first time on this stage

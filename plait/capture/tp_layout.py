@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from plait.capture.shard_rules import args_of, kwargs_of, Conflict, Layout, LinearParts, Shard, is_seq, linear_parts, \
+from plait.capture.shard_rules import args_of, kwargs_of, Conflict, Layout, LinearParts, Shard, linear_parts, \
     propagate, reshape_dim, seq_operands, shape_of
 from plait.config import TP_PLACEMENT, TP_STRATEGIES
 from plait.errors import ConfigError
@@ -98,7 +98,7 @@ class TpLayout:
             if node.name in self.gathers:
                 for value in node.all_input_nodes:
                     lay = self.values.get(value.name)
-                    if is_seq(lay):
+                    if isinstance(lay, Shard) and lay.seq:
                         add("all_gather", "forward", node.name, f"Shard({lay.dim}) over the tokens -> Replicate(): "
                             f"{node.target} reads them whole (backward: this rank's part)")
             if not role and node.name not in entries:
@@ -129,7 +129,7 @@ class TpLayout:
             elif node.op == "output":
                 for value in node.all_input_nodes:
                     lay = self.values.get(value.name)
-                    if is_seq(lay):
+                    if isinstance(lay, Shard) and lay.seq:
                         add("all_gather", "forward", value.name, f"Shard({lay.dim}) over the tokens -> Replicate() "
                             "as it leaves the stage")
                         continue

@@ -141,7 +141,7 @@ def test_bert_masked_lm_head_splits_the_decoder_not_the_transform() -> None:
     params = _split_modules(layout)
     assert params["cls.predictions.decoder.weight"] == (0, 1)
     assert params["cls.predictions.decoder.bias"] == (0, 1)
-    assert dict(layout.replicated)["cls.predictions.transform.dense"].startswith("aten.layer_norm")
+    assert dict(layout.replicated)["cls.predictions.transform.dense"] == "layer norm over the split dimension"
 
 
 def test_tied_weight_on_two_stages_is_cut_alike() -> None:
@@ -229,3 +229,16 @@ def test_sequence_parallel_leaves_a_sequence_that_does_not_divide_to_all_reduce(
     [layout] = tp_layouts([stage.module], 2, sequence_parallel=True)
     assert layout.seq_entries == {} and layout.gathers == frozenset()
     assert any(r == "rowwise" for r in layout.roles.values())
+
+
+def test_a_stage_cut_inside_a_block_keeps_the_rest_of_the_block_whole() -> None:
+    # Llama cut after the MLP's activation: gate_proj splits on the first stage (its output is
+    # gathered as it leaves), and on the second the whole received value meets up_proj's output:
+    # up_proj and down_proj stay whole there (the received value's traced shape is known)
+    names = capture_batch(llama(), {"input_ids": torch.randint(0, VOCAB, (2, 8))}).layers.layer_names
+    graphs = _graphs(llama(), (names.index("model.layers.0.mlp.up_proj"),))
+    first, second = tp_layouts(graphs, 2)
+    assert "net.model.layers.0.mlp.gate_proj.weight" in first.params
+    assert dict(second.replicated).keys() >= {"model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"}
+    placeholders = [n for n in graphs[1].graph.nodes if n.op == "placeholder"]
+    assert all("val" in n.meta for n in placeholders)
