@@ -89,6 +89,7 @@ class TpLayout:
         why = {"rowwise": "partial sums: Partial() -> Replicate() (Megatron's g)",
                "vocab": "each rank's vocabulary rows looked up: Partial() -> Replicate()"}
         entries = {value for value, _ in self.seq_entries.values()}
+        gathered: set[fx.Node] = set()
 
         def add(kind: str, where: str, at: str, because: str) -> None:
             collectives.append({"kind": kind, "pass": where, "at": at, "why": because})
@@ -98,9 +99,17 @@ class TpLayout:
             if node.name in self.gathers:
                 for value in node.all_input_nodes:
                     lay = self.values.get(value.name)
-                    if isinstance(lay, Shard) and lay.seq:
-                        add("all_gather", "forward", node.name, f"Shard({lay.dim}) over the tokens -> Replicate(): "
-                            f"{node.target} reads them whole (backward: this rank's part)")
+                    if isinstance(lay, Shard) and lay.seq and value not in gathered:
+                        gathered.add(value)
+                        if gathered_for_colwise(self, value):
+                            add("all_gather", "forward", node.name, f"Shard({lay.dim}) over the tokens -> Replicate() "
+                                "for column-parallel linears (sequence parallel f)")
+                            add("reduce_scatter", "backward", node.name, "their input gradients' shares summed, "
+                                "each rank keeping its tokens'")
+                            copied.update([value, *(u for u in value.users if u.name in self.gathers)])
+                        else:
+                            add("all_gather", "forward", node.name, f"Shard({lay.dim}) over the tokens -> "
+                                f"Replicate(): {node.target} reads them whole (backward: this rank's part)")
             if not role and node.name not in entries:
                 for value, need, dim in seq_operands(node, self.values.get(node.name), self._layout_of):
                     if need == "scatter":
@@ -156,6 +165,23 @@ def _placement(lay: Layout) -> str:
     if isinstance(lay, Shard):
         return f"Shard({lay.dim})" + (f" in {lay.blocks} blocks" if lay.blocks > 1 else "") + (" tokens" if lay.seq else "")
     return "Replicate()"
+
+
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+
+
+def gathered_for_colwise(layout: TpLayout, value: fx.Node) -> bool:
+    """Whether every operation `layout` gathers token-split `value` for reads it only as a column-
+    parallel linear's input (or views it for those): their input gradients are each rank's share,
+    so the gather's backward is a reduce-scatter and they need no all-reduce of their own."""
+    def feeds(user: fx.Node, source: fx.Node) -> bool:
+        if layout.roles.get(user.name) == "colwise":
+            parts = linear_parts(user)
+            return parts is not None and parts.x is source
+        return (user.op == "call_function" and user.target in _VIEWS and bool(user.users)
+                and all(feeds(u, user) for u in user.users))
+    readers = [u for u in value.users if u.name in layout.gathers]
+    return bool(readers) and all(feeds(u, value) for u in readers)
 
 
 def module_of(target: str) -> str:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.capture.shard_rules import args_of, is_seq, kwargs_of, Shard, linear_parts, seq_operands
-from plait.capture.tp_layout import TpLayout
+from plait.capture.tp_layout import TpLayout, gathered_for_colwise
 from plait.errors import ConfigError
 from plait.runtime.collectives import local_device
 from plait.tensor_parts import TpShard, local_part, shard_of, whole_of
@@ -149,6 +149,22 @@ class _ReduceScatter(torch.autograd.Function):
         return _gather_along(grad, group, dim, tp), None, None, None
 
 
+class _GatherPartial(torch.autograd.Function):
+    """Token parts all-gathered for column-parallel linears, whose input gradients each rank holds a
+    share of: backward, those summed and cut back to the parts at once (reduce-scatter; Megatron's
+    sequence-parallel f)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, tp: int) -> torch.Tensor:
+        ctx.args = (group, dim, tp)
+        return _gather_along(x, group, dim, tp)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        group, dim, tp = ctx.args
+        return _reduce_scatter_along(grad, group, dim, tp), None, None, None
+
+
 class _Scatter(torch.autograd.Function):
     """A whole value's part along `dim` on this rank (no communication); backward: all-gathered."""
 
@@ -191,6 +207,8 @@ class TpCollective(nn.Module):
             return reduce_sum(x, self.group)
         if self.kind == "reduce_scatter":
             return _apply(_ReduceScatter, x, self.group, self.dim % x.dim(), self.tp)
+        if self.kind == "gather_partial":
+            return _apply(_GatherPartial, x, self.group, self.dim % x.dim(), self.tp)
         if self.kind == "scatter":
             return _apply(_Scatter, x, self.group, self.dim % x.dim(), self.tp_rank, self.tp)
         return _apply(_Gather, x, self.group, self.dim % x.dim(), self.blocks, self.tp_rank, self.tp)
@@ -281,8 +299,10 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
             with graph.inserting_before(before):
                 cache[key] = graph.call_module(module(TpCollective(kind, group, tp_rank, tp, dim)), (value,))
             values[cache[key].name] = Shard(dim, 1, seq=True) if kind == "scatter" else (
-                None if kind == "gather" else layout_of(value))
+                None if kind.startswith("gather") else layout_of(value))
         return cache[key]
+
+    partial: set[fx.Node] = set()  # the column-parallel inputs whose gradient a reduce-scatter sums
 
     for node in list(graph.nodes):
         role = layout.roles.get(node.name)
@@ -290,8 +310,14 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
         if node.name in layout.gathers:  # token-split inputs of an operation that needs them whole
             for value in node.all_input_nodes:
                 if is_seq(layout_of(value)):
-                    node.replace_input_with(value, collective(node, gathered, value, value, "gather",
-                                                              layout_of(value).dim))
+                    readers = [u for u in value.users if u.name in layout.gathers]
+                    for_colwise = gathered_for_colwise(layout, value)
+                    whole = collective(node, gathered, value, value, "gather_partial" if for_colwise else "gather",
+                                       layout_of(value).dim)
+                    if for_colwise:
+                        partial.add(whole)
+                        partial.update(u for u in readers if u.target in _SHAPED)
+                    node.replace_input_with(value, whole)
         if not role and node.name not in entries:
             for value, need, dim in seq_operands(node, here, layout_of):
                 new = (collective(node, scattered, (value, dim), value, "scatter", dim) if need == "scatter"
@@ -305,7 +331,8 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
             continue
         if role == "colwise":
             x = linear_parts(node).x  # type: ignore[union-attr]
-            node.replace_input_with(x, collective(node, copies, x, x, "copy"))
+            if x not in partial:  # (else the reduce-scatter behind it sums the gradient)
+                node.replace_input_with(x, collective(node, copies, x, x, "copy"))
         elif role == "rowwise" and node.name in layout.seq_entries:
             entry, dim = layout.seq_entries[node.name]
             product, bias = _partial_product(graph, node)
