@@ -71,8 +71,7 @@ class Config:
         of `model.plan.to_json()`. Its world size and layers must match this run.
     memory_limit_bytes: bytes of parameters, gradients, optimizer state and activations one
         rank may hold, for planning (None: 90% of this machine's RAM shared by its local ranks).
-        With tp > 1 it also drives the tp search: the intra-operator ILP keeps whole each linear
-        that is cheaper whole as long as the rank's parameter state fits (None: all that splits does).
+        With tp > 1 it drives the tp search: linears cheaper whole stay whole while the state fits.
     replan: after the first training steps plait compares each stage's measured time with the
         plan's prediction (a log line and `model.plan_report.feedback`); with replan=True, when
         a stage or the step is off by more than 15%, rank 0 re-partitions the layers with costs
@@ -95,12 +94,8 @@ class Config:
     tp_plan: {module-name pattern: "colwise" | "rowwise" | "vocab" | "replicate"} fixing the
         strategy of the linears and embeddings it names (fnmatch patterns such as
         "*.mlp.c_fc"; the first matching pattern wins); the rest is found automatically.
-    sequence_parallel: with tp > 1, Megatron's sequence parallelism: each row-parallel sum is
-        reduce-scattered over the tokens (instead of all-reduced), the layer norms, dropouts and
-        residual adds between the blocks run on each rank's tokens, and the tokens are gathered
-        where an operation needs them all (a column-parallel linear's input): the activations
-        there take 1/tp of the memory, for the same bytes sent. The sequence length must divide
-        by tp. Ignored at tp=1.
+    sequence_parallel: with tp > 1, Megatron's sequence parallelism: row-parallel sums are
+        reduce-scattered over the tokens, so norms, dropouts and residual adds run on 1/tp of them.
     grad_reduction: "mean" -- gradients of the global batch's mean loss, exactly what one process
         computes, even when the batch does not divide by dp -- or "sum": the sum over replicas of
         each replica's own mean-loss gradients.
@@ -212,9 +207,7 @@ class Config:
             self._check_layers()
         if self.split_points is not None:
             self._check_split_points()
-        if self.num_stages is not None and (
-            not isinstance(self.num_stages, int) or self.num_stages < 1
-        ):
+        if self.num_stages is not None and (not isinstance(self.num_stages, int) or self.num_stages < 1):
             raise ConfigError(f"num_stages must be a positive integer or None, got {self.num_stages!r}")
         if self.dp is not None and (not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1):
             raise ConfigError(f"dp must be a positive integer (data-parallel replicas), got {self.dp!r}")
@@ -224,17 +217,13 @@ class Config:
         if lpp is None:
             return
         if isinstance(lpp, (str, bytes)) or not hasattr(lpp, "__iter__"):
-            raise ConfigError(
-                f"layers_per_proc must be a list of layer counts, one per stage, got {lpp!r}; "
-                "for example layers_per_proc=[2, 3, 3]"
-            )
+            raise ConfigError(f"layers_per_proc must be a list of layer counts, one per stage, got {lpp!r}; "
+                              "for example layers_per_proc=[2, 3, 3]")
         counts = tuple(lpp)
         bad = [c for c in counts if not isinstance(c, int) or isinstance(c, bool) or c < 1]
         if not counts or bad:
-            raise ConfigError(
-                f"layers_per_proc={list(counts)} must hold one positive integer per stage "
-                f"(bad entries: {bad}); every stage needs at least one layer"
-            )
+            raise ConfigError(f"layers_per_proc={list(counts)} must hold one positive integer per stage "
+                              f"(bad entries: {bad}); every stage needs at least one layer")
         object.__setattr__(self, "layers_per_proc", counts)
         v = self.num_virtual_stages if isinstance(self.num_virtual_stages, int) else 1
         if v > 1 and len(counts) % v:

@@ -24,7 +24,8 @@ from plait.runtime.collectives import TiedGradients, broadcast_tensors, make_gro
 from plait.runtime.grad_sync import GradientBuckets
 from plait.runtime.executor import StageExecutor
 from plait.runtime.interpreter import Interpreter
-from plait.runtime.tensor_parallel import same_generators, shard_stage
+from plait.runtime.tensor_parallel import shard_stage
+from plait.runtime.tp_collectives import same_generators
 from plait.runtime.tp_search import runtime_search, searched_layouts
 from plait.runtime.vocab_loss import SplitLoss
 from plait.runtime.trace import NULL_TRACER, NullTracer, Tracer

@@ -14,31 +14,28 @@ Each parameter is cut to this rank's part, and the collectives of Megatron-LM go
 (Korthikanti et al. 2022) a row-parallel sum is reduce-scattered over the tokens instead (its bias
 added after), a whole operand spanning the split tokens is cut to this rank's part (its gradient
 all-gathered), one broadcast over them (a bias, a layer norm's weight) gets its gradient
-all-reduced, and the tokens are all-gathered before an operation that needs them whole. A view, expand or split of a split
-value gets its shape with the split dimension divided by tp. A dropout on a split value draws the
-whole mask (the same random numbers one process draws) and keeps this rank's part; the tp ranks'
-generators are made equal when the pipeline is built (`same_generators`), so every other dropout
-draws the same mask on each, and training with dropout is still one process's. Each parameter is cut in place (`p.data`), once: the module,
-the user's model and every stage graph keep holding the same `Parameter`.
+all-reduced, and the tokens are all-gathered before an operation that needs them whole (the
+collectives: `plait.runtime.tp_collectives`). A view, expand or split of a split value gets its
+shape with the split dimension divided by tp; a dropout on a split value draws the whole mask and
+keeps this rank's part. Each parameter is cut in place (`p.data`), once: the module, the user's
+model and every stage graph keep holding the same `Parameter`.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
 from plait.capture.shard_rules import args_of, is_seq, kwargs_of, Shard, linear_parts, seq_operands
 from plait.capture.tp_layout import TpLayout, gathered_for_colwise
 from plait.errors import ConfigError
-from plait.runtime.collectives import local_device
-from plait.tensor_parts import TpShard, local_part, shard_of, whole_of
+from plait.runtime.tp_collectives import SplitDropout, TpCollective, VocabLookup
+from plait.tensor_parts import TpShard, local_part, shard_of
 
-__all__ = ["shard_stage", "same_generators", "reduce_sum", "sum_both_ways", "TpCollective", "VocabLookup", "SplitDropout"]
+__all__ = ["shard_stage"]
 
 aten = torch.ops.aten
 
@@ -60,206 +57,6 @@ def _cut(param: torch.Tensor, dim: int, blocks: int, tp_rank: int, tp: int) -> N
             param.data = local_part(param.data, dim, blocks, tp_rank, tp).clone()
     param.grad = None  # a whole-shaped gradient left by an earlier backward (the planner's profile)
     param._plait_tp = TpShard(shape, dim, blocks, tp_rank, tp)  # type: ignore[attr-defined]
-
-
-# -- the collectives, as autograd functions -----------------------------------------------------
-
-class _Copy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _Reduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _SumBoth(torch.autograd.Function):
-    """All-reduce SUM forward, and of the gradient backward (each rank holds a share of it)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _Reduce.forward(ctx, x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _Copy.backward(ctx, grad)
-
-
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, blocks: int, tp_rank: int, tp: int) -> torch.Tensor:
-        ctx.args = (dim, blocks, tp_rank, tp)
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(tp)]
-        dist.all_gather(parts, x, group=group)
-        return whole_of(parts, dim, blocks)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        dim, blocks, tp_rank, tp = ctx.args
-        return local_part(grad, dim, blocks, tp_rank, tp).contiguous(), None, None, None, None, None
-
-
-def _gather_along(x: torch.Tensor, group: Any, dim: int, tp: int) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(tp)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim)
-
-
-def _reduce_scatter_along(x: torch.Tensor, group: Any, dim: int, tp: int) -> torch.Tensor:
-    front = x.movedim(dim, 0).contiguous()
-    out = front.new_empty((front.shape[0] // tp, *front.shape[1:]))
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # its newer name, if any
-    scatter(out, front, group=group)
-    return out.movedim(0, dim)
-
-
-class _ReduceScatter(torch.autograd.Function):
-    """Partial sums summed over the tp group, each rank keeping its part along `dim` (Megatron's
-    sequence-parallel g); backward: the parts' gradients all-gathered."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, tp: int) -> torch.Tensor:
-        if x.shape[dim] % tp:
-            raise ConfigError(f"sequence parallelism splits dimension {dim} of size {x.shape[dim]} over tp={tp}; "
-                              "use sequences whose length divides by tp, or sequence_parallel=False")
-        ctx.args = (group, dim, tp)
-        return _reduce_scatter_along(x, group, dim, tp)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        group, dim, tp = ctx.args
-        return _gather_along(grad, group, dim, tp), None, None, None
-
-
-class _GatherPartial(torch.autograd.Function):
-    """Token parts all-gathered for column-parallel linears, whose input gradients each rank holds a
-    share of: backward, those summed and cut back to the parts at once (reduce-scatter; Megatron's
-    sequence-parallel f)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, tp: int) -> torch.Tensor:
-        ctx.args = (group, dim, tp)
-        return _gather_along(x, group, dim, tp)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        group, dim, tp = ctx.args
-        return _reduce_scatter_along(grad, group, dim, tp), None, None, None
-
-
-class _Scatter(torch.autograd.Function):
-    """A whole value's part along `dim` on this rank (no communication); backward: all-gathered."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, tp_rank: int, tp: int) -> torch.Tensor:
-        ctx.args = (group, dim, tp)
-        return local_part(x, dim, 1, tp_rank, tp).contiguous()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        group, dim, tp = ctx.args
-        return _gather_along(grad, group, dim, tp), None, None, None, None
-
-
-def _apply(fn: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
-    return cast(torch.Tensor, fn.apply(*args))  # type: ignore[no-untyped-call]
-
-
-def reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """x summed over the tp group; its gradient passed back as it is (Megatron's g)."""
-    return _apply(_Reduce, x, group)
-
-
-def sum_both_ways(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """x summed over the tp group, and its gradient summed too (each rank's backward holds a share)."""
-    return _apply(_SumBoth, x, group)
-
-
-class TpCollective(nn.Module):
-    """One collective of the tp group, as a module the stage graph calls."""
-
-    def __init__(self, kind: str, group: Any, tp_rank: int, tp: int, dim: int = -1, blocks: int = 1):
-        super().__init__()
-        self.kind, self.group, self.tp_rank, self.tp, self.dim, self.blocks = kind, group, tp_rank, tp, dim, blocks
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "copy":
-            return _apply(_Copy, x, self.group)
-        if self.kind == "reduce":
-            return reduce_sum(x, self.group)
-        if self.kind == "reduce_scatter":
-            return _apply(_ReduceScatter, x, self.group, self.dim % x.dim(), self.tp)
-        if self.kind == "gather_partial":
-            return _apply(_GatherPartial, x, self.group, self.dim % x.dim(), self.tp)
-        if self.kind == "scatter":
-            return _apply(_Scatter, x, self.group, self.dim % x.dim(), self.tp_rank, self.tp)
-        return _apply(_Gather, x, self.group, self.dim % x.dim(), self.blocks, self.tp_rank, self.tp)
-
-
-class VocabLookup(nn.Module):
-    """An embedding whose rows are split over the tp ranks: each looks up the ids in its rows."""
-
-    def __init__(self, group: Any, tp_rank: int, padding_idx: int):
-        super().__init__()
-        self.group, self.tp_rank, self.padding_idx = group, tp_rank, padding_idx
-
-    def forward(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        rows = weight.shape[0]
-        start = self.tp_rank * rows
-        outside = (ids < start) | (ids >= start + rows)
-        local = (ids - start).masked_fill(outside, 0)
-        pad = self.padding_idx - start if start <= self.padding_idx < start + rows else None
-        out = F.embedding(local, weight, padding_idx=pad)
-        return reduce_sum(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
-
-
-class SplitDropout(nn.Module):
-    """Dropout of a split value: the whole mask drawn (as one process draws it), this rank's part kept."""
-
-    def __init__(self, dim: int, blocks: int, tp_rank: int, tp: int):
-        super().__init__()
-        self.dim, self.blocks, self.tp_rank, self.tp = dim, blocks, tp_rank, tp
-
-    def forward(self, x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
-        if not train or p == 0.0:
-            return x
-        shape = list(x.shape)
-        shape[self.dim] *= self.tp
-        keep = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
-        if p < 1.0:
-            keep.div_(1 - p)
-        return x * local_part(keep, self.dim, self.blocks, self.tp_rank, self.tp)
-
-
-def same_generators(src: int, group: Any) -> None:
-    """This rank's torch generators (CPU, and its CUDA device's) set to rank `src`'s, over `group`:
-    the tp ranks then draw the same dropout masks where each computes the whole value."""
-    device = local_device()
-    states = [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
-    moved = [state.to(device) for state in states]
-    for state in moved:
-        dist.broadcast(state, src, group=group)
-    torch.set_rng_state(moved[0].cpu())
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(moved[1].cpu(), device)
 
 
 # -- the rewrite ---------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""The tp search in the runtime: which splittable operations of each stage run split, chosen by the
-intra-operator ILP (`plait.plan.tp_choice`) when `Config.memory_limit_bytes` is given.
+"""The tp search: which splittable operations of each stage run split, chosen by an ILP.
+
+The intra-operator ILP (`plait.plan.tp_choice`) chooses when `Config.memory_limit_bytes` is given.
 
 Without a limit every operation that can split does (Megatron's layout, `plait.capture.tp_layout`).
 With one, the ILP keeps whole what is cheaper whole -- compute against collectives, priced with

@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from plait.capture.shard_rules import reshape_dim
-from plait.runtime.tensor_parallel import TpCollective, reduce_sum, sum_both_ways
+from plait.runtime.tp_collectives import TpCollective, reduce_sum, sum_both_ways
 
 __all__ = ["SplitLoss"]
 
