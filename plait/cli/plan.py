@@ -118,7 +118,7 @@ def _search_space(args: argparse.Namespace) -> Any:
 
 
 def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from plait.plan.analytic import gpt_costs, gpt_tp_shares, optimizer_state_factor, parse_gpt
+    from plait.plan.analytic import gpt_costs, gpt_tp_shares, megatron_flops, optimizer_state_factor, parse_gpt
     from plait.plan.tp_costs import search_tp, tp_degrees
     from plait.plan.cost import Cluster
     from plait.plan.devices import device
@@ -174,9 +174,13 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     data["planning_time_s"] = elapsed
     data["costs"] = costs_source
     data["alternatives"] = [c.to_dict() for c in found[1:]]
+    rate = ""
+    if args.gpt is not None and data.get("predicted_step_time_s"):  # Megatron's count over the predicted step
+        data["tflops_per_device"] = megatron_flops(spec, args.batch) / (data["predicted_step_time_s"] * args.devices) / 1e12
+        rate = f"; predicted {data['tflops_per_device']:.1f} TFLOP/s per device (Megatron's FLOP count)"
     text = (f"plait plan: {head['model']} on {args.devices} x {head['device']} "
             f"({cluster.memory_bytes / gib:.2f} GiB each), global batch {head['global_batch']}; "
-            f"costs {costs_source}; planned in {elapsed:.2f} s\n" + format_table(found, args.top))
+            f"costs {costs_source}; planned in {elapsed:.2f} s{rate}\n" + format_table(found, args.top))
     return data, text
 
 

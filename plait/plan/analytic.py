@@ -26,7 +26,7 @@ from plait.plan.devices import Device
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.tp_costs import TpShares
 
-__all__ = ["GptSpec", "gpt_costs", "gpt_tp_shares", "parse_gpt", "optimizer_state_factor", "ALPA_GPT_SUITE"]
+__all__ = ["GptSpec", "gpt_costs", "gpt_tp_shares", "parse_gpt", "optimizer_state_factor", "ALPA_GPT_SUITE", "megatron_flops"]
 
 # Bytes read and written per parameter by one optimizer step (fp32 state): Adam reads the
 # parameter, gradient, exp_avg, exp_avg_sq and writes three of them back: 7 x 4.
@@ -104,6 +104,14 @@ def gpt_tp_shares(spec: GptSpec, dev: Device, tp: int) -> TpShares:
         forward_collectives=per(1, 2 if heads_split else 1, 1),
         backward_collectives=per(0, 2 if heads_split else 1, 1),
     )
+
+
+def megatron_flops(spec: GptSpec, batch: int) -> float:
+    """FLOPs of one training iteration of `batch` sequences as Megatron-LM counts them (Narayanan
+    et al. 2021, equation 3: the forward recomputed in the backward, the logits' matmul):
+    96 B s l h^2 (1 + s / (6 h) + V / (16 l h))."""
+    s, l, h, v = spec.seq, spec.layers, spec.hidden, spec.vocab
+    return 96.0 * batch * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
 
 
 def parse_gpt(text: str) -> GptSpec:

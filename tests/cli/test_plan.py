@@ -56,6 +56,18 @@ def test_gpt_350m_on_one_v100_fits(capsys):
     assert data["predicted_step_time_s"] > 0 and data["alternatives"]
 
 
+def test_a_gpt_plan_gives_its_predicted_tflops_per_device_by_megatrons_count(capsys):
+    from plait.plan.analytic import megatron_flops, parse_gpt
+    spec = "layers=24,hidden=2304,heads=24,seq=2048,vocab=51200"  # Megatron's 1.7B row
+    data = run_json(capsys, "--gpt", spec, "--batch", "512", "--devices", "32", "--device", "a100-80gb")
+    assert data["feasible"]
+    want = megatron_flops(parse_gpt(spec), 512) / (data["predicted_step_time_s"] * 32) / 1e12
+    assert data["tflops_per_device"] == pytest.approx(want)
+    assert 0 < data["tflops_per_device"] < 312  # below the A100's bf16 peak
+    assert main(["plan", "--gpt", spec, "--batch", "512", "--devices", "32", "--device", "a100-80gb"]) == 0
+    assert f"predicted {data['tflops_per_device']:.1f} TFLOP/s per device" in capsys.readouterr().out
+
+
 def test_zero_is_chosen_or_given_and_in_the_json(capsys):
     gpt = ["--gpt", "layers=8,hidden=512,heads=8,seq=256,vocab=1000", "--batch", "64", "--devices", "4",
            "--device", "a100-40gb"]

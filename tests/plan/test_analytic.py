@@ -34,6 +34,17 @@ def test_flops_are_megatrons() -> None:
     assert costs.forward_fixed_s == (dev.kernel_overhead_s,) * (l + 2)
 
 
+def test_megatrons_iteration_flops_give_its_training_time_estimate() -> None:
+    # SC'21: GPT-3 175B on 300B tokens with 1024 GPUs at 140 TFLOP/s takes about 34 days (their
+    # 8TP/(nX)); equation 3 per token is ~8 x parameters, so it gives the same days
+    from plait.plan.analytic import megatron_flops
+    gpt3 = GptSpec(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200)
+    per_token = megatron_flops(gpt3, 1536) / (1536 * 2048)
+    assert per_token == pytest.approx(8 * 175e9, rel=0.05)
+    assert per_token * 300e9 / (1024 * 140e12) / 86400 == pytest.approx(34, abs=1.5)
+    assert megatron_flops(gpt3, 2) == pytest.approx(2 * megatron_flops(gpt3, 1))
+
+
 def test_bytes_per_layer() -> None:
     spec = GptSpec(layers=2, hidden=1024, heads=16, seq=1024, vocab=51200)
     costs = gpt_costs(spec, device("v100-16gb"))
