@@ -167,7 +167,7 @@ def _placement(lay: Layout) -> str:
     return "Replicate()"
 
 
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 
 
 def gathered_for_colwise(layout: TpLayout, value: fx.Node) -> bool:
@@ -178,7 +178,7 @@ def gathered_for_colwise(layout: TpLayout, value: fx.Node) -> bool:
         if layout.roles.get(user.name) == "colwise":
             parts = linear_parts(user)
             return parts is not None and parts.x is source
-        return (user.op == "call_function" and user.target in _VIEWS and bool(user.users)
+        return (user.op == "call_function" and user.target in VIEWS and bool(user.users)
                 and all(feeds(u, user) for u in user.users))
     readers = [u for u in value.users if u.name in layout.gathers]
     return bool(readers) and all(feeds(u, value) for u in readers)
@@ -219,12 +219,20 @@ def tp_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping[str, 
     return layouts
 
 
-def _strategy(module: str, plan: Mapping[str, str], matched: set[str]) -> str | None:
+def strategy_of(module: str, plan: Mapping[str, str], matched: set[str] | None = None) -> str | None:
+    """The tp_plan entry of `module` (its first matching pattern, recorded in `matched`), or None."""
     for pattern, strategy in plan.items():
         if fnmatch.fnmatchcase(module, pattern):
-            matched.add(pattern)
+            if matched is not None:
+                matched.add(pattern)
             return strategy
     return None
+
+
+def embedding_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The graph's lookups of an embedding table it holds (aten.embedding on a parameter)."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.embedding.default
+            and isinstance(args_of(n)[0], fx.Node) and args_of(n)[0].op == "get_attr"]
 
 
 def _as_strategy(given: str, linear: LinearParts | None, module: str) -> str:
@@ -267,11 +275,10 @@ def _layout_once(gm: fx.GraphModule, tp: int, plan: Mapping[str, str], matched: 
                  whole: set[str], sequence_parallel: bool) -> TpLayout:
     nodes = list(gm.graph.nodes)
     linears = {n: p for n in nodes if (p := linear_parts(n)) is not None}
-    embeddings = [n for n in nodes if n.op == "call_function" and n.target is aten.embedding.default
-                  and isinstance(args_of(n)[0], fx.Node) and args_of(n)[0].op == "get_attr"]
+    embeddings = embedding_nodes(gm)
     fixed = {n: _as_strategy(s, linears.get(n), module_of(str((linears[n].weight if n in linears else args_of(n)[0]).target)))
              for n in [*linears, *embeddings]
-             if (s := _strategy(module_of(str((linears[n].weight if n in linears else args_of(n)[0]).target)),
+             if (s := strategy_of(module_of(str((linears[n].weight if n in linears else args_of(n)[0]).target)),
                                 plan, matched)) is not None}
     col: set[fx.Node] = set()
     for n, p in linears.items():

@@ -23,14 +23,14 @@ model and every stage graph keep holding the same `Parameter`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch import nn
 
 from plait.capture.shard_rules import args_of, is_seq, kwargs_of, Shard, linear_parts, seq_operands
-from plait.capture.tp_layout import TpLayout, gathered_for_colwise
+from plait.capture.tp_layout import VIEWS, TpLayout, gathered_for_colwise
 from plait.errors import ConfigError
 from plait.runtime.tp_collectives import SplitDropout, TpCollective, VocabLookup
 from plait.tensor_parts import TpShard, local_part, shard_of
@@ -99,6 +99,9 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
                 None if kind.startswith("gather") else layout_of(value))
         return cache[key]
 
+    def copy(before: fx.Node, value: fx.Node) -> fx.Node:
+        return collective(before, copies, value, value, "copy")
+
     partial: set[fx.Node] = set()  # the column-parallel inputs whose gradient a reduce-scatter sums
 
     for node in list(graph.nodes):
@@ -113,30 +116,30 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
                                        layout_of(value).dim)
                     if for_colwise:
                         partial.add(whole)
-                        partial.update(u for u in readers if u.target in _SHAPED)
+                        partial.update(u for u in readers if u.target in VIEWS)
                     node.replace_input_with(value, whole)
         if not role and node.name not in entries:
             for value, need, dim in seq_operands(node, here, layout_of):
                 new = (collective(node, scattered, (value, dim), value, "scatter", dim) if need == "scatter"
-                       else collective(node, copies, value, value, "copy"))
+                       else copy(node, value))
                 node.replace_input_with(value, new)
         if node.name in entries and entries[node.name][0] != node.name:  # a row-parallel sum's view: scatter it
             for new in _reduce_scatter_after(graph, node, module(TpCollective("reduce_scatter", group, tp_rank, tp,
                                                                               entries[node.name][1])),
-                                             biases.pop(entries[node.name][0]), copies, module, group, tp_rank, tp):
+                                             biases.pop(entries[node.name][0]), copy):
                 values[new.name] = here
             continue
         if role == "colwise":
             x = linear_parts(node).x  # type: ignore[union-attr]
             if x not in partial:  # (else the reduce-scatter behind it sums the gradient)
-                node.replace_input_with(x, collective(node, copies, x, x, "copy"))
+                node.replace_input_with(x, copy(node, x))
         elif role == "rowwise" and node.name in layout.seq_entries:
             entry, dim = layout.seq_entries[node.name]
             product, bias = _partial_product(graph, node)
             if entry == node.name:
                 for new in _reduce_scatter_after(graph, product, module(TpCollective("reduce_scatter", group, tp_rank,
                                                                                       tp, dim)),
-                                                 bias, copies, module, group, tp_rank, tp):
+                                                 bias, copy):
                     values[new.name] = here
             else:
                 biases[node.name] = bias
@@ -187,20 +190,17 @@ def _partial_product(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node |
 
 
 def _reduce_scatter_after(graph: fx.Graph, value: fx.Node, reduce_scatter: str, bias: fx.Node | None,
-                          copies: dict[fx.Node, fx.Node], module: Any, group: Any, tp_rank: int, tp: int,
-                          ) -> list[fx.Node]:
+                          copy: Callable[[fx.Node, fx.Node], fx.Node]) -> list[fx.Node]:
     """value (partial sums, whole shape) -> reduce-scatter over its tokens (+ the bias, whose gradient
-    each rank then holds for its tokens only: all-reduced); returns the token-split nodes made."""
+    each rank then holds for its tokens only: all-reduced by `copy(before, bias)`); returns the
+    token-split nodes made."""
     users = list(value.users)
     with graph.inserting_after(value):
         last = scattered = graph.call_module(reduce_scatter, (value,))
     if bias is not None:
-        anchor = scattered
-        if bias not in copies:
-            with graph.inserting_after(scattered):
-                copies[bias] = anchor = graph.call_module(module(TpCollective("copy", group, tp_rank, tp)), (bias,))
-        with graph.inserting_after(anchor):
-            last = graph.call_function(aten.add.Tensor, (scattered, copies[bias]))
+        with graph.inserting_after(scattered):
+            last = graph.call_function(aten.add.Tensor, (scattered, bias))
+        last.replace_input_with(bias, copy(last, bias))
     for user in users:
         user.replace_input_with(value, last)
     return [scattered, last]
@@ -208,30 +208,18 @@ def _reduce_scatter_after(graph: fx.Graph, value: fx.Node, reduce_scatter: str, 
 
 def _rowwise(graph: fx.Graph, node: fx.Node, reduce: str) -> None:
     """y = x W (+ b) -> reduce(x W[r]) (+ b): the bias added once, after the sum."""
-    p = linear_parts(node)
-    assert p is not None
-    with graph.inserting_after(node):
-        if node.target is aten.addmm.default:
-            product = graph.call_function(aten.mm.default, (p.x, p.weight))
-        elif node.target is aten.linear.default:
-            product = graph.call_function(aten.linear.default, (p.x, p.weight))
-        else:
-            product = graph.call_function(aten.mm.default, (p.x, p.weight))
+    product, bias = _partial_product(graph, node)
+    users = list(product.users)
     with graph.inserting_after(product):
-        total = graph.call_module(reduce, (product,))
-    last = total
-    if p.bias is not None:
+        last = total = graph.call_module(reduce, (product,))
+    if bias is not None:
         with graph.inserting_after(total):
-            last = graph.call_function(aten.add.Tensor, (total, p.bias))
+            last = graph.call_function(aten.add.Tensor, (total, bias))
     for key in ("val", "nn_module_stack", "stack_trace"):
-        if key in node.meta:
-            for n in (product, total, last):
-                n.meta[key] = node.meta[key]
-    node.replace_all_uses_with(last)
-    graph.erase_node(node)
-
-
-_SHAPED = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+        if key in product.meta:
+            total.meta[key] = last.meta[key] = product.meta[key]
+    for user in users:
+        user.replace_input_with(product, last)
 
 
 def _local_shapes(graph: fx.Graph, node: fx.Node, here: Any, values: dict[str, Any], tp: int, module: Any,
@@ -241,7 +229,7 @@ def _local_shapes(graph: fx.Graph, node: fx.Node, here: Any, values: dict[str, A
     before = values.get(source.name) if isinstance(source, fx.Node) else None
     if not isinstance(before, Shard):
         return
-    if node.target in _SHAPED and isinstance(here, Shard):
+    if node.target in VIEWS and isinstance(here, Shard):
         sizes = list(args_of(node)[1])
         if isinstance(sizes[here.dim], int) and sizes[here.dim] != -1:
             sizes[here.dim] //= tp

@@ -19,7 +19,6 @@ collectives move; ops tied together are the column-parallel ones whose split a r
 
 from __future__ import annotations
 
-import fnmatch
 import glob
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
@@ -28,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from plait.capture.shard_rules import Shard, args_of, linear_parts, shape_of
-from plait.capture.tp_layout import TpLayout, module_of, tp_layouts
+from plait.capture.tp_layout import TpLayout, embedding_nodes, module_of, strategy_of, tp_layouts
 from plait.plan.devices import device as device_preset
 from plait.plan.tp_choice import TpOp, TpSearch, choose_split
 from plait.plan.tp_strategies import TpMesh
@@ -136,12 +135,6 @@ def _preset_name(device: torch.device) -> str:
     return "h100-80gb"  # H100, H200 and newer: the nearest preset
 
 
-def _embeddings(gm: fx.GraphModule) -> set[str]:
-    return {module_of(str(args_of(n)[0].target)) for n in gm.graph.nodes
-            if n.op == "call_function" and n.target is aten.embedding.default
-            and isinstance(args_of(n)[0], fx.Node) and args_of(n)[0].op == "get_attr"}
-
-
 def searched_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping[str, str] | None,
                      search: TpSearch | None, earlier: Sequence[Mapping[str, Any]] = (),
                      sequence_parallel: bool = False) -> list[TpLayout]:
@@ -160,7 +153,7 @@ def searched_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping
             if not ops:
                 chosen.append({})
                 continue
-            pins = {op.name: op.role for op in ops if any(fnmatch.fnmatchcase(op.module, p) for p in plan)}
+            pins = {op.name: op.role for op in ops if strategy_of(op.module, plan) is not None}
             split, solution = choose_split(ops, search, fixed, pins)
             chosen.append({"split": sorted({op.module for op in ops if op.name in split}),
                            "whole": sorted({op.module for op in ops if op.name not in split}), "ops": len(ops),
@@ -169,7 +162,7 @@ def searched_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping
     whole = {m for c in chosen for m in c.get("whole", ())}
     vocab = {module_of(str(args_of(n)[0].target)) for g, lay in zip(graphs, layouts)
              for n in g.graph.nodes if lay.roles.get(n.name) == "vocab"}
-    unsplit = {m for g in graphs for m in _embeddings(g)} - vocab  # stay whole when the search drops the vocab split
+    unsplit = {module_of(str(args_of(n)[0].target)) for g in graphs for n in embedding_nodes(g)} - vocab  # stay whole when the search drops the vocab split
     extended = {**plan, **{glob.escape(m): "replicate" for m in sorted(whole | unsplit) if m not in plan}}
     final = tp_layouts(graphs, tp, extended, sequence_parallel)
     return [replace(lay, replicated=lay.replicated + tuple((m, KEPT_WHOLE) for m in c.get("whole", ())), search=c)
