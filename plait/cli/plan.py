@@ -79,6 +79,9 @@ def add_plan_command(commands: Any) -> None:
     plan.add_argument("--zero", type=int, choices=(0, 1, 2), default=None,
                       help="ZeRO level: 0 replicated optimizer state, 1 sharded over the dp replicas, "
                            "2 gradients too (default: the planner chooses; 1 and 2 only where dp > 1)")
+    plan.add_argument("--layout", default=None, metavar="tp=T,pp=P[,dp=D,zero=Z,m=M,schedule=S,recompute=0|1]",
+                      help="price this layout only (dp defaults to devices / (tp x pp)); what it leaves "
+                           "out (micro-batches, schedule, recomputation, ZeRO) the planner still chooses")
     plan.add_argument("--top", type=int, default=5, metavar="K", help="candidates shown (default: 5)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     plan.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="also save the JSON here")
@@ -108,12 +111,63 @@ def _load_model(spec: str) -> Any:
     return getattr(module, name)()
 
 
+LAYOUT_KEYS = ("tp", "pp", "dp", "zero", "m", "schedule", "recompute")
+
+
+def apply_layout(args: argparse.Namespace) -> None:
+    """`--layout tp=8,pp=2,...` -> the single values of --tp, --pp, --zero, --microbatches,
+    --schedules and --no-recompute (recompute=1 keeps recomputation only)."""
+    if args.layout is None:
+        return
+    given: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in args.layout.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in LAYOUT_KEYS:
+            raise ConfigError(f"cannot read {item!r} in --layout {args.layout!r}; write KEY=VALUE with KEY one of "
+                              f"{', '.join(LAYOUT_KEYS)}, e.g. --layout tp=8,pp=2")
+        given[key.strip()] = value.strip()
+    numbers: dict[str, int] = {}
+    for key in ("tp", "pp", "dp", "zero", "m", "recompute"):
+        if key in given:
+            try:
+                numbers[key] = int(given[key])
+            except ValueError:
+                raise ConfigError(f"--layout {key}={given[key]!r} is not an integer") from None
+            if numbers[key] < (0 if key in ("zero", "recompute") else 1):
+                raise ConfigError(f"--layout {key}={numbers[key]} is out of range; tp, pp, dp and m are >= 1")
+    tp, pp = numbers.get("tp", 1), numbers.get("pp")
+    if args.devices % tp or (pp is not None and args.devices % (tp * pp)):
+        raise ConfigError(f"--layout tp={tp}{f',pp={pp}' if pp else ''} does not divide --devices {args.devices}; "
+                          "tp x pp x dp must be the device count")
+    if "dp" in numbers:
+        if pp is None:
+            if args.devices % (tp * numbers["dp"]):
+                raise ConfigError(f"--layout tp={tp},dp={numbers['dp']} does not divide --devices {args.devices}")
+            pp = args.devices // (tp * numbers["dp"])
+        elif tp * pp * numbers["dp"] != args.devices:
+            raise ConfigError(f"--layout tp={tp} x pp={pp} x dp={numbers['dp']} = {tp * pp * numbers['dp']}, "
+                              f"not --devices {args.devices}; drop dp or make the product the device count")
+    args.tp = (tp,)
+    if pp is not None:
+        args.pp = (pp,)
+    if "zero" in numbers:
+        args.zero = numbers["zero"]
+    if "m" in numbers:
+        args.microbatches = (numbers["m"],)
+    if "schedule" in given:
+        args.schedules = given["schedule"]
+    if "recompute" in numbers:
+        args.no_recompute = numbers["recompute"] == 0
+        args.recompute_only = numbers["recompute"] == 1
+
+
 def _search_space(args: argparse.Namespace) -> Any:
     from plait.plan.search import SearchSpace
 
     schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
     return SearchSpace(pp=args.pp, num_microbatches=args.microbatches, schedules=schedules,
-                       recompute=(False,) if args.no_recompute else (False, True),
+                       recompute=(False,) if args.no_recompute else (
+                           (True,) if getattr(args, "recompute_only", False) else (False, True)),
                        zero=None if args.zero is None else (args.zero,), keep=max(1, args.top))
 
 
@@ -127,6 +181,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     gib = 2**30
     if args.devices < 1:
         raise ConfigError(f"--devices must be at least 1, got {args.devices}")
+    apply_layout(args)
     start = time.perf_counter()
     if args.gpt is not None:
         if args.batch is None:
@@ -137,7 +192,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         cluster = Cluster(dev.network, memory, optimizer_state_factor(args.optimizer, dev.dtype_bytes))
         tps = tuple(args.tp) if args.tp else tp_degrees(args.devices, dev.network.devices_per_node)
         found = search_tp(gpt_costs(spec, dev, args.optimizer), {t: gpt_tp_shares(spec, dev, t) for t in tps if t > 1},
-                          args.devices, args.batch, cluster, _search_space(args))
+                          args.devices, args.batch, cluster, _search_space(args), with_tp1=1 in tps)
         head = {"model": f"GPT {args.gpt} ({spec.parameters / 1e9:.2f}B parameters)",
                 "device": dev.name, "devices": args.devices, "global_batch": args.batch}
         costs_source = f"analytic, {dev.name}"
@@ -174,6 +229,11 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     data["planning_time_s"] = elapsed
     data["costs"] = costs_source
     data["alternatives"] = [c.to_dict() for c in found[1:]]
+    for entry in [data, *data["alternatives"]]:  # each stage runs on a dp x tp mesh of its own
+        for stage in entry["stages"]:
+            stage["mesh"] = {"dp": entry["dp"], "tp": entry["tp"]}
+    if args.layout is not None:
+        data["layout"] = args.layout
     rate = ""
     if args.gpt is not None and data.get("predicted_step_time_s"):  # Megatron's count over the predicted step
         data["tflops_per_device"] = megatron_flops(spec, args.batch) / (data["predicted_step_time_s"] * args.devices) / 1e12

@@ -11,8 +11,9 @@ sequence of s tokens, hidden size h, a heads, vocabulary V (Narayanan et al. 202
     block activations      s h (34 + 5 a s / h) bytes at 16 bits (Korthikanti et al. 2022,
                            no tensor or sequence parallelism), scaled by dtype_bytes / 2
 
-Time = FLOPs / (peak x efficiency) + a fixed per-layer overhead; the embedding is a gather,
-timed by the bytes it moves. The head holds its own V x h matrix: an untied head, or the
+On a GPU preset each layer's time is its operators' roofline (`plait.plan.roofline`: GEMMs by
+their shape, element-wise operators by their bytes), on a CPU FLOPs / (peak x efficiency); both
+plus a fixed per-layer overhead. The embedding is a gather, timed by the bytes it moves. The head holds its own V x h matrix: an untied head, or the
 copy of a tied one that plait keeps on the last stage (counted twice when both share a stage).
 The optimizer step moves `OPTIMIZER_TRAFFIC` bytes per parameter through memory.
 """
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from plait.errors import ConfigError
 from plait.plan.devices import Device
 from plait.plan.layer_costs import LayerCosts
+from plait.plan.roofline import BlockTimes, block_times, head_times
 from plait.plan.tp_costs import TpShares
 
 __all__ = ["GptSpec", "gpt_costs", "gpt_tp_shares", "parse_gpt", "optimizer_state_factor", "ALPA_GPT_SUITE", "megatron_flops"]
@@ -80,15 +82,20 @@ def gpt_tp_shares(spec: GptSpec, dev: Device, tp: int) -> TpShares:
     hidden states in the forward, 2 in the backward; Shoeybi et al. 2019), the head by vocabulary
     rows, its logits priced as gathered (an upper bound: a cross-entropy loss runs on them split).
     A block's split activations are Megatron's 24 + 5as/h of its 34 + 5as/h bytes per token and
-    hidden unit (Korthikanti et al. 2022); its compute all splits but the layer norms and residual
-    adds (taken as none)."""
+    hidden unit (Korthikanti et al. 2022); its split share of the work is what makes one rank's time
+    (`_block_and_head` at tp, the roofline's shapes on a GPU) that of the whole layer."""
     s, h, a, vocab, d = spec.seq, spec.hidden, spec.heads, spec.vocab, dev.dtype_bytes
     blocks, hidden_row = spec.layers, float(s * h * d)
     attention = 5 * a * s / h
     heads_split = a % tp == 0
     block_split = (12 * h * h + 7 * h) * d if heads_split else (8 * h * h + 5 * h) * d  # the MLP alone otherwise
     block_act = ((24 + attention) / (34 + attention)) if heads_split else 16 / (34 + attention)
-    block_work = 1.0 if heads_split else (16 * s * h * h) / (24 * s * h * h + 4 * s * s * h)
+    (block1, head1), (block_t, head_t) = _block_and_head(spec, dev, 1), _block_and_head(spec, dev, tp)
+
+    def work(whole: BlockTimes, part: BlockTimes) -> float:  # a of at_tp's 1 - a + a / tp
+        total = whole.forward_s + whole.backward_s + whole.weight_s
+        ratio = (part.forward_s + part.backward_s + part.weight_s) / total
+        return min(1.0, max(0.0, (1 - ratio) / (1 - 1 / tp))) if tp > 1 else 0.0
 
     def per(first: float, block: float, last: float) -> tuple[float, ...]:  # embedding, blocks, head
         return (float(first),) + (float(block),) * blocks + (float(last),)
@@ -96,7 +103,7 @@ def gpt_tp_shares(spec: GptSpec, dev: Device, tp: int) -> TpShares:
     return TpShares(
         tp,
         split_bytes=per(vocab * h * d, block_split, vocab * h * d),
-        split_share=per(0.0, block_work, 1.0),
+        split_share=per(0.0, work(block1, block_t), work(head1, head_t)),
         activation_share=per(0.0, block_act, 1.0),
         forward_reduce_row_bytes=per(hidden_row, 2 * hidden_row if heads_split else hidden_row, 0.0),
         backward_reduce_row_bytes=per(0.0, 2 * hidden_row if heads_split else hidden_row, hidden_row),
@@ -104,6 +111,27 @@ def gpt_tp_shares(spec: GptSpec, dev: Device, tp: int) -> TpShares:
         forward_collectives=per(1, 2 if heads_split else 1, 1),
         backward_collectives=per(0, 2 if heads_split else 1, 1),
     )
+
+
+def _block_and_head(spec: GptSpec, dev: Device, tp: int) -> tuple[BlockTimes, BlockTimes]:
+    """One sequence's F, B and W seconds of a block and of the head on one of `tp` ranks: the
+    roofline on a GPU; on a CPU the FLOPs (Narayanan et al. 2021) at peak x efficiency, split by tp."""
+    s, h, a, vocab = spec.seq, spec.hidden, spec.heads, spec.vocab
+    gpu = dev.gpu
+    if gpu is not None:
+        heads_split = a % tp == 0
+        block = block_times(s, h, a, gpu, tp if heads_split else 1)
+        if not heads_split and tp > 1:  # the MLP alone splits: its 16 s h^2 of the 24 s h^2 + 4 s^2 h
+            share = (16 * s * h * h) / (24 * s * h * h + 4 * s * s * h)
+            block = BlockTimes(*(t * (1 - share + share / tp) for t in (block.forward_s, block.backward_s, block.weight_s)))
+        return block, head_times(s, h, vocab, gpu, tp)
+    speed = dev.flops
+    split = (1.0 if a % tp == 0 else (16 * s * h * h) / (24 * s * h * h + 4 * s * s * h)) if tp > 1 else 0.0
+    part = 1 - split + split / tp
+    block = BlockTimes((24 * s * h * h + 4 * s * s * h) / speed * part, (24 * s * h * h + 8 * s * s * h) / speed * part,
+                       24 * s * h * h / speed * part)
+    head = 2 * s * h * vocab / speed / tp
+    return block, BlockTimes(head, head, head)
 
 
 def megatron_flops(spec: GptSpec, batch: int) -> float:
@@ -151,17 +179,14 @@ def gpt_costs(spec: GptSpec, dev: Device, optimizer: str = "adam") -> LayerCosts
     if optimizer not in OPTIMIZER_TRAFFIC:
         raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_TRAFFIC)}")
     s, h, a, vocab, d = spec.seq, spec.hidden, spec.heads, spec.vocab, dev.dtype_bytes
-    speed, overhead = dev.flops, dev.kernel_overhead_s
-    block_f = 24 * s * h * h + 4 * s * s * h
-    block_b = 24 * s * h * h + 8 * s * s * h
-    block_w = 24 * s * h * h
-    head = 2 * s * h * vocab
+    overhead = dev.kernel_overhead_s
+    block, head = _block_and_head(spec, dev, 1)
     embed_s = 2 * s * h * d / dev.memory_bandwidth  # gather rows, add positions
     names = ["embedding"] + [f"block{i}" for i in range(spec.layers)] + ["head"]
     n = len(names)
-    forward_row = [embed_s] + [block_f / speed] * spec.layers + [head / speed]
-    backward_row = [0.0] + [block_b / speed] * spec.layers + [head / speed]  # ids: no input gradient
-    weight_row = [embed_s] + [block_w / speed] * spec.layers + [head / speed]
+    forward_row = [embed_s] + [block.forward_s] * spec.layers + [head.forward_s]
+    backward_row = [0.0] + [block.backward_s] * spec.layers + [head.backward_s]  # ids: no input gradient
+    weight_row = [embed_s] + [block.weight_s] * spec.layers + [head.weight_s]
     block_act = s * h * (34 + 5 * a * s / h) * d / 2
     head_act = 2 * s * h * d + s * vocab * (d + 4)  # normed input, logits, fp32 softmax
     params = [(vocab + s) * h] + [12 * h * h + 13 * h] * spec.layers + [vocab * h + 2 * h]

@@ -1,8 +1,10 @@
 """Device presets for planning clusters that are not here: compute, memory and network.
 
-Every number is a published peak or a round assumption, named beside it; `efficiency` (the
-share of peak a transformer's matmuls sustain in training) carries most of the uncertainty.
-Memory is the device's total; the planner keeps a share free (`usable_memory`).
+A GPU preset holds its data sheet's numbers (tensor-core peak, SMs, memory and its bandwidth,
+links), each named beside it with its source (docs/planner.md lists them); its operators are
+timed by `plait.plan.roofline`, with no efficiency factor. The CPU preset keeps a sustained share
+of peak (`efficiency`), which `plait.planner.calibrate` replaces with measured times. Memory is
+the device's total; the planner keeps a share free (`usable_memory`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 from plait.errors import ConfigError
 from plait.plan.network import Link, Network
+from plait.plan.roofline import Gpu, gemm_s
 
 __all__ = ["Device", "DEVICES", "device"]
 
@@ -29,6 +32,7 @@ class Device:
     network: Network
     kernel_overhead_s: float  # fixed time per layer per pass (launches, small kernels)
     dtype_bytes: int = 2  # activations and parameters: 2 = fp16/bf16 mixed precision, 4 = fp32
+    sms: int = 0  # streaming multiprocessors (compute units): > 0 times operators by the roofline
 
     def __post_init__(self) -> None:
         if not (0 < self.efficiency <= 1):
@@ -37,8 +41,17 @@ class Device:
             raise ConfigError(f"device {self.name}: peak_flops, memory and bandwidth must be > 0")
 
     @property
+    def gpu(self) -> Gpu | None:
+        """The roofline's view of a GPU preset (None: a CPU, timed by `flops`)."""
+        return Gpu(self.peak_flops, self.sms, self.memory_bandwidth, self.dtype_bytes) if self.sms else None
+
+    @property
     def flops(self) -> float:
-        """Sustained FLOP/s: peak x efficiency."""
+        """Sustained FLOP/s: a GPU's on a large square GEMM by the roofline, else peak x efficiency."""
+        gpu = self.gpu
+        if gpu is not None:
+            n = 8192
+            return 2.0 * n**3 / gemm_s(n, n, n, gpu)
         return self.peak_flops * self.efficiency
 
     def usable_memory(self, fraction: float = 0.9) -> float:
@@ -52,25 +65,25 @@ def _gpu_node(intra_gbs: float, inter_gbs: float, per_node: int = 8) -> Network:
 
 
 DEVICES: dict[str, Device] = {
-    # V100 SXM2 16GB: 125 TFLOP/s fp16 tensor cores, 900 GB/s HBM2. Megatron-LM (2019) sustained
-    # 39 TFLOP/s on one V100, about 30% of peak. Alpa's cluster (Zheng et al. 2022): p3.16xlarge,
-    # 8 per node on NVLink (assumed ~100 GB/s NCCL bus bandwidth), 25 Gbit/s between nodes.
-    "v100-16gb": Device("v100-16gb", 125e12, 0.30, 16 * GIB, 900e9,
-                        _gpu_node(100, 25 / 8), 100e-6),
-    # A100 SXM 40GB: 312 TFLOP/s bf16, 1555 GB/s. Megatron-LM (Narayanan et al. 2021, Table 1)
-    # sustains 44-52% of peak; DGX A100: NVLink3 (~230 GB/s bus bandwidth), one 200 Gbit/s HDR per GPU.
-    "a100-40gb": Device("a100-40gb", 312e12, 0.45, 40 * GIB, 1555e9, _gpu_node(230, 25), 50e-6),
-    "a100-80gb": Device("a100-80gb", 312e12, 0.45, 80 * GIB, 2039e9, _gpu_node(230, 25), 50e-6),
-    # H100 SXM 80GB: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3; NVLink4 (~360 GB/s bus bandwidth),
-    # 400 Gbit/s NDR per GPU. 40% of peak is an assumption.
-    "h100-80gb": Device("h100-80gb", 989e12, 0.40, 80 * GIB, 3350e9, _gpu_node(360, 50), 30e-6),
-    # MI250X, one GCD (what a process sees): 191.5 TFLOP/s fp16/bf16 matrix, 64 GB HBM2e at
-    # 1.6 TB/s; 8 GCDs per node (Frontier), Infinity Fabric ~50 GB/s between GCDs, 4 x 25 GB/s
-    # Slingshot per node = 12.5 GB/s per GCD. 30% of peak is an assumption.
-    "mi250x": Device("mi250x", 191.5e12, 0.30, 64 * GIB, 1600e9, _gpu_node(50, 12.5), 50e-6),
+    # V100 SXM2 16GB (NVIDIA Tesla V100 whitepaper, 2017): 125 TFLOP/s fp16 tensor cores, 80 SMs,
+    # 900 GB/s HBM2. Alpa's cluster (Zheng et al. 2022): AWS p3.16xlarge, 8 per node on NVLink
+    # (100 GB/s taken for a ring's bus bandwidth), 25 Gbit/s between nodes.
+    "v100-16gb": Device("v100-16gb", 125e12, 1.0, 16 * GIB, 900e9, _gpu_node(100, 25 / 8), 100e-6, sms=80),
+    # A100 SXM (NVIDIA A100 whitepaper, 2020): 312 TFLOP/s bf16, 108 SMs; 40GB: 1555 GB/s, 80GB:
+    # 2039 GB/s (A100 80GB data sheet). DGX A100 (its user guide): NVSwitch, 600 GB/s per GPU both
+    # ways = 300 GB/s each way; 8 x 200 Gbit/s HDR InfiniBand per node = 25 GB/s per GPU.
+    "a100-40gb": Device("a100-40gb", 312e12, 1.0, 40 * GIB, 1555e9, _gpu_node(300, 25), 50e-6, sms=108),
+    "a100-80gb": Device("a100-80gb", 312e12, 1.0, 80 * GIB, 2039e9, _gpu_node(300, 25), 50e-6, sms=108),
+    # H100 SXM 80GB (NVIDIA H100 data sheet): 989 TFLOP/s dense bf16, 132 SMs, 3.35 TB/s HBM3;
+    # NVLink4 900 GB/s both ways = 450 each way; 400 Gbit/s NDR per GPU (DGX H100) = 50 GB/s.
+    "h100-80gb": Device("h100-80gb", 989e12, 1.0, 80 * GIB, 3350e9, _gpu_node(450, 50), 30e-6, sms=132),
+    # MI250X, one GCD (AMD Instinct MI250X data sheet; what a process sees): 191.5 TFLOP/s fp16/bf16
+    # matrix, 110 CUs, 64 GB HBM2e at 1.6 TB/s; 8 GCDs per node (Frontier), Infinity Fabric
+    # ~50 GB/s between GCDs, 4 x 25 GB/s Slingshot per node = 12.5 GB/s per GCD.
+    "mi250x": Device("mi250x", 191.5e12, 1.0, 64 * GIB, 1600e9, _gpu_node(50, 12.5), 50e-6, sms=110),
     # A CPU process of a few cores in fp32: ~100 GFLOP/s peak (4 cores x AVX2 FMA at ~3 GHz),
-    # half of it sustained, 20 GB/s memory; up to 8 processes per host on loopback gloo
-    # (~2 GB/s, 50 us; `plait.planner.calibrate` measures the real numbers), 10 GbE between.
+    # half of it sustained (an assumption: `plait.planner.calibrate` measures the real numbers),
+    # 20 GB/s memory; up to 8 processes per host on loopback gloo (~2 GB/s, 50 us), 10 GbE between.
     "cpu": Device("cpu", 100e9, 0.5, 16 * GIB, 20e9,
                   Network(Link(50e-6, 2e9), Link(100e-6, 1.25e9), 8), 20e-6, dtype_bytes=4),
 }

@@ -143,12 +143,13 @@ def _lanes(network: Network, tp: int) -> Network:
 
 
 def search_tp(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int, global_batch: int,
-              cluster: Cluster, space: SearchSpace = SearchSpace()) -> list[Candidate]:
-    """The best `space.keep` candidates over every tp in `shares` (tp=1 always), fastest first,
+              cluster: Cluster, space: SearchSpace = SearchSpace(), with_tp1: bool = True) -> list[Candidate]:
+    """The best `space.keep` candidates over every tp in `shares` (and tp=1 with `with_tp1`), fastest first,
     then the best of each tp not among them; each tp's layouts searched on world / tp ranks with
     `at_tp`'s costs. None feasible: the infeasible ones needing the least memory."""
     found: list[Candidate] = []
-    for tp in sorted({1, *shares}):
+    errors: list[ConfigError] = []
+    for tp in sorted({*shares} | ({1} if with_tp1 or not shares else set())):
         if world_size % tp:
             raise ConfigError(f"tp={tp} does not divide the world size {world_size}; tp must be one of its factors")
         if tp > 1 and not shares[tp].splits:
@@ -158,11 +159,12 @@ def search_tp(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int
         lane_cluster = replace(cluster, network=_lanes(cluster.network, tp))
         try:
             lanes = search(lane_costs, world_size // tp, global_batch, lane_cluster, space)
-        except ConfigError:
-            if tp == 1:
-                raise
-            continue  # the space has no setting on world / tp ranks (ZeRO asked for, no replicas left)
+        except ConfigError as err:
+            errors.append(err)  # the space has no setting on world / tp ranks (ZeRO asked for, no replicas left)
+            continue
         found += [replace(c, tp=tp) for c in lanes]
+    if not found and errors:
+        raise errors[0]
     feasible = sorted((c for c in found if c.feasible), key=lambda c: (float(f"{c.step_time_s:.12g}"), c.tp))
     if not feasible:
         return sorted(found, key=lambda c: c.needed_memory_bytes)[: space.keep]

@@ -81,6 +81,35 @@ def test_zero_is_chosen_or_given_and_in_the_json(capsys):
     assert max(map(sum, parts)) == pytest.approx(given["peak_memory_bytes"])
 
 
+def test_a_given_layout_is_priced_as_given(capsys):
+    # Megatron's 39.1B row (t=8, p=2 on 512 A100s, full recomputation) priced, not searched
+    gpt = ["--gpt", "layers=48,hidden=8192,heads=64,seq=2048", "--batch", "1536", "--devices", "512",
+           "--device", "a100-80gb"]
+    given = run_json(capsys, *gpt, "--layout", "tp=8,pp=2,recompute=1,zero=0")
+    assert given["layout"] == "tp=8,pp=2,recompute=1,zero=0"
+    for c in [given, *given["alternatives"]]:
+        assert (c["tp"], c["pp"], c["dp"], c["recompute"], c["zero"]) == (8, 2, 32, True, 0)
+        assert all(stage["mesh"] == {"dp": 32, "tp": 8} for stage in c["stages"])
+    assert 0 < given["tflops_per_device"] < 312
+    with_m = run_json(capsys, *gpt, "--layout", "tp=8,dp=32,m=48,schedule=1f1b")
+    assert (with_m["pp"], with_m["num_microbatches"], with_m["schedule"]) == (2, 48, "1f1b")
+    # the planner's own choice is never predicted slower than the layout it could have chosen
+    free = run_json(capsys, *gpt)
+    assert free["predicted_step_time_s"] <= given["predicted_step_time_s"] * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("layout, message", [
+    ("tp=8,pp=3", "--layout tp=8,pp=3 does not divide --devices 64"),
+    ("tp=8,pp=2,dp=2", "--layout tp=8 x pp=2 x dp=2 = 32, not --devices 64"),
+    ("tp=two", "--layout tp='two' is not an integer"),
+    ("width=2", "cannot read 'width=2' in --layout 'width=2'"),
+    ("tp=0", "--layout tp=0 is out of range"),
+])
+def test_a_layout_that_cannot_be_is_named(capsys, layout, message):
+    assert main(["plan", "--gpt", GPT_39B, "--batch", "1024", "--devices", "64", "--layout", layout]) == 1
+    assert message in capsys.readouterr().err
+
+
 def test_zero_outside_0_to_2_is_refused(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--gpt", "layers=2,hidden=64,heads=4", "--batch", "8", "--devices", "2", "--zero", "3"])

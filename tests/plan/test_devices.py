@@ -16,6 +16,7 @@ def test_presets() -> None:
     for name in ("v100-16gb", "a100-40gb", "a100-80gb", "h100-80gb", "mi250x", "cpu"):
         dev = DEVICES[name]
         assert dev.flops < dev.peak_flops and dev.usable_memory() < dev.memory_bytes
+        assert (dev.gpu is None) == (name == "cpu")
     assert device("V100-16GB").name == "v100-16gb"
     assert device("v100-16gb").network.inter.bandwidth == pytest.approx(25e9 / 8)  # Alpa: 25 Gbps
     with pytest.raises(ConfigError, match="presets: a100-40gb, a100-80gb"):
@@ -26,9 +27,15 @@ def test_the_presets_and_their_numbers() -> None:
     assert sorted(DEVICES) == ["a100-40gb", "a100-80gb", "cpu", "h100-80gb", "mi250x", "v100-16gb"]
     assert all(DEVICES[name].name == name for name in DEVICES)
     v100 = device("v100-16gb")
-    assert (v100.peak_flops, v100.efficiency, v100.memory_bytes, v100.dtype_bytes) == (125e12, 0.30, 16 * GIB, 2)
-    assert v100.flops == pytest.approx(37.5e12)  # Megatron-LM's 39 TFLOP/s on one V100, about 30%
+    assert (v100.peak_flops, v100.sms, v100.memory_bytes, v100.dtype_bytes) == (125e12, 80, 16 * GIB, 2)
     assert v100.network.devices_per_node == 8 and v100.network.intra == Link(10e-6, 100e9)
+    a100 = device("a100-80gb")  # DGX A100: NVSwitch 300 GB/s each way, one 200 Gbit/s HDR per GPU
+    assert (a100.peak_flops, a100.sms, a100.memory_bandwidth) == (312e12, 108, 2039e9)
+    assert (a100.network.intra.bandwidth, a100.network.inter.bandwidth) == (300e9, 25e9)
+    # GPUs: no efficiency factor; their sustained rate is the roofline's on a large square GEMM
+    from plait.plan.roofline import gemm_s
+    assert all(DEVICES[n].efficiency == 1.0 for n in DEVICES if DEVICES[n].sms)
+    assert a100.flops == pytest.approx(2 * 8192**3 / gemm_s(8192, 8192, 8192, a100.gpu))
     cpu = device("cpu")
     assert (cpu.dtype_bytes, cpu.flops, cpu.network.intra) == (4, 50e9, Link(50e-6, 2e9))
 

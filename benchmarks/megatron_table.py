@@ -1,0 +1,75 @@
+"""The planner's cost model against Megatron-LM's published table, at Megatron's own layouts.
+
+Each row of Megatron-LM's weak-scaling table (Narayanan et al., SC'21: A100 80GB, sequence 2048,
+vocabulary 51200, full activation recomputation) is priced by `plait plan --gpt ... --layout
+tp=T,pp=P,recompute=1` on the a100-80gb preset -- the roofline of `plait.plan.roofline` from the
+data sheet, no fitted efficiency -- and its predicted TFLOP/s per GPU (Megatron's FLOP count,
+SC'21 equation 3, over the predicted step) printed beside the published one (target: within 10%).
+Then the planner chooses freely; its choice must be predicted no slower than Megatron's layout.
+Last, Alpa's GPT-39B on 64 V100-16GB (8 per node): feasible or not, and its predicted throughput.
+
+    python benchmarks/megatron_table.py [--rows 4]   (the 5th row, 1T on 3072 GPUs, plans longer)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# params, layers, hidden, heads, t, p, GPUs, global batch, published TFLOP/s per GPU
+MEGATRON = [
+    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
+    ("18.4B", 40, 6144, 48, 8, 1, 256, 1024, 135),
+    ("39.1B", 48, 8192, 64, 8, 2, 512, 1536, 138),
+    ("145.6B", 80, 12288, 96, 8, 8, 1536, 2304, 148),
+    ("1008B", 128, 25600, 160, 8, 64, 3072, 3072, 163),
+]
+TARGET = 0.10
+
+
+def plan(gpt: str, batch: int, devices: int, device: str, *extra: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "plait.cli", "plan", "--gpt", gpt, "--batch", str(batch),
+                          "--devices", str(devices), "--device", device, "--json", *extra],
+                         check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    return json.loads(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=len(MEGATRON), help="the table's first ROWS rows")
+    args = parser.parse_args()
+    print(f"{'model':>7} {'t':>2} {'p':>3} {'GPUs':>5} {'published':>9} {'predicted':>9} {'ratio':>6}  "
+          f"{'own choice (pp dp tp m schedule recompute)':<44} {'own/given step':>14}  plan s")
+    ok = True
+    for name, layers, hidden, heads, t, p, gpus, batch, published in MEGATRON[: args.rows]:
+        gpt = f"layers={layers},hidden={hidden},heads={heads},seq=2048,vocab=51200"
+        given = plan(gpt, batch, gpus, "a100-80gb", "--layout", f"tp={t},pp={p},recompute=1")
+        own = plan(gpt, batch, gpus, "a100-80gb")
+        ratio = given["tflops_per_device"] / published
+        faster = own["predicted_step_time_s"] / given["predicted_step_time_s"]
+        ok &= abs(ratio - 1) <= TARGET and faster <= 1 + 1e-9
+        choice = (f"{own['pp']} {own['dp']} {own['tp']} {own['num_microbatches']} {own['schedule']} "
+                  f"{'yes' if own['recompute'] else 'no'}")
+        print(f"{name:>7} {t:>2} {p:>3} {gpus:>5} {published:>9} {given['tflops_per_device']:>9.1f} {ratio:>6.3f}  "
+              f"{choice:<44} {faster:>14.3f}  {given['planning_time_s'] + own['planning_time_s']:.1f}")
+    alpa = plan("layers=48,hidden=8192,heads=64,seq=1024,vocab=51200", 1024, 64, "v100-16gb")
+    if alpa["feasible"]:
+        pflops = alpa["tflops_per_device"] * 64 / 1e3
+        print(f"Alpa's GPT-39B on 64 V100-16GB: feasible, pp={alpa['pp']} dp={alpa['dp']} tp={alpa['tp']} "
+              f"m={alpa['num_microbatches']} {alpa['schedule']}, predicted {alpa['predicted_step_time_s']:.2f} s a "
+              f"step = {pflops:.2f} PFLOP/s in all (Megatron's count; Alpa's Figure 7a reports its own in PFLOPS)")
+    else:
+        ok = False
+        print(f"Alpa's GPT-39B on 64 V100-16GB: infeasible: {alpa['reason']}")
+    print(f"{'PASS' if ok else 'FAIL'}: every row within {TARGET:.0%} of the published TFLOP/s per GPU, "
+          "the planner's choice no slower, Alpa's GPT-39B feasible")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

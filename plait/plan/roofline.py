@@ -1,0 +1,107 @@
+"""Roofline times of a GPT's operators on a GPU: GEMMs by their shape, the rest by the bytes they move.
+
+A GEMM of M x K by K x N (`batch` of them) takes (Williams et al. 2009; NVIDIA, "Matrix
+Multiplication Background User's Guide", 2023, chapters 2-3):
+
+    max(2 M N K batch / (peak x quantization x k_fill), (M K + K N + M N) batch x dtype / bandwidth)
+
+    quantization  cuBLAS cuts the output into tiles (256x128, 128x256, 128x128, 128x64, 64x128,
+                  64x64) that run in waves of one tile per SM: the useful M N batch over
+                  waves x SMs x tile area (tile and wave quantization), for the best tile
+    k_fill        K / (K + pipeline): the main loop over K fills a software pipeline of
+                  `PIPELINE_K` elements of K before the tensor cores run at rate (CUTLASS's
+                  multistage kernels: 3 stages of 32)
+
+Element-wise operators (layer norms, the softmax, GeLU, dropouts, residual adds, fused as
+Megatron-LM fuses them) move their bytes at the memory bandwidth. No efficiency is fitted: the
+device's peak, SM count and bandwidth are its data sheet's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Gpu", "gemm_s", "memory_s", "BlockTimes", "block_times", "head_times"]
+
+TILES = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128), (64, 64))
+PIPELINE_K = 3 * 32
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """What the roofline reads of a GPU: tensor-core peak, SMs, memory bandwidth, element size."""
+
+    peak_flops: float
+    sms: int
+    memory_bandwidth: float
+    dtype_bytes: int = 2
+
+
+def quantization(m: int, n: int, batch: int, sms: int) -> float:
+    """The share of the tensor cores' work that is useful, for the best of cuBLAS's tiles."""
+    best = 0.0
+    for tm, tn in TILES:
+        tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
+        waves = math.ceil(tiles / sms)
+        best = max(best, m * n * batch / (waves * sms * tm * tn))
+    return best
+
+
+def gemm_s(m: int, n: int, k: int, gpu: Gpu, batch: int = 1) -> float:
+    """Seconds for `batch` GEMMs of (m x k) @ (k x n) on `gpu` (see the module)."""
+    if min(m, n, k, batch) <= 0:
+        return 0.0
+    compute = 2.0 * m * n * k * batch / (gpu.peak_flops * quantization(m, n, batch, gpu.sms) * k / (k + PIPELINE_K))
+    traffic = (m * k + k * n + m * n) * batch * gpu.dtype_bytes / gpu.memory_bandwidth
+    return max(compute, traffic)
+
+
+def memory_s(nbytes: float, gpu: Gpu) -> float:
+    """Seconds to read and write `nbytes` in all at the memory bandwidth."""
+    return nbytes / gpu.memory_bandwidth
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """One sequence's forward, input-gradient (B) and weight-gradient (W) seconds on one rank."""
+
+    forward_s: float
+    backward_s: float
+    weight_s: float
+
+
+def _linear(tokens: int, n: int, k: int, gpu: Gpu) -> BlockTimes:
+    """y = x W (x: tokens x k, W: k x n): forward, input gradient, weight gradient."""
+    return BlockTimes(gemm_s(tokens, n, k, gpu), gemm_s(tokens, k, n, gpu), gemm_s(k, n, tokens, gpu))
+
+
+def block_times(seq: int, hidden: int, heads: int, gpu: Gpu, tp: int = 1) -> BlockTimes:
+    """A transformer block on one of `tp` ranks (Megatron's layout: q|k|v and the first MLP linear
+    split by columns, the output linears by rows, heads split; norms and residuals whole), one
+    sequence of `seq` tokens."""
+    s, h, a, d = seq, hidden, heads, gpu.dtype_bytes
+    lin = [_linear(s, 3 * h // tp, h, gpu), _linear(s, h, h // tp, gpu),
+           _linear(s, 4 * h // tp, h, gpu), _linear(s, h, 4 * h // tp, gpu)]
+    head_dim, local_heads = h // a, a // tp
+    scores = gemm_s(s, s, head_dim, gpu, local_heads)  # q k^T
+    values = gemm_s(s, head_dim, s, gpu, local_heads)  # softmax(...) v
+    # backward of each: two GEMMs of the same size (the gradients of both operands)
+    attention_b = 2 * scores + 2 * values
+    # element-wise bytes read + written, forward: 2 layer norms, 2 fused bias-dropout-adds (+ a
+    # 1-byte mask), the fused bias-GeLU, the fused scale-mask-softmax, the attention dropout
+    elementwise = (4 * s * h * d + 2 * (3 * d + 1) * s * h + 2 * 4 * s * h * d / tp
+                   + 2 * local_heads * s * s * d + local_heads * s * s * (2 * d + 1))
+    forward = sum(x.forward_s for x in lin) + scores + values + memory_s(elementwise, gpu)
+    backward = sum(x.backward_s for x in lin) + attention_b + memory_s(2 * elementwise, gpu)
+    return BlockTimes(forward, backward, sum(x.weight_s for x in lin))
+
+
+def head_times(seq: int, hidden: int, vocab: int, gpu: Gpu, tp: int = 1) -> BlockTimes:
+    """The final layer norm, the vocabulary projection (split by vocabulary rows on `tp` ranks) and
+    the softmax cross-entropy over its logits (fp32), one sequence."""
+    s, h, v, d = seq, hidden, vocab // tp, gpu.dtype_bytes
+    proj = _linear(s, v, h, gpu)
+    norm = memory_s(2 * s * h * d, gpu)
+    loss = memory_s(2 * s * v * (d + 4), gpu)  # logits read, fp32 probabilities written, and back
+    return BlockTimes(proj.forward_s + norm + loss, proj.backward_s + 2 * norm + loss, proj.weight_s)

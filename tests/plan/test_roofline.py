@@ -1,0 +1,54 @@
+"""Tests for plait.plan.roofline: tile and wave quantization as NVIDIA's guide counts it, the
+pipeline fill over K, memory-bound GEMMs and element-wise bytes, a block's times by tp."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.plan.roofline import PIPELINE_K, Gpu, block_times, gemm_s, head_times, memory_s, quantization
+
+A100 = Gpu(312e12, 108, 2039e9)
+
+
+def test_one_full_wave_of_large_tiles_is_all_useful() -> None:
+    # 108 tiles of 256 x 128 fill the 108 SMs once
+    assert quantization(256 * 12, 128 * 9, 1, 108) == 1.0
+    m, n, k = 256 * 12, 128 * 9, 8192
+    assert gemm_s(m, n, k, A100) == pytest.approx(2 * m * n * k / (312e12 * k / (k + PIPELINE_K)))
+
+
+def test_one_tile_more_than_a_wave_costs_a_second_wave() -> None:
+    # 109 tiles of 256 x 128: a second wave for one tile (109 / 216 useful); 64 x 64 tiles make
+    # 872 tiles in 9 waves of 108 (872 / 972), the best of cuBLAS's tiles here
+    m, n = 256 * 109, 128
+    assert quantization(m, n, 1, 108) == pytest.approx(872 / 972)
+    assert quantization(m, n, 1, 109) == 1.0
+
+
+def test_a_dimension_that_does_not_fill_its_tile_wastes_the_rest() -> None:
+    # N = 65 in 64-wide tiles: two columns of tiles for 65 useful columns
+    assert quantization(64 * 108, 65, 1, 108) < quantization(64 * 108, 64, 1, 108) == 1.0
+
+
+def test_a_thin_gemm_is_bound_by_memory() -> None:
+    # one row times a 8192 x 8192 weight: reading the weight takes longer than the FLOPs
+    m, n, k = 1, 8192, 8192
+    assert gemm_s(m, n, k, A100) == pytest.approx((m * k + k * n + m * n) * 2 / 2039e9)
+    assert gemm_s(0, 10, 10, A100) == 0.0
+
+
+def test_elementwise_bytes_at_bandwidth() -> None:
+    assert memory_s(2039e9, A100) == pytest.approx(1.0)
+
+
+def test_a_block_on_more_ranks_is_faster_but_less_than_linearly() -> None:
+    one = block_times(2048, 4096, 32, A100)
+    eight = block_times(2048, 4096, 32, A100, tp=8)
+    total = lambda t: t.forward_s + t.backward_s + t.weight_s  # noqa: E731
+    assert total(one) / 8 < total(eight) < total(one) / 4
+    assert one.backward_s > one.forward_s > one.weight_s > 0  # B holds the attention's backward
+
+
+def test_the_head_splits_its_vocabulary() -> None:
+    one, two = head_times(1024, 1024, 51200, A100), head_times(1024, 1024, 51200, A100, tp=2)
+    assert two.forward_s < one.forward_s and two.weight_s == pytest.approx(one.weight_s / 2, rel=0.05)
