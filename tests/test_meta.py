@@ -1,7 +1,8 @@
 """A model built on the meta device: each rank materializes only its stages, with layout-independent values.
 
 Compared with `plait.materialize(net, seed)` in one process, trained the same way: a Hugging
-Face Llama with a tied head (its own `_init_weights`, rotary buffers included) and an MLP
+Face Llama with a tied head (its own `_init_weights`, rotary buffers included), a GPT-2 (whose
+forward makes an empty key/value cache, a constant traced on meta) and an MLP
 (`reset_parameters`), on 2 stages and on 2 stages x 2 replicas with ZeRO-1, 3 SGD-with-momentum
 steps: losses and every parameter. No rank allocates the whole model: the tensors each rank
 materialized are counted, and they are its stages' alone.
@@ -34,6 +35,29 @@ def _llama_on_meta() -> nn.Module:
         return transformers.LlamaForCausalLM(_configs(transformers)["llama"]())
 
 
+class _Logits(nn.Module):
+    """A GPT-2 left with use_cache=True, returning its logits: its forward starts a key/value cache
+    (an empty constant, traced on meta) that it does not return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.architectures import _configs
+
+        config = _configs(transformers)["gpt2"]()
+        config.use_cache = True
+        self.gpt = transformers.GPT2LMHeadModel(config)
+        self._init_weights = self.gpt._init_weights  # materialize's initialiser for a Hugging Face model
+        self.config = config
+
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        return self.gpt(input_ids=input_ids).logits
+
+
+def _gpt2_on_meta() -> nn.Module:
+    with torch.device("meta"):
+        return _Logits()
+
+
 def _mlp_on_meta() -> nn.Module:
     with torch.device("meta"):
         return mlp()
@@ -41,14 +65,14 @@ def _mlp_on_meta() -> nn.Module:
 
 def _data(name: str) -> tuple[Any, torch.Tensor, Any]:
     g = torch.Generator().manual_seed(1)
-    if name == "llama":
+    if name in ("llama", "gpt2"):
         tokens = torch.randint(2, 64, (12, 8), generator=g)
         return {"input_ids": tokens}, torch.roll(tokens, -1, 1), lambda out, y: nn.functional.cross_entropy(
-            out.logits.flatten(0, 1), y.flatten())
+            getattr(out, "logits", out).flatten(0, 1), y.flatten())
     return torch.randn(12, 8, generator=g), torch.randint(0, 4, (12,), generator=g), nn.CrossEntropyLoss()
 
 
-BUILD = {"llama": (_llama_on_meta, 24), "mlp": (_mlp_on_meta, 11)}
+BUILD = {"llama": (_llama_on_meta, 24), "gpt2": (_gpt2_on_meta, 23), "mlp": (_mlp_on_meta, 11)}
 
 
 def test_materialize_is_layout_independent() -> None:
@@ -110,7 +134,8 @@ def train_and_compare(rank: int, world: int, name: str, stages: int, zero: int) 
     return {"problems": problems, "real": real, "total": total, "extra": extra}
 
 
-@pytest.mark.parametrize("name, world, stages, zero", [("llama", 2, 2, 0), ("mlp", 2, 2, 0), ("mlp", 4, 2, 1)])
+@pytest.mark.parametrize("name, world, stages, zero", [("llama", 2, 2, 0), ("gpt2", 2, 2, 0), ("mlp", 2, 2, 0),
+                                                       ("mlp", 4, 2, 1)])
 @pytest.mark.timeout(300)
 def test_each_rank_materializes_its_stages_and_trains_equal_to_one_process(name: str, world: int, stages: int,
                                                                          zero: int) -> None:

@@ -40,8 +40,10 @@ def _flatten(obj: Any, leaves: list[Any]) -> OutputSpec:
         return ("map", type(obj), keys, tuple(_flatten(obj[k], leaves) for k in keys))
     if isinstance(obj, (tuple, list)):
         return ("seq", type(obj), tuple(_flatten(x, leaves) for x in obj))
+    cache = " (a Hugging Face key/value cache: build the model with config.use_cache=False for training)" \
+        if type(obj).__name__.endswith("Cache") else ""
     raise TypeError(
-        f"plait cannot carry a model output of type {type(obj).__name__}; return tensors, "
+        f"plait cannot carry a model output of type {type(obj).__name__}{cache}; return tensors, "
         "tuples, lists, dicts or dataclasses of them"
     )
 

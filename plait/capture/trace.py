@@ -183,6 +183,13 @@ def retarget(captured: CapturedGraph, device: torch.device) -> CapturedGraph:
     for node in captured.graph.nodes:
         node.args = fx.node.map_aggregate(node.args, swap)
         node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+        if node.op == "get_attr":  # an empty constant the forward made (a key/value cache's start)
+            owner_path, _, name = str(node.target).rpartition(".")
+            owner = captured.root.get_submodule(owner_path) if owner_path else captured.root
+            value = getattr(owner, name, None)
+            if (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.is_meta
+                    and value.numel() == 0 and name not in dict(owner.named_buffers(recurse=False))):
+                setattr(owner, name, torch.empty(value.shape, dtype=value.dtype, device=device))
     return captured
 
 

@@ -67,6 +67,15 @@ def test_an_output_plait_cannot_carry_is_named() -> None:
                                "dicts or dataclasses of them")
 
 
+def test_a_key_value_cache_output_says_to_turn_the_cache_off() -> None:
+    class DynamicCache:  # what a Hugging Face decoder returns with config.use_cache=True
+        pass
+
+    with pytest.raises(TypeError, match=r"type DynamicCache \(a Hugging Face key/value cache: build the model "
+                                        r"with config.use_cache=False for training\)"):
+        flatten_output({"logits": A, "past_key_values": DynamicCache()})
+
+
 def test_an_unknown_spec_kind_is_an_internal_error() -> None:
     with pytest.raises(AssertionError, match="unknown output spec kind 'tree'"):
         unflatten_output([], ("tree",))
