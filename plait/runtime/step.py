@@ -63,11 +63,13 @@ def gradient_bytes(pipe: Pipeline) -> int:
 
 
 def make_optimizer(arg: OptimizerArg, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
-    """The optimizer of this rank's parameters: the user's, or made by their callable."""
+    """The optimizer of this rank's parameters: the user's, or made by their callable (given one
+    empty parameter group when this rank's stages have no parameters: a cut between a block's
+    parameter-free layers, whose step then changes nothing)."""
     if arg is None or isinstance(arg, torch.optim.Optimizer):
         return arg
     if callable(arg):
-        return arg(params)
+        return arg(params if params else [{"params": []}])
     raise ConfigError(
         f"optimizer must be a torch.optim.Optimizer or a callable params -> optimizer, got {type(arg).__name__}"
     )
