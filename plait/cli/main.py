@@ -118,12 +118,27 @@ def _timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _runs(values: list[float], listed: int = 16) -> str:
+    """Per-rank numbers, all of them up to `listed` ranks; beyond, equal neighbours as ranges:
+    `4 (ranks 0-2496), 3 (rank 2497), ...`."""
+    if len(values) <= listed:
+        return ", ".join(f"{v:g}" for v in values)
+    parts, start = [], 0
+    for r in range(1, len(values) + 1):
+        if r == len(values) or values[r] != values[start]:
+            ranks = f"rank {start}" if r - 1 == start else f"ranks {start}-{r - 1}"
+            parts.append(f"{values[start]:g} ({ranks})")
+            start = r
+    shown = parts if len(parts) <= listed else parts[: listed - 1] + [f"... {len(parts) - listed + 1} more"]
+    return ", ".join(shown) + f"; max {max(values):g}"
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from plait.schedule import simulate
 
     sim = simulate(args.schedule, args.stages, args.microbatches, args.t_f, args.t_b,
                    t_w=args.t_w, t_comm=args.t_comm, num_virtual_stages=args.virtual_stages)
-    peaks = ", ".join(f"{p:g}" for p in sim.peak_activations)
+    peaks = _runs(sim.peak_activations)
     print(f"{args.schedule}: p={args.stages} stages, m={args.microbatches} micro-batches, "
           f"v={args.virtual_stages} chunk(s) per rank\n"
           f"step time         {sim.step_time:g} ms\n"

@@ -34,7 +34,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Sequence
+
+import numpy as np
 
 from plait.config import SCHEDULE_NAMES
 from plait.errors import ConfigError
@@ -187,24 +190,58 @@ def peak_activations(setting: Setting) -> tuple[float, ...]:
     return tuple(peaks)
 
 
-def _layer_times(costs: LayerCosts, setting: Setting, rows: int) -> tuple[list[float], list[float], list[float]]:
+class _Same:
+    """A `LayerCosts` keyed by identity: the search prices one model's costs thousands of times,
+    and hashing its per-layer tuples would cost more than the lists the caches below keep."""
+
+    __slots__ = ("costs",)
+
+    def __init__(self, costs: LayerCosts) -> None:
+        self.costs = costs
+
+    def __hash__(self) -> int:
+        return id(self.costs)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.costs is self.costs
+
+
+@lru_cache(maxsize=256)
+def _times(same: _Same, rows: int, mode: str) -> tuple[list[float], list[float], list[float]]:
+    """F, B, W per layer; mode "recompute", "split" (ZB-H1) or "whole". Shared: do not mutate."""
+    costs = same.costs
     f, b, w = costs.forward(rows), costs.backward(rows), costs.weight(rows)
-    if setting.recompute:  # the forward again before the backward, which runs B and W together
+    if mode == "recompute":  # the forward again before the backward, which runs B and W together
         b = [x + y + z for x, y, z in zip(f, b, w)]
         w = [0.0] * len(w)
-    elif setting.schedule != "zbh1":
+    elif mode == "whole":
         b = [x + y for x, y in zip(b, w)]
         w = [0.0] * len(w)
     return f, b, w
 
 
+def _modes(setting: Setting) -> tuple[str, str]:
+    """How `setting` runs a layer's backward (`_times`), and which closed form times it (`_terms`)."""
+    mode = "recompute" if setting.recompute else ("split" if setting.schedule == "zbh1" else "whole")
+    if mode == "split":
+        return mode, "zbh1" if setting.num_microbatches >= setting.pp else "zbh1-few"
+    return mode, "interleaved" if setting.schedule == "interleaved" else "plain"
+
+
+def _layer_times(costs: LayerCosts, setting: Setting, rows: int) -> tuple[list[float], list[float], list[float]]:
+    return _times(_Same(costs), rows, _modes(setting)[0])
+
+
 def _boundary_links(setting: Setting, network: Network) -> list[Link]:
-    """The link of each stage boundary s -> s + 1: the slowest any replica's pair crosses."""
-    return [
-        network.link([r for d in range(setting.dp)
-                      for r in (setting.rank_of(s, d), setting.rank_of(s + 1, d))])
-        for s in range(setting.num_chunks - 1)
-    ]
+    """The link of each stage boundary s -> s + 1: the slowest any replica's pair crosses
+    (`Network.link` of the 2 dp ranks: intra when they all sit on one node)."""
+    s = np.arange(setting.num_chunks - 1)[:, None]
+    replica = np.arange(setting.dp)[None, :] * setting.pp
+    here = (replica + s % setting.pp) // network.devices_per_node  # (S - 1, dp) nodes
+    there = (replica + (s + 1) % setting.pp) // network.devices_per_node
+    low = np.minimum(here.min(axis=1, initial=2**62), there.min(axis=1, initial=2**62))
+    high = np.maximum(here.max(axis=1, initial=-1), there.max(axis=1, initial=-1))
+    return [network.intra if one else network.inter for one in (low == high).tolist()]
 
 
 def _cut_times(costs: LayerCosts, setting: Setting, network: Network, rows: int) -> list[float]:
@@ -218,18 +255,31 @@ def _cut_times(costs: LayerCosts, setting: Setting, network: Network, rows: int)
 
 def _latency_terms(costs: LayerCosts, setting: Setting, rows: int) -> tuple[list[float], list[float], list[float], float]:
     """Per-layer (bottleneck time, fill, last-stage fill) and the bottleneck count of the
-    schedule's closed form (see `partition_problem`)."""
-    f, b, w = _layer_times(costs, setting, rows)
+    schedule's closed form (see `partition_problem`). Shared lists: do not mutate."""
+    v, m = setting.num_virtual_stages, setting.num_microbatches
+    mode, kind = _modes(setting)
+    time, fill, last_fill = _terms(_Same(costs), rows, mode, kind, v)
+    return time, fill, last_fill, float(m * v - 1 if kind == "interleaved" else m - 1)
+
+
+@lru_cache(maxsize=256)
+def _terms(same: _Same, rows: int, mode: str, kind: str, v: int) -> tuple[list[float], list[float], list[float]]:
+    f, b, w = _times(same, rows, mode)
     time = [x + y + z for x, y, z in zip(f, b, w)]
-    v, m, p = setting.num_virtual_stages, setting.num_microbatches, setting.pp
-    if setting.schedule == "zbh1" and not setting.recompute:
-        if m >= p:
-            return time, [x + y - z for x, y, z in zip(f, b, w)], [2 * z for z in w], float(m - 1)
+    if kind == "zbh1":
+        return time, [x + y - z for x, y, z in zip(f, b, w)], [2 * z for z in w]
+    if kind == "zbh1-few":
         busy = [x + y for x, y in zip(f, b)]  # fewer micro-batches than stages: W never waits
-        return busy, busy, list(w), float(m - 1)
-    if setting.schedule == "interleaved":
-        return time, [t / v for t in time], [0.0] * len(time), float(m * v - 1)
-    return time, list(time), [0.0] * len(time), float(m - 1)
+        return busy, busy, list(w)
+    if kind == "interleaved":
+        return time, [t / v for t in time], [0.0] * len(time)
+    return time, list(time), [0.0] * len(time)
+
+
+@lru_cache(maxsize=1024)
+def _sums(same: _Same, rows: int, mode: str, kind: str, v: int) -> tuple[float, float]:
+    time, fill, _ = _terms(same, rows, mode, kind, v)
+    return sum(fill), sum(time)
 
 
 def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int) -> PartitionProblem:
@@ -265,8 +315,10 @@ def pipeline_lower_bound(costs: LayerCosts, setting: Setting, global_batch: int)
     """A bound no layout of `setting` beats: its closed form with free hand-overs, no last-stage
     extra and a slowest stage no slower than the average one (max >= mean)."""
     rows = microbatch_rows(global_batch, setting.dp, setting.num_microbatches)
-    time, fill, _, count = _latency_terms(costs, setting, rows)
-    return sum(fill) + count * sum(time) / setting.num_chunks
+    v, m = setting.num_virtual_stages, setting.num_microbatches
+    mode, kind = _modes(setting)
+    fill, time = _sums(_Same(costs), rows, mode, kind, v)
+    return fill + float(m * v - 1 if kind == "interleaved" else m - 1) * time / setting.num_chunks
 
 
 def _stages(costs: LayerCosts, setting: Setting, cluster: Cluster, rows: int,
@@ -319,8 +371,11 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         method = "closed form"
     dp, zero = setting.dp, setting.zero
     summed, gather, optimizer, states, acts, memory, reach = [], [], [], [], [], [], []
+    by_rank: list[list[StageCost]] = [[] for _ in range(p)]
+    for st in stages:
+        by_rank[st.rank].append(st)
     for r in range(p):
-        mine = [st for st in stages if st.rank == r]
+        mine = by_rank[r]
         grads = [costs.grad_bytes[i] for st in mine for i in range(st.start, st.end)]
         link = cluster.network.reduce_link([setting.rank_of(r, d) for d in range(dp)])
         # ZeRO-2 reduces each bucket to its owners: one reduce of 1/dp of it per owner

@@ -28,6 +28,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from plait.errors import ConfigError
 
 __all__ = ["StateBytes", "state_bytes", "state_totals", "check_zero", "ZERO_LEVELS"]
@@ -76,7 +78,12 @@ def state_totals(param_bytes: Sequence[float], grad_bytes: Sequence[float], opti
                  dp: int, zero: int) -> list[float]:
     """`state_bytes(...).total` of each layer (the partition's fixed memory), checked once."""
     _check(optimizer_state_factor, dp, zero)
-    return [_state(p, g, optimizer_state_factor, dp, zero).total for p, g in zip(param_bytes, grad_bytes)]
+    # `_state(...).total` of every layer at once: the same float operations, element-wise
+    params, grads = np.asarray(param_bytes, dtype=np.float64), np.asarray(grad_bytes, dtype=np.float64)
+    optimizer = optimizer_state_factor * grads / (dp if zero else 1)
+    step = grads / dp if zero == 2 else grads
+    totals = np.maximum(params + grads + optimizer, params + step + optimizer)
+    return [float(x) for x in totals.tolist()]
 
 
 def _check(optimizer_state_factor: float, dp: int, zero: int) -> None:

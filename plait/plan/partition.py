@@ -5,12 +5,13 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 from plait.errors import PartitionError
+from plait.plan.partition_band import BandedTables
 
 __all__ = [
     "balance",
@@ -188,6 +189,9 @@ class PartitionResult:
     max_time: float
 
 
+DENSE_LAYERS = 256  # up to this many layers the (n + 1) x (n + 1) tables; beyond, `partition_band`
+
+
 def optimal_partition(problem: PartitionProblem) -> PartitionResult:
     """The layout minimising `problem`'s T exactly, or PartitionError saying what does not fit.
 
@@ -198,6 +202,8 @@ def optimal_partition(problem: PartitionProblem) -> PartitionResult:
     Alpa, the scan starts at the smallest feasible t_max (a min-max program) and stops once
     (min sum without bound) + count * t_max can no longer beat the best T found.
     """
+    if len(problem.time) > DENSE_LAYERS:
+        return _banded_partition(problem)
     tables = _Tables(problem)
     unbounded = tables.run(math.inf)
     if unbounded is None:
@@ -213,6 +219,39 @@ def optimal_partition(problem: PartitionProblem) -> PartitionResult:
         found = tables.run(t_max)
         if found is not None and found.objective < best.objective:
             best = found
+    return best
+
+
+def _banded_partition(problem: PartitionProblem) -> PartitionResult:
+    """`optimal_partition` on `BandedTables`: the same scan over t_max, without the tables. The
+    unbounded layout is not computed: its T is floor + count x its max, which the scan reaches
+    or stops below (the stop uses a lower bound on the floor: every fill, the cheapest cuts)."""
+    tables = BandedTables(problem)
+    _last_banded[:] = [tables]
+    count = problem.bottleneck_count
+
+    def result(found: tuple[float, list[int]]) -> PartitionResult:
+        value, sizes = found
+        worst = max(tables.range_time(a, b) for a, b in _ranges(sizes))
+        return PartitionResult(tuple(sizes), value + count * worst, worst)
+
+    lowest = tables.min_max_time() if count > 0 else math.inf
+    found = tables.run(lowest) if math.isfinite(lowest) or count <= 0 else None
+    if found is None:
+        raise PartitionError(why_infeasible(problem, tables.alone(), tables.least_memory))
+    best = result(found)
+    if count <= 0:
+        return best
+    cuts = np.sort(tables.cut[1:-1][tables.allowed[1:-1]])[: problem.num_chunks - 1]
+    floor = float(tables.fp[-1]) * (1 - 1e-9) + float(cuts.sum()) * (1 - 1e-9)
+    t = tables.next_time(lowest)
+    while t is not None and floor + count * t < best.objective:
+        found = tables.run(t)
+        if found is not None:
+            candidate = result(found)
+            if candidate.objective < best.objective:
+                best = candidate
+        t = tables.next_time(t)
     return best
 
 
@@ -308,34 +347,49 @@ class _Tables:
 
     def why_infeasible(self) -> str:
         """Which layer or which stage count does not fit, with the numbers."""
-        p, n = self.p, self.n
-        gib = 2.0**30
-        held = min(p.held)  # the most favourable stage
-        single = [(float(self.base[j, j + 1] + held * self.per[j, j + 1]), j) for j in range(n)]
-        need, layer = max(single)
-        if need > p.memory_limit:
-            name = f" ({p.names[layer]})" if p.names else ""
-            return (
-                f"layer {layer}{name} alone needs {need / gib:.2f} GiB (parameters, gradients, "
-                f"optimizer state and {held:g} micro-batches of activations) but a device has "
-                f"{p.memory_limit / gib:.2f} GiB: needs tensor parallelism (or sharded optimizer "
-                f"state), recomputation or smaller micro-batches"
-            )
-        least = self.least_memory()
-        if math.isinf(least):
-            return (f"no way to cut {n} layers into {p.num_chunks} stages without splitting an "
-                    f"uncuttable region {list(p.uncuttable)}; use fewer stages")
+        held = min(self.p.held)
+        alone = [float(self.base[j, j + 1] + held * self.per[j, j + 1]) for j in range(self.n)]
+        return why_infeasible(self.p, alone, self.least_memory)
+
+
+def why_infeasible(problem: PartitionProblem, alone: Sequence[float], least: Callable[[], float]) -> str:
+    """Which layer or which stage count of `problem` does not fit, with the numbers. `alone`:
+    each layer's memory as a stage of its own at the fewest held micro-batches; `least`: the
+    smallest peak memory of any layout (called only when every layer fits alone)."""
+    p, n = problem, len(problem.time)
+    gib = 2.0**30
+    held = min(p.held)  # the most favourable stage
+    need, layer = max((need, j) for j, need in enumerate(alone))
+    if need > p.memory_limit:
+        name = f" ({p.names[layer]})" if p.names else ""
         return (
-            f"every split of {n} layers into {p.num_chunks} stages needs at least "
-            f"{least / gib:.2f} GiB on some device, more than its {p.memory_limit / gib:.2f} GiB: "
-            f"use more pipeline stages, recomputation or smaller micro-batches, or tensor "
-            f"parallelism"
+            f"layer {layer}{name} alone needs {need / gib:.2f} GiB (parameters, gradients, "
+            f"optimizer state and {held:g} micro-batches of activations) but a device has "
+            f"{p.memory_limit / gib:.2f} GiB: needs tensor parallelism (or sharded optimizer "
+            f"state), recomputation or smaller micro-batches"
         )
+    lowest = least()
+    if math.isinf(lowest):
+        return (f"no way to cut {n} layers into {p.num_chunks} stages without splitting an "
+                f"uncuttable region {list(p.uncuttable)}; use fewer stages")
+    return (
+        f"every split of {n} layers into {p.num_chunks} stages needs at least "
+        f"{lowest / gib:.2f} GiB on some device, more than its {p.memory_limit / gib:.2f} GiB: "
+        f"use more pipeline stages, recomputation or smaller micro-batches, or tensor "
+        f"parallelism"
+    )
 
 
 def least_memory(problem: PartitionProblem) -> float:
     """The smallest peak stage memory any layout of `problem` needs (inf: no layout at all)."""
+    if len(problem.time) > DENSE_LAYERS:
+        if _last_banded and _last_banded[0].p is problem:  # the search asks after a failed partition
+            return _last_banded[0].least_memory()
+        return BandedTables(problem).least_memory()
     return _Tables(problem).least_memory()
+
+
+_last_banded: list[BandedTables] = []  # the last long problem's tables, for its least_memory
 
 
 def _ranges(sizes: Sequence[int]) -> list[tuple[int, int]]:

@@ -69,7 +69,8 @@ def make_optimizer(arg: OptimizerArg, params: list[nn.Parameter]) -> torch.optim
     if arg is None or isinstance(arg, torch.optim.Optimizer):
         return arg
     if callable(arg):
-        return arg(params if params else [{"params": []}])
+        empty: Any = [{"params": []}]  # one parameter group, as torch's optimizers take it
+        return arg(params if params else empty)
     raise ConfigError(
         f"optimizer must be a torch.optim.Optimizer or a callable params -> optimizer, got {type(arg).__name__}"
     )

@@ -52,6 +52,9 @@ class Action:
     microbatch_index: int
 
     def __post_init__(self) -> None:
+        s, k = self.stage_index, self.microbatch_index
+        if type(s) is int and type(k) is int and s >= 0 and k >= 0 and type(self.op) is Op:
+            return  # the common case, checked cheaply: programs hold millions of actions
         for name in ("stage_index", "microbatch_index"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -53,23 +53,29 @@ def time_actions(
     rank_of: dict[Action, int] = {}
     positions = {rank: 0 for rank in program}
     free_at = {rank: Fraction(0) for rank in program}
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank, actions in program.items():
-            while positions[rank] < len(actions):
-                action = actions[positions[rank]]
-                needs = compute_needs(action, num_chunks)
-                if any(need not in times for need in needs):
-                    break
-                begin = max([free_at[rank]] + [
-                    times[need][1] + (transfer if rank_of[need] != rank else 0) for need in needs
-                ])
-                times[action] = (begin, begin + duration(action))
-                rank_of[action] = rank
-                free_at[rank] = times[action][1]
-                positions[rank] += 1
-                progressed = True
+    # A worklist, linear in the actions: a blocked rank waits on the one action it lacks and
+    # is woken when that action is timed. An action's times depend only on its needs and its
+    # rank's previous action, so the order in which ranks advance changes nothing.
+    waiting: dict[Action, list[int]] = {}
+    ready = list(program)
+    while ready:
+        rank = ready.pop()
+        actions = program[rank]
+        while positions[rank] < len(actions):
+            action = actions[positions[rank]]
+            needs = compute_needs(action, num_chunks)
+            missing = [need for need in needs if need not in times]
+            if missing:
+                waiting.setdefault(missing[0], []).append(rank)
+                break
+            begin = max([free_at[rank]] + [
+                times[need][1] + (transfer if rank_of[need] != rank else 0) for need in needs
+            ])
+            times[action] = (begin, begin + duration(action))
+            rank_of[action] = rank
+            free_at[rank] = times[action][1]
+            positions[rank] += 1
+            ready += waiting.pop(action, ())
     stuck = {r: str(a[positions[r]]) for r, a in program.items() if positions[r] < len(a)}
     if stuck:
         raise ScheduleError(

@@ -48,6 +48,11 @@ def needs(action: Action, stage_to_rank: dict[int, int], num_chunks: int) -> lis
     return [Action(s + 1, Op.SEND_B, k)]  # RECV_B
 
 
+def _at(rank: int, step: int, action: Action) -> str:
+    """Where an action sits, for a message (built only when there is a problem to report)."""
+    return f"rank {rank} step {step}: {action}"
+
+
 def _raise_if(problems: list[str], headline: str) -> None:
     if not problems:
         return
@@ -65,26 +70,26 @@ def _check_placement(
     problems: list[str] = []
     for rank, actions in sorted(program.items()):
         for step, a in enumerate(actions):
-            s, where = a.stage_index, f"rank {rank} step {step}: {a}"
+            s = a.stage_index
             if s >= num_chunks:
-                problems.append(f"{where} names stage {s}, but stages are 0..{num_chunks - 1}")
+                problems.append(f"{_at(rank, step, a)} names stage {s}, but stages are 0..{num_chunks - 1}")
             elif a.microbatch_index >= num_microbatches:
                 problems.append(
-                    f"{where} names micro-batch {a.microbatch_index}, but micro-batches are "
-                    f"0..{num_microbatches - 1}"
+                    f"{_at(rank, step, a)} names micro-batch {a.microbatch_index}, but "
+                    f"micro-batches are 0..{num_microbatches - 1}"
                 )
             elif ranks[s] != rank:
-                problems.append(f"{where} belongs to stage {s} on rank {ranks[s]}; move it there")
+                problems.append(f"{_at(rank, step, a)} belongs to stage {s} on rank {ranks[s]}; move it there")
             elif forward_only and a.op in _BACKWARD_OPS:
-                problems.append(f"{where} is a backward action in a forward-only program")
+                problems.append(f"{_at(rank, step, a)} is a backward action in a forward-only program")
             elif a.op not in COMPUTE_OPS:
                 peer = s + 1 if a.op in (Op.SEND_F, Op.RECV_B) else s - 1
                 if not 0 <= peer < num_chunks:
-                    problems.append(f"{where} talks to stage {peer}, which does not exist")
+                    problems.append(f"{_at(rank, step, a)} talks to stage {peer}, which does not exist")
                 elif ranks[peer] == rank:
                     problems.append(
-                        f"{where} talks to stage {peer} on the same rank {rank}; the value is "
-                        f"handed over in memory, drop {a} and {counterpart(a)}"
+                        f"{_at(rank, step, a)} talks to stage {peer} on the same rank {rank}; "
+                        f"the value is handed over in memory, drop {a} and {counterpart(a)}"
                     )
     _raise_if(problems, "actions in the wrong place:")
 
@@ -142,13 +147,12 @@ def _check_order(
     problems: list[str] = []
     for rank, actions in sorted(program.items()):
         for step, a in enumerate(actions):
-            here = f"rank {rank} step {step}: {a}"
             if a.op not in COMPUTE_OPS:
                 other = counterpart(a)
                 if other not in where:
                     kind = "receive" if a.op in (Op.SEND_F, Op.SEND_B) else "send"
                     problems.append(
-                        f"{here} has no matching {kind} {other} on rank "
+                        f"{_at(rank, step, a)} has no matching {kind} {other} on rank "
                         f"{ranks[other.stage_index]}; add it there (lower_communication does)"
                     )
                     continue
@@ -156,13 +160,13 @@ def _check_order(
                 need_rank = ranks[need.stage_index]
                 if need not in where:
                     problems.append(
-                        f"{here} needs {need} on rank {need_rank}, which is missing; add it "
-                        f"there (lower_communication inserts sends and receives)"
+                        f"{_at(rank, step, a)} needs {need} on rank {need_rank}, which is "
+                        f"missing; add it there (lower_communication inserts sends and receives)"
                     )
                 elif need_rank == rank and where[need][1] > step:
                     problems.append(
-                        f"{here} comes before {need} (step {where[need][1]}), which it needs; "
-                        f"move {a} after {need}"
+                        f"{_at(rank, step, a)} comes before {need} (step {where[need][1]}), "
+                        f"which it needs; move {a} after {need}"
                     )
     _raise_if(problems, "actions out of order or unmatched:")
 
@@ -170,20 +174,30 @@ def _check_order(
 def _simulate(
     program: Program, ranks: dict[int, int], num_chunks: int, num_microbatches: int
 ) -> None:
-    """Run every rank's list in one process; raise with a grid if no rank can progress."""
+    """Run every rank's list in one process; raise with a grid if no rank can progress.
+
+    A worklist: a blocked rank waits on the one action it lacks and is woken when that action
+    runs, so each action is tried a bounded number of times (linear in the actions, where
+    sweeping every rank until nothing moves is quadratic in the ranks of a long pipeline).
+    Where every rank stops is the same either way: the fixpoint of the lists' rules.
+    """
     done: set[Action] = set()
     positions = {rank: 0 for rank in program}
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank, actions in program.items():
-            while positions[rank] < len(actions):
-                action = actions[positions[rank]]
-                if any(n not in done for n in needs(action, ranks, num_chunks)):
-                    break
-                done.add(action)
-                positions[rank] += 1
-                progressed = True
+    waiting: dict[Action, list[int]] = {}  # a missing action -> the ranks blocked on it
+    ready = list(program)
+    while ready:
+        rank = ready.pop()
+        actions, i = program[rank], positions[rank]
+        while i < len(actions):
+            action = actions[i]
+            missing = [n for n in needs(action, ranks, num_chunks) if n not in done]
+            if missing:
+                waiting.setdefault(missing[0], []).append(rank)
+                break
+            done.add(action)
+            i += 1
+            ready += waiting.pop(action, ())
+        positions[rank] = i
     total = sum(len(actions) for actions in program.values())
     if len(done) == total:
         return
