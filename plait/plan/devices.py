@@ -66,9 +66,9 @@ def _gpu_node(intra_gbs: float, inter_gbs: float, per_node: int = 8) -> Network:
 
 DEVICES: dict[str, Device] = {
     # V100 SXM2 16GB (NVIDIA Tesla V100 whitepaper, 2017): 125 TFLOP/s fp16 tensor cores, 80 SMs,
-    # 900 GB/s HBM2. Alpa's cluster (Zheng et al. 2022): AWS p3.16xlarge, 8 per node on NVLink
-    # (100 GB/s taken for a ring's bus bandwidth), 25 Gbit/s between nodes.
-    "v100-16gb": Device("v100-16gb", 125e12, 1.0, 16 * GIB, 900e9, _gpu_node(100, 25 / 8), 100e-6, sms=80),
+    # 900 GB/s HBM2, six NVLink2 links of 25 GB/s each way = 150 GB/s. Alpa's cluster (Zheng et
+    # al. 2022): AWS p3.16xlarge, 8 per node on NVLink, 25 Gbit/s between nodes.
+    "v100-16gb": Device("v100-16gb", 125e12, 1.0, 16 * GIB, 900e9, _gpu_node(150, 25 / 8), 100e-6, sms=80),
     # A100 SXM (NVIDIA A100 whitepaper, 2020): 312 TFLOP/s bf16, 108 SMs; 40GB: 1555 GB/s, 80GB:
     # 2039 GB/s (A100 80GB data sheet). DGX A100 (its user guide): NVSwitch, 600 GB/s per GPU both
     # ways = 300 GB/s each way; 8 x 200 Gbit/s HDR InfiniBand per node = 25 GB/s per GPU.
