@@ -5,9 +5,10 @@
     plait plan --model my_model.py:build --sample-shape 64,1,28,28 --devices 2 [--json]
 
 Prints the chosen layout (per stage: layers, time, memory) and the best alternatives, or with
---json exactly one JSON object: pp, dp, tp, num_microbatches, schedule, zero, stages,
-predicted_step_time_s, peak_memory_bytes, feasible and, when infeasible, reason; a feasible one
-also has each rank's parameter_bytes, gradient_bytes, optimizer_bytes and activation_bytes.
+--json exactly one JSON object: pp, dp, tp, num_microbatches, schedule, zero, stages (each with
+its dp x tp mesh), predicted_step_time_s, peak_memory_bytes, feasible and, when infeasible,
+reason; a feasible one also has each rank's parameter_bytes, gradient_bytes, optimizer_bytes and
+activation_bytes, and with --gpt tflops_per_device. `--layout tp=8,pp=2` prices that layout only.
 """
 
 from __future__ import annotations
