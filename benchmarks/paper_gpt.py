@@ -83,8 +83,7 @@ def worker(args: argparse.Namespace) -> None:
     model.export(Path(args.out) / "export")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     (Path(args.out) / f"rank{model.rank}.json").write_text(json.dumps(
-        {"losses": losses, "seconds": elapsed, "peak_rss_bytes": peak, "stages": stages,
-         "layers_per_stage": list(model.plan.layers_per_stage) if hasattr(model.plan, "layers_per_stage") else None}))
+        {"losses": losses, "seconds": elapsed, "peak_rss_bytes": peak, "stages": stages}))
 
 
 def compare(args: argparse.Namespace, job_s: float) -> bool:
