@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import ConfigError
+from plait.plan.key_values import integer, key_values
 
 __all__ = ["add_plan_command", "run_plan"]
 
@@ -76,7 +77,8 @@ def add_plan_command(commands: Any) -> None:
                       help="tensor-parallel sizes to consider (default: 1, 2, 4, 8 within a node)")
     plan.add_argument("--microbatches", type=_ints, default=None, metavar="M,...",
                       help="micro-batch counts to consider (default: powers of two, multiples of pp)")
-    plan.add_argument("--no-recompute", action="store_true", help="never recompute activations")
+    plan.add_argument("--no-recompute", dest="recompute", action="store_const", const=(False,),
+                      default=(False, True), help="never recompute activations")
     plan.add_argument("--zero", type=int, choices=(0, 1, 2), default=None,
                       help="ZeRO level: 0 replicated optimizer state, 1 sharded over the dp replicas, "
                            "2 gradients too (default: the planner chooses; 1 and 2 only where dp > 1)")
@@ -117,25 +119,18 @@ LAYOUT_KEYS = ("tp", "pp", "dp", "zero", "m", "schedule", "recompute")
 
 def apply_layout(args: argparse.Namespace) -> None:
     """`--layout tp=8,pp=2,...` -> the single values of --tp, --pp, --zero, --microbatches,
-    --schedules and --no-recompute (recompute=1 keeps recomputation only)."""
+    --schedules and the recomputation searched (recompute=0: never, 1: always)."""
     if args.layout is None:
         return
-    given: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in args.layout.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or key.strip() not in LAYOUT_KEYS:
-            raise ConfigError(f"cannot read {item!r} in --layout {args.layout!r}; write KEY=VALUE with KEY one of "
-                              f"{', '.join(LAYOUT_KEYS)}, e.g. --layout tp=8,pp=2")
-        given[key.strip()] = value.strip()
+    given = key_values(args.layout, "--layout", LAYOUT_KEYS,
+                       f"KEY=VALUE with KEY one of {', '.join(LAYOUT_KEYS)}, e.g. --layout tp=8,pp=2")
     numbers: dict[str, int] = {}
     for key in ("tp", "pp", "dp", "zero", "m", "recompute"):
         if key in given:
-            try:
-                numbers[key] = int(given[key])
-            except ValueError:
-                raise ConfigError(f"--layout {key}={given[key]!r} is not an integer") from None
-            if numbers[key] < (0 if key in ("zero", "recompute") else 1):
-                raise ConfigError(f"--layout {key}={numbers[key]} is out of range; tp, pp, dp and m are >= 1")
+            numbers[key] = integer("--layout", key, given[key])
+            if numbers[key] < (0 if key in ("zero", "recompute") else 1) or (key == "recompute" and numbers[key] > 1):
+                raise ConfigError(f"--layout {key}={numbers[key]} is out of range; tp, pp, dp and m are >= 1, "
+                                  "recompute is 0 or 1")
     tp, pp = numbers.get("tp", 1), numbers.get("pp")
     if args.devices % tp or (pp is not None and args.devices % (tp * pp)):
         raise ConfigError(f"--layout tp={tp}{f',pp={pp}' if pp else ''} does not divide --devices {args.devices}; "
@@ -158,8 +153,7 @@ def apply_layout(args: argparse.Namespace) -> None:
     if "schedule" in given:
         args.schedules = given["schedule"]
     if "recompute" in numbers:
-        args.no_recompute = numbers["recompute"] == 0
-        args.recompute_only = numbers["recompute"] == 1
+        args.recompute = (numbers["recompute"] == 1,)
 
 
 def _search_space(args: argparse.Namespace) -> Any:
@@ -167,8 +161,7 @@ def _search_space(args: argparse.Namespace) -> Any:
 
     schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
     return SearchSpace(pp=args.pp, num_microbatches=args.microbatches, schedules=schedules,
-                       recompute=(False,) if args.no_recompute else (
-                           (True,) if getattr(args, "recompute_only", False) else (False, True)),
+                       recompute=args.recompute,
                        zero=None if args.zero is None else (args.zero,), keep=max(1, args.top))
 
 
@@ -193,7 +186,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         cluster = Cluster(dev.network, memory, optimizer_state_factor(args.optimizer, dev.dtype_bytes))
         tps = tuple(args.tp) if args.tp else tp_degrees(args.devices, dev.network.devices_per_node)
         found = search_tp(gpt_costs(spec, dev, args.optimizer), {t: gpt_tp_shares(spec, dev, t) for t in tps if t > 1},
-                          args.devices, args.batch, cluster, _search_space(args), with_tp1=1 in tps)
+                          args.devices, args.batch, cluster, _search_space(args), degrees=tps)
         head = {"model": f"GPT {args.gpt} ({spec.parameters / 1e9:.2f}B parameters)",
                 "device": dev.name, "devices": args.devices, "global_batch": args.batch}
         costs_source = f"analytic, {dev.name}"

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from plait.errors import ConfigError
 from plait.plan.devices import Device
+from plait.plan.key_values import integer, key_values
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.roofline import BlockTimes, block_times, head_times
 from plait.plan.tp_costs import TpShares
@@ -144,18 +145,9 @@ def megatron_flops(spec: GptSpec, batch: int) -> float:
 
 def parse_gpt(text: str) -> GptSpec:
     """`layers=48,hidden=8192,heads=64,seq=1024,vocab=51200` -> GptSpec (seq and vocab optional)."""
-    values: dict[str, int] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or key.strip() not in ("layers", "hidden", "heads", "seq", "vocab"):
-            raise ConfigError(
-                f"cannot read {item!r} in --gpt {text!r}; write layers=L,hidden=H,heads=A"
-                f"[,seq=S][,vocab=V]"
-            )
-        try:
-            values[key.strip()] = int(value)
-        except ValueError:
-            raise ConfigError(f"{key.strip()}={value!r} in --gpt is not an integer") from None
+    given = key_values(text, "--gpt", ("layers", "hidden", "heads", "seq", "vocab"),
+                       "layers=L,hidden=H,heads=A[,seq=S][,vocab=V]")
+    values = {key: integer("--gpt", key, value) for key, value in given.items()}
     missing = [k for k in ("layers", "hidden", "heads") if k not in values]
     if missing:
         raise ConfigError(f"--gpt {text!r} lacks {', '.join(missing)}; for example "

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from plait.errors import ConfigError
 from plait.plan.cost import Cluster
@@ -143,13 +143,16 @@ def _lanes(network: Network, tp: int) -> Network:
 
 
 def search_tp(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int, global_batch: int,
-              cluster: Cluster, space: SearchSpace = SearchSpace(), with_tp1: bool = True) -> list[Candidate]:
-    """The best `space.keep` candidates over every tp in `shares` (and tp=1 with `with_tp1`), fastest first,
-    then the best of each tp not among them; each tp's layouts searched on world / tp ranks with
-    `at_tp`'s costs. None feasible: the infeasible ones needing the least memory."""
+              cluster: Cluster, space: SearchSpace = SearchSpace(),
+              degrees: Sequence[int] | None = None) -> list[Candidate]:
+    """The best `space.keep` candidates over the tp `degrees` (None: 1 and every tp in `shares`), fastest
+    first, then the best of each tp not among them; each tp's layouts searched on world / tp ranks with
+    `at_tp`'s costs (a tp > 1 without shares is not priced: left out; with none left, tp=1).
+    None feasible: the infeasible ones needing the least memory."""
     found: list[Candidate] = []
     errors: list[ConfigError] = []
-    for tp in sorted({*shares} | ({1} if with_tp1 or not shares else set())):
+    wanted = {1, *shares} if degrees is None else {t for t in degrees if t == 1 or t in shares}
+    for tp in sorted(wanted or {1}):
         if world_size % tp:
             raise ConfigError(f"tp={tp} does not divide the world size {world_size}; tp must be one of its factors")
         if tp > 1 and not shares[tp].splits:

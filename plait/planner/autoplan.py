@@ -144,7 +144,7 @@ def plan_model(net: nn.Module, sample: Any, world_size: int, global_batch: int,
             raise  # the user's tp_plan does not fit: say so
         except Exception as e:  # noqa: BLE001 - a graph the layout cannot read: tp=1 only
             log.warning("plait: tp=%d not priced (%s: %s); planning without it", tp, type(e).__name__, e)
-    found = search_tp(measured.costs, shares, world_size, global_batch, cluster, options.space)
+    found = search_tp(measured.costs, shares, world_size, global_batch, cluster, options.space, options.tp)
     return PlanResult(found, measured, cluster, world_size, global_batch)
 
 

@@ -72,6 +72,9 @@ def test_tp_wins_on_a_free_link_and_loses_on_a_slow_one() -> None:
     assert slow[0].tp == 1
     one = search_tp(costs, options, 4, 1, _cluster(Link(1.0, 1e3)), SearchSpace(keep=1, simulate_top=0))
     assert [c.tp for c in one] == [1, 2, 4]  # beyond `keep`, each tp's best is still listed
+    only = search_tp(costs, options, 4, 1, _cluster(Link(1.0, 1e3)), SPACE, degrees=(2, 8))
+    assert {c.tp for c in only} == {2}  # the degrees asked for; 8 has no shares: not priced
+    assert {c.tp for c in search_tp(costs, options, 4, 1, _cluster(FAST), SPACE, degrees=(8,))} == {1}
     assert " 4 " in format_table(fast).splitlines()[1]  # the tp column
     assert fast[0].to_dict()["tp"] == 4
 
