@@ -28,8 +28,15 @@ Before timing, a correctness check trains fresh copies for a few steps with each
 compares every parameter of this rank's stage with the one-process reference
 (fp32: rtol 1e-5, atol 1e-6).
 
+With --planned, plait also runs as a user gets it by default: `Config()`, the layout (pp x dp,
+micro-batches, schedule, batched weight gradients) chosen by its planner on the first step. Its
+ideal is one process stepping through the same micro-batches (Tp: the global batch in chunks of
+the plan's micro-batch rows), over the world, stretched by the plan's bubble:
+
+    ideal_p = Tp / world * (m + (pp - 1) / v) / m      (world = pp x dp x tp; target plait / ideal_p <= 1.25)
+
     python benchmarks/pipeline_vs_torch.py [--rounds 40] [--schedules 1f1b,gpipe] [--batch 64]
-                                           [--microbatches 8] [--width 512] [--layers 8]
+                                           [--microbatches 8] [--width 512] [--layers 8] [--planned]
 """
 
 from __future__ import annotations
@@ -81,6 +88,7 @@ class Setting:
     layers: int
     warmup: int
     batch_weight_grads: bool = False  # plait's Config(batch_weight_grads=...)
+    planned: bool = False  # also time plait with Config(): the planner's own layout
 
 
 # -- the model and the data ----------------------------------------------------------------------
@@ -141,6 +149,37 @@ def _layers_per_proc(setting: Setting) -> tuple[int, ...]:
     # plait captures each Linear and each ReLU as one layer; cut where the peer is cut.
     return tuple(len(range(*stage_slice(setting, s).indices(2 * setting.layers)))
                  for s in range(NUM_STAGES))
+
+
+class PlannedRunner:
+    """plait as a user gets it by default: Config(), the layout planned on the first step."""
+
+    def __init__(self, net: nn.Sequential, x: torch.Tensor, y: torch.Tensor):
+        self.net = net
+        self.model = plait.Model(net, config=plait.Config(),
+                                 optimizer=torch.optim.SGD(net.parameters(), lr=LR), loss=loss_fn)
+        self.model.train_on_batch(x, y)  # plans, then steps: the first of the steps compared
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.model.train_on_batch(x, y)
+
+    def describe(self) -> str:
+        plan = self.model.plan
+        return (f"pp={plan.num_stages} dp={plan.dp} tp={plan.tp} m={plan.num_microbatches} {plan.schedule}"
+                f"{f' v={plan.num_virtual_stages}' if plan.num_virtual_stages > 1 else ''}"
+                f" recompute={list(plan.recompute)} batch_weight_grads={plan.batch_weight_grads}")
+
+    def chunks(self, batch: int) -> int:
+        """The global batch in micro-batches of the plan's rows: what one process steps through."""
+        plan = self.model.plan
+        rows = -(-(-(-batch // plan.dp)) // plan.num_microbatches)
+        return -(-batch // rows)
+
+    def bubble(self, world: int) -> float:
+        """1 / world, stretched by the plan's pipeline bubble."""
+        plan = self.model.plan
+        m, p, v = plan.num_microbatches, plan.num_stages, plan.num_virtual_stages
+        return (m + (p - 1) / v) / m / world
 
 
 class PeerRunner:
@@ -242,6 +281,48 @@ def check(setting: Setting, schedule: str, rank: int) -> bool:
     return bool(passed.min() > 0)
 
 
+def measure_planned(setting: Setting, rank: int) -> tuple[str, float, bool, list[float], list[float]]:
+    """plait with Config() against one process through its micro-batches: (the plan, the ideal's
+    factor, parameters equal after CHECK_STEPS steps, plait's walls, the reference's walls)."""
+    net = make_net(setting.width, setting.layers)
+    reference = copy.deepcopy(net)
+    x, y = make_batch(setting, 0)
+    planned = PlannedRunner(net, x, y)
+    one = ReferenceRunner(reference, setting, rank, planned.chunks(setting.batch))
+    one.step(x, y)  # the planned run's first step, which planned it
+    for step in range(1, CHECK_STEPS):
+        xs, ys = make_batch(setting, step)
+        planned.step(xs, ys)
+        one.step(xs, ys)
+    state, want = planned.model.state_dict(), reference.state_dict()
+    worst = max(float((state[k] - want[k]).abs().max()) for k in want)
+    equal = all(torch.allclose(state[k], want[k], rtol=1e-5, atol=1e-6) for k in want)
+    for _ in range(setting.warmup):
+        planned.step(x, y)
+        one.step(x, y)
+    mine: list[float] = []
+    ones: list[float] = []
+    for _ in range(setting.rounds):
+        ones.append(timed(functools.partial(one.step, x, y), only_rank=0)[0])
+        mine.append(timed(functools.partial(planned.step, x, y))[0])
+    if rank == 0:
+        print(f"check planned: after {CHECK_STEPS} steps max |param - one-process param| = {worst:.1e}: "
+              f"{'ok' if equal else 'MISMATCH'} (rtol 1e-5, atol 1e-6)", flush=True)
+    return planned.describe(), planned.bubble(dist.get_world_size()), equal, mine, ones
+
+
+def report_planned(plan: str, bubble: float, equal: bool, mine: list[float], ones: list[float]) -> bool:
+    """Print the planned row and its verdict."""
+    t, tp = statistics.median(mine) * 1e3, statistics.median(ones) * 1e3
+    ideal = tp * bubble
+    ok = t / ideal <= TARGET_IDEAL and equal
+    print(f"\nConfig() planned: {plan}\n  plait {t:.2f} ms (IQR {_iqr(mine):.1f}), one process through the "
+          f"same micro-batches Tp {tp:.2f} ms, ideal_p {ideal:.2f} ms, plait/ideal_p {t / ideal:.2f}")
+    print(f"planned: {'PASS' if ok else 'FAIL'} (plait/ideal_p {t / ideal:.2f}, target <= {TARGET_IDEAL}; "
+          f"parameters {'match' if equal else 'DO NOT match'})", flush=True)
+    return ok
+
+
 def measure(setting: Setting, rank: int) -> dict[str, dict[str, list[Timing]]]:
     """Per schedule, the step timings of "plait", "peer", "T1" and "Tm" (one process, rank 0)."""
     net = make_net(setting.width, setting.layers)
@@ -325,8 +406,11 @@ def _rank_main(rank: int, port: int, setting: Setting, result_path: str) -> None
     try:
         correct = all([check(setting, s, rank) for s in setting.schedules])
         times = measure(setting, rank)
+        planned = measure_planned(setting, rank) if setting.planned else None
         if rank == 0:
             passed = report(setting, times, correct)
+            if planned is not None:
+                passed = report_planned(*planned) and passed
             Path(result_path).write_text("pass" if passed else "fail")
     finally:
         leave_job()
@@ -342,6 +426,8 @@ def parse_args(argv: list[str] | None = None) -> Setting:
     parser.add_argument("--width", type=int, default=512, help="Linear width (default: 512)")
     parser.add_argument("--batch-weight-grads", action="store_true",
                         help="plait computes linear weight gradients once per step over all micro-batches")
+    parser.add_argument("--planned", action="store_true",
+                        help="also time plait with Config(): the layout its planner chooses")
     parser.add_argument("--layers", type=int, default=8,
                         help="Linear+ReLU blocks, split evenly over the 2 stages (default: 8)")
     parser.add_argument("--warmup", type=int, default=WARMUP_STEPS,
@@ -358,7 +444,7 @@ def parse_args(argv: list[str] | None = None) -> Setting:
     if args.layers < NUM_STAGES or args.rounds < 2:
         parser.error(f"need --layers >= {NUM_STAGES} and --rounds >= 2, got {args.layers}, {args.rounds}")
     return Setting(args.rounds, schedules, args.batch, args.microbatches, args.width,
-                   args.layers, args.warmup, args.batch_weight_grads)
+                   args.layers, args.warmup, args.batch_weight_grads, args.planned)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,8 +81,8 @@ class Config:
         default): as `plait run --replan` says (`plait.job.run_options`), else False.
     batch_weight_grads: linear layers compute their weight gradients once per step over all
         micro-batches (one GEMM over every row instead of one per micro-batch; see
-        plait/runtime/batched_wgrad.py). Faster where small GEMMs are slow (CPUs); keeps each
-        linear's inputs and output gradients until the end of the step. Default False.
+        plait/runtime/batched_wgrad.py). Faster where small GEMMs are slow (CPUs); keeps each linear's
+        inputs and output gradients to the step's end. None: the planner's choice (else False).
     trace_dir: write each rank's measured timeline there as Chrome trace JSON (None: no trace).
     seed: seeds the shuffle order, identical on every rank.
     timeout_s: longest any wait on another rank may take before the run fails with a report.
@@ -133,7 +133,7 @@ class Config:
     plan: str | None = None
     memory_limit_bytes: float | None = None
     replan: bool | None = None
-    batch_weight_grads: bool = False
+    batch_weight_grads: bool | None = None
     tp: int | None = None
     tp_plan: tuple[tuple[str, str], ...] | None = None  # given as a dict; kept as its items, in order
     sequence_parallel: bool = False
@@ -358,8 +358,9 @@ class Config:
             raise ConfigError(f"memory_limit_bytes must be a positive number of bytes or None, got {limit!r}")
         if self.replan is not None and not isinstance(self.replan, bool):
             raise ConfigError(f"replan must be True, False or None (as `plait run --replan` says), got {self.replan!r}")
-        if not isinstance(self.batch_weight_grads, bool):
-            raise ConfigError(f"batch_weight_grads must be True or False, got {self.batch_weight_grads!r}")
+        if self.batch_weight_grads is not None and not isinstance(self.batch_weight_grads, bool):
+            raise ConfigError(f"batch_weight_grads must be True or False (or None: the planner's choice), "
+                              f"got {self.batch_weight_grads!r}")
 
     @property
     def plans_everything(self) -> bool:
@@ -370,11 +371,12 @@ class Config:
 
     def with_defaults(self) -> "Config":
         """This config with every field left open set to its unplanned default (dp 1,
-        1 micro-batch, "1f1b", no recomputation)."""
+        1 micro-batch, "1f1b", no recomputation, weight gradients per micro-batch)."""
         return replace(self, dp=self.dp or 1, num_microbatches=self.num_microbatches or 1, tp=self.tp or 1,
                        tp_plan=self.tp_plan if self.tp else None,
                        schedule=self.schedule or "1f1b",
-                       recompute=False if self.recompute is None else self.recompute)
+                       recompute=False if self.recompute is None else self.recompute,
+                       batch_weight_grads=bool(self.batch_weight_grads))
 
     def _check_checkpoints(self) -> None:
         self._path("checkpoint_dir", "a directory path")

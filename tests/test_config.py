@@ -19,7 +19,7 @@ def test_defaults_leave_the_layout_to_the_planner() -> None:
             config.recompute, config.plan) == (None,) * 7
     assert (config.num_virtual_stages, config.seed, config.timeout_s, config.grad_reduction, config.bucket_cap_mb,
             config.checkpoint_keep, config.on_nonfinite, config.replan, config.batch_weight_grads) == (
-        1, 0, 300.0, "mean", 25.0, 2, "stop", None, False)  # replan: as `plait run --replan` says
+        1, 0, 300.0, "mean", 25.0, 2, "stop", None, None)  # replan: as `plait run --replan` says; batched W: planned
     assert config.plans_everything
     assert SCHEDULE_NAMES == ("gpipe", "1f1b", "interleaved", "zbh1")
     assert sorted(SEARCH_ORDER) == sorted(SCHEDULE_NAMES) and SEARCH_ORDER[0] == "1f1b"
@@ -38,7 +38,8 @@ def test_not_sizes_leave_everything_to_the_planner() -> None:
 
 def test_with_defaults_fills_only_what_is_open() -> None:
     assert dataclasses.astuple(Config().with_defaults()) == dataclasses.astuple(
-        Config(dp=1, num_microbatches=1, schedule="1f1b", recompute=False, tp=1))
+        Config(dp=1, num_microbatches=1, schedule="1f1b", recompute=False, tp=1, batch_weight_grads=False))
+    assert Config(batch_weight_grads=True).with_defaults().batch_weight_grads is True
     given = Config(dp=2, num_microbatches=8, schedule="gpipe", recompute="auto").with_defaults()
     assert (given.dp, given.num_microbatches, given.schedule, given.recompute) == (2, 8, "gpipe", "auto")
 

@@ -117,7 +117,7 @@ def test_loss_that_is_not_a_scalar():
      r"has 3 entries, not a multiple of num_virtual_stages=2"),
     ({"recompute": "sometimes"}, r"recompute='sometimes' is not known; use True, False, 'auto'"),
     ({"recompute": [0, -1]}, r"bad entries: \[-1\]"),
-    ({"batch_weight_grads": 1}, "batch_weight_grads must be True or False, got 1"),
+    ({"batch_weight_grads": 1}, "batch_weight_grads must be True or False .or None: the planner's choice., got 1"),
     ({"layers_per_proc": [2, 0]}, r"bad entries: \[0\]"),
     ({"layers_per_proc": [2, 2], "num_stages": 3}, "num_stages=3 but layers_per_proc=\\[2, 2\\]"),
     ({"timeout_s": -1}, "timeout_s must be a positive number"),

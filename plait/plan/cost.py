@@ -26,7 +26,9 @@ end + the last bucket's), + closing all-reduce, + the slowest rank's optimizer s
 ZeRO's broadcasts). Memory of a rank = parameters + gradients + optimizer state
 (`plait.plan.memory`: ZeRO's shares) + the activations of the micro-batches the schedule makes
 it hold at once (its peak); recomputation keeps only each held micro-batch's stage input, plus
-one micro-batch's activations while it is recomputed. Left out: tensor parallelism, compute
+one micro-batch's activations while it is recomputed. Batched weight gradients
+(`plait.plan.layer_times`): each rank's W over all micro-batches after its last action, its
+last gradient pass; every micro-batch's linear inputs and output gradients held. Left out: tensor parallelism, compute
 slowed by concurrent communication, allocator fragmentation and framework workspace.
 """
 
@@ -34,61 +36,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Sequence
 
 import numpy as np
 
-from plait.config import SCHEDULE_NAMES
 from plait.errors import ConfigError
 from plait.plan.buckets import DEFAULT_BUCKET_BYTES, assign_buckets
 from plait.plan.layer_costs import LayerCosts
-from plait.plan.memory import StateBytes, check_zero, state_bytes, state_totals
+from plait.plan.layer_times import (
+    flush_times, hold, latency_terms, layer_times, pipeline_lower_bound, recomputed_memory,
+)
+from plait.plan.memory import StateBytes, state_bytes, state_totals
 from plait.plan.network import Link, Network, all_reduce, broadcast, point_to_point
 from plait.plan.partition import PartitionProblem
-from plait.schedule.interleaved import group_sizes
+from plait.plan.setting import Setting, microbatch_rows, peak_activations
 from plait.schedule.steptime import compile_schedule, time_step
 
 __all__ = ["Setting", "Cluster", "StageCost", "Prediction", "microbatch_rows",
            "peak_activations", "partition_problem", "pipeline_lower_bound", "predict"]
 
 CLOSING_BYTES = 64.0  # the step's loss and metric sums (and non-finite flags): a few float64s
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One point of the search space: degrees, micro-batches, schedule, recomputation, ZeRO
-    (0: replicated state; 1: optimizer state sharded over the dp replicas; 2: gradients too)."""
-
-    pp: int
-    dp: int
-    num_microbatches: int
-    schedule: str = "1f1b"
-    num_virtual_stages: int = 1
-    recompute: bool = False
-    zero: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("pp", "dp", "num_microbatches", "num_virtual_stages"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.schedule not in SCHEDULE_NAMES:
-            raise ConfigError(f"schedule={self.schedule!r} is not known; choose one of {list(SCHEDULE_NAMES)}")
-        if self.num_virtual_stages > 1 and self.schedule != "interleaved":
-            raise ConfigError(
-                f"num_virtual_stages={self.num_virtual_stages} needs schedule='interleaved'"
-            )
-        check_zero(self.zero, self.dp)
-
-    @property
-    def num_chunks(self) -> int:
-        """Model stages (chunks): pp x num_virtual_stages."""
-        return self.pp * self.num_virtual_stages
-
-    def rank_of(self, stage_index: int, replica: int) -> int:
-        """The rank running a stage of a replica: `Plan.rank_of`'s layout."""
-        return replica * self.pp + stage_index % self.pp
 
 
 @dataclass(frozen=True)
@@ -126,11 +93,12 @@ class StageCost:
     end: int  # one past the last layer
     forward_s: float
     backward_s: float  # input gradient, plus the recomputed forward
-    weight_s: float  # weight gradient (0 when recomputed: it runs inside B)
+    weight_s: float  # weight gradient (0 when recomputed: it runs inside B; or batched)
     send_s: float  # hand-over across the cut after this stage (0 on the last)
     state_bytes: float  # parameters + gradients + optimizer state (its ZeRO share)
     activation_bytes: float  # one micro-batch's activations (kept, or recomputed)
     entry_bytes: float  # one micro-batch's input to the stage
+    flush_s: float = 0.0  # batch_weight_grads: the step's weight gradients, after the rank's last action
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -163,75 +131,6 @@ class Prediction:
         return max(self.memory_bytes)
 
 
-def microbatch_rows(global_batch: int, dp: int, num_microbatches: int) -> int:
-    """Rows of the largest micro-batch: the batch split over dp replicas, then m micro-batches."""
-    return math.ceil(math.ceil(global_batch / dp) / num_microbatches)
-
-
-def peak_activations(setting: Setting) -> tuple[float, ...]:
-    """Micro-batches each rank holds at once: GPipe m (Huang et al. 2019), 1F1B stage s
-    min(p - s, m) (Narayanan et al. 2021), ZB-H1 min(p, m) (Qi et al. 2023; F done, W not yet).
-    Interleaved: rank r runs w = 2(p - r - 1) + (v - 1)G warmup forwards (G the largest
-    micro-batch group; all m v when m = p) and then holds one more chunk before its first
-    backward; a chunk counts 1/v. A test checks all four against `simulate` on the generators'
-    programs."""
-    p, m, v = setting.pp, setting.num_microbatches, setting.num_virtual_stages
-    if setting.schedule == "gpipe":
-        return (float(m),) * p
-    if setting.schedule == "1f1b" or (setting.schedule == "zbh1" and setting.recompute):
-        return tuple(float(min(p - s, m)) for s in range(p))
-    if setting.schedule == "zbh1":
-        return (float(min(p, m)),) * p
-    chunks, largest = m * v, max(group_sizes(m, p))
-    peaks = []
-    for r in range(p):
-        warmup = chunks if m == p else min(2 * (p - r - 1) + (v - 1) * largest, chunks)
-        peaks.append((warmup + 1 if warmup < chunks else chunks) / v)
-    return tuple(peaks)
-
-
-class _Same:
-    """A `LayerCosts` keyed by identity: the search prices one model's costs thousands of times,
-    and hashing its per-layer tuples would cost more than the lists the caches below keep."""
-
-    __slots__ = ("costs",)
-
-    def __init__(self, costs: LayerCosts) -> None:
-        self.costs = costs
-
-    def __hash__(self) -> int:
-        return id(self.costs)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Same) and other.costs is self.costs
-
-
-@lru_cache(maxsize=256)
-def _times(same: _Same, rows: int, mode: str) -> tuple[list[float], list[float], list[float]]:
-    """F, B, W per layer; mode "recompute", "split" (ZB-H1) or "whole". Shared: do not mutate."""
-    costs = same.costs
-    f, b, w = costs.forward(rows), costs.backward(rows), costs.weight(rows)
-    if mode == "recompute":  # the forward again before the backward, which runs B and W together
-        b = [x + y + z for x, y, z in zip(f, b, w)]
-        w = [0.0] * len(w)
-    elif mode == "whole":
-        b = [x + y for x, y in zip(b, w)]
-        w = [0.0] * len(w)
-    return f, b, w
-
-
-def _modes(setting: Setting) -> tuple[str, str]:
-    """How `setting` runs a layer's backward (`_times`), and which closed form times it (`_terms`)."""
-    mode = "recompute" if setting.recompute else ("split" if setting.schedule == "zbh1" else "whole")
-    if mode == "split":
-        return mode, "zbh1" if setting.num_microbatches >= setting.pp else "zbh1-few"
-    return mode, "interleaved" if setting.schedule == "interleaved" else "plain"
-
-
-def _layer_times(costs: LayerCosts, setting: Setting, rows: int) -> tuple[list[float], list[float], list[float]]:
-    return _times(_Same(costs), rows, _modes(setting)[0])
-
-
 def _boundary_links(setting: Setting, network: Network) -> list[Link]:
     """The link of each stage boundary s -> s + 1: the slowest any replica's pair crosses
     (`Network.link` of the 2 dp ranks: intra when they all sit on one node)."""
@@ -253,35 +152,6 @@ def _cut_times(costs: LayerCosts, setting: Setting, network: Network, rows: int)
             for k in range(costs.num_layers - 1)]
 
 
-def _latency_terms(costs: LayerCosts, setting: Setting, rows: int) -> tuple[list[float], list[float], list[float], float]:
-    """Per-layer (bottleneck time, fill, last-stage fill) and the bottleneck count of the
-    schedule's closed form (see `partition_problem`). Shared lists: do not mutate."""
-    v, m = setting.num_virtual_stages, setting.num_microbatches
-    mode, kind = _modes(setting)
-    time, fill, last_fill = _terms(_Same(costs), rows, mode, kind, v)
-    return time, fill, last_fill, float(m * v - 1 if kind == "interleaved" else m - 1)
-
-
-@lru_cache(maxsize=256)
-def _terms(same: _Same, rows: int, mode: str, kind: str, v: int) -> tuple[list[float], list[float], list[float]]:
-    f, b, w = _times(same, rows, mode)
-    time = [x + y + z for x, y, z in zip(f, b, w)]
-    if kind == "zbh1":
-        return time, [x + y - z for x, y, z in zip(f, b, w)], [2 * z for z in w]
-    if kind == "zbh1-few":
-        busy = [x + y for x, y in zip(f, b)]  # fewer micro-batches than stages: W never waits
-        return busy, busy, list(w)
-    if kind == "interleaved":
-        return time, [t / v for t in time], [0.0] * len(time)
-    return time, list(time), [0.0] * len(time)
-
-
-@lru_cache(maxsize=1024)
-def _sums(same: _Same, rows: int, mode: str, kind: str, v: int) -> tuple[float, float]:
-    time, fill, _ = _terms(same, rows, mode, kind, v)
-    return sum(fill), sum(time)
-
-
 def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int) -> PartitionProblem:
     """The closed form the partition minimises for `setting`, with memory per stage.
 
@@ -291,10 +161,12 @@ def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, glo
     the paper's m(F+B+W) + (p-1)(F+B-W) for uniform stages; m < p: t = F + B and one W more,
     (m + p - 1)(F + B) + W. Interleaved (v chunks per rank): the chunks' fill and cuts count
     1/v and the bottleneck m v - 1 times, Megatron's (m + (p-1)/v) t for uniform chunks; each
-    chunk must fit in 1/v of the device, a sufficient condition for the rank.
+    chunk must fit in 1/v of the device, a sufficient condition for the rank. Batched weight
+    gradients: t = F + B + W(m rows)/m, and W(m rows)/m more on the last stage (`_terms`); every
+    micro-batch held (`DEFERRED_HOLD`).
     """
     rows = microbatch_rows(global_batch, setting.dp, setting.num_microbatches)
-    time, fill, last_fill, count = _latency_terms(costs, setting, rows)
+    time, fill, last_fill, count = latency_terms(costs, setting, rows)
     v = setting.num_virtual_stages
     cuts = [2 * c / v for c in _cut_times(costs, setting, cluster.network, rows)]
     state = state_totals(costs.param_bytes, costs.grad_bytes, cluster.optimizer_state_factor, setting.dp, setting.zero)
@@ -302,28 +174,20 @@ def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, glo
     entry = [costs.input_row_bytes * rows] + [o * rows for o in costs.output_row_bytes[:-1]]
     peaks = peak_activations(setting)
     held = [peaks[s % setting.pp] for s in range(setting.num_chunks)]
+    recomputed = recomputed_memory(setting)
     return PartitionProblem(
         time=time, fill=fill, last_fill=last_fill, cut_time=cuts, bottleneck_count=count,
         num_chunks=setting.num_chunks, fixed=state, held=held,
-        per_held=[0.0] * len(act) if setting.recompute else act,
-        once=act if setting.recompute else (), entry=entry if setting.recompute else (),
+        per_held=[0.0] * len(act) if recomputed else [hold(setting) * a for a in act],
+        once=act if recomputed else (), entry=entry if recomputed else (),
         memory_limit=cluster.memory_bytes / v, uncuttable=costs.uncuttable, names=costs.names,
     )
 
 
-def pipeline_lower_bound(costs: LayerCosts, setting: Setting, global_batch: int) -> float:
-    """A bound no layout of `setting` beats: its closed form with free hand-overs, no last-stage
-    extra and a slowest stage no slower than the average one (max >= mean)."""
-    rows = microbatch_rows(global_batch, setting.dp, setting.num_microbatches)
-    v, m = setting.num_virtual_stages, setting.num_microbatches
-    mode, kind = _modes(setting)
-    fill, time = _sums(_Same(costs), rows, mode, kind, v)
-    return fill + float(m * v - 1 if kind == "interleaved" else m - 1) * time / setting.num_chunks
-
-
 def _stages(costs: LayerCosts, setting: Setting, cluster: Cluster, rows: int,
             layers_per_stage: Sequence[int]) -> list[StageCost]:
-    f, b, w = _layer_times(costs, setting, rows)
+    f, b, w = layer_times(costs, setting, rows)
+    flush = flush_times(costs, setting, rows)
     links = _boundary_links(setting, cluster.network)
     stages, start = [], 0
     for s, size in enumerate(layers_per_stage):
@@ -334,7 +198,7 @@ def _stages(costs: LayerCosts, setting: Setting, cluster: Cluster, rows: int,
             s, s % setting.pp, start, end, sum(f[start:end]), sum(b[start:end]), sum(w[start:end]),
             point_to_point(costs.output_row_bytes[end - 1] * rows, links[s])
             if s < len(layers_per_stage) - 1 else 0.0, state,
-            sum(costs.activation_row_bytes[start:end]) * rows, entry * rows,
+            sum(costs.activation_row_bytes[start:end]) * rows, entry * rows, sum(flush[start:end]),
         ))
         start = end
     return stages
@@ -354,20 +218,24 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
     peaks = peak_activations(setting)
     grad_pass = [st.weight_s if setting.schedule == "zbh1" and not setting.recompute
                  else st.backward_s for st in stages]
+    flush = [sum(st.flush_s for st in stages if st.rank == r) for r in range(p)]
     if simulate:
         timed = time_step(
             compile_schedule(setting.schedule, p, setting.num_microbatches, v),
             [st.forward_s for st in stages], [st.backward_s for st in stages],
             [st.weight_s for st in stages], [st.send_s for st in stages[:-1]],
         )
-        pipeline, ends, grad_starts = timed.step_time, list(timed.rank_end), list(timed.last_grad_start)
-        method = "simulated"
+        ends, grad_starts = list(timed.rank_end), list(timed.last_grad_start)
+        if setting.batch_weight_grads:  # each rank's batched W after its last action: its last gradient pass
+            grad_starts, ends = ends, [e + x for e, x in zip(ends, flush)]
+        pipeline, method = max(timed.step_time, *ends), "simulated"
     else:
         pipeline = partition_problem(costs, setting, cluster, global_batch).objective(layers_per_stage)
         if math.isinf(pipeline):  # the layout exceeds memory; time it anyway
             pipeline = _unbounded(costs, setting, cluster, global_batch).objective(layers_per_stage)
         ends = [pipeline] * p
-        grad_starts = [pipeline - max(grad_pass[s] for s in range(r, setting.num_chunks, p)) for r in range(p)]
+        grad_starts = [pipeline - (flush[r] if setting.batch_weight_grads else
+                                   max(grad_pass[s] for s in range(r, setting.num_chunks, p))) for r in range(p)]
         method = "closed form"
     dp, zero = setting.dp, setting.zero
     summed, gather, optimizer, states, acts, memory, reach = [], [], [], [], [], [], []
@@ -388,10 +256,10 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         optimizer.append(stepped / dp if zero else stepped)
         states.append(_state(sum(costs.param_bytes[i] for st in mine for i in range(st.start, st.end)),
                              sum(grads), setting, cluster))
-        if setting.recompute:
+        if recomputed_memory(setting):
             acts.append(peaks[r] * sum(st.entry_bytes for st in mine) + max(st.activation_bytes for st in mine))
         else:
-            acts.append(peaks[r] * sum(st.activation_bytes for st in mine))
+            acts.append(peaks[r] * hold(setting) * sum(st.activation_bytes for st in mine))
         memory.append(states[r].peak(acts[r]))
         reach.append(max(ends[r], grad_starts[r] + summed[r], ends[r] + tail))
     world = range(setting.pp * dp)

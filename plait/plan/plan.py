@@ -32,6 +32,7 @@ class Plan:
     memory: str = field(default="", compare=False)  # printed only: this rank's memory, measured / predicted
     zero: int = 0  # 1: each stage's optimizer state sharded over its replicas (ZeRO-1); 2: gradients too
     tp: int = 1  # tensor-parallel ranks per stage (innermost: consecutive ranks)
+    batch_weight_grads: bool = False  # linears' weight gradients once a step over all micro-batches
     # per stage (tp > 1): {"parameters": {name: {"placement": "Shard(d)", "blocks"}}, "activations":
     # {graph value: "Shard(d)" | "Partial() -> Replicate()"} (any other: Replicate()), "collectives":
     # [{"kind", "pass", "at", "why"}], "replicated": {module: why}, "search": the tp search's choice,
@@ -146,6 +147,7 @@ class Plan:
                 kept_whole=tuple(str(n) for n in data.get("kept_whole", ())),
                 zero=int(data.get("zero", 0)),
                 tp=int(data.get("tp", 1)),
+                batch_weight_grads=bool(data.get("batch_weight_grads", False)),
                 tp_layouts=tuple(_layout(s) for s in data.get("tp_layouts", ())),
             )
         except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as e:
@@ -156,7 +158,8 @@ class Plan:
             f"plait plan: {self.num_chunks} stage(s)"
             f"{f' ({self.num_virtual_stages} per rank)' if self.num_virtual_stages > 1 else ''}"
             f" x {self.dp} replica(s){f' x tp={self.tp}' if self.tp > 1 else ''} on {self.world_size} rank(s), schedule "
-            f"{self.schedule}, {self.num_microbatches} micro-batch(es), captured with "
+            f"{self.schedule}, {self.num_microbatches} micro-batch(es)"
+            f"{', weight gradients batched' if self.batch_weight_grads else ''}, captured with "
             f"{self.capture_method}, {len(self.layer_names)} layers"
         ]
         for s in range(self.num_chunks):

@@ -56,7 +56,8 @@ class PlanReport:
     def setting(self) -> Setting:
         c = self.chosen
         return Setting(int(c["pp"]), int(c["dp"]), int(c["num_microbatches"]), str(c["schedule"]),
-                       int(c.get("num_virtual_stages", 1)), bool(c.get("recompute", False)), self.zero)
+                       int(c.get("num_virtual_stages", 1)), bool(c.get("recompute", False)), self.zero,
+                       bool(c.get("batch_weight_grads", False)))
 
     def prediction(self) -> Prediction:
         """The chosen layout's prediction, priced again from the profile (planned runs only)."""

@@ -1,4 +1,4 @@
-"""The search: layouts of a world (pp x dp, micro-batches, schedule, recomputation, ZeRO), best first.
+"""The search: layouts of a world (pp x dp, micro-batches, schedule, recomputation, ZeRO, batched W), best first.
 
 For each setting the exact partition (`optimal_partition`) gives the layers per stage that
 minimise the schedule's closed-form latency within the memory limit; the cost model prices
@@ -9,8 +9,10 @@ closed form are then timed again on the schedule's own program (`steptime`) and 
 Tensor parallelism is searched around this (`plait.plan.tp_costs.search_tp`: each tp on world / tp
 ranks); here tp = 1, and a layer that fits no device makes every setting infeasible, with the reason. ZeRO (0, 1, 2: `plait.plan.memory`) is searched where dp > 1;
 left to the search (`SearchSpace.zero` None) it is used where memory needs it: the candidates
-are those of the lowest level at which some layout fits. Candidates that predict the same step
-(to 12 significant digits) rank by the lower level, then in the order found.
+are those of the lowest level at which some layout fits. Batched weight gradients
+(`Config.batch_weight_grads`) are one more choice, priced by `plait.plan.layer_times`. Candidates
+that predict the same step (to 12 significant digits) rank by the lower level, then unbatched
+first, then in the order found.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class SearchSpace:
     num_virtual_stages: int = 2  # chunks per rank of "interleaved"
     recompute: tuple[bool, ...] = (False, True)
     zero: tuple[int, ...] | None = None  # None: 0, 1 and 2 where dp > 1 (else 0); given: only those
+    batch_weight_grads: tuple[bool, ...] = (False, True)  # True is tried without recomputation, not with ZB-H1
     keep: int = 5  # candidates returned
     simulate_top: int = 8  # at most this many re-timed on the schedule's program
     simulate_actions: int = 40_000  # actions simulated in all; beyond, the closed form stays
@@ -81,7 +84,8 @@ class Candidate:
         data: dict[str, Any] = {
             "pp": st.pp, "dp": st.dp, "tp": self.tp, "num_microbatches": st.num_microbatches,
             "schedule": st.schedule, "num_virtual_stages": st.num_virtual_stages,
-            "recompute": st.recompute, "zero": st.zero, "layers_per_stage": list(self.layers_per_stage),
+            "recompute": st.recompute, "zero": st.zero, "batch_weight_grads": st.batch_weight_grads,
+            "layers_per_stage": list(self.layers_per_stage),
             "feasible": self.feasible,
             "predicted_step_time_s": pred.step_time_s if pred else None,
             "closed_form_step_time_s": self.closed_form_s if self.feasible else None,
@@ -132,7 +136,11 @@ def _settings(costs: LayerCosts, world_size: int, global_batch: int, space: Sear
                 if name == "interleaved" and (v < 2 or pp < 2 or pp * v > costs.num_layers):
                     continue
                 for recompute in space.recompute:
-                    out.extend(Setting(pp, dp, m, name, v, recompute, zero) for zero in space.zero_levels(dp))
+                    for batched in space.batch_weight_grads:
+                        if batched and (recompute or name == "zbh1"):
+                            continue  # it would keep what recomputation frees; ZB-H1 would be 1F1B
+                        out.extend(Setting(pp, dp, m, name, v, recompute, zero, batched)
+                                   for zero in space.zero_levels(dp))
     return out
 
 
@@ -238,9 +246,10 @@ def _refine(costs: LayerCosts, ranked: list[Candidate], cluster: Cluster, global
     return ranked
 
 
-def _rank(step_time_s: float, candidate: Candidate) -> tuple[float, int]:
-    """Faster first; steps equal to 12 significant digits go to the lower ZeRO level."""
-    return float(f"{step_time_s:.12g}"), candidate.setting.zero
+def _rank(step_time_s: float, candidate: Candidate) -> tuple[float, int, bool]:
+    """Faster first; steps equal to 12 significant digits go to the lower ZeRO level, then to
+    weight gradients per micro-batch (less memory)."""
+    return float(f"{step_time_s:.12g}"), candidate.setting.zero, candidate.setting.batch_weight_grads
 
 
 def _actions(setting: Setting) -> int:
@@ -263,7 +272,8 @@ def format_table(candidates: list[Candidate], top: int = 5) -> str:
     rows += [c for c in candidates[top:] if c.tp not in {r.tp for r in rows}]  # each tp's best
     for k, c in enumerate(rows, 1):
         st = c.setting
-        sched = st.schedule + (f" v={st.num_virtual_stages}" if st.num_virtual_stages > 1 else "")
+        sched = (st.schedule + (f" v={st.num_virtual_stages}" if st.num_virtual_stages > 1 else "")
+                 + (" +bW" if st.batch_weight_grads else ""))
         step = f"{c.step_time_s:10.4f}" if c.feasible else f"{'-':>10}"
         mem = (c.prediction.peak_memory_bytes if c.prediction else c.needed_memory_bytes) / GIB
         timing = c.prediction.method if c.prediction else "infeasible: " + c.reason
@@ -272,7 +282,9 @@ def format_table(candidates: list[Candidate], top: int = 5) -> str:
     if best.prediction is not None:
         pred = best.prediction
         lines.append(f"chosen: {best.setting.num_microbatches} micro-batches of {pred.rows} rows, "
-                     f"zero={best.setting.zero}{f', tp={best.tp}' if best.tp > 1 else ''}; per stage, one "
+                     f"zero={best.setting.zero}{f', tp={best.tp}' if best.tp > 1 else ''}"
+                     f"{', weight gradients batched over the step (+bW)' if best.setting.batch_weight_grads else ''}"
+                     "; per stage, one "
                      f"micro-batch, and its rank's memory "
                      "(parameters + gradients + optimizer state + activations):")
         for s in pred.stages:

@@ -163,6 +163,7 @@ def candidate_fields(candidate: dict[str, Any]) -> dict[str, Any]:
             "schedule": str(candidate["schedule"]),
             "num_virtual_stages": int(candidate.get("num_virtual_stages", 1)),
             "recompute": bool(candidate.get("recompute", False)), "zero": int(candidate.get("zero", 0) or 0),
+            "batch_weight_grads": bool(candidate.get("batch_weight_grads", False)),
             "tp": int(candidate.get("tp", 1) or 1)}
 
 
@@ -208,8 +209,10 @@ def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[
 
 
 def _users_zero(fields: dict[str, Any], config: Config) -> dict[str, Any]:
-    """A replayed layout's fields with Config.zero in place of the saved level, when given."""
-    return fields if config.zero is None else {**fields, "zero": config.zero}
+    """A replayed layout's fields with Config.zero and Config.batch_weight_grads in place of the
+    saved ones, where given."""
+    fields = fields if config.zero is None else {**fields, "zero": config.zero}
+    return fields if config.batch_weight_grads is None else {**fields, "batch_weight_grads": config.batch_weight_grads}
 
 
 def _search_inputs(config: Config, world_size: int, work: Workload,
@@ -258,15 +261,18 @@ def _space(config: Config, world_size: int, global_batch: int) -> tuple[SearchSp
     zero = None if config.zero is None else (config.zero,)
     if config.plans_everything:
         schedules = (config.schedule,) if config.schedule else SEARCH_ORDER
-        return SearchSpace(schedules=schedules, recompute=recompute, zero=zero), "planned"
+        batched = (False, True) if config.batch_weight_grads is None else (config.batch_weight_grads,)
+        return SearchSpace(schedules=schedules, recompute=recompute, zero=zero,
+                           batch_weight_grads=batched), "planned"
     c = config.with_defaults()
     pp, v = c.stages_for(world_size), c.num_virtual_stages
     assert c.schedule is not None and c.num_microbatches is not None
     # One chunk per rank: the interleaved order is 1F1B's; more micro-batches than rows: clamped.
     schedule = "1f1b" if c.schedule == "interleaved" and v < 2 else c.schedule
     m = min(c.num_microbatches, -(-global_batch // (world_size // pp)))
-    return SearchSpace(pp=(pp,), num_microbatches=(m,), schedules=(schedule,),
-                       num_virtual_stages=max(v, 2), recompute=recompute, zero=zero, keep=1), "partitioned"
+    return SearchSpace(pp=(pp,), num_microbatches=(m,), schedules=(schedule,), num_virtual_stages=max(v, 2),
+                       recompute=recompute, zero=zero, batch_weight_grads=(c.batch_weight_grads is True,),
+                       keep=1), "partitioned"
 
 
 def _optimizer_factory(optimizer: Any) -> Any:
@@ -288,7 +294,8 @@ def _resumed_fields(plan: dict[str, Any], config: Config, world_size: int,
         full: dict[str, Any] = {"layers_per_proc": layers, "num_stages": len(layers) // v, "dp": dp,
                 "num_microbatches": int(plan["num_microbatches"]), "schedule": str(plan["schedule"]),
                 "num_virtual_stages": v, "recompute": [int(s) for s in plan.get("recompute", [])],
-                "zero": int(plan.get("zero", 0) or 0)}
+                "zero": int(plan.get("zero", 0) or 0),
+                "batch_weight_grads": bool(plan.get("batch_weight_grads", False))}
     except (KeyError, TypeError, ValueError):
         return None
     if config.zero and dp == 1:  # the config's ZeRO needs replicas this layout lacks: plan afresh
@@ -323,7 +330,8 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
                       "schedule": str(data["schedule"]),
                       "num_virtual_stages": int(data.get("num_virtual_stages", 1)),
                       "recompute": [int(s) for s in data.get("recompute", [])],
-                      "zero": int(data.get("zero", 0) or 0)}
+                      "zero": int(data.get("zero", 0) or 0),
+                      "batch_weight_grads": bool(data.get("batch_weight_grads", False))}
             saved_names = tuple(str(n) for n in data["layer_names"])
             saved_world = int(data["world_size"])
         else:  # the planner's JSON

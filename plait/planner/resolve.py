@@ -71,6 +71,7 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         kept_whole=captured.kept_whole,
         zero=_zero(config, lanes),
         tp=config.tp or 1,
+        batch_weight_grads=bool(config.batch_weight_grads),
         uncuttable=regions,
         dp=config.dp,
         num_virtual_stages=virtual,

@@ -248,7 +248,7 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     meter = ActivationMeter() if make_ties else None
     executors = {
         s: StageExecutor(stages[s], captured.finish, parts.loss, recompute=s in plan.recompute,
-                         batch_weight_grads=config.batch_weight_grads, meter=meter,
+                         batch_weight_grads=bool(config.batch_weight_grads), meter=meter,
                          split_loss=split_loss if s == plan.num_chunks - 1 else None) for s in mine
     }
     replica = plan.position_of(rank)[1]

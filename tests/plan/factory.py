@@ -9,13 +9,14 @@ from plait.plan.layer_costs import LayerCosts
 
 def layer_costs(n: int, forward: float = 1.0, backward: float = 2.0, weight: float = 0.0,
                 activation: float = 0.0, output: float = 0.0, params: float = 0.0,
-                optimizer: float = 0.0, fixed: float = 0.0) -> LayerCosts:
-    """n identical layers; times per row (plus `fixed` per pass), bytes per row or per layer."""
+                optimizer: float = 0.0, fixed: float = 0.0, weight_fixed: float = 0.0) -> LayerCosts:
+    """n identical layers; times per row (plus `fixed` per F and B pass, `weight_fixed` per W),
+    bytes per row or per layer."""
     return LayerCosts(
         names=tuple(f"l{i}" for i in range(n)),
         forward_fixed_s=(fixed,) * n, forward_row_s=(forward,) * n,
         backward_fixed_s=(fixed,) * n, backward_row_s=(backward,) * n,
-        weight_fixed_s=(0.0,) * n, weight_row_s=(weight,) * n,
+        weight_fixed_s=(weight_fixed,) * n, weight_row_s=(weight,) * n,
         activation_row_bytes=(activation,) * n, output_row_bytes=(output,) * n,
         param_bytes=(params,) * n, grad_bytes=(params,) * n, optimizer_s=(optimizer,) * n,
     )

@@ -4,6 +4,7 @@ worked out by hand (the collective formulas: tests/plan/test_network.py)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -145,7 +146,10 @@ def test_lower_bound_never_exceeds_a_layout() -> None:
         p = rng.randint(1, costs.num_layers // 2 if costs.num_layers >= 4 else 1)
         name = rng.choice(["gpipe", "1f1b", "zbh1", "interleaved"] if p > 1 else ["1f1b"])
         v = 2 if name == "interleaved" else 1
-        setting = Setting(p, 1, rng.randint(1, 6), name, v, rng.random() < 0.3)
+        if rng.random() < 0.3:  # batched weight gradients: W's fixed part paid once a step
+            costs = replace(costs, weight_fixed_s=tuple(float(rng.randint(0, 3)) for _ in costs.names))
+        setting = Setting(p, 1, rng.randint(1, 6), name, v, rng.random() < 0.3,
+                          batch_weight_grads=rng.random() < 0.4)
         best = optimal_partition(partition_problem(costs, setting, Cluster(FREE, math.inf), 12))
         assert pipeline_lower_bound(costs, setting, 12) <= best.objective + 1e-9
 

@@ -58,7 +58,8 @@ def test_to_dict_is_the_chosen_fields_plus_the_context() -> None:
     data = report.to_dict()
     assert set(data) == set(report.chosen) | {"alternatives", "global_batch", "source", "costs", "cluster"}
     assert {k: data[k] for k in report.chosen} == report.chosen
-    assert (data["global_batch"], data["source"], len(data["alternatives"])) == (8, "planned", 3)
+    # 1f1b and gpipe, each with weight gradients per micro-batch or batched, and recomputation
+    assert (data["global_batch"], data["source"], len(data["alternatives"])) == (8, "planned", 4)
     assert data["costs"] == COSTS.to_dict()
     assert data["cluster"] == {"network": CLUSTER.network.to_dict(), "memory_bytes": 1e6,
                                "optimizer_state_factor": 2.0, "bucket_bytes": CLUSTER.bucket_bytes}

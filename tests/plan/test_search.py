@@ -127,7 +127,8 @@ def levels_by_predict(costs, candidate, cluster, global_batch):
                        candidate.layers_per_stage).step_time_s for z in (0, 1, 2)}
 
 
-ONE_LAYOUT = SearchSpace(pp=(2,), num_microbatches=(8,), schedules=("1f1b",), recompute=(False,), zero=(0, 1, 2))
+ONE_LAYOUT = SearchSpace(pp=(2,), num_microbatches=(8,), schedules=("1f1b",), recompute=(False,), zero=(0, 1, 2),
+                         batch_weight_grads=(False,))
 
 
 @pytest.mark.parametrize("optimizer", [0.0, 0.5])

@@ -59,7 +59,7 @@ def _cluster(link: Link, memory: float = math.inf, per_node: int = 4) -> Cluster
     return Cluster(Network(link, link, per_node), memory, optimizer_state_factor=0.0)
 
 
-SPACE = SearchSpace(schedules=("1f1b",), recompute=(False,), keep=20, simulate_top=0)
+SPACE = SearchSpace(schedules=("1f1b",), recompute=(False,), batch_weight_grads=(False,), keep=20, simulate_top=0)
 
 
 def test_tp_wins_on_a_free_link_and_loses_on_a_slow_one() -> None:
