@@ -10,7 +10,10 @@ One job, spawned here: 2 gloo ranks on 127.0.0.1, one CPU thread each. A model, 
 each tp's best layout. Then both layouts run, alternating, each step after a barrier and taken as
 the slowest rank's; medians over the rounds. Printed: each layout's predicted step (at plan time)
 and its measured step, and whether the planner's choice is the faster one measured (the target:
-the choice is faster, or within 5% of the other).
+the choice is faster, or within 5% of the other). Beside them runs data parallelism (one stage
+on 2 replicas, one micro-batch) with its optimizer state sharded (ZeRO-1) and its gradients too
+(ZeRO-2), priced by the same cost model from the same profile (`plait.plan.cost.predict` at that level): the closed loop's second target
+is every tp > 1 or ZeRO layout's predicted / measured step within 15%.
 
     python benchmarks/tp_planner.py [--model mlp|gpt2] [--rounds 10]
 """
@@ -35,6 +38,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from job import join_job, leave_job, run_job, timed  # noqa: E402 - benchmarks/ is on sys.path
 
+from plait.plan.cost import Setting, predict  # noqa: E402
 from plait.planner.layout import candidate_fields  # noqa: E402
 
 
@@ -71,33 +75,45 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, result: str) -> No
     report = planned.plan_report
     assert report is not None
     candidates = [report.chosen, *report.alternatives]
-    best = {tp: next(c for c in candidates if int(c["tp"]) == tp) for tp in (1, 2)}
+    best: dict[Any, dict[str, Any]] = {tp: next(c for c in candidates if int(c["tp"]) == tp) for tp in (1, 2)}
+    for zero in (1, 2):  # one stage on 2 replicas with ZeRO, priced from the plan's profile (tp=1 costs)
+        assert report.costs is not None and report.cluster is not None
+        layers = [report.costs.num_layers]
+        setting = Setting(1, 2, 1, "1f1b", zero=zero)
+        priced = predict(report.costs, setting, report.cluster, report.global_batch, layers)
+        best[f"zero{zero}"] = {"pp": 1, "dp": 2, "tp": 1, "num_microbatches": 1, "schedule": "1f1b", "zero": zero,
+                               "layers_per_stage": layers, "predicted_step_time_s": priced.step_time_s}
     models = {}
-    for tp, c in best.items():
+    for key, c in best.items():
         fields = candidate_fields(c)
         fields.pop("num_stages")
         config = plait.Config(**{**fields, "layers_per_proc": tuple(fields["layers_per_proc"])})
-        models[tp] = plait.Model(workload(args.model)[0], replace(config, tp=tp), optimizer=sgd, loss=loss)
-    measured: dict[int, list[float]] = {1: [], 2: []}
+        models[key] = plait.Model(workload(args.model)[0], config, optimizer=sgd, loss=loss)
+    measured: dict[Any, list[float]] = {key: [] for key in best}
     for r in range(args.warmup + args.rounds):
-        order = (1, 2) if r % 2 == 0 else (2, 1)
-        for tp in order:
-            s = timed(lambda: models[tp].train_on_batch(x, y))
+        for key in list(best) if r % 2 == 0 else list(best)[::-1]:
+            s = timed(lambda: models[key].train_on_batch(x, y))
             if r >= args.warmup:
-                measured[tp].append(s)
+                measured[key].append(s)
     if rank == 0:
         lines = [f"{args.model}, 2 gloo ranks x 1 thread, {args.rounds} rounds (medians); plan:",
                  report.table, ""]
-        med = {tp: statistics.median(measured[tp]) for tp in (1, 2)}
-        for tp in (1, 2):
-            c = best[tp]
-            layout = f"pp={c['pp']} dp={c['dp']} tp={tp} m={c['num_microbatches']} {c['schedule']}"
-            lines.append(f"  {layout:<34} predicted {c['predicted_step_time_s'] * 1e3:8.2f} ms   measured "
-                         f"{med[tp] * 1e3:8.2f} ms   predicted / measured {c['predicted_step_time_s'] / med[tp]:.2f}")
+        med = {key: statistics.median(measured[key]) for key in best}
+        close = []
+        for key, c in best.items():
+            layout = (f"pp={c['pp']} dp={c['dp']} tp={c['tp']} zero={c['zero']} m={c['num_microbatches']} "
+                      f"{c['schedule']}{' +bW' if c.get('batch_weight_grads') else ''}")
+            ratio = c["predicted_step_time_s"] / med[key]
+            if int(c["tp"]) > 1 or int(c["zero"]) > 0:
+                close.append(abs(ratio - 1) <= 0.15)
+            lines.append(f"  {layout:<44} predicted {c['predicted_step_time_s'] * 1e3:8.2f} ms   measured "
+                         f"{med[key] * 1e3:8.2f} ms   predicted / measured {ratio:.2f}")
         chosen, other = int(report.chosen["tp"]), 3 - int(report.chosen["tp"])
         ratio = med[chosen] / med[other]
         lines.append(f"the planner chose tp={chosen}: measured {ratio:.3f} of tp={other}'s step  "
                      f"(target <= 1.05: {'PASS' if ratio <= 1.05 else 'FAIL'})")
+        lines.append(f"tp > 1 and ZeRO layouts predicted within 15% of their measured step: {sum(close)} of "
+                     f"{len(close)} (target: all, {'PASS' if all(close) else 'FAIL'})")
         Path(result).write_text("\n".join(lines))
     leave_job()
 
