@@ -187,6 +187,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         tps = tuple(args.tp) if args.tp else tp_degrees(args.devices, dev.network.devices_per_node)
         found = search_tp(gpt_costs(spec, dev, args.optimizer), {t: gpt_tp_shares(spec, dev, t) for t in tps if t > 1},
                           args.devices, args.batch, cluster, _search_space(args), degrees=tps)
+        mixed = _mixed_widths(args, spec, dev, cluster)
         head = {"model": f"GPT {args.gpt} ({spec.parameters / 1e9:.2f}B parameters)",
                 "device": dev.name, "devices": args.devices, "global_batch": args.batch}
         costs_source = f"analytic, {dev.name}"
@@ -228,6 +229,8 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             stage["mesh"] = {"dp": entry["dp"], "tp": entry["tp"]}
     if args.layout is not None:
         data["layout"] = args.layout
+    if args.gpt is not None:
+        data["mixed_widths"] = mixed.to_dict() if mixed is not None else None
     rate = ""
     if args.gpt is not None and data.get("predicted_step_time_s"):  # Megatron's count over the predicted step
         data["tflops_per_device"] = megatron_flops(spec, args.batch) / (data["predicted_step_time_s"] * args.devices) / 1e12
@@ -235,7 +238,29 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     text = (f"plait plan: {head['model']} on {args.devices} x {head['device']} "
             f"({cluster.memory_bytes / gib:.2f} GiB each), global batch {head['global_batch']}; "
             f"costs {costs_source}; planned in {elapsed:.2f} s{rate}\n" + format_table(found, args.top))
+    if args.gpt is not None and mixed is not None:
+        text += (f"\nstages of different tp widths (one pipeline, priced, not yet run by plait): tp "
+                 f"{list(mixed.widths)}, layers {list(mixed.layers_per_stage)}, {mixed.num_microbatches} "
+                 f"micro-batches, {mixed.schedule}: {mixed.step_time_s:.4f} s a step")
     return data, text
+
+
+MIXED_LIMIT = (16, 128)  # devices, layers: beyond, stages of different widths are not searched
+
+
+def _mixed_widths(args: argparse.Namespace, spec: Any, dev: Any, cluster: Any) -> Any:
+    """The best one-pipeline layout with stages of different tp widths (`plait.plan.width_search`),
+    for small worlds with no --layout; None otherwise or when none beats nothing."""
+    from plait.plan.analytic import gpt_costs, gpt_tp_shares
+    from plait.plan.width_search import search_widths
+
+    if args.layout is not None or args.devices > MIXED_LIMIT[0] or spec.layers + 2 > MIXED_LIMIT[1]:
+        return None
+    widths = tuple(args.tp) if args.tp else tuple(  # a stage's width need not divide the world
+        w for w in (1, 2, 4, 8) if w <= min(args.devices, dev.network.devices_per_node))
+    shares = {w: gpt_tp_shares(spec, dev, w) for w in widths if w > 1}
+    return search_widths(gpt_costs(spec, dev, args.optimizer), shares, args.devices, args.batch, cluster, widths,
+                         args.microbatches)
 
 
 def run_plan(args: argparse.Namespace) -> int:

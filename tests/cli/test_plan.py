@@ -176,3 +176,14 @@ def test_run_as_a_user_runs_it():
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["feasible"] and data["pp"] * data["dp"] * data["tp"] == 4 and data["device"] == "v100-16gb"
+
+
+def test_stages_of_different_widths_are_priced_beside_the_uniform_layouts(capsys):
+    # 3 GPUs: uniform tp must divide 3 (tp=1 only); one pipeline may put its stages on 2 + 1
+    gpt = ["--gpt", "layers=2,hidden=1024,heads=16,vocab=50257", "--batch", "8", "--device", "a100-40gb"]
+    data = run_json(capsys, *gpt, "--devices", "3")
+    mixed = data["mixed_widths"]
+    assert mixed is not None and sum(mixed["tp"]) == 3 and len(set(mixed["tp"])) == 2
+    assert sum(mixed["layers_per_stage"]) == 4 and mixed["predicted_step_time_s"] > mixed["pipeline_s"] > 0
+    assert {c["tp"] for c in [data, *data["alternatives"]]} == {1}
+    assert run_json(capsys, *gpt, "--devices", "32")["mixed_widths"] is None  # over the size searched

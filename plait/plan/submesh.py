@@ -1,0 +1,205 @@
+"""Alpa's inter-operator pass: the stages of one pipeline and the tp width of each, by a dynamic program.
+
+Alpa (Zheng et al. 2022, section 5) cuts the layers into stages and gives each stage a sub-mesh
+of its own shape, minimising the pipeline's latency
+
+    T = sum_s t_s + (m - 1) max_s t_s
+
+over (layer range, sub-mesh) pairs whose costs come from the intra-operator pass. Here a stage's
+sub-mesh is its tp width (the runtime's intra-stage parallelism), each width's per-layer costs are
+the tp pass's (`plait.plan.tp_costs.at_tp`), and the widths of all stages add up to the devices of
+one pipeline. For each candidate bottleneck t_max (every stage time a (range, width) pair can
+have, in increasing order) a table over (stages left, first layer, devices left) keeps the least
+sum of fills and hand-overs whose stages all take <= t_max and fit in memory; the best
+(m - 1) t_max + that sum over the candidates is the optimum (the optimum's own bottleneck is
+among them). The enumeration starts at the first t_max whose stages can cover the layers on the
+devices (bisection) and stops once (m - 1) t_max plus the sum without any bound on the
+bottleneck (a floor under all of them) cannot beat the best found (Alpa's early stop). Memory of a stage j-th from the end: its fixed bytes plus the
+micro-batches it holds (1F1B: min(j, m); GPipe: m) times its activations of one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from plait.errors import PartitionError
+
+__all__ = ["WidthCosts", "WidthLayout", "width_partition"]
+
+
+@dataclass(frozen=True)
+class WidthCosts:
+    """One width's per-layer costs on each of its ranks: bottleneck time, fill time (both per
+    micro-batch), fixed bytes (parameters, gradients, optimizer state) and activation bytes of
+    one micro-batch."""
+
+    time: Sequence[float]
+    fill: Sequence[float]
+    fixed: Sequence[float]
+    activation: Sequence[float]
+
+
+@dataclass(frozen=True)
+class WidthLayout:
+    """The stages found: layers and tp width of each, and the objective T."""
+
+    layers_per_stage: tuple[int, ...]
+    widths: tuple[int, ...]
+    objective: float
+
+
+def width_partition(costs: Mapping[int, WidthCosts], cut_time: Sequence[float], devices: int,
+                    num_microbatches: int, gpipe: bool = False, memory_limit: float = math.inf,
+                    max_stages: int | None = None) -> WidthLayout:
+    """The stages (layers, width) of one pipeline on exactly `devices` ranks minimising T plus
+    the hand-overs `cut_time[k]` (after layer k, both ways). PartitionError when none fits."""
+    widths = sorted(costs)
+    n = len(next(iter(costs.values())).time) if costs else 0
+    if not widths or n == 0 or devices < 1 or any(w < 1 for w in widths):
+        raise PartitionError(f"width_partition needs widths >= 1 and layers, got widths {widths}, "
+                             f"{n} layers, {devices} devices")
+    if len(cut_time) != n - 1 or any(len(c.time) != n for c in costs.values()):
+        raise PartitionError(f"width_partition: every width needs {n} per-layer values and {n - 1} cut times")
+    m = num_microbatches
+    stages_cap = min(n, devices // widths[0], max_stages or n)
+    time = {w: _range_sums(costs[w].time) for w in widths}  # [k, i]: layers k..i-1
+    fill = {w: _range_sums(costs[w].fill) for w in widths}
+    fixed = {w: _range_sums(costs[w].fixed) for w in widths}
+    act = {w: _range_sums(costs[w].activation) for w in widths}
+    hand = np.zeros(n + 1)  # [i]: the hand-over of a stage ending before layer i (none at the end)
+    hand[1:n] = np.asarray(cut_time, dtype=np.float64)
+    best: tuple[float, WidthLayout | None] = (math.inf, None)
+    unbounded = _best_under(math.inf, widths, time, fill, fixed, act, hand, n, devices, m, gpipe,
+                            memory_limit, stages_cap)
+    # with no bound on the bottleneck the fills are least: a floor under every t_max's
+    floor = unbounded[0] if unbounded is not None else math.inf
+    candidates = np.unique(np.concatenate([t[np.isfinite(t)] for t in time.values()])).tolist()
+    # fewest devices that cover the layers with stages <= t_max: falls as t_max grows, so the
+    # first t_max worth a table is found by bisection (a necessary condition only)
+    low, high = 0, len(candidates)
+    while low < high:
+        mid = (low + high) // 2
+        if _fewest_devices(candidates[mid], widths, time, n) <= devices:
+            high = mid
+        else:
+            low = mid + 1
+    for t_max in candidates[low:] if unbounded is not None and m > 1 else ():
+        if (m - 1) * t_max + floor >= best[0]:
+            break  # every later bottleneck costs more than the best found
+        found = _best_under(t_max, widths, time, fill, fixed, act, hand, n, devices, m, gpipe,
+                            memory_limit, stages_cap)
+        if found is not None and found[0] + (m - 1) * t_max < best[0]:
+            best = (found[0] + (m - 1) * t_max, found[1])
+    if unbounded is not None and m == 1:  # one micro-batch: no bottleneck term
+        best = unbounded
+    if best[1] is None:
+        raise PartitionError(
+            f"no cut of {n} layers into stages of widths {widths} on {devices} devices fits "
+            f"{memory_limit:.3g} bytes per device; allow wider stages, more devices or recomputation"
+        )
+    layout = best[1]
+    return WidthLayout(layout.layers_per_stage, layout.widths, best[0])
+
+
+def _fewest_devices(t_max: float, widths: list[int], time: dict[int, npt.NDArray[np.float64]], n: int) -> float:
+    """The fewest devices whose stages, each <= t_max, cover all the layers (inf: none)."""
+    fewest = np.full(n + 1, math.inf)
+    fewest[n] = 0.0
+    for k in range(n - 1, -1, -1):
+        for w in widths:
+            ok = time[w][k, k + 1:] <= t_max
+            if ok.any():
+                fewest[k] = min(fewest[k], w + float(np.min(fewest[k + 1:][ok])))
+    return float(fewest[0])
+
+
+def _range_sums(values: Sequence[float]) -> npt.NDArray[np.float64]:
+    """[k, i] = sum of values[k:i] for k < i (inf elsewhere)."""
+    prefix: npt.NDArray[np.float64] = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
+    sums: npt.NDArray[np.float64] = prefix[None, :] - prefix[:, None]
+    k, i = np.indices(sums.shape)
+    sums[i <= k] = math.inf
+    return sums
+
+
+def _best_under(t_max: float, widths: list[int], time: dict[int, npt.NDArray[np.float64]],
+                fill: dict[int, npt.NDArray[np.float64]], fixed: dict[int, npt.NDArray[np.float64]],
+                act: dict[int, npt.NDArray[np.float64]], hand: npt.NDArray[np.float64], n: int,
+                devices: int, m: int, gpipe: bool, memory_limit: float,
+                stages_cap: int) -> tuple[float, WidthLayout] | None:
+    """The least sum of fills and hand-overs with every stage <= t_max, and its layout."""
+    inf = math.inf
+    # g[j][k, d]: layers k..n-1 in j stages on d devices; choice[j][k, d] = (end layer, width)
+    g = [np.full((n + 1, devices + 1), inf)]
+    g[0][n, 0] = 0.0
+    choice: list[npt.NDArray[np.int64]] = [np.zeros((n + 1, devices + 1, 2), dtype=np.int64)]
+    best_j, best_total = 0, inf
+    for j in range(1, stages_cap + 1):
+        held = m if gpipe else min(j, m)
+        table = np.full((n + 1, devices + 1), inf)
+        picks = np.zeros((n + 1, devices + 1, 2), dtype=np.int64)
+        prev = g[j - 1]
+        for w in widths:
+            ok = (time[w] <= t_max) & (fixed[w] + held * act[w] <= memory_limit)  # [k, i]
+            if w > devices:
+                continue
+            cost = np.where(ok, fill[w] + hand[None, :], inf)  # [k, i]
+            shifted = np.full((n + 1, devices + 1), inf)  # [i, d]: prev[i, d - w]
+            shifted[:, w:] = prev[:, : devices + 1 - w]
+            total = cost[:, :, None] + shifted[None, :, :]  # [k, i, d]
+            end = np.argmin(total, axis=1)  # [k, d]
+            value = np.take_along_axis(total, end[:, None, :], axis=1)[:, 0, :]
+            better = value < table
+            table = np.where(better, value, table)
+            picks[..., 0] = np.where(better, end, picks[..., 0])
+            picks[..., 1] = np.where(better, w, picks[..., 1])
+        g.append(table)
+        choice.append(picks)
+        if table[0, devices] < best_total:
+            best_j, best_total = j, float(table[0, devices])
+    if not math.isfinite(best_total):
+        return None
+    layers, chosen, k, d = [], [], 0, devices
+    for j in range(best_j, 0, -1):
+        end, w = (int(x) for x in choice[j][k, d])
+        layers.append(end - k)
+        chosen.append(w)
+        k, d = end, d - w
+    assert k == n and d == 0
+    return best_total, WidthLayout(tuple(layers), tuple(chosen), best_total)
+
+
+def brute_force_widths(costs: Mapping[int, WidthCosts], cut_time: Sequence[float], devices: int,
+                       num_microbatches: int, gpipe: bool = False,
+                       memory_limit: float = math.inf) -> WidthLayout | None:
+    """Every cut and every width assignment (small cases; for tests)."""
+    widths = sorted(costs)
+    n = len(next(iter(costs.values())).time)
+    best: WidthLayout | None = None
+    for p in range(1, n + 1):
+        for cuts in itertools.combinations(range(1, n), p - 1):
+            bounds = [0, *cuts, n]
+            for assign in itertools.product(widths, repeat=p):
+                if sum(assign) != devices:
+                    continue
+                total, worst, fits = 0.0, 0.0, True
+                for s, w in enumerate(assign):
+                    k, i = bounds[s], bounds[s + 1]
+                    c = costs[w]
+                    held = num_microbatches if gpipe else min(p - s, num_microbatches)
+                    if sum(c.fixed[k:i]) + held * sum(c.activation[k:i]) > memory_limit:
+                        fits = False
+                        break
+                    total += sum(c.fill[k:i]) + (cut_time[i - 1] if i < n else 0.0)
+                    worst = max(worst, sum(c.time[k:i]))
+                if fits:
+                    value = total + (num_microbatches - 1) * worst
+                    if best is None or value < best.objective - 1e-12:
+                        best = WidthLayout(tuple(b - a for a, b in zip(bounds, bounds[1:])), assign, value)
+    return best

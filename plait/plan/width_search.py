@@ -1,0 +1,84 @@
+"""Pipelines whose stages have different tp widths: Alpa's inter-operator pass over the tp pass's costs.
+
+For one pipeline on all the devices (dp = 1), each tp width's per-layer costs are the tp pass's
+(`plait.plan.tp_costs.at_tp`), and `plait.plan.submesh.width_partition` cuts the layers and gives
+each stage its width, for every micro-batch count and plain schedule (1F1B, GPipe); the step adds
+the closing all-reduce and the slowest stage's optimizer step to the pipeline's closed form.
+Hand-overs are priced as whole tensors on the pipeline's slowest link (tiles over several links
+would be faster). The uniform layouts are `plait.plan.tp_costs.search_tp`'s; this pass finds
+whether uneven widths beat them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Sequence
+
+from plait.errors import PartitionError
+from plait.plan.cost import CLOSING_BYTES, Cluster, partition_problem
+from plait.plan.layer_costs import LayerCosts
+from plait.plan.network import all_reduce
+from plait.plan.setting import Setting
+from plait.plan.submesh import WidthCosts, width_partition
+from plait.plan.tp_costs import TpShares, at_tp
+
+__all__ = ["MixedWidths", "search_widths"]
+
+
+@dataclass(frozen=True)
+class MixedWidths:
+    """The best pipeline of uneven stage widths found, and its predicted step."""
+
+    layers_per_stage: tuple[int, ...]
+    widths: tuple[int, ...]
+    num_microbatches: int
+    schedule: str
+    pipeline_s: float
+    step_time_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layers_per_stage": list(self.layers_per_stage), "tp": list(self.widths),
+                "num_microbatches": self.num_microbatches, "schedule": self.schedule,
+                "pipeline_s": self.pipeline_s, "predicted_step_time_s": self.step_time_s}
+
+
+def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int, global_batch: int,
+                  cluster: Cluster, degrees: Sequence[int],
+                  microbatches: Sequence[int] | None = None) -> MixedWidths | None:
+    """The fastest one-pipeline layout with stages of different widths among `degrees` (each
+    > 1 needs its shares), or None when fewer than two widths apply or no such layout fits."""
+    lanes = {1: costs} if 1 in degrees else {}
+    for w in degrees:
+        if w > 1 and w in shares and shares[w].splits and world_size >= w:
+            lanes[w] = at_tp(costs, shares[w], cluster.network.reduce_link(list(range(w))))
+    if len(lanes) < 2:
+        return None
+    n = costs.num_layers
+    counts = microbatches or [2**k for k in range(global_batch.bit_length()) if 2**k <= global_batch]
+    closing = all_reduce(CLOSING_BYTES, world_size, cluster.network.reduce_link(range(world_size)))
+    best: MixedWidths | None = None
+    for m in counts:
+        for schedule in ("1f1b", "gpipe"):
+            # the cuts priced on the slowest link of a pipeline over all the devices
+            chain = Setting(max(1, min(world_size, n)), 1, m, schedule)
+            cut_time = partition_problem(costs, chain, cluster, global_batch).cut_time
+            width_costs = {}
+            for w, lane in lanes.items():
+                p = partition_problem(lane, replace(chain, pp=1), cluster, global_batch)  # per-layer terms
+                width_costs[w] = WidthCosts(p.time, p.fill, p.fixed, p.per_held)
+            try:
+                found = width_partition(width_costs, cut_time, world_size, m, schedule == "gpipe",
+                                        cluster.memory_bytes)
+            except PartitionError:
+                continue
+            if len(set(found.widths)) < 2:
+                continue  # uniform: search_tp's own
+            bounds = [0]
+            for size in found.layers_per_stage:
+                bounds.append(bounds[-1] + size)
+            optimizer = max(sum(lanes[w].optimizer_s[a:b]) for w, a, b in zip(found.widths, bounds, bounds[1:]))
+            step = found.objective + closing + optimizer
+            if best is None or step < best.step_time_s - 1e-15 * max(1.0, abs(step)):
+                best = MixedWidths(found.layers_per_stage, found.widths, m, schedule, found.objective, step)
+    return best if best is not None and math.isfinite(best.step_time_s) else None

@@ -1,0 +1,61 @@
+"""Tests for plait.plan.submesh: Alpa's inter-operator pass over (layer range, tp width) pairs,
+against every cut and width assignment on random instances, and by hand."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from plait.errors import PartitionError
+from plait.plan.submesh import WidthCosts, brute_force_widths, width_partition
+
+
+def _costs(rng: random.Random, n: int, widths: tuple[int, ...]) -> dict[int, WidthCosts]:
+    base = [float(rng.randint(1, 9)) for _ in range(n)]
+    state = [float(rng.randint(0, 20)) for _ in range(n)]
+    act = [float(rng.randint(0, 6)) for _ in range(n)]
+    out = {}
+    for w in widths:  # wider: each layer's work split with a random efficiency, its memory split
+        speed = [w * rng.uniform(0.4, 1.0) for _ in range(n)]
+        time = [b / s for b, s in zip(base, speed)]
+        out[w] = WidthCosts(time, time, [x / w for x in state], [a / w for a in act])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_program_is_the_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    n, devices = rng.randint(1, 6), rng.randint(1, 6)
+    widths = tuple(sorted(rng.sample([1, 2, 3, 4], rng.randint(1, 3))))
+    costs = _costs(rng, n, widths)
+    cuts = [float(rng.randint(0, 3)) for _ in range(n - 1)]
+    m, gpipe = rng.randint(1, 6), rng.random() < 0.3
+    limit = rng.choice([math.inf, 30.0, 15.0])
+    want = brute_force_widths(costs, cuts, devices, m, gpipe, limit)
+    if want is None:
+        with pytest.raises(PartitionError, match="no cut of"):
+            width_partition(costs, cuts, devices, m, gpipe, limit)
+        return
+    got = width_partition(costs, cuts, devices, m, gpipe, limit)
+    assert got.objective == pytest.approx(want.objective)
+    assert sum(got.widths) == devices and sum(got.layers_per_stage) == n
+
+
+def test_a_heavy_layer_gets_the_wide_stage_by_hand() -> None:
+    # 3 layers: a heavy first (12 on 1 rank, 6 on 2) and two light (1 each, not split well: 1 on 2)
+    costs = {1: WidthCosts([12, 1, 1], [12, 1, 1], [0, 0, 0], [0, 0, 0]),
+             2: WidthCosts([6, 1, 1], [6, 1, 1], [0, 0, 0], [0, 0, 0])}
+    got = width_partition(costs, [0.0, 0.0], 3, 4)
+    # stage 0 = the heavy layer on 2 ranks (6), stage 1 = the rest on 1 (2): 6 + 2 + 3 x 6 = 26
+    assert (got.layers_per_stage, got.widths, got.objective) == ((1, 2), (2, 1), 26.0)
+    uniform = width_partition({1: costs[1]}, [0.0, 0.0], 3, 4)  # 3 stages of 1: 14 + 3 x 12 = 50
+    assert uniform.objective == 50.0 and uniform.widths == (1, 1, 1)
+
+
+def test_bad_input_is_named() -> None:
+    with pytest.raises(PartitionError, match="needs widths"):
+        width_partition({}, [], 2, 4)
+    with pytest.raises(PartitionError, match="per-layer values"):
+        width_partition({1: WidthCosts([1.0, 1.0], [1.0, 1.0], [0, 0], [0, 0])}, [], 2, 4)

@@ -1,0 +1,47 @@
+"""Tests for plait.plan.width_search: one pipeline whose stages take different tp widths, priced
+from the tp pass's per-layer costs, against uniform widths and by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from plait.plan.cost import Cluster
+from plait.plan.layer_costs import LayerCosts
+from plait.plan.network import Link, Network
+from plait.plan.tp_costs import TpShares
+from plait.plan.width_search import search_widths
+
+FREE = Network(Link(0.0, 1e30), Link(0.0, 1e30), 8)
+
+
+def _costs(forward: tuple[float, ...]) -> LayerCosts:
+    n = len(forward)
+    zeros = (0.0,) * n
+    return LayerCosts(tuple(f"l{i}" for i in range(n)), zeros, forward, zeros, tuple(2 * f for f in forward),
+                      zeros, zeros, zeros, zeros, zeros, zeros, zeros)
+
+
+def _shares(n: int, tp: int, share: tuple[float, ...]) -> TpShares:
+    zeros = (0.0,) * n
+    return TpShares(tp, (1.0,) * n, share, zeros, zeros, zeros, zeros, zeros)
+
+
+def test_a_heavy_layer_that_splits_gets_the_wide_stage() -> None:
+    # one row per micro-batch: layer 0 takes 12 a row (F 4 + B 8) and splits whole over tp; layers
+    # 1 and 2 take 3 each and do not split. On 3 devices: layer 0 on 2 ranks (6), the rest on 1 (6)
+    costs = _costs((4.0, 1.0, 1.0))
+    shares = {2: _shares(3, 2, (1.0, 0.0, 0.0))}
+    found = search_widths(costs, shares, 3, 4, Cluster(FREE, math.inf), (1, 2), microbatches=(4,))
+    assert found is not None
+    assert (found.layers_per_stage, found.widths, found.num_microbatches) == ((1, 2), (2, 1), 4)
+    assert found.pipeline_s == pytest.approx(6 + 6 + 3 * 6)  # fills + (m - 1) x the bottleneck
+    assert found.to_dict()["tp"] == [2, 1]
+
+
+def test_nothing_when_one_width_applies_or_uniform_wins() -> None:
+    costs = _costs((4.0, 1.0, 1.0))
+    assert search_widths(costs, {}, 3, 4, Cluster(FREE, math.inf), (1, 2)) is None  # tp=2 not priced
+    even = {2: _shares(3, 2, (1.0, 1.0, 1.0))}  # everything splits evenly: 2 x tp=2 beats any mix
+    assert search_widths(costs, even, 4, 4, Cluster(FREE, math.inf), (1, 2), microbatches=(4,)) is None
