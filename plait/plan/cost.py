@@ -218,7 +218,9 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
     peaks = peak_activations(setting)
     grad_pass = [st.weight_s if setting.schedule == "zbh1" and not setting.recompute
                  else st.backward_s for st in stages]
-    flush = [sum(st.flush_s for st in stages if st.rank == r) for r in range(p)]
+    flush = [0.0] * p
+    for st in stages:
+        flush[st.rank] += st.flush_s
     if simulate:
         timed = time_step(
             compile_schedule(setting.schedule, p, setting.num_microbatches, v),

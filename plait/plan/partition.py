@@ -18,7 +18,9 @@ __all__ = [
     "check_partition",
     "PartitionProblem",
     "PartitionResult",
+    "Infeasible",
     "optimal_partition",
+    "solve_partition",
     "least_memory",
     "brute_force_partition",
 ]
@@ -192,6 +194,15 @@ class PartitionResult:
 DENSE_LAYERS = 256  # up to this many layers the (n + 1) x (n + 1) tables; beyond, `partition_band`
 
 
+@dataclass(frozen=True)
+class Infeasible:
+    """Why no layout of a problem fits, and the least peak stage memory any layout needs (inf:
+    no layout at all), which a search reports beside the reason."""
+
+    reason: str
+    least_memory: float
+
+
 def optimal_partition(problem: PartitionProblem) -> PartitionResult:
     """The layout minimising `problem`'s T exactly, or PartitionError saying what does not fit.
 
@@ -202,12 +213,20 @@ def optimal_partition(problem: PartitionProblem) -> PartitionResult:
     Alpa, the scan starts at the smallest feasible t_max (a min-max program) and stops once
     (min sum without bound) + count * t_max can no longer beat the best T found.
     """
+    found = solve_partition(problem)
+    if isinstance(found, Infeasible):
+        raise PartitionError(found.reason)
+    return found
+
+
+def solve_partition(problem: PartitionProblem) -> PartitionResult | Infeasible:
+    """`optimal_partition`'s layout, or (no layout fits) its reason with the least memory."""
     if len(problem.time) > DENSE_LAYERS:
         return _banded_partition(problem)
     tables = _Tables(problem)
     unbounded = tables.run(math.inf)
     if unbounded is None:
-        raise PartitionError(tables.why_infeasible())
+        return Infeasible(tables.why_infeasible(), tables.least_memory())
     if problem.bottleneck_count <= 0:
         return unbounded
     lowest = tables.min_max_time()
@@ -222,37 +241,64 @@ def optimal_partition(problem: PartitionProblem) -> PartitionResult:
     return best
 
 
-def _banded_partition(problem: PartitionProblem) -> PartitionResult:
+def _banded_partition(problem: PartitionProblem) -> PartitionResult | Infeasible:
     """`optimal_partition` on `BandedTables`: the same scan over t_max, without the tables. The
     unbounded layout is not computed: its T is floor + count x its max, which the scan reaches
-    or stops below (the stop uses a lower bound on the floor: every fill, the cheapest cuts)."""
+    or stops below (the stop uses a lower bound on the floor: every fill, the cheapest cuts).
+    A stretch of t_max that cannot beat the best T is passed with one program (`_pass_over`):
+    the same layout as stepping through it, in a few programs instead of one per range time."""
     tables = BandedTables(problem)
-    _last_banded[:] = [tables]
     count = problem.bottleneck_count
 
     def result(found: tuple[float, list[int]]) -> PartitionResult:
         value, sizes = found
-        worst = max(tables.range_time(a, b) for a, b in _ranges(sizes))
+        worst = tables.slowest(sizes)
         return PartitionResult(tuple(sizes), value + count * worst, worst)
 
     lowest = tables.min_max_time() if count > 0 else math.inf
     found = tables.run(lowest) if math.isfinite(lowest) or count <= 0 else None
     if found is None:
-        raise PartitionError(why_infeasible(problem, tables.alone(), tables.least_memory))
+        reason = why_infeasible(problem, tables.alone(), tables.least_memory)
+        return Infeasible(reason, tables.least_memory())
     best = result(found)
     if count <= 0:
         return best
     cuts = np.sort(tables.cut[1:-1][tables.allowed[1:-1]])[: problem.num_chunks - 1]
     floor = float(tables.fp[-1]) * (1 - 1e-9) + float(cuts.sum()) * (1 - 1e-9)
     t = tables.next_time(lowest)
+    wait, steps = 0, 0  # after a pass fails, the next is tried 1, 2, 4, ... steps later
     while t is not None and floor + count * t < best.objective:
+        if steps >= wait:
+            passed = _pass_over(tables, t, (best.objective - floor) / count, count * t, best.objective)
+            if passed is not None:  # no t_max in [t, passed] gives a better T: go on after it
+                t, wait, steps = tables.next_time(passed), 0, 0
+                continue
+            wait, steps = max(1, 2 * wait), 0
         found = tables.run(t)
+        steps += 1
         if found is not None:
             candidate = result(found)
             if candidate.objective < best.objective:
                 best = candidate
         t = tables.next_time(t)
     return best
+
+
+def _pass_over(tables: BandedTables, t: float, stop: float, bottleneck: float, best: float
+               ) -> float | None:
+    """The end of a stretch [t, end] of the scan whose t_max cannot beat `best`, or None.
+
+    The scan's next T(t_max) for t_max in [t, end] is its sum + count x its layout's max. The
+    sum is at least sum(end) (a looser bound, more layouts), and a layout whose max is below t
+    was a candidate already at its own max with the same sum: only those with max >= t are
+    new, so T >= sum(end) + count x t (`bottleneck`); where that is >= `best`, the stretch is
+    passed with one program. Many range times differ only by rounding (blocks of one cost in
+    other places): one program passes them all instead of one each. Tried up to `stop`, where
+    the scan ends."""
+    if stop <= t:
+        return None
+    found = tables.run(stop)
+    return stop if found is not None and found[0] + bottleneck >= best else None
 
 
 class _Tables:
@@ -383,13 +429,8 @@ def why_infeasible(problem: PartitionProblem, alone: Sequence[float], least: Cal
 def least_memory(problem: PartitionProblem) -> float:
     """The smallest peak stage memory any layout of `problem` needs (inf: no layout at all)."""
     if len(problem.time) > DENSE_LAYERS:
-        if _last_banded and _last_banded[0].p is problem:  # the search asks after a failed partition
-            return _last_banded[0].least_memory()
         return BandedTables(problem).least_memory()
     return _Tables(problem).least_memory()
-
-
-_last_banded: list[BandedTables] = []  # the last long problem's tables, for its least_memory
 
 
 def _ranges(sizes: Sequence[int]) -> list[tuple[int, int]]:

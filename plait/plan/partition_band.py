@@ -16,27 +16,54 @@ memory per stage:
     stage 2               [====.=====)                    ends in [lo_2, hi_2]
     stage 3                         [====.=====)          ...
 
+A stage's pass is one (window x band) block of numpy operations: row k, column i the range
+[i - k, i), rows ordered by start; the ranges' own terms are built once per program.
+
 Each pair (j, i) is priced with the same float operations, from the same prefix sums, as the
 dense tables, and ties go to the smallest start as there: within the band both give the same
 values and the same layout. A 7,500-layer model of identical blocks on 2,500 stages has a band
 a few cuts wide and a window of a few layers.
+
+The band is narrowed by memory as by time: a range's memory is at least its floor (no entry
+bytes, the fewest held micro-batches), a prefix difference. The min-max program is confined to
+the ranges within a bound, the slowest stage of a layout that fits: a greedy fill bisected on
+its stage time finds one near the least (else the least-memory layout, which fits exactly when
+any layout does), so that program's band is as narrow as the partition's own.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from numpy.lib.stride_tricks import sliding_window_view
 
 from plait.errors import PartitionError
 
 __all__ = ["BandedTables"]
 
 Floats = npt.NDArray[np.float64]
+Ints = npt.NDArray[np.intp]
+Choices = list[tuple[int, npt.NDArray[np.intp]]]  # per stage: its band's lo, the k chosen per end
+
+_BLOCK = 1 << 20  # cells of one (rows x band) block of a stage's pass: bounds its temporaries
+_WHOLE = 1 << 22  # up to this many (window x ends) cells a program's terms are built once
+
+
+def _first_minimum(value: Floats) -> Ints:
+    """Per column, the first row holding its minimum (numpy's argmin, faster for a few rows)."""
+    if value.shape[0] > 3:
+        return np.asarray(value.argmin(axis=0), dtype=np.intp)
+    least = value.min(axis=0)
+    row = np.zeros(value.shape[1], dtype=np.intp)
+    seen = value[0] == least
+    for r in range(1, value.shape[0]):
+        row += ~seen
+        seen |= value[r] == least
+    return row
 
 
 def _prefix(values: Sequence[float], n: int) -> Floats:
@@ -59,7 +86,6 @@ class BandedTables:
             allowed[a + 1: b + 1] = False
         self.allowed = allowed
         self.tp = _prefix(problem.time, n)
-        self.tp_list = self.tp.tolist()
         self.fp = _prefix(problem.fill, n)
         self.lp = _prefix(problem.last_fill, n)
         self.fx = _prefix(problem.fixed, n)
@@ -75,38 +101,45 @@ class BandedTables:
         for held in set(problem.held):
             self._rise[held] = self.fx + self.on + held * self.ph
             self._drop[held] = self.fx + self.on + held * (self.ph - self.entry)
-        self._least: float | None = None
+        # The floor bounds memory from below only for nonnegative bytes and counts; its reach
+        # is widened by far more than the prefix sums' rounding (a few ulps of the largest).
+        parts = (problem.fixed, problem.once, problem.per_held, problem.entry, problem.held)
+        self._floor_memory_bounds = all(min(values, default=0.0) >= 0 for values in parts)
+        self._memory_slack = 0.0
+        if self._floor_memory_bounds:
+            largest = max(float(np.max(np.abs(a))) for a in (*self._rise.values(), *self._drop.values()))
+            self._memory_slack = 1e-9 * largest
+        held_by_stage = np.asarray(problem.held, dtype=np.float64)
+        self._stages_holding = {held: held_by_stage == held for held in self._rise}
+        self._least: tuple[float, Choices] | None = None
+        self._reach_cache: dict[float, list[int]] = {}
+        last_cut = np.where(allowed, np.arange(n + 1), 0)
+        self._cut_below = np.maximum.accumulate(last_cut).tolist()  # [i]: the last allowed cut <= i
 
     # -- bands and windows -----------------------------------------------------------------
 
-    def _furthest(self, j: int, limit: float) -> int:
-        """The largest i with tp[i] - tp[j] <= limit (the prefix is nondecreasing)."""
-        tp = self.tp_list
-        i = min(bisect.bisect_right(tp, tp[j] + limit), self.n + 1) - 1
-        while i + 1 <= self.n and tp[i + 1] - tp[j] <= limit:
-            i += 1
-        while i > j and tp[i] - tp[j] > limit:
-            i -= 1
-        return i
+    def _reaches(self, prefix: Floats, limit: float, slack: float) -> tuple[Ints, Ints]:
+        """[j]: the furthest end from start j, [i]: the earliest start to end i, of a range whose
+        prefix difference is within `limit` (widened by `slack`: a band may hold more, not less)."""
+        n = self.n
+        if not math.isfinite(limit):
+            return np.full(n + 1, n), np.zeros(n + 1, dtype=np.intp)
+        ahead = np.searchsorted(prefix, prefix + (limit + slack), side="right") - 1
+        behind = np.searchsorted(prefix, prefix - (limit + slack), side="left")
+        return ahead, behind
 
-    def _earliest(self, i: int, limit: float) -> int:
-        """The smallest j with tp[i] - tp[j] <= limit."""
-        tp = self.tp_list
-        j = max(bisect.bisect_left(tp, tp[i] - limit), 0)
-        while j > 0 and tp[i] - tp[j - 1] <= limit:
-            j -= 1
-        while j < i and tp[i] - tp[j] > limit:
-            j += 1
-        return j
-
-    def _bands(self, t_max: float) -> list[tuple[int, int]] | None:
+    def _bands(self, t_max: float, memory_limit: float) -> list[tuple[int, int]] | None:
         """[lo_s, hi_s] of each stage's end (s = 0 .. S; stage 0 ends at 0), None if empty."""
         n, stages = self.n, self.p.num_chunks
-        finite = math.isfinite(t_max)
+        ahead, behind = self._reaches(self.tp, t_max, 1e-12 * (abs(float(self.tp[n])) + t_max))
+        if self._floor_memory_bounds and math.isfinite(memory_limit):
+            more = self._reaches(self.floor_memory, memory_limit, 1e-9 * memory_limit + self._memory_slack)
+            ahead, behind = np.minimum(ahead, more[0]), np.maximum(behind, more[1])
+        forward, backward = ahead.tolist(), behind.tolist()
         reach, back = [0], [n]
         for _ in range(stages):
-            reach.append(self._furthest(reach[-1], t_max) if finite else n)
-            back.append(self._earliest(back[-1], t_max) if finite else 0)
+            reach.append(forward[reach[-1]])
+            back.append(backward[back[-1]])
         back.reverse()
         bands = [(max(s, back[s]), min(n - (stages - s), reach[s])) for s in range(stages + 1)]
         return None if any(lo > hi for lo, hi in bands) else bands
@@ -124,67 +157,73 @@ class BandedTables:
             widest = min(widest, int((ends - starts).max()) + 1)
         return max(widest, 1)
 
-    # -- per-range terms, as the dense tables compute them -----------------------------------
+    # -- the program over the band ---------------------------------------------------------
 
-    def _shifted(self, a: int, b: int, k: int) -> tuple[slice, slice]:
-        return slice(a, b + 1), slice(a - k, b - k + 1)
-
-    def _memory(self, ends: slice, starts: slice, held: float) -> Floats:
-        rise, drop = self._rise.get(held), self._drop.get(held)
-        if rise is None or drop is None:
-            rise = self.fx + self.on + held * self.ph
-            drop = self.fx + self.on + held * (self.ph - self.entry)
-        return np.asarray(rise[ends] - drop[starts], dtype=np.float64)
-
-    def _sweep(self, t_max: float, memory_limit: float, score: str
-               ) -> tuple[float, list[tuple[int, npt.NDArray[np.intp]]]] | None:
+    def _sweep(self, t_max: float, memory_limit: float, score: str) -> tuple[float, Choices] | None:
         """One program over the band: `score` "sum" (min fill + cut, every range within t_max
         and the memory limit) or "max" (min of the slowest range's time, within memory) or
-        "memory" (min of the largest range's memory). Returns best[n] and each stage's choices."""
+        "memory" (min of the largest range's memory). Returns best[n] and each stage's choices.
+
+        A stage's candidates are a (k x band) block: the range's own terms (`_Terms`, from
+        arrays built once per program where they are small) and the previous stage's values
+        at the range's start, a strided view of them (padded by `window` in front: a start
+        below 0 reads inf). Rows run from the most layers down: starts ascend, and argmin
+        keeps the first of equal values, as the dense tables do."""
         p, n, stages = self.p, self.n, self.p.num_chunks
-        bands = self._bands(t_max)
+        bands = self._bands(t_max, memory_limit)
         if bands is None:
             return None
         window = self._window(t_max, memory_limit)
         inf = math.inf
-        prev = np.full(n + 1, inf)
-        prev[0] = 0.0
-        choices: list[tuple[int, npt.NDArray[np.intp]]] = []
+        terms = _Terms(self, t_max, memory_limit, score, window)
+        whole = terms.block(window, 1, 0, n, set(p.held)) if window * (n + 1) <= _WHOLE else None
+        prev, cur = np.full(n + 1 + window, inf), np.full(n + 1 + window, inf)  # two rows, in turn
+        prev[window] = 0.0
+        columns = np.arange(n + 1)
+        choices: Choices = []
         for s in range(1, stages + 1):
             lo, hi = bands[s]
-            plo, phi = bands[s - 1]
-            held = p.held[s - 1]
-            last = s == stages
-            cur = np.full(n + 1, inf)
-            choice = np.zeros(hi - lo + 1, dtype=np.intp)
-            for k in range(min(window, hi - plo), 0, -1):  # starts ascending: ties keep the first
-                a, b = max(lo, plo + k), min(hi, phi + k)
-                if a > b:
-                    continue
-                ends, starts = self._shifted(a, b, k)
-                ok = self.allowed[starts] & self.allowed[ends]
-                if score == "memory":
-                    value = np.maximum(prev[starts], self._memory(ends, starts, held))
+            held, last = p.held[s - 1], s == stages
+            width = hi - lo + 1
+            best: Floats | None = None
+            choice = None  # layers of the stage ending at i: it starts at i - k
+            k_hi = min(window, hi - bands[s - 1][0])  # the most layers from a start in the band
+            rows = window if whole is not None else max(1, _BLOCK // width)
+            names = (("fill_last" if last else "fill", "cut") if score == "sum"
+                     else ("max",) if score == "max" else (f"memory{held}",)) + (f"bad{held}",)
+            while k_hi >= 1:  # blocks of rows k_hi .. k_lo: starts ascending
+                k_lo = max(1, k_hi - rows + 1)
+                if whole is not None:
+                    own = [whole[name][window - k_hi:, lo: hi + 1] for name in names]
                 else:
-                    ok &= self._memory(ends, starts, held) <= memory_limit
-                    time = self.tp[ends] - self.tp[starts]
-                    if score == "max":
-                        value = np.maximum(prev[starts], time)
-                    else:
-                        ok &= time <= t_max
-                        fill = self.fp[ends] - self.fp[starts]
-                        if last:
-                            fill = fill + (self.lp[ends] - self.lp[starts])
-                        value = prev[starts] + fill + self.cut[starts]
-                value = np.where(ok, value, inf)
-                better = value < cur[ends]
-                cur[ends] = np.where(better, value, cur[ends])
-                choice[a - lo: b - lo + 1][better] = k  # layers of the stage: it starts at i - k
-            choices.append((lo, choice))
-            prev = cur
-        return float(prev[n]), choices
+                    block = terms.block(k_hi, k_lo, lo, hi, {held})
+                    own = [block[name] for name in names]
+                start = np.ndarray((k_hi - k_lo + 1, width), np.float64, prev,
+                                   8 * (window + lo - k_hi), (8, 8))  # prev at each range's start
+                if score == "sum":
+                    value = start + own[0]
+                    value += own[1]
+                else:
+                    value = np.maximum(start, own[0])
+                np.copyto(value, inf, where=own[-1])
+                row = _first_minimum(value)
+                lowest = value[row, columns[:width]]
+                if best is None or choice is None:
+                    best, choice = lowest, np.asarray(k_hi - row, dtype=np.intp)
+                else:  # a later block holds later starts: equal values keep the earlier
+                    better = lowest < best
+                    best = np.where(better, lowest, best)
+                    choice = np.where(better, k_hi - row, choice)
+                k_hi = k_lo - 1
+            if best is not None:
+                cur[window + lo: window + hi + 1] = best
+            prev_lo, prev_hi = bands[s - 1]
+            prev[window + prev_lo: window + prev_hi + 1] = inf  # all inf again: the next stage's
+            prev, cur = cur, prev
+            choices.append((lo, choice if choice is not None else np.zeros(width, dtype=np.intp)))
+        return float(prev[window + n]), choices
 
-    def walk(self, choices: list[tuple[int, npt.NDArray[np.intp]]]) -> list[int]:
+    def walk(self, choices: Choices) -> list[int]:
         """Layers per stage of the layout the choices lead to from n back to 0."""
         sizes, i = [], self.n
         for lo, choice in reversed(choices):
@@ -205,22 +244,81 @@ class BandedTables:
     def range_time(self, start: int, end: int) -> float:
         return float(self.tp[end] - self.tp[start])
 
+    def slowest(self, sizes: Sequence[int]) -> float:
+        """The slowest stage's time of a layout (layers per stage)."""
+        ends = np.cumsum(np.asarray(sizes, dtype=np.intp))
+        return float(np.max(self.tp[ends] - self.tp[ends - np.asarray(sizes, dtype=np.intp)]))
+
     def min_max_time(self) -> float:
-        """The smallest slowest-stage time of a layout that fits (inf: none fits). Tried within a
-        bound, from a lower bound (the slowest layer, the mean stage) doubling: a program confined
-        to those ranges is exact when its answer is within the bound (the optimum's are inside)."""
-        n, stages = self.n, self.p.num_chunks
-        bound = max(float(np.max(self.tp[1:] - self.tp[:-1])), float(self.tp[n]) / stages)
-        total = float(self.tp[n])
-        if max(self.alone()) > self.p.memory_limit:
-            return math.inf  # a layer fits no stage
-        while bound < total:  # each try costs about its bound: double it
-            found = self._sweep(bound, self.p.memory_limit, "max")
-            if found is not None and found[0] <= bound:
-                return found[0]
-            bound = 2 * bound if bound > 0 else total
-        found = self._sweep(math.inf, self.p.memory_limit, "max")  # ranges within memory only
+        """The smallest slowest-stage time of a layout that fits (inf: none fits).
+
+        A program confined to the ranges within a bound is exact when its answer is within the
+        bound, and the slowest stage of any layout that fits is such a bound (the optimum's
+        ranges are all inside). The bound is the greedy's (`_greedy_bound`), or else the
+        least-memory layout's (which fits exactly when any layout does). A layer too large
+        alone may still fit in a longer stage, which enters at an earlier layer (`entry`)."""
+        bound = self._greedy_bound()
+        if bound is None:
+            if self.least_memory() > self.p.memory_limit:
+                return math.inf
+            bound = self.slowest(self.least_memory_layout())
+        found = self._sweep(bound, self.p.memory_limit, "max")
+        if found is None or found[0] > bound:  # not expected: the layout itself is inside
+            found = self._sweep(math.inf, self.p.memory_limit, "max")
         return math.inf if found is None else found[0]
+
+    def _greedy(self, t_max: float) -> list[int] | None:
+        """A layout taking for each stage in turn the most layers within t_max and the memory
+        limit (leaving one for each later stage), or None where that does not end at n. Not
+        always one that fits where one does (a later start can need more memory: `entry`)."""
+        n, stages, limit = self.n, self.p.num_chunks, self.p.memory_limit
+        tp = self.tp
+        reach = np.searchsorted(tp, tp + t_max * (1 - 1e-12), side="right") - 1
+        within = {held: self._memory_reach(held, limit) for held in set(self.p.held)}
+        ahead = [within[h] for h in self.p.held]
+        step = reach.tolist()
+        cut_below = self._cut_below
+        sizes, j = [], 0
+        for s in range(stages):
+            i = cut_below[max(min(step[j], ahead[s][j], n - (stages - 1 - s)), 0)]
+            if i <= j:
+                return None
+            sizes.append(i - j)
+            j = i
+        if j != n or not self.memory_fits(sizes, limit):
+            return None
+        return sizes
+
+    def _memory_reach(self, held: float, limit: float) -> list[int]:
+        """[j]: the furthest end a stage holding `held` micro-batches may reach from start j
+        within `limit`, a little short of it (rounding); the greedy checks what it builds."""
+        if held not in self._reach_cache:
+            rise, drop = self._rise[held], self._drop[held]
+            if not self._floor_memory_bounds or not math.isfinite(limit):
+                reach = np.full(self.n + 1, self.n)
+            else:
+                reach = np.searchsorted(rise, drop + limit * (1 - 1e-12), side="right") - 1
+            self._reach_cache[held] = reach.tolist()
+        return self._reach_cache[held]
+
+    def _greedy_bound(self) -> float | None:
+        """The slowest stage of a layout that fits, near the least: the greedy bisected on its
+        stage time, from a lower bound (the slowest layer, the mean stage) to where it fits."""
+        sizes = self._greedy(math.inf)
+        if sizes is None:
+            return None
+        high = self.slowest(sizes)
+        low = max(float(np.max(self.tp[1:] - self.tp[:-1])), float(self.tp[-1]) / self.p.num_chunks)
+        for _ in range(40):
+            if high <= low * (1 + 1e-5):  # the program's band: a few cuts wider than at the least
+                break
+            mid = (low + high) / 2
+            sizes = self._greedy(mid)
+            if sizes is None:
+                low = mid
+            else:
+                high = min(high, self.slowest(sizes))
+        return high
 
     def next_time(self, after: float) -> float | None:
         """The smallest range time tp[i] - tp[j] > `after` over every range (None: none)."""
@@ -238,25 +336,84 @@ class BandedTables:
 
     def alone(self) -> list[float]:
         """Each layer's memory as a stage of its own, at the fewest held micro-batches."""
-        n = self.n
-        return [float(x) for x in self._memory(slice(1, n + 1), slice(0, n), min(self.p.held)).tolist()]
+        n, held = self.n, min(self.p.held)
+        return [float(x) for x in (self._rise[held][1:] - self._drop[held][:n]).tolist()]
+
+    def memory_fits(self, sizes: Sequence[int], memory_limit: float) -> bool:
+        """Whether every stage of a layout is within `memory_limit`, priced as the programs do."""
+        ends = np.cumsum(np.asarray(sizes, dtype=np.intp))
+        starts = ends - np.asarray(sizes, dtype=np.intp)
+        for held, at in self._stages_holding.items():
+            if np.any(self._rise[held][ends[at]] - self._drop[held][starts[at]] > memory_limit):
+                return False
+        return bool(np.all(self.allowed[starts]) and np.all(self.allowed[ends]))
 
     def least_memory(self) -> float:
         """The smallest peak stage memory over all layouts (a min-max program)."""
+        return self._least_memory()[0]
+
+    def least_memory_layout(self) -> list[int]:
+        """A layout whose largest stage needs `least_memory` (only when that is finite)."""
+        return self.walk(self._least_memory()[1])
+
+    def _least_memory(self) -> tuple[float, Choices]:
         if self._least is None:
-            self._least = self._least_memory()
+            stages, n = self.p.num_chunks, self.n
+            even = [n // stages + (1 if s < n % stages else 0) for s in range(stages)]
+            bound, start = 0.0, 0
+            for s, size in enumerate(even):  # any layout bounds the optimum's largest range
+                held = self.p.held[s]
+                bound = max(bound, float(self._rise[held][start + size] - self._drop[held][start]))
+                start += size
+            found = self._sweep(math.inf, bound, "memory")
+            if found is None or found[0] > bound:  # the even split cut an uncuttable region
+                found = self._sweep(math.inf, math.inf, "memory")
+            self._least = (math.inf, []) if found is None else found
         return self._least
 
-    def _least_memory(self) -> float:
-        stages, n = self.p.num_chunks, self.n
-        even = [n // stages + (1 if s < n % stages else 0) for s in range(stages)]
-        bound, start = 0.0, 0
-        for s, size in enumerate(even):  # any layout bounds the optimum's largest range
-            bound = max(bound, float(self._memory(slice(start + size, start + size + 1),
-                                                  slice(start, start + 1), self.p.held[s])[0]))
-            start += size
-        found = self._sweep(math.inf, bound, "memory")
-        if found is not None and found[0] <= bound:
-            return found[0]
-        found = self._sweep(math.inf, math.inf, "memory")  # the even split cut an uncuttable region
-        return math.inf if found is None else found[0]
+
+class _Terms:
+    """A program's per-range terms as (k x end) blocks, [row r, column c] the range of k = k_hi - r
+    layers ending at i = c0 + c: "fill", "fill_last" (+ the last stage's), "cut" (paid at its
+    start), "max" (its time), "memory" (per held count), and "bad{held}": the range may not be
+    used (a cut not allowed; beyond t_max or the memory limit where the score bounds them)."""
+
+    def __init__(self, tables: BandedTables, t_max: float, memory_limit: float, score: str,
+                 pad: int) -> None:
+        self.t, self.t_max, self.memory_limit, self.score, self.pad = tables, t_max, memory_limit, score, pad
+
+        def padded(values: npt.NDArray[Any], fill: Any) -> npt.NDArray[Any]:
+            return np.concatenate((np.full(pad, fill, dtype=values.dtype), values))
+
+        self.tp, self.fp, self.lp, self.cut = (padded(a, 0.0) for a in (tables.tp, tables.fp, tables.lp, tables.cut))
+        self.allowed = padded(tables.allowed, False)
+        self.drop = {held: padded(drop, 0.0) for held, drop in tables._drop.items()}
+
+    def block(self, k_hi: int, k_lo: int, c0: int, c1: int, helds: set[float]
+              ) -> dict[str, npt.NDArray[Any]]:
+        """The terms of ranges of k_hi down to k_lo layers ending at c0 .. c1, at `helds`."""
+        t, pad, width = self.t, self.pad, c1 - c0 + 1
+        ends = slice(pad + c0, pad + c1 + 1)
+
+        def at_start(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+            return sliding_window_view(values[pad + c0 - k_hi: pad + c1 - k_lo + 1], width)
+
+        ok = at_start(self.allowed) & self.allowed[ends]
+        out: dict[str, npt.NDArray[Any]] = {}
+        if self.score != "memory":
+            time = self.tp[ends] - at_start(self.tp)
+            if self.score == "max":
+                out["max"] = time
+            else:
+                ok &= time <= self.t_max
+                out["fill"] = self.fp[ends] - at_start(self.fp)
+                out["fill_last"] = out["fill"] + (self.lp[ends] - at_start(self.lp))
+                out["cut"] = np.ascontiguousarray(at_start(self.cut))
+        for held in helds:
+            memory = t._rise[held][c0: c1 + 1] - at_start(self.drop[held])
+            if self.score == "memory":
+                out[f"memory{held}"] = memory
+                out[f"bad{held}"] = ~ok
+            else:
+                out[f"bad{held}"] = ~(ok & (memory <= self.memory_limit))
+        return out

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from plait.config import SEARCH_ORDER
-from plait.errors import ConfigError, PartitionError
+from plait.errors import ConfigError
 from plait.plan.cost import (
     Cluster, Prediction, Setting, partition_problem, pipeline_lower_bound, predict,
 )
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.memory import ZERO_LEVELS, check_zero
-from plait.plan.partition import PartitionResult, least_memory, optimal_partition
+from plait.plan.partition import PartitionResult, solve_partition
 
 __all__ = ["SearchSpace", "Candidate", "search", "format_table"]
 
@@ -45,7 +45,7 @@ class SearchSpace:
     num_virtual_stages: int = 2  # chunks per rank of "interleaved"
     recompute: tuple[bool, ...] = (False, True)
     zero: tuple[int, ...] | None = None  # None: 0, 1 and 2 where dp > 1 (else 0); given: only those
-    batch_weight_grads: tuple[bool, ...] = (False, True)  # True is tried without recomputation, not with ZB-H1
+    batch_weight_grads: tuple[bool, ...] = (False, True)  # True: tried with m > 1, without recomputation or ZB-H1
     keep: int = 5  # candidates returned
     simulate_top: int = 8  # at most this many re-timed on the schedule's program
     simulate_actions: int = 40_000  # actions simulated in all; beyond, the closed form stays
@@ -137,8 +137,8 @@ def _settings(costs: LayerCosts, world_size: int, global_batch: int, space: Sear
                     continue
                 for recompute in space.recompute:
                     for batched in space.batch_weight_grads:
-                        if batched and (recompute or name == "zbh1"):
-                            continue  # it would keep what recomputation frees; ZB-H1 would be 1F1B
+                        if batched and (recompute or name == "zbh1" or m == 1):
+                            continue  # it would keep what recomputation frees; ZB-H1 would be 1F1B; m=1: no change
                         out.extend(Setting(pp, dp, m, name, v, recompute, zero, batched)
                                    for zero in space.zero_levels(dp))
     return out
@@ -155,11 +155,10 @@ def _evaluate(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batc
     problem = partition_problem(costs, setting, cluster, global_batch)
     key = (replace(setting, zero=0), tuple(problem.fixed))
     if key not in solved:
-        try:
-            solved[key] = optimal_partition(problem)
-        except PartitionError as err:
-            # Interleaved chunks each get 1/v of the device: their rank needs v times a chunk's.
-            solved[key] = (str(err), least_memory(problem) * setting.num_virtual_stages)
+        found = solve_partition(problem)
+        # Interleaved chunks each get 1/v of the device: their rank needs v times a chunk's.
+        solved[key] = found if isinstance(found, PartitionResult) else (
+            found.reason, found.least_memory * setting.num_virtual_stages)
     result = solved[key]
     if isinstance(result, tuple):
         return Candidate(setting, False, result[0], needed_memory_bytes=result[1], layer_names=costs.names)
