@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     st = best.setting
     print(f"plan: GPT {args.layers} layers on {args.devices} x {dev.name}, batch {args.batch}, tp {list(tps)}: "
           f"pp={st.pp} dp={st.dp} tp={best.tp} m={st.num_microbatches} {st.schedule} "
-          f"recompute={st.recompute} zero={st.zero}, step {best.step_time_s:.4f} s ({best.prediction.method if best.prediction else 'infeasible'})")
+          f"recompute={st.recompute} zero={st.zero} batch_weight_grads={st.batch_weight_grads}, step {best.step_time_s:.4f} s ({best.prediction.method if best.prediction else 'infeasible'})")
 
     # -- the simulation --------------------------------------------------------------------
     start = time.perf_counter()
