@@ -91,6 +91,12 @@ class Config:
         pairs column- then row-parallel, attention by heads, the word embedding and the LM head
         by vocabulary rows); tp ranks are consecutive (one node). Default None: the planner chooses
         it (1, 2, 4 or 8 within a node) where it plans the whole layout by timing, else 1.
+    tp_per_stage: one tp per pipeline stage, for stages of different widths (Alpa's cross-mesh
+        resharding), e.g. (2, 1) with layers_per_proc=(a, b): stage 0 on ranks 0 1, stage 1 on rank 2
+        (the stages' ranks in order; world size = their sum). A stage output crosses tile by tile and
+        the receiving stage all-gathers it (`plait.plan.tiles`). Needs the cut (layers_per_proc or
+        split_points) and one replica; not with interleaving, ZeRO, tp_plan, sequence parallelism,
+        a plan file, replan or checkpoints (refused by name). None: one tp for every stage (`tp`).
     tp_plan: {module-name pattern: "colwise" | "rowwise" | "vocab" | "replicate"} fixing the
         strategy of the linears and embeddings it names (fnmatch patterns such as
         "*.mlp.c_fc"; the first matching pattern wins); the rest is found automatically.
@@ -137,9 +143,11 @@ class Config:
     tp: int | None = None
     tp_plan: tuple[tuple[str, str], ...] | None = None  # given as a dict; kept as its items, in order
     sequence_parallel: bool = False
+    tp_per_stage: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         self._check_tp()
+        self._check_tp_per_stage()
         self._check_leaf_modules()
         self._check_layout()
         self._check_zero()
@@ -170,6 +178,30 @@ class Config:
         if self.tp == 1:
             raise ConfigError(f"tp_plan={ {k: v for k, v in items} } splits modules over tensor-parallel ranks, but tp=1; set tp > 1")
         object.__setattr__(self, "tp_plan", items)
+
+    def _check_tp_per_stage(self) -> None:
+        """tp_per_stage: one positive tp per stage of a given cut, in a layout that supports it."""
+        widths = self.tp_per_stage
+        if widths is None:
+            return
+        if isinstance(widths, (str, bytes)) or not hasattr(widths, "__iter__") or not tuple(widths) or any(
+                not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in widths):
+            raise ConfigError(f"tp_per_stage must list one positive tp per stage, e.g. (2, 1), got {widths!r}")
+        widths = tuple(widths)
+        object.__setattr__(self, "tp_per_stage", widths)
+        cut = len(self.layers_per_proc or ()) or (None if self.split_points is None else len(self.split_points) + 1)
+        refused = {"tp": self.tp not in (None, 1), "dp": self.dp not in (None, 1), "zero": bool(self.zero),
+                   "num_virtual_stages": self.num_virtual_stages != 1, "tp_plan": self.tp_plan is not None,
+                   "sequence_parallel": self.sequence_parallel, "checkpoint_dir": self.checkpoint_dir is not None,
+                   "replan": bool(self.replan), "plan": self.plan is not None}
+        bad = {name: getattr(self, name) for name, is_bad in refused.items() if is_bad}
+        if bad:
+            raise ConfigError(f"tp_per_stage={list(widths)} (stages of different widths) does not run with {bad}; "
+                              "leave those fields at their defaults (one replica, dp=1), or give one tp for every stage")
+        if cut != len(widths):
+            raise ConfigError(f"tp_per_stage={list(widths)} gives {len(widths)} stages but the cut gives "
+                              f"{cut or 'none'}; give layers_per_proc (or split_points) "
+                              f"for exactly {len(widths)} stages")
 
     def _check_init_fn(self) -> None:
         if self.init_fn is not None and not callable(self.init_fn):
@@ -227,22 +259,15 @@ class Config:
         object.__setattr__(self, "layers_per_proc", counts)
         v = self.num_virtual_stages if isinstance(self.num_virtual_stages, int) else 1
         if v > 1 and len(counts) % v:
-            raise ConfigError(
-                f"layers_per_proc={list(counts)} has {len(counts)} entries, not a multiple of "
-                f"num_virtual_stages={v}; with interleaving it lists every model chunk "
-                f"(num_stages x {v} entries)"
-            )
+            raise ConfigError(f"layers_per_proc={list(counts)} has {len(counts)} entries, not a multiple of "
+                              f"num_virtual_stages={v}; with interleaving it lists every model chunk "
+                              f"(num_stages x {v} entries)")
         if v > 1 and self.num_stages is not None and self.num_stages * v != len(counts):
-            raise ConfigError(
-                f"num_stages={self.num_stages} x num_virtual_stages={v} = "
-                f"{self.num_stages * v} chunks but layers_per_proc={list(counts)} has "
-                f"{len(counts)} entries; make them agree"
-            )
+            raise ConfigError(f"num_stages={self.num_stages} x num_virtual_stages={v} = {self.num_stages * v} "
+                              f"chunks but layers_per_proc={list(counts)} has {len(counts)} entries; make them agree")
         if v == 1 and self.num_stages is not None and self.num_stages != len(counts):
-            raise ConfigError(
-                f"num_stages={self.num_stages} but layers_per_proc={list(counts)} has "
-                f"{len(counts)} entries; give one of them, or make them agree"
-            )
+            raise ConfigError(f"num_stages={self.num_stages} but layers_per_proc={list(counts)} has "
+                              f"{len(counts)} entries; give one of them, or make them agree")
 
     def _check_split_points(self) -> None:
         """split_points: a list of distinct names, not with layers_per_proc, against the stages."""
@@ -250,60 +275,42 @@ class Config:
         if points is None:
             return
         if isinstance(points, (str, bytes)) or not hasattr(points, "__iter__"):
-            raise ConfigError(
-                f"split_points must be a list of module names, each starting a new stage, got "
-                f"{points!r}; for example split_points=['model.layers.6'] (names as in net.named_modules())"
-            )
+            raise ConfigError(f"split_points must be a list of module names, each starting a new stage, got "
+                              f"{points!r}; for example split_points=['model.layers.6'] (names as in net.named_modules())")
         names = tuple(points)
         bad = [p for p in names if not isinstance(p, str) or not p]
         if bad:
-            raise ConfigError(
-                f"split_points={list(names)} must hold module names, non-empty strings as in "
-                f"net.named_modules() (bad entries: {bad})"
-            )
+            raise ConfigError(f"split_points={list(names)} must hold module names, non-empty strings as in "
+                              f"net.named_modules() (bad entries: {bad})")
         twice = sorted({p for p in names if names.count(p) > 1})
         if twice:
-            raise ConfigError(
-                f"split_points={list(names)} names {twice} more than once; each name starts one "
-                "stage: list it once"
-            )
+            raise ConfigError(f"split_points={list(names)} names {twice} more than once; each name starts one "
+                              "stage: list it once")
         object.__setattr__(self, "split_points", names)
         if self.layers_per_proc is not None:
-            raise ConfigError(
-                f"split_points={list(names)} and layers_per_proc={list(self.layers_per_proc)} both "
-                "give the cut; keep one of them (split_points names the module each stage after "
-                "the first starts at, layers_per_proc counts the layers of each stage)"
-            )
+            raise ConfigError(f"split_points={list(names)} and layers_per_proc={list(self.layers_per_proc)} both "
+                              "give the cut; keep one of them (split_points names the module each stage after "
+                              "the first starts at, layers_per_proc counts the layers of each stage)")
         chunks = len(names) + 1
         v = self.num_virtual_stages if isinstance(self.num_virtual_stages, int) else 1
         if v > 1 and chunks % v:
-            raise ConfigError(
-                f"split_points={list(names)} cut the model into {chunks} chunks, not a multiple of "
-                f"num_virtual_stages={v}; with interleaving name num_stages x {v} - 1 points"
-            )
+            raise ConfigError(f"split_points={list(names)} cut the model into {chunks} chunks, not a multiple of "
+                              f"num_virtual_stages={v}; with interleaving name num_stages x {v} - 1 points")
         if v > 1 and self.num_stages is not None and self.num_stages * v != chunks:
-            raise ConfigError(
-                f"num_stages={self.num_stages} x num_virtual_stages={v} = {self.num_stages * v} "
-                f"chunks but split_points={list(names)} cut {chunks}; name "
-                f"{self.num_stages * v - 1} points, or make num_stages agree"
-            )
+            raise ConfigError(f"num_stages={self.num_stages} x num_virtual_stages={v} = {self.num_stages * v} "
+                              f"chunks but split_points={list(names)} cut {chunks}; name "
+                              f"{self.num_stages * v - 1} points, or make num_stages agree")
         if v == 1 and self.num_stages is not None and self.num_stages != chunks:
-            raise ConfigError(
-                f"num_stages={self.num_stages} but split_points={list(names)} cut {chunks} stages "
-                f"(one more than the points); give one of them, or name {self.num_stages - 1} points"
-            )
+            raise ConfigError(f"num_stages={self.num_stages} but split_points={list(names)} cut {chunks} stages "
+                              f"(one more than the points); give one of them, or name {self.num_stages - 1} points")
 
     def _check_schedule(self) -> None:
         """num_microbatches, schedule and num_virtual_stages."""
         m = self.num_microbatches
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
-            raise ConfigError(
-                f"num_microbatches must be a positive integer, got {self.num_microbatches!r}"
-            )
+            raise ConfigError(f"num_microbatches must be a positive integer, got {self.num_microbatches!r}")
         if self.schedule is not None and self.schedule not in SCHEDULE_NAMES:
-            raise ConfigError(
-                f"schedule={self.schedule!r} is not known; choose one of {list(SCHEDULE_NAMES)}"
-            )
+            raise ConfigError(f"schedule={self.schedule!r} is not known; choose one of {list(SCHEDULE_NAMES)}")
         v = self.num_virtual_stages
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(f"num_virtual_stages must be a positive integer, got {v!r}")
@@ -322,9 +329,7 @@ class Config:
         if self.trace_dir is not None:
             object.__setattr__(self, "trace_dir", str(self.trace_dir))
         if self.grad_reduction not in ("mean", "sum"):
-            raise ConfigError(
-                f"grad_reduction={self.grad_reduction!r} is not known; choose 'mean' or 'sum'"
-            )
+            raise ConfigError(f"grad_reduction={self.grad_reduction!r} is not known; choose 'mean' or 'sum'")
         if not (_is_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0):
             raise ConfigError(f"bucket_cap_mb must be a positive number, got {self.bucket_cap_mb!r}")
         if not (_is_number(self.timeout_s) and self.timeout_s > 0):
@@ -344,15 +349,11 @@ class Config:
 
     def _check_planning(self) -> None:
         if self._path("plan", "the path of a plan JSON file") is not None and self.layers_per_proc is not None:
-            raise ConfigError(
-                f"plan={self.plan!r} and layers_per_proc={list(self.layers_per_proc)} both give "
-                "the layers of each stage; keep one of them"
-            )
+            raise ConfigError(f"plan={self.plan!r} and layers_per_proc={list(self.layers_per_proc)} both give "
+                              "the layers of each stage; keep one of them")
         if self.plan is not None and self.split_points is not None:
-            raise ConfigError(
-                f"plan={self.plan!r} and split_points={list(self.split_points)} both give the "
-                "layers of each stage; keep one of them"
-            )
+            raise ConfigError(f"plan={self.plan!r} and split_points={list(self.split_points)} both give the "
+                              "layers of each stage; keep one of them")
         limit = self.memory_limit_bytes
         if limit is not None and not (_is_number(limit) and limit > 0):
             raise ConfigError(f"memory_limit_bytes must be a positive number of bytes or None, got {limit!r}")
@@ -382,36 +383,33 @@ class Config:
         self._path("checkpoint_dir", "a directory path")
         every = self.checkpoint_every
         if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
-            raise ConfigError(
-                f"checkpoint_every must be a positive number of steps or None (every epoch), got {every!r}"
-            )
+            raise ConfigError(f"checkpoint_every must be a positive number of steps or None (every epoch), got {every!r}")
         keep = self.checkpoint_keep
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ConfigError(f"checkpoint_keep must be a positive integer (2 keeps a fallback), got {keep!r}")
         if self.on_nonfinite not in NONFINITE_ACTIONS:
-            raise ConfigError(
-                f"on_nonfinite={self.on_nonfinite!r} is not known; choose one of {list(NONFINITE_ACTIONS)}"
-            )
+            raise ConfigError(f"on_nonfinite={self.on_nonfinite!r} is not known; choose one of {list(NONFINITE_ACTIONS)}")
 
     def _check_recompute(self) -> None:
         r = self.recompute
         if r is None or isinstance(r, bool) or r == "auto":
             return
         if isinstance(r, (str, bytes)) or not hasattr(r, "__iter__"):
-            raise ConfigError(
-                f"recompute={r!r} is not known; use True, False, 'auto' or a list of stage indices"
-            )
+            raise ConfigError(f"recompute={r!r} is not known; use True, False, 'auto' or a list of stage indices")
         stages = tuple(r)
         bad = [s for s in stages if not isinstance(s, int) or isinstance(s, bool) or s < 0]
         if bad:
-            raise ConfigError(
-                f"recompute={list(stages)} must list stage indices >= 0 (bad entries: {bad})"
-            )
+            raise ConfigError(f"recompute={list(stages)} must list stage indices >= 0 (bad entries: {bad})")
         object.__setattr__(self, "recompute", stages)
 
     def lanes(self, world_size: int) -> int:
         """Ranks per tensor-parallel part (world size / tp): the pp x dp ranks the layout is planned on
         (tp=None: the world, until the planner chooses tp)."""
+        if self.tp_per_stage is not None:  # the stages' widths: one lane per stage
+            if world_size != sum(self.tp_per_stage):
+                raise ConfigError(f"tp_per_stage={list(self.tp_per_stage)} needs {sum(self.tp_per_stage)} ranks (their "
+                                  f"sum) but the world size is {world_size}; launch {sum(self.tp_per_stage)} ranks")
+            return len(self.tp_per_stage)
         if self.tp is None:
             return world_size
         if world_size % self.tp:
@@ -453,7 +451,7 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain JSON-ready values."""
         d = asdict(replace(self, init_fn=None))
-        for name in ("layers_per_proc", "split_points", "leaf_modules"):
+        for name in ("layers_per_proc", "split_points", "leaf_modules", "tp_per_stage"):
             if d[name] is not None:
                 d[name] = list(d[name])
         if isinstance(d["recompute"], tuple):

@@ -86,9 +86,9 @@ class Model:
             self.num_stages = 1
             config = self.config
             asked = max(config.num_stages or 1, len(config.layers_per_proc or ()), len(config.split_points or ()) + 1)
-            if asked > 1 or (config.tp or 1) > 1:  # stages asked for, by size or by cut (Config checks that they agree)
+            if asked > 1 or (config.tp or 1) > 1 or config.tp_per_stage:  # stages asked for, by size or by cut (Config checks that they agree)
                 log.warning("plait: one process (no launcher): running every layer on one stage")
-                self.config = dataclasses.replace(config, tp=1, tp_plan=None)
+                self.config = dataclasses.replace(config, tp=1, tp_plan=None, tp_per_stage=None)
         else:  # 0 until planned (`plait.planner.layout`); a size given is checked against the world now
             lanes = self.config.lanes(self.world_size)  # pp x dp: the ranks of one tensor-parallel part
             self.num_stages = 0 if self.config.plans_everything else self.config.stages_for(lanes)
@@ -397,12 +397,14 @@ class Model:
         return str(self._save(root, None))
 
     def _save(self, root: str | os.PathLike[str], data: dict[str, Any] | None) -> Path:
+        self._refuse_stage_widths("saving a checkpoint")
         pipe = self._train.pipe if self._train is not None else None
         return self._checkpoints.save(root, self.step, pipe, self.optimizer, self.config, data)
 
     def export(self, directory: str | os.PathLike[str]) -> str:
         """Write the weights as Hugging Face sharded safetensors (`from_pretrained` reads them):
         each rank its own tensors, rank 0 the index once all are written. Call it on every rank."""
+        self._refuse_stage_widths("exporting the weights")
         pipe = self._train.pipe if self._train is not None else None
         try:  # a tensor split over tp ranks is written whole by the first of them
             wholes = whole_split_tensors(self.net, pipe.tp_parts, pipe.tp_group) if pipe and pipe.tp_parts else {}
@@ -429,6 +431,7 @@ class Model:
         set the parameters and buffers alone: after `build`, each rank reads only its stages'
         tensors; before it, every rank reads them all (the step stays as it is).
         """
+        self._refuse_stage_widths("loading a checkpoint or weights")
         if weights.holds_weights(path):  # never a plait checkpoint directory: those come first
             self._checkpoints.load_weights(path, self._train.pipe if self._train is not None else None)
         elif Path(path).is_file():
@@ -436,6 +439,13 @@ class Model:
         else:
             self._restore(self._checkpoints.find(path))
         return self.step
+
+    def _refuse_stage_widths(self, what: str) -> None:
+        """Checkpoints of stages of different widths are not written or read yet: say so, not do wrong."""
+        if self.config.tp_per_stage is not None and self.world_size > 1:
+            raise ConfigError(f"{what} is not supported with tp_per_stage={list(self.config.tp_per_stage)} "
+                              "(stages of different widths); use model.state_dict(), which gathers the whole "
+                              "model, or one tp for every stage")
 
     def _restore(self, ckpt: checkpoint.Checkpoint) -> None:
         pipe = self._train.pipe if self._train is not None else None

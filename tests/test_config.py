@@ -252,3 +252,32 @@ def test_tp_lanes_and_errors() -> None:
     config = Config(tp=2, tp_plan={"*.fc": "colwise", "*.proj": "rowwise"})
     assert config.tp_plan == (("*.fc", "colwise"), ("*.proj", "rowwise"))
     assert Config.from_json(config.to_json()) == config
+
+
+# -- stages of different tp widths ----------------------------------------------------------------
+
+def test_tp_per_stage_gives_one_lane_per_stage_on_the_sum_of_the_widths() -> None:
+    config = Config(layers_per_proc=[3, 4], tp_per_stage=[2, 1])
+    assert config.tp_per_stage == (2, 1)
+    assert config.lanes(3) == 2 and config.stages_for(config.lanes(3)) == 2
+    with pytest.raises(ConfigError, match=r"tp_per_stage=\[2, 1\] needs 3 ranks \(their sum\) but the world size is 4"):
+        config.lanes(4)
+    assert Config.from_json(config.to_json()) == config
+    assert Config(split_points=["h.1"], tp_per_stage=(1, 2)).tp_per_stage == (1, 2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tp_per_stage": (2, 1)}, r"gives 2 stages but the cut gives none; give layers_per_proc"),
+    ({"tp_per_stage": (2, 1, 1), "layers_per_proc": (3, 4)}, "gives 3 stages but the cut gives 2"),
+    ({"tp_per_stage": (2, 0), "layers_per_proc": (3, 4)}, r"one positive tp per stage, e.g. \(2, 1\), got \(2, 0\)"),
+    ({"tp_per_stage": "21", "layers_per_proc": (3, 4)}, "one positive tp per stage"),
+    ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "dp": 2}, r"does not run with \{'dp': 2\}"),
+    ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "tp": 2}, r"\{'tp': 2\}"),
+    ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "checkpoint_dir": "c"}, "checkpoint_dir"),
+    ({"tp_per_stage": (2, 1, 2, 1), "layers_per_proc": (1, 1, 1, 1), "schedule": "interleaved",
+      "num_virtual_stages": 2}, "num_virtual_stages"),
+    ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "sequence_parallel": True}, "sequence_parallel"),
+])
+def test_tp_per_stage_refuses_what_it_does_not_run(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Config(**kwargs)

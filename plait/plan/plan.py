@@ -39,6 +39,8 @@ class Plan:
     # when a memory limit made it: {"split", "whole", "ops", "state_bytes", "limit_bytes", "seconds"}}
     # (`TpLayout.data`)
     tp_layouts: tuple[dict[str, Any], ...] = ()
+    # per stage, when stages differ: its tp ranks (dp = 1; `tp` is then the widest; see `rank_of`)
+    stage_tp: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         counts = {"num_virtual_stages": self.num_virtual_stages, "dp": self.dp, "tp": self.tp,
@@ -61,12 +63,40 @@ class Plan:
                 f"plan has {self.num_chunks} stages, not a multiple of num_virtual_stages="
                 f"{self.num_virtual_stages}; every rank holds the same number of chunks"
             )
-        if self.world_size % self.tp:
+        if self.stage_tp:
+            self._check_stage_tp()
+        elif self.world_size % self.tp:
             raise ConfigError(f"plan has world_size={self.world_size}, not a multiple of tp={self.tp}")
         if self.zero not in (0, 1, 2):
             raise ConfigError(f"plan has zero={self.zero!r}; it must be 0, 1 or 2")
         if not self.stage_to_rank:
             object.__setattr__(self, "stage_to_rank", tuple(self.rank_of(s, 0) for s in range(self.num_chunks)))
+
+    def _check_stage_tp(self) -> None:
+        """stage_tp: one positive width per stage, summing to the world size, with one replica."""
+        widths = list(self.stage_tp)
+        if len(widths) != self.num_chunks or any(not isinstance(w, int) or isinstance(w, bool) or w < 1
+                                                 for w in widths):
+            raise ConfigError(f"plan has stage_tp={widths} for {self.num_chunks} stages; give one positive tp per stage")
+        if sum(widths) != self.world_size:
+            raise ConfigError(f"plan has stage_tp={widths}, {sum(widths)} ranks in all, on world_size="
+                              f"{self.world_size}; the stages' widths must add up to the world size")
+        if self.dp != 1 or self.num_virtual_stages != 1 or self.zero:
+            raise ConfigError(f"plan has stage_tp={widths} with dp={self.dp}, num_virtual_stages="
+                              f"{self.num_virtual_stages}, zero={self.zero}; stages of different widths run "
+                              "one replica of one chunk per rank: use dp=1, no interleaving, zero=0")
+        if self.tp == 1:
+            object.__setattr__(self, "tp", max(widths))
+        if self.tp != max(widths):
+            raise ConfigError(f"plan has tp={self.tp} and stage_tp={widths}; tp is the widest stage's, {max(widths)}")
+
+    def tp_of(self, stage_index: int) -> int:
+        """The tp ranks of one stage (`tp` unless stage_tp gives the stages' widths)."""
+        return self.stage_tp[stage_index] if self.stage_tp else self.tp
+
+    def _first_rank(self, stage_index: int) -> int:
+        """With stage_tp: the first rank of a stage (the stages' ranks in order)."""
+        return sum(self.stage_tp[:stage_index])
 
     @property
     def num_chunks(self) -> int:
@@ -97,16 +127,28 @@ class Plan:
 
         2 stages x 2 replicas x tp = 2: stage 0 of replica 0 on ranks 0 1, stage 1 on 2 3, ...
         With v chunks per rank (interleaved), rank r of a replica holds stages r, r + pp, ...
+
+        Stages of different widths (`stage_tp`, one replica) take the ranks in stage order: at
+        stage_tp = (2, 1) stage 0 runs on ranks 0 1, stage 1 on rank 2.
         """
+        if self.stage_tp:
+            return self._first_rank(stage_index) + tp_rank
         return (replica * self.pp + stage_index % self.pp) * self.tp + tp_rank
 
     def position_of(self, rank: int) -> tuple[int, int]:
         """(position in the pipeline, replica) of a rank; the position is its first stage."""
+        if self.stage_tp:
+            stage = next((s for s in range(self.num_chunks) if rank < self._first_rank(s + 1)), None)
+            if stage is None or rank < 0:
+                raise ConfigError(f"rank {rank} is not in the plan's {self.world_size} ranks (stage_tp={list(self.stage_tp)})")
+            return stage, 0
         lane = rank // self.tp
         return lane % self.pp, lane // self.pp
 
     def tp_rank_of(self, rank: int) -> int:
         """Which part of its stages' split tensors a rank holds."""
+        if self.stage_tp:
+            return rank - self._first_rank(self.position_of(rank)[0])
         return rank % self.tp
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
@@ -118,6 +160,11 @@ class Plan:
         """Names of the layers on one stage."""
         start = sum(self.layers_per_stage[:stage_index])
         return self.layer_names[start : start + self.layers_per_stage[stage_index]]
+
+    def _widths_text(self) -> str:
+        if self.stage_tp:
+            return f" x tp={list(self.stage_tp)} (per stage)"
+        return f" x tp={self.tp}" if self.tp > 1 else ""
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -149,6 +196,7 @@ class Plan:
                 tp=int(data.get("tp", 1)),
                 batch_weight_grads=bool(data.get("batch_weight_grads", False)),
                 tp_layouts=tuple(_layout(s) for s in data.get("tp_layouts", ())),
+                stage_tp=tuple(int(w) for w in data.get("stage_tp", ())),
             )
         except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as e:
             raise ConfigError(f"not a plait plan ({type(e).__name__}: {e}); expected Plan.to_json() output") from e
@@ -157,7 +205,7 @@ class Plan:
         lines = [
             f"plait plan: {self.num_chunks} stage(s)"
             f"{f' ({self.num_virtual_stages} per rank)' if self.num_virtual_stages > 1 else ''}"
-            f" x {self.dp} replica(s){f' x tp={self.tp}' if self.tp > 1 else ''} on {self.world_size} rank(s), schedule "
+            f" x {self.dp} replica(s){self._widths_text()} on {self.world_size} rank(s), schedule "
             f"{self.schedule}, {self.num_microbatches} micro-batch(es)"
             f"{', weight gradients batched' if self.batch_weight_grads else ''}, captured with "
             f"{self.capture_method}, {len(self.layer_names)} layers"
@@ -167,16 +215,16 @@ class Plan:
             shown = ", ".join(names) if len(names) <= 8 else (
                 ", ".join(names[:3]) + f", ... ({len(names) - 6} more) ..., " + ", ".join(names[-3:])
             )
-            ranks = ", ".join("-".join(str(self.rank_of(s, r, t)) for t in sorted({0, self.tp - 1}))
+            ranks = ", ".join("-".join(str(self.rank_of(s, r, t)) for t in sorted({0, self.tp_of(s) - 1}))
                               for r in range(self.dp))
-            where = f"rank {ranks}" if self.dp == 1 and self.tp == 1 else f"ranks {ranks}"
+            where = f"rank {ranks}" if self.dp == 1 and self.tp_of(s) == 1 else f"ranks {ranks}"
             again = ", recomputed" if s in self.recompute else ""
             lines.append(f"  stage {s} ({where}{again}): {len(names)} layers: {shown}")
         if self.zero:
             what = "optimizer state" if self.zero == 1 else "optimizer state and gradients"
             lines.append(f"  ZeRO-{self.zero}: each stage's {what} sharded over its {self.dp} replicas")
         for s, layout in enumerate(self.tp_layouts):
-            lines += _layout_lines(s, self.tp, layout)
+            lines += _layout_lines(s, self.tp_of(s), layout)
         if self.kept_whole:
             lines.append(f"  kept whole (one layer each, not traced into): {', '.join(self.kept_whole)}")
         for name, stages in self.tied_parameters:

@@ -3,7 +3,8 @@
 Which layout a run gets, first match wins (`choose_layout`):
 
     1. one process, or the cut given           the config as it is (defaults for what is open);
-       (layers_per_proc or split_points)       split_points become layers_per_proc here
+       (layers_per_proc or split_points)       split_points become layers_per_proc here (stages
+                                               of different widths, Config.tp_per_stage, give it)
     2. Config(plan=path)                       the plan file, checked against world and layers
     3. resuming a checkpoint, layers open      the checkpoint's layout (so a resume is exact)
     4. no size given (Config())                profile, search pp x dp, micro-batches, schedule,
@@ -96,6 +97,10 @@ def layout_of(config: Config, work: Workload, world_size: int, report: PlanRepor
 def choose_layout(work: Workload, config: Config, world_size: int, rank: int,
                   resumed_plan: dict[str, Any] | None = None) -> Layout:
     """The layout of this run (see the module's list); every rank returns the same one."""
+    if config.tp_per_stage is not None:  # stages of different widths: the user's cut, not planned
+        layers = config.layers_per_proc or cut_at(config.split_points or (), work.layer_names,
+                                                  work.captured.layers.uncuttable)
+        return layout_of(replace(config.with_defaults(), split_points=None, layers_per_proc=layers), work, world_size)
     if config.tp is None:  # the planner's choice, where it plans the whole layout by timing
         tp = _fixed_tp(work, config, world_size, resumed_plan)
         if tp is not None:

@@ -61,6 +61,7 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
     else:
         layers = tuple(balance([1.0 + _layer_params(net, name) for name in names], num_chunks, regions))
     assert config.num_microbatches is not None and config.schedule is not None and config.dp is not None
+    widths = tuple(config.tp_per_stage or ())  # stages of different widths (Config.tp_per_stage)
     return Plan(
         layer_names=names,
         layers_per_stage=layers,
@@ -70,7 +71,8 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         capture_method=captured.method,
         kept_whole=captured.kept_whole,
         zero=_zero(config, lanes),
-        tp=config.tp or 1,
+        tp=max(widths) if widths else config.tp or 1,
+        stage_tp=widths if len(set(widths)) > 1 else (),  # equal widths: the uniform grid
         batch_weight_grads=bool(config.batch_weight_grads),
         uncuttable=regions,
         dp=config.dp,

@@ -62,15 +62,20 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, group: Any,
 class TiedGradients:
     """Sums the gradients of parameters replicated on several stages (nkflow layer reuse, §3.4.3).
 
-    Every rank makes the same groups in the same order, as `new_group` requires.
+    Every rank makes the same groups in the same order, as `new_group` requires. An entry's
+    optional third item: ranks of its group that add zeros (they hold a copy of another's value:
+    the tp ranks of a stage holding a tied parameter whole, `plait.runtime.stage_widths`).
     """
 
-    def __init__(self, tied: Sequence[tuple[nn.Parameter, Sequence[int]]], rank: int):
+    def __init__(self, tied: Sequence[tuple[Any, ...]], rank: int):
         self._mine: list[tuple[nn.Parameter, Any, int]] = []  # (parameter, its group, its first holder)
-        for param, ranks in tied:
+        self._silent: set[int] = set()  # id(parameter) whose gradient this rank adds as zeros
+        for param, ranks, *silent in tied:
             group = make_group(ranks)
             if rank in ranks:
                 self._mine.append((param, group, min(ranks)))
+                if silent and rank in silent[0]:
+                    self._silent.add(id(param))
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -87,6 +92,8 @@ class TiedGradients:
         for param, group, _ in self._mine:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
+            elif id(param) in self._silent:
+                param.grad.zero_()
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
 
 

@@ -12,6 +12,9 @@ them: a backend that ignores tags (NCCL) matches a rank pair's messages in posti
 the lowering orders every rank's receives as its peer sends (the validator checks it) and
 receives are posted ahead strictly in program order.
 
+Between stages of different tp widths a `Crossing` (crossing.py) moves the values tile by tile
+in place of the one lane-to-lane message, and the receiving stage all-gathers them.
+
 A failure anywhere becomes a `PipelineError` naming this rank, the action, the peer, and the
 rank x step grid with this rank's position marked.
 """
@@ -25,6 +28,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from plait.errors import PipelineError, PlaitError
+from plait.runtime.crossing import Crossing
 from plait.runtime.executor import StageExecutor, grad_leaves
 from plait.runtime.report import gather_failures, report_wait
 from plait.runtime.trace import NULL_TRACER, NullTracer, Tracer
@@ -58,8 +62,10 @@ class Interpreter:
         stage_to_rank: Sequence[int],
         wire: Wire,
         tracer: Tracer | NullTracer = NULL_TRACER,
+        crossings: dict[int, Crossing] | None = None,
     ):
         self.rank = rank
+        self.crossings = crossings or {}  # boundary s (after stage s) -> its crossing, where widths differ
         self.tracer = tracer
         self.executors = executors
         self.stage_to_rank = list(stage_to_rank)
@@ -103,8 +109,11 @@ class Interpreter:
         s, k, op = action.stage_index, action.microbatch_index, action.op
         mb = run.microbatches[k]
         if op is Op.RECV_F:
-            peer = self.stage_to_rank[s - 1]
-            run.inbox[(s, k)], _ = self.wire.recv(peer, ("F", s - 1, run.train, mb.key), self._tag(k, s - 1, 0))
+            key, tag, crossing = ("F", s - 1, run.train, mb.key), self._tag(k, s - 1, 0), self.crossings.get(s - 1)
+            if crossing is not None:
+                run.inbox[(s, k)] = crossing.recv_forward(self.wire, key, tag)
+            else:
+                run.inbox[(s, k)], _ = self.wire.recv(self.stage_to_rank[s - 1], key, tag)
         elif op is Op.FORWARD:
             received = run.inbox.pop((s, k), None)
             if received is None:  # producer on this rank: handed over locally
@@ -116,12 +125,19 @@ class Interpreter:
                 run.outbox[(s, k)] = out
         elif op is Op.SEND_F:
             values = run.outbox.pop((s, k))
-            self.wire.send(values, self.stage_to_rank[s + 1], ("F", s, run.train, mb.key), self._tag(k, s, 0))
+            key, tag, crossing = ("F", s, run.train, mb.key), self._tag(k, s, 0), self.crossings.get(s)
+            if crossing is not None:
+                crossing.send_forward(values, self.wire, key, tag)
+            else:
+                self.wire.send(values, self.stage_to_rank[s + 1], key, tag)
             if run.train:
                 run.sent_like[(s, k)] = grad_leaves(values)
         elif op is Op.RECV_B:
-            like = run.sent_like.pop((s, k))
-            run.grads_in[(s, k)] = self.wire.recv_tensors(like, self.stage_to_rank[s + 1], self._tag(k, s + 1, 1))
+            like, crossing = run.sent_like.pop((s, k)), self.crossings.get(s)
+            if crossing is not None:
+                run.grads_in[(s, k)] = crossing.recv_backward(like, self.wire, self._tag(k, s + 1, 1))
+            else:
+                run.grads_in[(s, k)] = self.wire.recv_tensors(like, self.stage_to_rank[s + 1], self._tag(k, s + 1, 1))
         elif op is Op.BACKWARD:
             grads = run.grads_in.pop((s, k), None)
             if grads is None:
@@ -131,7 +147,11 @@ class Interpreter:
         elif op is Op.WEIGHT:
             self.executors[s].backward_weight(k)
         elif op is Op.SEND_B:
-            self.wire.send_tensors(run.grads_out.pop((s, k)), self.stage_to_rank[s - 1], self._tag(k, s, 1))
+            crossing = self.crossings.get(s - 1)
+            if crossing is not None:
+                crossing.send_backward(run.grads_out.pop((s, k)), self.wire, self._tag(k, s, 1))
+            else:
+                self.wire.send_tensors(run.grads_out.pop((s, k)), self.stage_to_rank[s - 1], self._tag(k, s, 1))
         else:  # pragma: no cover - the validator rejects unknown actions
             raise AssertionError(f"unknown action {action}")
 
@@ -160,7 +180,12 @@ class Interpreter:
         s, k = action.stage_index, action.microbatch_index
         key = microbatches[k].key
         if action.op is Op.RECV_F:
+            crossing = self.crossings.get(s - 1)
+            if crossing is not None:
+                return crossing.post_forward(self.wire, ("F", s - 1, train, key), self._tag(k, s - 1, 0))
             return self.wire.post_recv(self.stage_to_rank[s - 1], ("F", s - 1, train, key), self._tag(k, s - 1, 0))
+        if s in self.crossings:
+            return self.crossings[s].post_backward(self.wire, ("F", s, train, key), self._tag(k, s + 1, 1))
         return self.wire.post_recv_grads(self.stage_to_rank[s + 1], ("F", s, train, key), self._tag(k, s + 1, 1))
 
     def _tag(self, microbatch_index: int, sender: int, backward: int) -> int:
@@ -169,6 +194,9 @@ class Interpreter:
 
     def _peer(self, action: Action) -> int | None:
         s = action.stage_index
+        boundary = s - 1 if action.op in (Op.RECV_F, Op.SEND_B) else s
+        if action.op in (Op.RECV_F, Op.SEND_B, Op.SEND_F, Op.RECV_B) and boundary in self.crossings:
+            return self.crossings[boundary].peers[0]  # the first of the other stage's ranks it exchanges with
         if action.op in (Op.RECV_F,):
             return self.stage_to_rank[s - 1]
         if action.op in (Op.SEND_F, Op.RECV_B):

@@ -23,6 +23,7 @@ from plait.runtime.activation_meter import ActivationMeter
 from plait.runtime.collectives import TiedGradients, broadcast_tensors, make_group
 from plait.runtime.grad_sync import GradientBuckets
 from plait.runtime.executor import StageExecutor
+from plait.runtime.stage_widths import crossings, kept_whole, lane_ranks, stage_group, tie_groups
 from plait.runtime.interpreter import Interpreter
 from plait.runtime.tensor_parallel import shard_stage
 from plait.runtime.tp_collectives import same_generators
@@ -204,14 +205,13 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     plan, rank, config = parts.plan, parts.rank, parts.config
     stages = split(captured, layer_stage)
     t = plan.tp_rank_of(rank)
-    layouts: list[TpLayout] = []
+    layouts: dict[int, TpLayout] = {}
     split_loss = None
     if plan.tp > 1:  # every stage's layout (a tied parameter is cut alike), this rank's stages cut
-        search = runtime_search(config.memory_limit_bytes, plan.tp, plan.num_virtual_stages, parts.wire.device,
-                                parts.state_factor)
-        layouts = searched_layouts([st.module for st in stages], plan.tp, dict(config.tp_plan or ()), search,
-                                   plan.tp_layouts, config.sequence_parallel)
-        plan = replace(plan, tp_layouts=tuple(lay.data(st.module) for lay, st in zip(layouts, stages)))  # before the cut
+        layouts = _layouts(stages, plan, parts)
+        plan = replace(plan, tp_layouts=tuple(layouts[s].data(st.module) if s in layouts else dict(_WHOLE)
+                                              for s, st in enumerate(stages)))  # before the cut
+    if plan.tp_of(plan.position_of(rank)[0]) > 1:  # this rank's stage is split
         first = rank - t  # the tp group's first rank
         if equal_tp:
             held = {id(x): x for s in plan.stages_of(rank) for x in [*stages[s].module.parameters(),
@@ -223,16 +223,16 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
             keep = make_ties and s == plan.num_chunks - 1 and parts.loss is not None
             left = shard_stage(stages[s].module, layouts[s], t, parts.tp_group, gather_outputs=not keep)
             if left and parts.loss is not None:
-                split_loss = SplitLoss(captured.finish, parts.loss, left, parts.tp_group, t, plan.tp)
+                split_loss = SplitLoss(captured.finish, parts.loss, left, parts.tp_group, t, plan.tp_of(s))
     holders, tensors = _holders(stages)
     owners = _zero_owners(stages, plan, holders)
     owner_of = {i: plan.rank_of(min(s), owners.get(i, 0)) for i, s in holders.items()}  # tp rank 0
     tp_parts: dict[int, tuple[int, int, list[int]]] = {}  # id(parameter) -> dim, blocks, the rank of each part
-    for s, lay in enumerate(layouts):
+    for s, lay in layouts.items():
         for target, (dim, blocks) in lay.params.items():
             i = id(stages[s].module.get_parameter(target))
             tp_parts.setdefault(i, (dim, blocks, [plan.rank_of(min(holders[i]), owners.get(i, 0), u)
-                                                  for u in range(plan.tp)]))
+                                                  for u in range(plan.tp_of(min(holders[i])))]))
     mine = plan.stages_of(rank)
     local = list({id(p): p for s in mine for p in stages[s].module.parameters()}.values())
     ties, sync, zero = None, None, None
@@ -251,16 +251,37 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
                          batch_weight_grads=bool(config.batch_weight_grads), meter=meter,
                          split_loss=split_loss if s == plan.num_chunks - 1 else None) for s in mine
     }
-    replica = plan.position_of(rank)[1]
-    stage_to_rank = [plan.rank_of(s, replica, t) for s in range(plan.num_chunks)]
-    interpreter = Interpreter(rank, executors, stage_to_rank, parts.wire, parts.tracer)
+    interpreter = Interpreter(rank, executors, lane_ranks(plan, rank), parts.wire, parts.tracer,
+                              crossings(plan, rank, parts.tp_group) if plan.stage_tp else None)
     return Pipeline(captured, stages, plan, rank, executors, interpreter, ties, local, owner_of,
                     parts.output_spec, layer_stage, sync, config, zero, meter, tp_group=parts.tp_group,
                     tp_parts=tp_parts)
 
 
+_WHOLE: dict[str, Any] = {"parameters": {}, "collectives": [], "replicated": {}}  # the layout of a stage of one rank
+
+
+def _layouts(stages: list[StageModule], plan: Plan, parts: _Parts) -> dict[int, TpLayout]:
+    """The tp layout of every stage of more than one rank: searched together per width (a parameter
+    tied across stages of one width is cut alike; across widths it stays whole, `kept_whole`)."""
+    config, out = parts.config, dict[int, TpLayout]()
+    whole = kept_whole(stages, plan) if plan.stage_tp else {}
+    for width in sorted({plan.tp_of(s) for s in range(plan.num_chunks)} - {1}):
+        chosen = [s for s in range(plan.num_chunks) if plan.tp_of(s) == width]
+        search = runtime_search(config.memory_limit_bytes, width, plan.num_virtual_stages, parts.wire.device,
+                                parts.state_factor)
+        tp_plan = {**dict(config.tp_plan or ()), **{m: "replicate" for s in chosen for m in whole.get(s, ())}}
+        earlier = [plan.tp_layouts[s] for s in chosen] if plan.tp_layouts else []
+        found = searched_layouts([stages[s].module for s in chosen], width, tp_plan, search, earlier,
+                                 config.sequence_parallel)
+        out.update(zip(chosen, found))
+    return out
+
+
 def _tp_group(plan: Plan, rank: int) -> Any:
     """This rank's tensor-parallel group (every rank makes every group, in the same order)."""
+    if plan.stage_tp:
+        return stage_group(plan, rank)
     if plan.tp == 1:
         return None
     groups = [make_group([lane * plan.tp + t for t in range(plan.tp)]) for lane in range(plan.world_size // plan.tp)]
@@ -312,10 +333,7 @@ def _ties_and_buckets(captured: CapturedGraph, parts: _Parts, holders: dict[int,
     if plan.world_size > 1:
         # One all-reduce over every stage and every replica holding a tied parameter
         # sums both the tie (layer reuse) and the data-parallel contributions.
-        ties = TiedGradients([
-            (p, list(dict.fromkeys(plan.rank_of(s, r, t) for s in ss for r in range(plan.dp))))
-            for p, ss in tied for t in range(plan.tp)
-        ], rank)
+        ties = TiedGradients([(p, ranks, silent) for p, ss in tied for ranks, silent in tie_groups(plan, ss)], rank)
     sync = None
     if plan.dp > 1:
         groups = [  # every rank makes every group, in the same order

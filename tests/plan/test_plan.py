@@ -83,3 +83,42 @@ def test_tp_layouts_round_trip_and_print() -> None:
     data["tp_layouts"] = [["a line"]]
     with pytest.raises(ConfigError, match="not a plait plan"):
         Plan.from_json(json.dumps(data))
+
+
+# -- stages of different tp widths (stage_tp) ----------------------------------------------------
+
+def widths(stage_tp=(2, 1), **fields):
+    return Plan(**{"layer_names": ("a", "b", "c", "d"), "layers_per_stage": (1, 3), "num_microbatches": 2,
+                   "schedule": "1f1b", "world_size": sum(stage_tp), "capture_method": "torch.export",
+                   "stage_tp": stage_tp, **fields})
+
+
+@pytest.mark.parametrize("stage_tp, ranks", [((2, 1), [[0, 1], [2]]), ((1, 2), [[0], [1, 2]]),
+                                             ((1, 3), [[0], [1, 2, 3]])])
+def test_stages_of_different_widths_take_the_ranks_in_stage_order(stage_tp, ranks) -> None:
+    p = widths(stage_tp)
+    assert p.tp == max(stage_tp) and [p.tp_of(s) for s in range(2)] == list(stage_tp)
+    assert [[p.rank_of(s, 0, t) for t in range(p.tp_of(s))] for s in range(2)] == ranks
+    for s, stage_ranks in enumerate(ranks):
+        for t, r in enumerate(stage_ranks):
+            assert p.position_of(r) == (s, 0) and p.tp_rank_of(r) == t and p.stages_of(r) == (s,)
+    assert p.stage_to_rank == (0, ranks[1][0])
+    assert Plan.from_json(p.to_json()) == p
+
+
+def test_stages_of_different_widths_print_their_ranks() -> None:
+    text = str(widths())
+    assert f"x tp=[2, 1] (per stage) on 3 rank(s)" in text
+    assert "stage 0 (ranks 0-1)" in text and "stage 1 (rank 2)" in text
+
+
+@pytest.mark.parametrize("stage_tp, fields, message", [
+    ((2, 1, 1), {}, r"stage_tp=\[2, 1, 1\] for 2 stages"),
+    ((2, 0), {}, r"stage_tp=\[2, 0\] for 2 stages; give one positive tp"),
+    ((2, 1), {"world_size": 4}, r"stage_tp=\[2, 1\], 3 ranks in all, on world_size=4"),
+    ((2, 1), {"dp": 2, "world_size": 3}, "dp=2"),
+    ((2, 1), {"tp": 4}, r"tp=4 and stage_tp=\[2, 1\]; tp is the widest stage's, 2"),
+])
+def test_bad_stage_widths_are_named(stage_tp, fields, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        widths(stage_tp, **fields)

@@ -1,0 +1,85 @@
+"""The tile map of cross-mesh resharding: which rank sends which tile of a stage output across a boundary of two widths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.errors import ConfigError
+
+__all__ = ["TileMap"]
+
+
+@dataclass(frozen=True)
+class TileMap:
+    """How one value crosses from a stage of `senders` tp ranks to one of `receivers` (Alpa's
+    cross-mesh resharding, for a value replicated over both stages' tp ranks).
+
+    The value (flattened in memory order) is cut into n = max(senders, receivers) tiles; tile k
+    goes from sender k % senders to receiver k % receivers, and the receiving stage all-gathers the
+    tiles locally. Every sender sends and every receiver receives at least one tile, and the slow
+    link between the stages carries the value once, not once per receiver. Senders 2, receivers 1
+    (narrowing) and senders 1, receivers 2 (widening)::
+
+        sender 0 --tile 0--> receiver 0           sender 0 --tile 0--> receiver 0 -+ all-gather
+        sender 1 --tile 1--> receiver 0           sender 0 --tile 1--> receiver 1 -+ (local)
+
+    Gradients go back by the mirrored map (`reversed`): the same pairs, the same tiles, the stage
+    that sent the activations all-gathering them. A tensor of fewer than n elements (or not
+    floating point) is not cut: each pair's message carries it whole.
+    """
+
+    senders: int
+    receivers: int
+
+    def __post_init__(self) -> None:
+        for name, value in (("senders", self.senders), ("receivers", self.receivers)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"TileMap has {name}={value!r}; it must be a positive integer (a stage's tp)")
+
+    @property
+    def num_tiles(self) -> int:
+        """n = max(senders, receivers): one tile per rank of the wider stage."""
+        return max(self.senders, self.receivers)
+
+    @property
+    def gathers(self) -> bool:
+        """Whether the receiving stage all-gathers (it has more than one rank)."""
+        return self.receivers > 1
+
+    def reversed(self) -> "TileMap":
+        """The map of the gradients: the receivers send back to the senders, tile for tile."""
+        return TileMap(self.receivers, self.senders)
+
+    def tile(self, sender: int, receiver: int) -> int | None:
+        """The tile `sender` sends `receiver`, or None (this pair exchanges nothing)."""
+        self._check(sender, receiver)
+        found = [k for k in range(self.num_tiles) if k % self.senders == sender and k % self.receivers == receiver]
+        return found[0] if found else None
+
+    def receivers_of(self, sender: int) -> tuple[int, ...]:
+        """The receivers `sender` sends a tile to, in tile order."""
+        self._check(sender, 0)
+        return tuple(k % self.receivers for k in range(sender, self.num_tiles, self.senders))
+
+    def senders_of(self, receiver: int) -> tuple[int, ...]:
+        """The senders `receiver` gets a tile from, in tile order."""
+        self._check(0, receiver)
+        return tuple(k % self.senders for k in self.held(receiver))
+
+    def held(self, receiver: int) -> tuple[int, ...]:
+        """The tiles `receiver` holds before its stage's all-gather."""
+        return tuple(range(receiver, self.num_tiles, self.receivers))
+
+    def bounds(self, numel: int, k: int) -> tuple[int, int]:
+        """Elements [lo, hi) of tile k of a flattened value of `numel` elements (sizes differ by one at most)."""
+        n = self.num_tiles
+        return k * numel // n, (k + 1) * numel // n
+
+    def cuts(self, numel: int) -> bool:
+        """Whether a value of `numel` elements is cut into tiles (else it crosses whole)."""
+        return numel >= self.num_tiles > 1
+
+    def _check(self, sender: int, receiver: int) -> None:
+        if not (0 <= sender < self.senders and 0 <= receiver < self.receivers):
+            raise ConfigError(f"TileMap({self.senders}, {self.receivers}) has no sender {sender} or receiver "
+                              f"{receiver}; senders are 0..{self.senders - 1}, receivers 0..{self.receivers - 1}")

@@ -1,0 +1,95 @@
+"""Stages of different tp widths (Config.tp_per_stage, Alpa's cross-mesh resharding) train exactly
+as one process: 3 ranks, stage 0 at tp=2 and stage 1 at tp=1, and the reverse, on Hugging Face
+GPT-2 and Llama (tied word embedding and head: kept whole on both stages, its gradient summed
+once), with 1F1B, GPipe and ZB-H1; cut between blocks and inside one.
+
+Each rank trains plait and a deep copy in one process through the same steps and compares the
+loss of each step, its part of every parameter and gradient, the gathered `state_dict()` and
+`predict` (`tests.test_tensor_parallel.train_and_compare`; fp32, atol 2e-5). What stages of
+different widths refuse (checkpoints) raises a ConfigError naming it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import plait
+from plait.errors import ConfigError
+from tests.harness import run_ranks
+from tests.test_tensor_parallel import train_and_compare
+
+Run = tuple[str, dict[str, Any], bool]  # model, Config settings, Adam (else SGD with momentum)
+
+RUNS: list[Run] = [
+    ("gpt2", {"tp_per_stage": (2, 1), "layers_per_proc": (12, 11)}, False),  # between blocks, 1F1B
+    ("gpt2", {"tp_per_stage": (1, 2), "layers_per_proc": (9, 14), "schedule": "gpipe"}, True),  # after the GELU
+    ("llama", {"tp_per_stage": (2, 1), "layers_per_proc": (10, 14), "schedule": "gpipe"}, True),
+    ("llama", {"tp_per_stage": (1, 2), "layers_per_proc": (10, 14)}, False),
+    ("gpt2", {"tp_per_stage": (2, 1), "layers_per_proc": (12, 11), "schedule": "zbh1", "batch_weight_grads": True},
+     True),
+]
+
+
+def _refusals(rank: int, world: int, root: str) -> list[str]:
+    """A small MLP at tp_per_stage=(2, 1) trains; a checkpoint is refused by name, on every rank."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    model = plait.Model(net, plait.Config(layers_per_proc=(3, 2), tp_per_stage=(2, 1), num_microbatches=2,
+                                          timeout_s=60.0),
+                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=nn.MSELoss())
+    model.train_on_batch(torch.randn(4, 8), torch.randn(4, 4))
+    found = []
+    for call in (lambda: model.save(root), lambda: model.export(root), lambda: model.load(root)):
+        try:
+            call()
+        except ConfigError as e:
+            found.append(str(e))
+    return found
+
+
+def _three_ranks(rank: int, world: int, runs: list[Run], root: str) -> dict[str, Any]:
+    return {"runs": [train_and_compare(name, config, adam, split_loss=False) for name, config, adam in runs],
+            "refused": _refusals(rank, world, root)}
+
+
+@pytest.mark.timeout(600)
+def test_stages_of_tp_2_and_1_and_of_1_and_2_equal_one_process(tmp_path: Any) -> None:
+    report = run_ranks(3, _three_ranks, RUNS, str(tmp_path), timeout=580)
+    for rank, results in enumerate(report):
+        for (name, config, adam), (problems, split, plan) in zip(RUNS, results["runs"]):
+            what = f"rank {rank} {name} {config} {'Adam' if adam else 'SGD'}"
+            assert not problems, f"{what}:\n" + "\n".join(problems)
+            widths = config["tp_per_stage"]
+            assert f"x tp={list(widths)} (per stage) on 3 rank(s)" in plan, what
+            alone = rank == 2 if widths == (2, 1) else rank == 0  # the rank of the tp=1 stage splits nothing
+            assert split == 0 if alone else split >= 4, (what, split)
+        refused = results["refused"]
+        assert len(refused) == 3 and all("tp_per_stage=[2, 1]" in text for text in refused), (rank, refused)
+
+
+def _four_ranks(rank: int, world: int) -> tuple[list[str], int, str]:
+    return train_and_compare("gpt2", {"tp_per_stage": (1, 2, 1), "layers_per_proc": (8, 8, 7)}, True,
+                             split_loss=False)
+
+
+@pytest.mark.timeout(300)
+def test_a_wide_stage_between_two_narrow_ones_equals_one_process() -> None:
+    """tp_per_stage=(1, 2, 1) on 4 ranks: the middle stage receives and sends across a change of
+    width; the word embedding and head (stages 0 and 2, one rank each) sum their gradient alone."""
+    for rank, (problems, split, plan) in enumerate(run_ranks(4, _four_ranks, timeout=280)):
+        assert not problems, f"rank {rank}:\n" + "\n".join(problems)
+        assert split == (6 if rank in (1, 2) else 0), (rank, split)
+        assert "x tp=[1, 2, 1] (per stage) on 4 rank(s)" in plan
+
+
+def test_one_process_runs_every_layer_on_one_stage() -> None:
+    """Without a launcher the widths, like the cut, are set aside (a warning), and the model trains."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = plait.Model(net, plait.Config(layers_per_proc=(2, 1), tp_per_stage=(2, 1)),
+                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=nn.MSELoss())
+    assert model.train_on_batch(torch.randn(4, 8), torch.randn(4, 4)) > 0
+    assert model.plan.stage_tp == () and model.plan.world_size == 1
