@@ -36,11 +36,13 @@ class MixedWidths:
     schedule: str
     pipeline_s: float
     step_time_s: float
+    stage_s: tuple[float, ...] = ()  # each stage's F + B + W of one micro-batch
 
     def to_dict(self) -> dict[str, Any]:
         return {"layers_per_stage": list(self.layers_per_stage), "tp": list(self.widths),
                 "num_microbatches": self.num_microbatches, "schedule": self.schedule,
-                "pipeline_s": self.pipeline_s, "predicted_step_time_s": self.step_time_s}
+                "pipeline_s": self.pipeline_s, "predicted_step_time_s": self.step_time_s,
+                "stage_s": list(self.stage_s)}
 
 
 def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int, global_batch: int,
@@ -77,8 +79,10 @@ def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size:
             bounds = [0]
             for size in found.layers_per_stage:
                 bounds.append(bounds[-1] + size)
-            optimizer = max(sum(lanes[w].optimizer_s[a:b]) for w, a, b in zip(found.widths, bounds, bounds[1:]))
+            stages = list(zip(found.widths, bounds, bounds[1:]))
+            optimizer = max(sum(lanes[w].optimizer_s[a:b]) for w, a, b in stages)
             step = found.objective + closing + optimizer
             if best is None or step < best.step_time_s - 1e-15 * max(1.0, abs(step)):
-                best = MixedWidths(found.layers_per_stage, found.widths, m, schedule, found.objective, step)
+                best = MixedWidths(found.layers_per_stage, found.widths, m, schedule, found.objective, step,
+                                   tuple(float(sum(width_costs[w].time[a:b])) for w, a, b in stages))
     return best if best is not None and math.isfinite(best.step_time_s) else None

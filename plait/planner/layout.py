@@ -39,6 +39,7 @@ from plait.job.ranks import local_world_size
 from plait.plan import Plan
 from plait.planner.autoplan import PlanOptions, local_cluster, plan_model, profile_sample
 from plait.planner.resolve import resolve_plan
+from plait.planner.widths import mixed_widths_choice
 from plait.config import SCHEDULE_NAMES, SEARCH_ORDER, Config
 from plait.errors import ConfigError, PartitionError
 from plait.materialize import on_meta
@@ -202,6 +203,9 @@ def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[
             f"no layout of {world_size} ranks fits {cluster.memory_bytes / 2**30:.2f} GiB per rank "
             f"(Config.memory_limit_bytes={config.memory_limit_bytes}): {best.reason}"
         )
+    mixed = mixed_widths_choice(work.captured, config, world_size, result, cluster)
+    if mixed is not None:  # one pipeline of uneven stage widths, predicted faster than any uniform one
+        return {"fields": mixed[0], "report": mixed[1].to_dict(), "table": mixed[1].table, "source": source}
     chosen = candidate_fields(best.to_dict())
     if config.tp is not None:  # the user's tp: the search ran on its lanes
         chosen.pop("tp")
