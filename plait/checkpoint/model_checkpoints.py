@@ -91,8 +91,8 @@ class ModelCheckpoints:
     def restore(self, ckpt: Checkpoint, pipe: Pipeline | None, optimizer: torch.optim.Optimizer | None) -> None:
         """Restore the checkpoint with `apply_pending`: at once when the pipeline exists, else once
         it is built (each rank then holds only its stages' tensors, and reads only those)."""
-        train_state.check_saved(self.net, {n: e["shape"] for n, e in ckpt.meta["tensors"].items()},
-                                ckpt.meta["aliases"], f"checkpoint {ckpt.path}")  # now, not at the build
+        train_state.check_saved(self.net, _shapes(ckpt), ckpt.meta["aliases"],
+                                f"checkpoint {ckpt.path}")  # now, not at the build
         self.saved_step = ckpt.step
         self.pending = ckpt
         if pipe is not None:
@@ -117,10 +117,10 @@ class ModelCheckpoints:
     def _copy_values(self, ckpt: Checkpoint) -> None:
         """The checkpoint's values of the tensors this rank holds (not on meta), read from the
         shards that have them."""
-        entries, aliases = ckpt.meta["tensors"], ckpt.meta["aliases"]
+        aliases = ckpt.meta["aliases"]
         held = [aliases.get(n, n) for n, t in self.net.state_dict(keep_vars=True).items() if not t.is_meta]
         train_state.copy_into(self.net, read_parameters(ckpt, held), aliases, f"checkpoint {ckpt.path}",
-                              {n: e["shape"] for n, e in entries.items()})
+                              _shapes(ckpt))
 
     def load_weights(self, path: str | os.PathLike[str], pipe: Pipeline | None) -> weights.Loaded:
         """Copy the named weights at `path` (`weights`) into the net, in step with every rank.
@@ -183,3 +183,14 @@ class ModelCheckpoints:
             if self.rank == 0:
                 shutil.rmtree(scratch, ignore_errors=True)
 
+
+def _shapes(ckpt: Checkpoint) -> dict[str, Any]:
+    """Each saved tensor's whole shape from meta.json, or an error naming the entry that lacks one."""
+    shapes = {}
+    for name, entry in ckpt.meta["tensors"].items():
+        shape = entry.get("shape")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise CheckpointError(f"{ckpt.path}/meta.json: tensor {name!r} has no valid shape ({shape!r}); "
+                                  "the checkpoint is damaged: load an earlier one")
+        shapes[name] = shape
+    return shapes
