@@ -167,7 +167,15 @@ class PlannedRunner:
         plan = self.model.plan
         return (f"pp={plan.num_stages} dp={plan.dp} tp={plan.tp} m={plan.num_microbatches} {plan.schedule}"
                 f"{f' v={plan.num_virtual_stages}' if plan.num_virtual_stages > 1 else ''}"
-                f" recompute={list(plan.recompute)} batch_weight_grads={plan.batch_weight_grads}")
+                f" recompute={list(plan.recompute)} batch_weight_grads={plan.batch_weight_grads}"
+                f"{self._predicted()}")
+
+    def _predicted(self) -> str:
+        report = self.model.plan_report
+        if report is None or report.predicted_step_s is None:
+            return ""
+        lines = [line for line in report.table.splitlines() if line[:2].strip().isdigit()][:5]
+        return f"; predicted {report.predicted_step_s * 1e3:.2f} ms; the planner's table:\n" + "\n".join(lines)
 
     def chunks(self, batch: int) -> int:
         """The global batch in micro-batches of the plan's rows: what one process steps through."""
