@@ -239,7 +239,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             f"({cluster.memory_bytes / gib:.2f} GiB each), global batch {head['global_batch']}; "
             f"costs {costs_source}; planned in {elapsed:.2f} s{rate}\n" + format_table(found, args.top))
     if args.gpt is not None and mixed is not None:
-        text += (f"\nstages of different tp widths (one pipeline, priced, not yet run by plait): tp "
+        text += (f"\nstages of different tp widths (one pipeline; Config(layers_per_proc, tp_per_stage)): tp "
                  f"{list(mixed.widths)}, layers {list(mixed.layers_per_stage)}, {mixed.num_microbatches} "
                  f"micro-batches, {mixed.schedule}: {mixed.step_time_s:.4f} s a step")
     return data, text
