@@ -252,12 +252,11 @@ def _mixed_widths(args: argparse.Namespace, spec: Any, dev: Any, cluster: Any) -
     """The best one-pipeline layout with stages of different tp widths (`plait.plan.width_search`),
     for small worlds with no --layout; None otherwise or when none beats nothing."""
     from plait.plan.analytic import gpt_costs, gpt_tp_shares
-    from plait.plan.width_search import search_widths
+    from plait.plan.width_search import search_widths, stage_widths
 
     if args.layout is not None or args.devices > MIXED_LIMIT[0] or spec.layers + 2 > MIXED_LIMIT[1]:
         return None
-    widths = tuple(args.tp) if args.tp else tuple(  # a stage's width need not divide the world
-        w for w in (1, 2, 4, 8) if w <= min(args.devices, dev.network.devices_per_node))
+    widths = tuple(args.tp) if args.tp else stage_widths(args.devices, dev.network.devices_per_node)
     shares = {w: gpt_tp_shares(spec, dev, w) for w in widths if w > 1}
     return search_widths(gpt_costs(spec, dev, args.optimizer), shares, args.devices, args.batch, cluster, widths,
                          args.microbatches)

@@ -306,6 +306,7 @@ class _Tables:
 
     def __init__(self, problem: PartitionProblem) -> None:
         self.p = problem
+        self._least: float | None = None
         n = self.n = len(problem.time)
         if not 1 <= problem.num_chunks <= n:
             raise PartitionError(
@@ -383,13 +384,16 @@ class _Tables:
         return sizes[::-1]
 
     def least_memory(self) -> float:
-        """The smallest achievable peak memory over all layouts (a min-max program)."""
-        best = np.full(self.n + 1, math.inf)
-        best[0] = 0.0
-        for s in range(self.p.num_chunks):
-            need = np.where(self.valid, self.base + self.p.held[s] * self.per, math.inf)
-            best = np.maximum(best[:, None], need).min(axis=0)
-        return float(best[self.n])
+        """The smallest achievable peak memory over all layouts (a min-max program; once: an
+        infeasible problem's reason and its `Infeasible` both ask)."""
+        if self._least is None:
+            best = np.full(self.n + 1, math.inf)
+            best[0] = 0.0
+            for s in range(self.p.num_chunks):
+                need = np.where(self.valid, self.base + self.p.held[s] * self.per, math.inf)
+                best = np.maximum(best[:, None], need).min(axis=0)
+            self._least = float(best[self.n])
+        return self._least
 
     def why_infeasible(self) -> str:
         """Which layer or which stage count does not fit, with the numbers."""

@@ -23,7 +23,12 @@ from plait.plan.setting import Setting
 from plait.plan.submesh import WidthCosts, width_partition
 from plait.plan.tp_costs import TpShares, at_tp
 
-__all__ = ["MixedWidths", "search_widths"]
+__all__ = ["MixedWidths", "search_widths", "stage_widths"]
+
+
+def stage_widths(world_size: int, devices_per_node: int) -> tuple[int, ...]:
+    """The tp widths a stage may take: 1, 2, 4, 8 within a node and the world (need not divide it)."""
+    return tuple(w for w in (1, 2, 4, 8) if w <= min(world_size, devices_per_node))
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from plait.config import Config
+from plait.errors import ConfigError
 from plait.job.ranks import local_world_size
 from plait.plan.cost import Cluster
 from plait.plan.report import PlanReport
-from plait.plan.width_search import MixedWidths, search_widths
+from plait.plan.width_search import MixedWidths, search_widths, stage_widths
 from plait.planner.autoplan import PlanResult
 from plait.planner.tp_shares import tp_shares
 from plait.capture.trace import CapturedGraph
@@ -22,13 +24,18 @@ WORLD_SIZES = range(3, 17)  # worlds searched: 2 ranks have no uneven split; bey
 
 
 def _allowed(config: Config, world_size: int) -> bool:
-    """Whether the config leaves the layout open and asks for nothing stages of different widths
-    do not run with (`Config.tp_per_stage`'s refusals)."""
-    return (config.plans_everything and config.tp is None and config.tp_per_stage is None
-            and world_size in WORLD_SIZES and not config.zero and config.schedule in (None, "1f1b", "gpipe")
-            and config.recompute in (None, False) and config.batch_weight_grads in (None, False)
-            and config.num_virtual_stages == 1 and config.tp_plan is None and not config.sequence_parallel
-            and config.checkpoint_dir is None and not config.replan)
+    """Whether the config leaves the layout open to what the widths' pass prices (one pipeline,
+    1F1B or GPipe, no recomputation, weight gradients per micro-batch) and asks for nothing stages
+    of different widths do not run with: `Config.tp_per_stage`'s own check, on a two-stage probe."""
+    if not (config.plans_everything and config.tp is None and config.tp_per_stage is None
+            and world_size in WORLD_SIZES and config.schedule in (None, "1f1b", "gpipe")
+            and config.recompute in (None, False) and config.batch_weight_grads in (None, False)):
+        return False
+    try:
+        replace(config, layers_per_proc=(1, 1), tp_per_stage=(2, 1))
+    except ConfigError:
+        return False
+    return True
 
 
 def mixed_widths_choice(captured: CapturedGraph, config: Config, world_size: int, result: PlanResult,
@@ -37,7 +44,7 @@ def mixed_widths_choice(captured: CapturedGraph, config: Config, world_size: int
     it and it is predicted faster than the best uniform layout; else None."""
     if not _allowed(config, world_size) or not result.best.feasible:
         return None
-    widths = tuple(w for w in (1, 2, 4, 8) if w <= min(world_size, local_world_size(world_size)))
+    widths = stage_widths(world_size, local_world_size(world_size))
     shares = {}
     for w in widths[1:]:
         try:
