@@ -48,15 +48,17 @@ def main() -> int:
     ok = True
     for name, layers, hidden, heads, t, p, gpus, batch, published in MEGATRON[: args.rows]:
         gpt = f"layers={layers},hidden={hidden},heads={heads},seq=2048,vocab=51200"
-        given = plan(gpt, batch, gpus, "a100-80gb", "--layout", f"tp={t},pp={p},recompute=1")
+        # as Megatron-LM ran it: gradients all-reduced after the forward-backward pass (local DDP)
+        given = plan(gpt, batch, gpus, "a100-80gb", "--layout", f"tp={t},pp={p},recompute=1,overlap=0")
+        ours = plan(gpt, batch, gpus, "a100-80gb", "--layout", f"tp={t},pp={p},recompute=1")
         own = plan(gpt, batch, gpus, "a100-80gb")
         ratio = given["tflops_per_device"] / published
-        faster = own["predicted_step_time_s"] / given["predicted_step_time_s"]
+        faster = own["predicted_step_time_s"] / ours["predicted_step_time_s"]
         ok &= abs(ratio - 1) <= TARGET and faster <= 1 + 1e-9
         choice = (f"{own['pp']} {own['dp']} {own['tp']} {own['num_microbatches']} {own['schedule']} "
                   f"{'yes' if own['recompute'] else 'no'}")
         print(f"{name:>7} {t:>2} {p:>3} {gpus:>5} {published:>9} {given['tflops_per_device']:>9.1f} {ratio:>6.3f}  "
-              f"{choice:<44} {faster:>14.3f}  {given['planning_time_s'] + own['planning_time_s']:.1f}")
+              f"{choice:<44} {faster:>14.3f}  {given['planning_time_s'] + ours['planning_time_s'] + own['planning_time_s']:.1f}")
     alpa = plan("layers=48,hidden=8192,heads=64,seq=1024,vocab=51200", 1024, 64, "v100-16gb")
     if alpa["feasible"]:
         pflops = alpa["tflops_per_device"] * 64 / 1e3

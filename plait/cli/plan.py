@@ -14,6 +14,7 @@ activation_bytes, and with --gpt tflops_per_device. `--layout tp=8,pp=2` prices 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -82,9 +83,10 @@ def add_plan_command(commands: Any) -> None:
     plan.add_argument("--zero", type=int, choices=(0, 1, 2), default=None,
                       help="ZeRO level: 0 replicated optimizer state, 1 sharded over the dp replicas, "
                            "2 gradients too (default: the planner chooses; 1 and 2 only where dp > 1)")
-    plan.add_argument("--layout", default=None, metavar="tp=T,pp=P[,dp=D,zero=Z,m=M,schedule=S,recompute=0|1]",
+    plan.add_argument("--layout", default=None, metavar="tp=T,pp=P[,dp=D,zero=Z,m=M,schedule=S,recompute=0|1,overlap=0|1]",
                       help="price this layout only (dp defaults to devices / (tp x pp)); what it leaves "
-                           "out (micro-batches, schedule, recomputation, ZeRO) the planner still chooses")
+                           "out (micro-batches, schedule, recomputation, ZeRO) the planner still chooses; overlap=0 "
+                           "sums the gradients after the pipeline (as Megatron-LM's local DDP)")
     plan.add_argument("--top", type=int, default=5, metavar="K", help="candidates shown (default: 5)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     plan.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="also save the JSON here")
@@ -114,23 +116,26 @@ def _load_model(spec: str) -> Any:
     return getattr(module, name)()
 
 
-LAYOUT_KEYS = ("tp", "pp", "dp", "zero", "m", "schedule", "recompute")
+LAYOUT_KEYS = ("tp", "pp", "dp", "zero", "m", "schedule", "recompute", "overlap")
 
 
 def apply_layout(args: argparse.Namespace) -> None:
     """`--layout tp=8,pp=2,...` -> the single values of --tp, --pp, --zero, --microbatches,
-    --schedules and the recomputation searched (recompute=0: never, 1: always)."""
+    --schedules and the recomputation searched (recompute=0: never, 1: always); overlap=0 sums the
+    gradients after the pipeline instead of during its last gradient pass."""
+    args.overlap = True
     if args.layout is None:
         return
     given = key_values(args.layout, "--layout", LAYOUT_KEYS,
                        f"KEY=VALUE with KEY one of {', '.join(LAYOUT_KEYS)}, e.g. --layout tp=8,pp=2")
     numbers: dict[str, int] = {}
-    for key in ("tp", "pp", "dp", "zero", "m", "recompute"):
+    for key in ("tp", "pp", "dp", "zero", "m", "recompute", "overlap"):
         if key in given:
             numbers[key] = integer("--layout", key, given[key])
-            if numbers[key] < (0 if key in ("zero", "recompute") else 1) or (key == "recompute" and numbers[key] > 1):
+            flag = key in ("recompute", "overlap")
+            if numbers[key] < (0 if key == "zero" or flag else 1) or (flag and numbers[key] > 1):
                 raise ConfigError(f"--layout {key}={numbers[key]} is out of range; tp, pp, dp and m are >= 1, "
-                                  "recompute is 0 or 1")
+                                  "recompute and overlap are 0 or 1")
     tp, pp = numbers.get("tp", 1), numbers.get("pp")
     if args.devices % tp or (pp is not None and args.devices % (tp * pp)):
         raise ConfigError(f"--layout tp={tp}{f',pp={pp}' if pp else ''} does not divide --devices {args.devices}; "
@@ -154,6 +159,7 @@ def apply_layout(args: argparse.Namespace) -> None:
         args.schedules = given["schedule"]
     if "recompute" in numbers:
         args.recompute = (numbers["recompute"] == 1,)
+    args.overlap = numbers.get("overlap", 1) == 1
 
 
 def _search_space(args: argparse.Namespace) -> Any:
@@ -183,7 +189,8 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         spec = parse_gpt(args.gpt)
         dev = device(args.device or "v100-16gb")
         memory = args.memory_gb * gib if args.memory_gb else dev.usable_memory()
-        cluster = Cluster(dev.network, memory, optimizer_state_factor(args.optimizer, dev.dtype_bytes))
+        cluster = Cluster(dev.network, memory, optimizer_state_factor(args.optimizer, dev.dtype_bytes),
+                          overlap_gradients=args.overlap)
         tps = tuple(args.tp) if args.tp else tp_degrees(args.devices, dev.network.devices_per_node)
         found = search_tp(gpt_costs(spec, dev, args.optimizer), {t: gpt_tp_shares(spec, dev, t) for t in tps if t > 1},
                           args.devices, args.batch, cluster, _search_space(args), degrees=tps)
@@ -211,6 +218,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             cluster = Cluster(dev.network, memory, factor)
         else:
             cluster = local_cluster(args.devices, None, args.memory_gb * gib if args.memory_gb else None, factor)
+        cluster = dataclasses.replace(cluster, overlap_gradients=args.overlap)
         tps = tuple(args.tp) if args.tp else tp_degrees(args.devices, cluster.network.devices_per_node)
         result = plan_model(net, sample, args.devices, batch, cluster,
                             PlanOptions(space=_search_space(args), tp=tps))

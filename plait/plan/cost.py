@@ -22,7 +22,7 @@ One step of a layout (pp stages x dp replicas, m micro-batches of `rows` rows ea
                them (`by_owner` of the trainable parameters' bytes), not overlapped
 
 step = max over ranks of max(pipeline end, last gradient pass start + gradient sum, pipeline
-end + the last bucket's), + closing all-reduce, + the slowest rank's optimizer step (and
+end + the last bucket's) (pipeline end + gradient sum where the cluster does not overlap them), + closing all-reduce, + the slowest rank's optimizer step (and
 ZeRO's broadcasts). Memory of a rank = parameters + gradients + optimizer state
 (`plait.plan.memory`: ZeRO's shares) + the activations of the micro-batches the schedule makes
 it hold at once (its peak); recomputation keeps only each held micro-batch's stage input, plus
@@ -34,6 +34,7 @@ slowed by concurrent communication, allocator fragmentation and framework worksp
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -64,13 +65,16 @@ class Cluster:
 
     optimizer_state_factor: optimizer state bytes per gradient byte (Adam 2: exp_avg and
     exp_avg_sq; SGD with momentum 1; plain SGD 0). bucket_bytes: the cap of a gradient bucket
-    (`Config.bucket_cap_mb`).
+    (`Config.bucket_cap_mb`). overlap_gradients: the gradient sum starts while the last gradient
+    pass runs, as plait's runtime does it (False: after the pipeline, as Megatron-LM's local DDP
+    of 2021 all-reduces its gradient buffer once the forward-backward pass has returned).
     """
 
     network: Network
     memory_bytes: float
     optimizer_state_factor: float = 2.0
     bucket_bytes: float = DEFAULT_BUCKET_BYTES
+    overlap_gradients: bool = True
 
     def __post_init__(self) -> None:
         if not self.memory_bytes > 0:
@@ -263,7 +267,10 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         else:
             acts.append(peaks[r] * hold(setting) * sum(st.activation_bytes for st in mine))
         memory.append(states[r].peak(acts[r]))
-        reach.append(max(ends[r], grad_starts[r] + summed[r], ends[r] + tail))
+        if cluster.overlap_gradients:
+            reach.append(max(ends[r], grad_starts[r] + summed[r], ends[r] + tail))
+        else:
+            reach.append(ends[r] + summed[r])
     world = range(setting.pp * dp)
     closing = all_reduce(CLOSING_BYTES, len(world), cluster.network.reduce_link(world))
     return Prediction(
@@ -294,5 +301,5 @@ def _last_bucket(grad_bytes: Sequence[float], cap: float) -> float:
 
 
 def _unbounded(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int) -> PartitionProblem:
-    unlimited = Cluster(cluster.network, math.inf, cluster.optimizer_state_factor, cluster.bucket_bytes)
+    unlimited = dataclasses.replace(cluster, memory_bytes=math.inf)
     return partition_problem(costs, setting, unlimited, global_batch)

@@ -2,7 +2,9 @@
 
 A GPU preset holds its data sheet's numbers (tensor-core peak, SMs, memory and its bandwidth,
 links), each named beside it with its source (docs/planner.md lists them); its operators are
-timed by `plait.plan.roofline`, with no efficiency factor. The CPU preset keeps a sustained share
+timed by `plait.plan.roofline`, with no efficiency factor; where a GEMM benchmark measured the
+device's best matmul rate (Bekman, "Machine Learning Engineering", Maximum Achievable Matmul FLOPS
+table, bf16, v2 run), the roofline's GEMMs run at that rate rather than the data sheet's peak. The CPU preset keeps a sustained share
 of peak (`efficiency`), which `plait.planner.calibrate` replaces with measured times. Memory is
 the device's total; the planner keeps a share free (`usable_memory`).
 """
@@ -33,6 +35,8 @@ class Device:
     kernel_overhead_s: float  # fixed time per layer per pass (launches, small kernels)
     dtype_bytes: int = 2  # activations and parameters: 2 = fp16/bf16 mixed precision, 4 = fp32
     sms: int = 0  # streaming multiprocessors (compute units): > 0 times operators by the roofline
+    gemm_flops: float = 0.0  # a GEMM benchmark's best measured FLOP/s (0: none; the roofline uses peak)
+    gemm_shape: tuple[int, int, int] = (0, 0, 0)  # the (M, N, K) it was measured at
 
     def __post_init__(self) -> None:
         if not (0 < self.efficiency <= 1):
@@ -43,7 +47,9 @@ class Device:
     @property
     def gpu(self) -> Gpu | None:
         """The roofline's view of a GPU preset (None: a CPU, timed by `flops`)."""
-        return Gpu(self.peak_flops, self.sms, self.memory_bandwidth, self.dtype_bytes) if self.sms else None
+        if not self.sms:
+            return None
+        return Gpu(self.peak_flops, self.sms, self.memory_bandwidth, self.dtype_bytes, self.gemm_flops, self.gemm_shape)
 
     @property
     def flops(self) -> float:
@@ -72,15 +78,22 @@ DEVICES: dict[str, Device] = {
     # A100 SXM (NVIDIA A100 whitepaper, 2020): 312 TFLOP/s bf16, 108 SMs; 40GB: 1555 GB/s, 80GB:
     # 2039 GB/s (A100 80GB data sheet). DGX A100 (its user guide): NVSwitch, 600 GB/s per GPU both
     # ways = 300 GB/s each way; 8 x 200 Gbit/s HDR InfiniBand per node = 25 GB/s per GPU.
-    "a100-40gb": Device("a100-40gb", 312e12, 1.0, 40 * GIB, 1555e9, _gpu_node(300, 25), 50e-6, sms=108),
-    "a100-80gb": Device("a100-80gb", 312e12, 1.0, 80 * GIB, 2039e9, _gpu_node(300, 25), 50e-6, sms=108),
+    # Measured best bf16 matmul (MAMF table): 271.2 TFLOP/s at 1024 x 10240 x 5120 (A100 SXM).
+    "a100-40gb": Device("a100-40gb", 312e12, 1.0, 40 * GIB, 1555e9, _gpu_node(300, 25), 50e-6, sms=108,
+                        gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120)),
+    "a100-80gb": Device("a100-80gb", 312e12, 1.0, 80 * GIB, 2039e9, _gpu_node(300, 25), 50e-6, sms=108,
+                        gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120)),
     # H100 SXM 80GB (NVIDIA H100 data sheet): 989 TFLOP/s dense bf16, 132 SMs, 3.35 TB/s HBM3;
     # NVLink4 900 GB/s both ways = 450 each way; 400 Gbit/s NDR per GPU (DGX H100) = 50 GB/s.
-    "h100-80gb": Device("h100-80gb", 989e12, 1.0, 80 * GIB, 3350e9, _gpu_node(450, 50), 30e-6, sms=132),
+    # Measured best bf16 matmul (MAMF table): 794.5 TFLOP/s at 2048 x 2048 x 13312 (H100 SXM).
+    "h100-80gb": Device("h100-80gb", 989e12, 1.0, 80 * GIB, 3350e9, _gpu_node(450, 50), 30e-6, sms=132,
+                        gemm_flops=794.5e12, gemm_shape=(2048, 2048, 13312)),
     # MI250X, one GCD (AMD Instinct MI250X data sheet; what a process sees): 191.5 TFLOP/s fp16/bf16
     # matrix, 110 CUs, 64 GB HBM2e at 1.6 TB/s; 8 GCDs per node (Frontier), Infinity Fabric
     # ~50 GB/s between GCDs, 4 x 25 GB/s Slingshot per node = 12.5 GB/s per GCD.
-    "mi250x": Device("mi250x", 191.5e12, 1.0, 64 * GIB, 1600e9, _gpu_node(50, 12.5), 50e-6, sms=110),
+    # Measured best bf16 matmul on one GCD (MAMF table, v1 run): 147.0 TFLOP/s at 1024 x 19968 x 14080.
+    "mi250x": Device("mi250x", 191.5e12, 1.0, 64 * GIB, 1600e9, _gpu_node(50, 12.5), 50e-6, sms=110,
+                     gemm_flops=147.0e12, gemm_shape=(1024, 19968, 14080)),
     # A CPU process of a few cores in fp32: ~100 GFLOP/s peak (4 cores x AVX2 FMA at ~3 GHz),
     # half of it sustained (an assumption: `plait.planner.calibrate` measures the real numbers),
     # 20 GB/s memory; up to 8 processes per host on loopback gloo (~2 GB/s, 50 us), 10 GbE between.

@@ -76,7 +76,8 @@ class PlanReport:
             data["cluster"] = {"network": self.cluster.network.to_dict(),
                                "memory_bytes": self.cluster.memory_bytes,
                                "optimizer_state_factor": self.cluster.optimizer_state_factor,
-                               "bucket_bytes": self.cluster.bucket_bytes}
+                               "bucket_bytes": self.cluster.bucket_bytes,
+                               "overlap_gradients": self.cluster.overlap_gradients}
         if self.feedback is not None:
             data["feedback"] = self.feedback.to_dict()
         if self.history:
@@ -93,7 +94,8 @@ class PlanReport:
         if "cluster" in data:
             c = data["cluster"]
             cluster = Cluster(Network.from_dict(c["network"]), float(c["memory_bytes"]),
-                              float(c["optimizer_state_factor"]), float(c.get("bucket_bytes", DEFAULT_BUCKET_BYTES)))
+                              float(c["optimizer_state_factor"]), float(c.get("bucket_bytes", DEFAULT_BUCKET_BYTES)),
+                              bool(c.get("overlap_gradients", True)))
         return cls(chosen, list(data.get("alternatives", [])), table, str(data.get("source", "")),
                    int(data["global_batch"]), costs, cluster, history=tuple(data.get("earlier_layouts", ())))
 

@@ -3,7 +3,7 @@
 A GEMM of M x K by K x N (`batch` of them) takes (Williams et al. 2009; NVIDIA, "Matrix
 Multiplication Background User's Guide", 2023, chapters 2-3):
 
-    max(2 M N K batch / (peak x quantization x k_fill), (M K + K N + M N) batch x dtype / bandwidth)
+    max(2 M N K batch / (rate x quantization x k_fill), (M K + K N + M N) batch x dtype / bandwidth)
 
     quantization  cuBLAS cuts the output into tiles (256x128, 128x256, 128x128, 128x64, 64x128,
                   64x64) that run in waves of one tile per SM: the useful M N batch over
@@ -12,9 +12,16 @@ Multiplication Background User's Guide", 2023, chapters 2-3):
                   `PIPELINE_K` elements of K before the tensor cores run at rate (CUTLASS's
                   multistage kernels: 3 stages of 32)
 
+    rate          the tensor cores' sustained rate: the data sheet's peak, or, where a GEMM
+                  benchmark measured the device's best (`measured_flops` at `measured_shape`,
+                  the Maximum Achievable Matmul FLOPS of Bekman's ML Engineering book), that
+                  figure over this model's own quantization x k_fill at that shape -- so the
+                  roofline gives the measured figure back at the measured shape
+
 Element-wise operators (layer norms, the softmax, GeLU, dropouts, residual adds, fused as
 Megatron-LM fuses them) move their bytes at the memory bandwidth. No efficiency is fitted: the
-device's peak, SM count and bandwidth are its data sheet's.
+device's peak, SM count and bandwidth are its data sheet's; a measured GEMM rate is a GEMM
+benchmark's, never fitted to the training throughput being predicted.
 """
 
 from __future__ import annotations
@@ -30,12 +37,24 @@ PIPELINE_K = 3 * 32
 
 @dataclass(frozen=True)
 class Gpu:
-    """What the roofline reads of a GPU: tensor-core peak, SMs, memory bandwidth, element size."""
+    """What the roofline reads of a GPU: tensor-core peak, SMs, memory bandwidth, element size, and
+    a GEMM benchmark's best rate and its shape (M, N, K) where one was measured."""
 
     peak_flops: float
     sms: int
     memory_bandwidth: float
     dtype_bytes: int = 2
+    measured_flops: float = 0.0
+    measured_shape: tuple[int, int, int] = (0, 0, 0)
+
+    @property
+    def rate(self) -> float:
+        """The tensor cores' sustained FLOP/s (see the module): peak, or the measured best over
+        the roofline's own shape terms at the measured shape (never above peak)."""
+        if self.measured_flops <= 0:
+            return self.peak_flops
+        m, n, k = self.measured_shape
+        return min(self.peak_flops, self.measured_flops / (quantization(m, n, 1, self.sms) * k / (k + PIPELINE_K)))
 
 
 def quantization(m: int, n: int, batch: int, sms: int) -> float:
@@ -52,7 +71,7 @@ def gemm_s(m: int, n: int, k: int, gpu: Gpu, batch: int = 1) -> float:
     """Seconds for `batch` GEMMs of (m x k) @ (k x n) on `gpu` (see the module)."""
     if min(m, n, k, batch) <= 0:
         return 0.0
-    compute = 2.0 * m * n * k * batch / (gpu.peak_flops * quantization(m, n, batch, gpu.sms) * k / (k + PIPELINE_K))
+    compute = 2.0 * m * n * k * batch / (gpu.rate * quantization(m, n, batch, gpu.sms) * k / (k + PIPELINE_K))
     traffic = (m * k + k * n + m * n) * batch * gpu.dtype_bytes / gpu.memory_bandwidth
     return max(compute, traffic)
 

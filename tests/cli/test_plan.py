@@ -95,6 +95,12 @@ def test_a_given_layout_is_priced_as_given(capsys):
     assert (with_m["pp"], with_m["num_microbatches"], with_m["schedule"]) == (2, 48, "1f1b")
     kept = run_json(capsys, *gpt, "--layout", "tp=8,pp=2,recompute=0", "--memory-gb", "1000")
     assert not any(c["recompute"] for c in [kept, *kept["alternatives"]])
+    # overlap=0: the gradients summed after the pipeline (Megatron-LM's local DDP), not during its
+    # last gradient pass: the same layout, slower by at most the whole all-reduce
+    late = run_json(capsys, *gpt, "--layout", "tp=8,pp=2,recompute=1,zero=0,m=16,schedule=1f1b,overlap=0")
+    early = run_json(capsys, *gpt, "--layout", "tp=8,pp=2,recompute=1,zero=0,m=16,schedule=1f1b")
+    assert late["predicted_step_time_s"] > early["predicted_step_time_s"] * 1.01
+    assert late["tflops_per_device"] < early["tflops_per_device"]
     # the planner's own choice is never predicted slower than the layout it could have chosen
     free = run_json(capsys, *gpt)
     assert free["predicted_step_time_s"] <= given["predicted_step_time_s"] * (1 + 1e-9)
@@ -107,6 +113,7 @@ def test_a_given_layout_is_priced_as_given(capsys):
     ("width=2", "cannot read 'width=2' in --layout 'width=2'"),
     ("tp=0", "--layout tp=0 is out of range"),
     ("tp=8,recompute=2", "--layout recompute=2 is out of range"),
+    ("tp=8,overlap=2", "--layout overlap=2 is out of range"),
 ])
 def test_a_layout_that_cannot_be_is_named(capsys, layout, message):
     assert main(["plan", "--gpt", GPT_39B, "--batch", "1024", "--devices", "64", "--layout", layout]) == 1

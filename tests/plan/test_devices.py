@@ -36,6 +36,14 @@ def test_the_presets_and_their_numbers() -> None:
     from plait.plan.roofline import gemm_s
     assert all(DEVICES[n].efficiency == 1.0 for n in DEVICES if DEVICES[n].sms)
     assert a100.flops == pytest.approx(2 * 8192**3 / gemm_s(8192, 8192, 8192, a100.gpu))
+    # a measured best matmul (MAMF table) comes back from the roofline at the shape it was measured at
+    for name, flops, shape in (("a100-80gb", 271.2e12, (1024, 10240, 5120)), ("h100-80gb", 794.5e12, (2048, 2048, 13312)),
+                               ("mi250x", 147.0e12, (1024, 19968, 14080))):
+        dev = device(name)
+        assert (dev.gemm_flops, dev.gemm_shape) == (flops, shape)
+        m, n, k = shape
+        assert 2 * m * n * k / gemm_s(m, n, k, dev.gpu) == pytest.approx(flops)
+    assert v100.gemm_flops == 0 and v100.gpu.rate == v100.peak_flops  # none measured: the data sheet's peak
     cpu = device("cpu")
     assert (cpu.dtype_bytes, cpu.flops, cpu.network.intra) == (4, 50e9, Link(50e-6, 2e9))
 

@@ -52,3 +52,14 @@ def test_a_block_on_more_ranks_is_faster_but_less_than_linearly() -> None:
 def test_the_head_splits_its_vocabulary() -> None:
     one, two = head_times(1024, 1024, 51200, A100), head_times(1024, 1024, 51200, A100, tp=2)
     assert two.forward_s < one.forward_s and two.weight_s == pytest.approx(one.weight_s / 2, rel=0.05)
+
+
+def test_a_measured_rate_replaces_the_peak_and_is_given_back_at_its_shape() -> None:
+    measured = Gpu(312e12, 108, 2039e9, measured_flops=250e12, measured_shape=(256 * 12, 128 * 9, 8192))
+    m, n, k = 256 * 12, 128 * 9, 8192
+    assert 2 * m * n * k / gemm_s(m, n, k, measured) == pytest.approx(250e12)
+    assert measured.rate == pytest.approx(250e12 * (k + PIPELINE_K) / k)  # one full wave: quantization 1
+    # other shapes keep their own quantization at the measured rate
+    assert gemm_s(4100, 4096, 4096, measured) == pytest.approx(gemm_s(4100, 4096, 4096, A100) * 312e12 / measured.rate)
+    # a measurement above what the shape terms allow never lifts the rate above the peak
+    assert Gpu(312e12, 108, 2039e9, measured_flops=400e12, measured_shape=(4096, 4096, 4096)).rate == 312e12
