@@ -6,7 +6,9 @@ One step of a layout (pp stages x dp replicas, m micro-batches of `rows` rows ea
                recomputed stage adds its forward to B and runs W inside B) and, at each cut,
                the activation bytes (= the gradient bytes coming back) over the cut's link;
                `plait.schedule.steptime` on the generator's own program, or the closed form
-               that the partition minimises (`partition_problem`)
+               that the partition minimises (`partition_problem`); where hand-overs take time
+               from the ranks themselves (`Network.handover_cpu_s`, CPU ranks), each chunk's F
+               and B add it once per boundary it sends or receives across (`handover_busy`)
     gradients  each rank's gradients summed over its dp replicas, in buckets
                (`plait.plan.buckets`): all-reduced (zero 0 and 1; ring 2(p-1)/p x bytes /
                bandwidth, Thakur et al. 2005) or, ZeRO-2, reduced to their owners (as the
@@ -45,7 +47,7 @@ from plait.errors import ConfigError
 from plait.plan.buckets import DEFAULT_BUCKET_BYTES, assign_buckets
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.layer_times import (
-    flush_times, hold, latency_terms, layer_times, pipeline_lower_bound, recomputed_memory,
+    flush_times, hold, latency_count, latency_terms, layer_times, pipeline_lower_bound, recomputed_memory,
 )
 from plait.plan.memory import StateBytes, state_bytes, state_totals
 from plait.plan.network import Link, Network, all_reduce, broadcast, point_to_point
@@ -53,7 +55,7 @@ from plait.plan.partition import PartitionProblem
 from plait.plan.setting import Setting, microbatch_rows, peak_activations
 from plait.schedule.steptime import compile_schedule, time_step
 
-__all__ = ["Setting", "Cluster", "StageCost", "Prediction", "microbatch_rows",
+__all__ = ["Setting", "Cluster", "StageCost", "Prediction", "microbatch_rows", "handover_busy", "handover_term",
            "peak_activations", "partition_problem", "pipeline_lower_bound", "predict"]
 
 CLOSING_BYTES = 64.0  # the step's loss and metric sums (and non-finite flags): a few float64s
@@ -156,6 +158,24 @@ def _cut_times(costs: LayerCosts, setting: Setting, network: Network, rows: int)
             for k in range(costs.num_layers - 1)]
 
 
+def handover_busy(num_chunks: int, handover_cpu_s: float) -> list[float]:
+    """What hand-overs add to each chunk's F and, again, to its B: `handover_cpu_s` per boundary
+    it sends or receives across (a forward's input and output, a backward's gradients)."""
+    return [handover_cpu_s * ((s > 0) + (s < num_chunks - 1)) for s in range(num_chunks)]
+
+
+def handover_term(setting: Setting, handover_cpu_s: float) -> float:
+    """The closed form's share of `handover_busy`: each chunk's time grows by twice its busy (F
+    and B), in the fill (1/v of it interleaved) and in the bottleneck; the same for every cut,
+    so the partition's argmin does not move and the term is added after it."""
+    if not handover_cpu_s or setting.num_chunks < 2:
+        return 0.0
+    busy = [2 * x for x in handover_busy(setting.num_chunks, handover_cpu_s)]
+    share = 1 / setting.num_virtual_stages if setting.schedule == "interleaved" else 1.0
+    count = latency_count(setting)
+    return share * sum(busy) + count * max(busy)
+
+
 def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int) -> PartitionProblem:
     """The closed form the partition minimises for `setting`, with memory per stage.
 
@@ -193,13 +213,14 @@ def _stages(costs: LayerCosts, setting: Setting, cluster: Cluster, rows: int,
     f, b, w = layer_times(costs, setting, rows)
     flush = flush_times(costs, setting, rows)
     links = _boundary_links(setting, cluster.network)
+    busy = handover_busy(len(layers_per_stage), cluster.network.handover_cpu_s)
     stages, start = [], 0
     for s, size in enumerate(layers_per_stage):
         end = start + size
         state = _state(sum(costs.param_bytes[start:end]), sum(costs.grad_bytes[start:end]), setting, cluster).total
         entry = costs.input_row_bytes if start == 0 else costs.output_row_bytes[start - 1]
         stages.append(StageCost(
-            s, s % setting.pp, start, end, sum(f[start:end]), sum(b[start:end]), sum(w[start:end]),
+            s, s % setting.pp, start, end, sum(f[start:end]) + busy[s], sum(b[start:end]) + busy[s], sum(w[start:end]),
             point_to_point(costs.output_row_bytes[end - 1] * rows, links[s])
             if s < len(layers_per_stage) - 1 else 0.0, state,
             sum(costs.activation_row_bytes[start:end]) * rows, entry * rows, sum(flush[start:end]),
@@ -239,6 +260,7 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         pipeline = partition_problem(costs, setting, cluster, global_batch).objective(layers_per_stage)
         if math.isinf(pipeline):  # the layout exceeds memory; time it anyway
             pipeline = _unbounded(costs, setting, cluster, global_batch).objective(layers_per_stage)
+        pipeline += handover_term(setting, cluster.network.handover_cpu_s)
         ends = [pipeline] * p
         grad_starts = [pipeline - (flush[r] if setting.batch_weight_grads else
                                    max(grad_pass[s] for s in range(r, setting.num_chunks, p))) for r in range(p)]

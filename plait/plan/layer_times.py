@@ -13,7 +13,7 @@ from functools import lru_cache
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.setting import Setting, microbatch_rows
 
-__all__ = ["DEFERRED_HOLD", "layer_times", "flush_times", "latency_terms", "recomputed_memory", "hold",
+__all__ = ["DEFERRED_HOLD", "layer_times", "flush_times", "latency_terms", "latency_count", "recomputed_memory", "hold",
            "pipeline_lower_bound"]
 
 # batch_weight_grads keeps each linear's input and output gradient of every micro-batch until the
@@ -83,7 +83,13 @@ def latency_terms(costs: LayerCosts, setting: Setting, rows: int) -> tuple[list[
     v, m = setting.num_virtual_stages, setting.num_microbatches
     mode, kind = _modes(setting)
     time, fill, last_fill = _terms(_Same(costs), rows, mode, kind, v, _batched_m(setting))
-    return time, fill, last_fill, float(m * v - 1 if kind == "interleaved" else m - 1)
+    return time, fill, last_fill, latency_count(setting)
+
+
+def latency_count(setting: Setting) -> float:
+    """How many times the closed form counts the slowest chunk (`latency_terms`' last value)."""
+    m = setting.num_microbatches
+    return float(m * setting.num_virtual_stages - 1 if _modes(setting)[1] == "interleaved" else m - 1)
 
 
 def _batched_m(setting: Setting) -> int:

@@ -59,7 +59,10 @@ class Network:
     `reduce_intra` / `reduce_inter`: the link as the backend's all-reduce sees it, fitted to the
     ring formula from timed all-reduces (a library's all-reduce has costs of its own that a
     ping-pong does not show; docs/benchmarks.md has a measured case); None: the point-to-point
-    link.
+    link. `handover_cpu_s`: the time a pipeline hand-over takes from the sending rank and, again,
+    from the receiving one, beside the link's time (CPU ranks: the send, the transport thread's
+    turn on the rank's core, posting the receive; measured by `plait.planner.calibrate`); 0
+    where a copy engine moves the data while the rank computes (the GPU presets).
     """
 
     intra: Link
@@ -67,12 +70,15 @@ class Network:
     devices_per_node: int = 1
     reduce_intra: Link | None = None
     reduce_inter: Link | None = None
+    handover_cpu_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
             raise ConfigError(
                 f"devices_per_node must be a positive integer, got {self.devices_per_node!r}"
             )
+        if not (math.isfinite(self.handover_cpu_s) and self.handover_cpu_s >= 0):
+            raise ConfigError(f"handover_cpu_s must be a finite time >= 0 s, got {self.handover_cpu_s!r}")
 
     def link(self, ranks: Sequence[int]) -> Link:
         """The slowest link a message or collective among `ranks` crosses."""
@@ -93,12 +99,15 @@ class Network:
             link = getattr(self, name)
             if link is not None:
                 data[name] = link.to_dict()
+        if self.handover_cpu_s:
+            data["handover_cpu_s"] = self.handover_cpu_s
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Network":
         reduce = {name: Link(**data[name]) for name in ("reduce_intra", "reduce_inter") if data.get(name)}
-        return cls(Link(**data["intra"]), Link(**data["inter"]), int(data["devices_per_node"]), **reduce)
+        return cls(Link(**data["intra"]), Link(**data["inter"]), int(data["devices_per_node"]), **reduce,
+                   handover_cpu_s=float(data.get("handover_cpu_s", 0.0)))
 
 
 def point_to_point(nbytes: float, link: Link) -> float:

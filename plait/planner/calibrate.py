@@ -6,7 +6,9 @@ from 1 KiB to a few MiB, then a least-squares line through (n, seconds) gives al
 intercept) and beta (one over the slope). An all-reduce is timed the same way, on the same
 pair, and fitted to the ring formula 2(p-1) alpha + 2(p-1) n / (p beta) (Thakur et al. 2005):
 a library's collective has costs of its own that a ping-pong does not show (docs/benchmarks.md
-has a measured case). Every rank of the group calls `measure_link` and
+has a measured case). On CPU ranks (gloo) a hand-over also takes time from the ranks themselves:
+`measure_handover` times, while both ranks compute as pipeline stages do, the sender's send and
+yield to the transport thread and the receiver's posting of its receive. Every rank of the group calls `measure_link` and
 `measure_all_reduce` (the others only wait for the broadcast result); `calibrate` measures a
 pair inside a node and, on several nodes, a pair across, and caches the `Network` as JSON keyed
 by backend and hosts.
@@ -29,9 +31,11 @@ from plait.job.ranks import local_world_size
 from plait.plan.network import Link, Network
 from plait.runtime.collectives import all_gather_text, broadcast_json, make_group
 
-__all__ = ["fit_link", "measure_link", "measure_all_reduce", "calibrate"]
+__all__ = ["fit_link", "measure_link", "measure_all_reduce", "measure_handover", "calibrate"]
 
 SIZES = tuple(2**k for k in range(10, 23, 2))  # 1 KiB .. 4 MiB
+HANDOVER_BYTES = 64 * 1024
+BUSY_S = 1e-3  # compute around each timed hand-over, as a stage computes around its sends
 
 
 def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
@@ -94,6 +98,54 @@ def measure_all_reduce(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = 
     return link
 
 
+def measure_handover(rank_a: int = 0, rank_b: int = 1, nbytes: int = HANDOVER_BYTES, repeats: int = 20) -> float:
+    """CPU time a hand-over takes at each end (`Network.handover_cpu_s`), every rank returns it:
+    rank b posts a receive (timed), says so, and computes; rank a computes, then sends and yields
+    once to the transport thread as the runtime's wire does (timed), and computes again. The
+    mean of the two medians."""
+    me = dist.get_rank()
+    mean = torch.zeros(1, dtype=torch.float64)
+    if me in (rank_a, rank_b):
+        buffer, ready = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(1)
+        samples = []
+        for k in range(repeats + 1):  # the first one sets the pair's connection up
+            if me == rank_b:
+                start = time.perf_counter()
+                work = dist.irecv(buffer, rank_a)
+                taken = time.perf_counter() - start
+                dist.send(ready, rank_a)
+                _compute(2 * BUSY_S)
+            else:
+                dist.recv(ready, rank_b)
+                _compute(BUSY_S)
+                start = time.perf_counter()
+                work = dist.isend(buffer, rank_b)
+                time.sleep(0)
+                taken = time.perf_counter() - start
+                _compute(BUSY_S)
+            assert work is not None
+            work.wait()
+            if k:
+                samples.append(taken)
+        mean[0] = statistics.median(samples) / 2
+        if me == rank_a:
+            theirs = torch.zeros(1, dtype=torch.float64)
+            dist.recv(theirs, rank_b)
+            mean += theirs
+        else:
+            dist.send(mean, rank_a)
+    dist.broadcast(mean, rank_a)
+    return float(mean[0])
+
+
+def _compute(seconds: float) -> None:
+    """Keep this rank's core busy with matrix products for `seconds`."""
+    a = torch.ones(128, 128)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = a @ a * 1e-3
+
+
 def _fitted_on(rank_a: int, sizes: Sequence[int], times: Sequence[float], latencies: int) -> Link:
     """Rank `rank_a`'s fit of its `times`, whose intercept holds `latencies` alphas, on every rank."""
     fitted = torch.zeros(2, dtype=torch.float64)
@@ -115,7 +167,7 @@ def calibrate(cache_dir: str | os.PathLike[str] | None = None, repeats: int = 5)
     world = dist.get_world_size()
     per_node = local_world_size(world)
     hosts = all_gather_text(socket.gethostname())
-    key = f"{dist.get_backend()}-{world}-{per_node}-{'-'.join(sorted(set(hosts)))}"
+    key = f"v2-{dist.get_backend()}-{world}-{per_node}-{'-'.join(sorted(set(hosts)))}"
     path = Path(cache_dir) / f"network-{key}.json" if cache_dir is not None else None
     stored = None
     if path is not None and dist.get_rank() == 0 and path.exists():
@@ -131,8 +183,10 @@ def calibrate(cache_dir: str | os.PathLike[str] | None = None, repeats: int = 5)
         inter = measure_link(0, per_node, repeats=repeats) if world > per_node else None
         reduce_intra = measure_all_reduce(0, 1, repeats=repeats) if per_node > 1 else None
         reduce_inter = measure_all_reduce(0, per_node, repeats=repeats) if world > per_node else None
+        # a copy engine moves a GPU's messages; on CPU ranks (gloo) the ranks' own cores do
+        handover = measure_handover(0, 1 if per_node > 1 else per_node) if dist.get_backend() == "gloo" else 0.0
         network = Network(intra or inter or Link(0.0, 1e15), inter or intra or Link(0.0, 1e15),
-                          per_node, reduce_intra, reduce_inter)
+                          per_node, reduce_intra, reduce_inter, handover)
     if path is not None and dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -10,8 +10,8 @@ import pytest
 
 from plait.errors import ConfigError, PartitionError
 from plait.plan.cost import (
-    Cluster, Setting, microbatch_rows, partition_problem, peak_activations, pipeline_lower_bound,
-    predict,
+    Cluster, Setting, handover_busy, handover_term, microbatch_rows, partition_problem, peak_activations,
+    pipeline_lower_bound, predict,
 )
 from plait.plan.network import Link, Network
 from plait.plan.partition import optimal_partition
@@ -67,6 +67,32 @@ def test_gpipe_closed_form_counts_hand_overs_both_ways() -> None:
     assert pred.method == "simulated"
     closed = predict(costs, setting, Cluster(net, math.inf), 4, (1, 1, 1), simulate=False)
     assert closed.pipeline_s == pytest.approx(pred.pipeline_s) and closed.method == "closed form"
+
+
+@pytest.mark.parametrize("schedule, m", [("1f1b", 4), ("gpipe", 3), ("zbh1", 5), ("interleaved", 4)])
+def test_a_hand_over_busy_on_its_ranks_lengthens_both_passes(schedule: str, m: int) -> None:
+    # CPU ranks: each hand-over takes h from the sending and the receiving rank; with two
+    # ranks every chunk but the ends sends and receives across two boundaries
+    h = 0.25
+    assert handover_busy(3, h) == [h, 2 * h, h] and handover_busy(1, h) == [0.0]
+    v = 2 if schedule == "interleaved" else 1
+    costs = layer_costs(2 * v, forward=2.0, backward=3.0, weight=1.0)
+    setting = Setting(2, 1, m, schedule, v)
+    busy = Cluster(Network(Link(0.0, 1e30), Link(0.0, 1e30), 1, handover_cpu_s=h), math.inf)
+    layers = (1,) * (2 * v)
+    pred = predict(costs, setting, busy, m, layers)
+    free = predict(costs, setting, Cluster(FREE, math.inf), m, layers)
+    assert [st.forward_s - f.forward_s for st, f in zip(pred.stages, free.stages)] == handover_busy(2 * v, h)
+    assert [st.backward_s - f.backward_s for st, f in zip(pred.stages, free.stages)] == handover_busy(2 * v, h)
+    assert pred.pipeline_s > free.pipeline_s
+    if v == 1:  # two chunks, both ends: uniform stages, where the closed form is the simulated step
+        split = schedule == "zbh1"
+        sim = simulate(schedule, 2, m, 2 + h, 3 + h + (0 if split else 1), t_w=1 if split else 0)
+        assert pred.pipeline_s == pytest.approx(sim.step_time)
+        closed = predict(costs, setting, busy, m, layers, simulate=False)
+        assert closed.pipeline_s == pytest.approx(sim.step_time)
+        assert closed.pipeline_s - free.pipeline_s == pytest.approx(handover_term(setting, h))
+    assert handover_term(Setting(1, 2, m, "1f1b"), h) == 0.0  # one stage: nothing handed over
 
 
 def test_memory_of_a_layout_by_hand() -> None:
