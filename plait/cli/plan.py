@@ -220,9 +220,11 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             cluster = local_cluster(args.devices, None, args.memory_gb * gib if args.memory_gb else None, factor)
         cluster = dataclasses.replace(cluster, overlap_gradients=args.overlap)
         tps = tuple(args.tp) if args.tp else tp_degrees(args.devices, cluster.network.devices_per_node)
+        captured = _captured(net, sample, args)
         result = plan_model(net, sample, args.devices, batch, cluster,
-                            PlanOptions(space=_search_space(args), tp=tps))
+                            PlanOptions(space=_search_space(args), tp=tps, captured=captured))
         found = result.candidates
+        mixed = _model_widths(args, captured, result, cluster)
         head = {"model": args.model, "device": args.device or "this machine",
                 "devices": args.devices, "global_batch": batch}
         costs_source = result.profile.costs.source + (" (cached)" if result.profile.cached else "")
@@ -237,8 +239,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             stage["mesh"] = {"dp": entry["dp"], "tp": entry["tp"]}
     if args.layout is not None:
         data["layout"] = args.layout
-    if args.gpt is not None:
-        data["mixed_widths"] = mixed.to_dict() if mixed is not None else None
+    data["mixed_widths"] = mixed.to_dict() if mixed is not None else None
     rate = ""
     if args.gpt is not None and data.get("predicted_step_time_s"):  # Megatron's count over the predicted step
         data["tflops_per_device"] = megatron_flops(spec, args.batch) / (data["predicted_step_time_s"] * args.devices) / 1e12
@@ -246,7 +247,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     text = (f"plait plan: {head['model']} on {args.devices} x {head['device']} "
             f"({cluster.memory_bytes / gib:.2f} GiB each), global batch {head['global_batch']}; "
             f"costs {costs_source}; planned in {elapsed:.2f} s{rate}\n" + format_table(found, args.top))
-    if args.gpt is not None and mixed is not None:
+    if mixed is not None:
         text += (f"\nstages of different tp widths (one pipeline; Config(layers_per_proc, tp_per_stage)): tp "
                  f"{list(mixed.widths)}, layers {list(mixed.layers_per_stage)}, {mixed.num_microbatches} "
                  f"micro-batches, {mixed.schedule}: {mixed.step_time_s:.4f} s a step")
@@ -268,6 +269,36 @@ def _mixed_widths(args: argparse.Namespace, spec: Any, dev: Any, cluster: Any) -
     shares = {w: gpt_tp_shares(spec, dev, w) for w in widths if w > 1}
     return search_widths(gpt_costs(spec, dev, args.optimizer), shares, args.devices, args.batch, cluster, widths,
                          args.microbatches)
+
+
+def _captured(net: Any, sample: Any, args: argparse.Namespace) -> Any:
+    """The model captured once, for pricing tp and stages of different widths; None where neither
+    is searched (one device, or --tp 1 on a world too large for uneven widths)."""
+    from plait.planner.autoplan import capture_sample
+
+    if args.devices < 2 or (args.tp == (1,) and args.devices > MIXED_LIMIT[0]):
+        return None
+    return capture_sample(net, sample)
+
+
+def _model_widths(args: argparse.Namespace, captured: Any, result: Any, cluster: Any) -> Any:
+    """`_mixed_widths` for a captured model: each width's shares read off its graph
+    (`plait.planner.tp_shares`), the layers' costs from the profile."""
+    from plait.plan.width_search import search_widths, stage_widths
+    from plait.planner.tp_shares import tp_shares
+
+    costs = result.profile.costs
+    if captured is None or args.layout is not None or args.devices > MIXED_LIMIT[0] or costs.num_layers > MIXED_LIMIT[1]:
+        return None
+    widths = tuple(args.tp) if args.tp else stage_widths(args.devices, cluster.network.devices_per_node)
+    shares = {}
+    for w in widths:
+        if w > 1:
+            try:
+                shares[w] = tp_shares(captured, w)
+            except ConfigError:  # a graph this width cannot split: not priced
+                continue
+    return search_widths(costs, shares, args.devices, result.global_batch, cluster, widths, args.microbatches)
 
 
 def run_plan(args: argparse.Namespace) -> int:

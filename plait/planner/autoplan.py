@@ -32,7 +32,7 @@ from plait.plan.tp_costs import search_tp
 from plait.planner.profile import LayerProfile, OptimizerFactory, ProfileOptions, Slowest, profile
 from plait.planner.tp_shares import tp_shares
 
-__all__ = ["PlanOptions", "PlanResult", "plan_model", "profile_sample", "local_cluster"]
+__all__ = ["PlanOptions", "PlanResult", "plan_model", "profile_sample", "local_cluster", "capture_sample"]
 
 log = logging.getLogger("plait")
 
@@ -132,8 +132,7 @@ def plan_model(net: nn.Module, sample: Any, world_size: int, global_batch: int,
     Runs on one process and leaves `net` as it was; the profile is cached by model signature.
     """
     if options.captured is None and any(tp > 1 for tp in options.tp):  # captured once, for both
-        with torch.random.fork_rng(), in_mode(net, True):
-            options = replace(options, captured=capture(net, *_call_of(sample, options)))
+        options = replace(options, captured=capture_sample(net, sample, options))
     measured = profile_sample(net, sample, world_size, options)
     shares = {}  # each tp priced on what the runtime's layout splits (`plait.planner.tp_shares`)
     for tp in (t for t in options.tp if t > 1):
@@ -146,6 +145,13 @@ def plan_model(net: nn.Module, sample: Any, world_size: int, global_batch: int,
             log.warning("plait: tp=%d not priced (%s: %s); planning without it", tp, type(e).__name__, e)
     found = search_tp(measured.costs, shares, world_size, global_batch, cluster, options.space, options.tp)
     return PlanResult(found, measured, cluster, world_size, global_batch)
+
+
+def capture_sample(net: nn.Module, sample: Any, options: PlanOptions = PlanOptions()) -> CapturedGraph:
+    """`net` captured as `plan_model` captures it: train mode, on the profiled rows of `sample`,
+    the RNG left as it was."""
+    with torch.random.fork_rng(), in_mode(net, True):
+        return capture(net, *_call_of(sample, options))
 
 
 def _call_of(sample: Any, options: PlanOptions) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -159,6 +159,27 @@ def test_a_model_file_is_profiled_and_planned(capsys, tmp_path):
     assert {c["tp"] for c in [one, *one["alternatives"]]} == {1}
     assert sum(s["num_layers"] for s in data["stages"]) == 5
     assert data["schedule"] in ("1f1b", "gpipe") and "profiled on" in data["costs"]
+    assert data["mixed_widths"] is None  # two devices: no uneven split to search
+    three = run_json(capsys, "--model", f"{model_file}:build", "--sample-shape", "16,8", "--devices", "3")
+    mixed = three["mixed_widths"]  # searched on three: priced when a width splits, shown if one fits
+    assert mixed is None or (sum(mixed["tp"]) == 3 and sum(mixed["layers_per_stage"]) == 5)
+
+
+def test_a_model_s_stages_of_different_widths_come_from_its_graph() -> None:
+    """`plait plan --model` prices stages of different widths on the captured graph's own split:
+    the MLP whose heavy linear pair splits gets two of three ranks (as Config() does)."""
+    import argparse
+
+    from plait.cli.plan import _model_widths
+    from tests.planner.test_widths import _setup
+
+    captured, result, cluster = _setup(1e-3)
+    args = argparse.Namespace(layout=None, devices=3, tp=None, microbatches=None)
+    found = _model_widths(args, captured, result, cluster)
+    assert found is not None and sorted(found.widths) == [1, 2] and sum(found.layers_per_stage) == 6
+    assert found.step_time_s < result.best.step_time_s
+    assert _model_widths(argparse.Namespace(layout="tp=1", devices=3, tp=None, microbatches=None),
+                         captured, result, cluster) is None  # a given layout: nothing else searched
 
 
 @pytest.mark.parametrize("argv, message", [
