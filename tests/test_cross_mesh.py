@@ -1,7 +1,7 @@
 """Stages of different tp widths (Config.tp_per_stage, Alpa's cross-mesh resharding) train exactly
 as one process: 3 ranks, stage 0 at tp=2 and stage 1 at tp=1, and the reverse, on Hugging Face
 GPT-2 and Llama (tied word embedding and head: kept whole on both stages, its gradient summed
-once), with 1F1B, GPipe and ZB-H1; cut between blocks and inside one.
+once), with 1F1B, GPipe and ZB-H1, and recomputed; cut between blocks and inside one.
 
 Each rank trains plait and a deep copy in one process through the same steps and compares the
 loss of each step, its part of every parameter and gradient, the gathered `state_dict()` and
@@ -30,6 +30,7 @@ RUNS: list[Run] = [
     ("llama", {"tp_per_stage": (1, 2), "layers_per_proc": (10, 14)}, False),
     ("gpt2", {"tp_per_stage": (2, 1), "layers_per_proc": (12, 11), "schedule": "zbh1", "batch_weight_grads": True},
      True),
+    ("gpt2", {"tp_per_stage": (2, 1), "layers_per_proc": (12, 11), "recompute": True}, True),  # as the planner may choose
 ]
 
 

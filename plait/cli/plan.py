@@ -250,7 +250,8 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if mixed is not None:
         text += (f"\nstages of different tp widths (one pipeline; Config(layers_per_proc, tp_per_stage)): tp "
                  f"{list(mixed.widths)}, layers {list(mixed.layers_per_stage)}, {mixed.num_microbatches} "
-                 f"micro-batches, {mixed.schedule}: {mixed.step_time_s:.4f} s a step")
+                 f"micro-batches, {mixed.schedule}{', recomputed' if mixed.recompute else ''}: "
+                 f"{mixed.step_time_s:.4f} s a step")
     return data, text
 
 
@@ -268,7 +269,7 @@ def _mixed_widths(args: argparse.Namespace, spec: Any, dev: Any, cluster: Any) -
     widths = tuple(args.tp) if args.tp else stage_widths(args.devices, dev.network.devices_per_node)
     shares = {w: gpt_tp_shares(spec, dev, w) for w in widths if w > 1}
     return search_widths(gpt_costs(spec, dev, args.optimizer), shares, args.devices, args.batch, cluster, widths,
-                         args.microbatches)
+                         args.microbatches, args.recompute)
 
 
 def _captured(net: Any, sample: Any, args: argparse.Namespace) -> Any:
@@ -298,7 +299,8 @@ def _model_widths(args: argparse.Namespace, captured: Any, result: Any, cluster:
                 shares[w] = tp_shares(captured, w)
             except ConfigError:  # a graph this width cannot split: not priced
                 continue
-    return search_widths(costs, shares, args.devices, result.global_batch, cluster, widths, args.microbatches)
+    return search_widths(costs, shares, args.devices, result.global_batch, cluster, widths, args.microbatches,
+                         args.recompute)
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -15,7 +15,9 @@ sum of fills and hand-overs whose stages all take <= t_max and fit in memory; th
 among them). The enumeration starts at the first t_max whose stages can cover the layers on the
 devices (bisection) and stops once (m - 1) t_max plus the sum without any bound on the
 bottleneck (a floor under all of them) cannot beat the best found (Alpa's early stop). Memory of a stage j-th from the end: its fixed bytes plus the
-micro-batches it holds (1F1B: min(j, m); GPipe: m) times its activations of one.
+micro-batches it holds (1F1B: min(j, m); GPipe: m) times its activations of one; recomputed, its
+input of each held micro-batch (`entry` at its first layer) and one micro-batch's activations
+(`once`, while it is recomputed).
 """
 
 from __future__ import annotations
@@ -43,6 +45,14 @@ class WidthCosts:
     fill: Sequence[float]
     fixed: Sequence[float]
     activation: Sequence[float]
+    once: Sequence[float] = ()  # () = zeros: bytes held once per stage (recomputation's one micro-batch)
+    entry: Sequence[float] = ()  # () = zeros: bytes per held micro-batch of a stage starting here
+
+    def memory(self, start: int, end: int, held: int) -> float:
+        """Bytes of a stage of layers start..end-1 holding `held` micro-batches."""
+        once = sum(self.once[start:end]) if self.once else 0.0
+        entry = self.entry[start] if self.entry else 0.0
+        return sum(self.fixed[start:end]) + once + held * (sum(self.activation[start:end]) + entry)
 
 
 @dataclass(frozen=True)
@@ -70,8 +80,11 @@ def width_partition(costs: Mapping[int, WidthCosts], cut_time: Sequence[float], 
     stages_cap = min(n, devices // widths[0], max_stages or n)
     time = {w: _range_sums(costs[w].time) for w in widths}  # [k, i]: layers k..i-1
     fill = {w: _range_sums(costs[w].fill) for w in widths}
-    fixed = {w: _range_sums(costs[w].fixed) for w in widths}
-    act = {w: _range_sums(costs[w].activation) for w in widths}
+    # memory [k, i] = fixed + once (range sums) + held x (activations + the entry at layer k)
+    fixed = {w: _range_sums(costs[w].fixed) + (_range_sums(costs[w].once) if costs[w].once else 0.0)
+             for w in widths}
+    act = {w: _range_sums(costs[w].activation) + (_entry_column(costs[w].entry) if costs[w].entry else 0.0)
+           for w in widths}
     hand = np.zeros(n + 1)  # [i]: the hand-over of a stage ending before layer i (none at the end)
     hand[1:n] = np.asarray(cut_time, dtype=np.float64)
     best: tuple[float, WidthLayout | None] = (math.inf, None)
@@ -117,6 +130,13 @@ def _fewest_devices(t_max: float, widths: list[int], time: dict[int, npt.NDArray
             if ok.any():
                 fewest[k] = min(fewest[k], w + float(np.min(fewest[k + 1:][ok])))
     return float(fewest[0])
+
+
+def _entry_column(entry: Sequence[float]) -> npt.NDArray[np.float64]:
+    """[k, 0] = entry[k] (a stage starting at layer k), to add to a [k, i] table."""
+    column: npt.NDArray[np.float64] = np.zeros((len(entry) + 1, 1))
+    column[:-1, 0] = np.asarray(entry, dtype=np.float64)
+    return column
 
 
 def _range_sums(values: Sequence[float]) -> npt.NDArray[np.float64]:
@@ -193,7 +213,7 @@ def brute_force_widths(costs: Mapping[int, WidthCosts], cut_time: Sequence[float
                     k, i = bounds[s], bounds[s + 1]
                     c = costs[w]
                     held = num_microbatches if gpipe else min(p - s, num_microbatches)
-                    if sum(c.fixed[k:i]) + held * sum(c.activation[k:i]) > memory_limit:
+                    if c.memory(k, i, held) > memory_limit:
                         fits = False
                         break
                     total += sum(c.fill[k:i]) + (cut_time[i - 1] if i < n else 0.0)

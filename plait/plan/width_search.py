@@ -2,7 +2,8 @@
 
 For one pipeline on all the devices (dp = 1), each tp width's per-layer costs are the tp pass's
 (`plait.plan.tp_costs.at_tp`), and `plait.plan.submesh.width_partition` cuts the layers and gives
-each stage its width, for every micro-batch count and plain schedule (1F1B, GPipe); the step adds
+each stage its width, for every micro-batch count, plain schedule (1F1B, GPipe) and recomputation
+(every stage recomputes, or none: each held micro-batch keeps only its stage's input); the step adds
 the closing all-reduce and the slowest stage's optimizer step to the pipeline's closed form.
 Hand-overs are priced as whole tensors on the pipeline's slowest link (tiles over several links
 would be faster). The uniform layouts are `plait.plan.tp_costs.search_tp`'s; this pass finds
@@ -42,17 +43,19 @@ class MixedWidths:
     pipeline_s: float
     step_time_s: float
     stage_s: tuple[float, ...] = ()  # each stage's F + B + W of one micro-batch
+    recompute: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"layers_per_stage": list(self.layers_per_stage), "tp": list(self.widths),
-                "num_microbatches": self.num_microbatches, "schedule": self.schedule,
+                "num_microbatches": self.num_microbatches, "schedule": self.schedule, "recompute": self.recompute,
                 "pipeline_s": self.pipeline_s, "predicted_step_time_s": self.step_time_s,
                 "stage_s": list(self.stage_s)}
 
 
 def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int, global_batch: int,
                   cluster: Cluster, degrees: Sequence[int],
-                  microbatches: Sequence[int] | None = None) -> MixedWidths | None:
+                  microbatches: Sequence[int] | None = None,
+                  recompute: Sequence[bool] = (False, True)) -> MixedWidths | None:
     """The fastest one-pipeline layout with stages of different widths among `degrees` (each
     > 1 needs its shares), or None when fewer than two widths apply or no such layout fits."""
     lanes = {1: costs} if 1 in degrees else {}
@@ -65,29 +68,28 @@ def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size:
     counts = microbatches or [2**k for k in range(global_batch.bit_length()) if 2**k <= global_batch]
     closing = all_reduce(CLOSING_BYTES, world_size, cluster.network.reduce_link(range(world_size)))
     best: MixedWidths | None = None
-    for m in counts:
-        for schedule in ("1f1b", "gpipe"):
-            # the cuts priced on the slowest link of a pipeline over all the devices
-            chain = Setting(max(1, min(world_size, n)), 1, m, schedule)
-            cut_time = partition_problem(costs, chain, cluster, global_batch).cut_time
-            width_costs = {}
-            for w, lane in lanes.items():
-                p = partition_problem(lane, replace(chain, pp=1), cluster, global_batch)  # per-layer terms
-                width_costs[w] = WidthCosts(p.time, p.fill, p.fixed, p.per_held)
-            try:
-                found = width_partition(width_costs, cut_time, world_size, m, schedule == "gpipe",
-                                        cluster.memory_bytes)
-            except PartitionError:
-                continue
-            if len(set(found.widths)) < 2:
-                continue  # uniform: search_tp's own
-            bounds = [0]
-            for size in found.layers_per_stage:
-                bounds.append(bounds[-1] + size)
-            stages = list(zip(found.widths, bounds, bounds[1:]))
-            optimizer = max(sum(lanes[w].optimizer_s[a:b]) for w, a, b in stages)
-            step = found.objective + closing + optimizer
-            if best is None or step < best.step_time_s - 1e-15 * max(1.0, abs(step)):
-                best = MixedWidths(found.layers_per_stage, found.widths, m, schedule, found.objective, step,
-                                   tuple(float(sum(width_costs[w].time[a:b])) for w, a, b in stages))
+    for m, schedule, again in ((m, s, r) for m in counts for s in ("1f1b", "gpipe") for r in recompute):
+        # the cuts priced on the slowest link of a pipeline over all the devices
+        chain = Setting(max(1, min(world_size, n)), 1, m, schedule, recompute=again)
+        cut_time = partition_problem(costs, chain, cluster, global_batch).cut_time
+        width_costs = {}
+        for w, lane in lanes.items():
+            p = partition_problem(lane, replace(chain, pp=1), cluster, global_batch)  # per-layer terms
+            width_costs[w] = WidthCosts(p.time, p.fill, p.fixed, p.per_held, p.once, p.entry)
+        try:
+            found = width_partition(width_costs, cut_time, world_size, m, schedule == "gpipe",
+                                    cluster.memory_bytes)
+        except PartitionError:
+            continue
+        if len(set(found.widths)) < 2:
+            continue  # uniform: search_tp's own
+        bounds = [0]
+        for size in found.layers_per_stage:
+            bounds.append(bounds[-1] + size)
+        stages = list(zip(found.widths, bounds, bounds[1:]))
+        optimizer = max(sum(lanes[w].optimizer_s[a:b]) for w, a, b in stages)
+        step = found.objective + closing + optimizer
+        if best is None or step < best.step_time_s - 1e-15 * max(1.0, abs(step)):
+            best = MixedWidths(found.layers_per_stage, found.widths, m, schedule, found.objective, step,
+                               tuple(float(sum(width_costs[w].time[a:b])) for w, a, b in stages), again)
     return best if best is not None and math.isfinite(best.step_time_s) else None

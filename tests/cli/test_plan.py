@@ -174,11 +174,11 @@ def test_a_model_s_stages_of_different_widths_come_from_its_graph() -> None:
     from tests.planner.test_widths import _setup
 
     captured, result, cluster = _setup(1e-3)
-    args = argparse.Namespace(layout=None, devices=3, tp=None, microbatches=None)
+    args = argparse.Namespace(layout=None, devices=3, tp=None, microbatches=None, recompute=(False, True))
     found = _model_widths(args, captured, result, cluster)
     assert found is not None and sorted(found.widths) == [1, 2] and sum(found.layers_per_stage) == 6
     assert found.step_time_s < result.best.step_time_s
-    assert _model_widths(argparse.Namespace(layout="tp=1", devices=3, tp=None, microbatches=None),
+    assert _model_widths(argparse.Namespace(layout="tp=1", devices=3, tp=None, microbatches=None, recompute=(False,)),
                          captured, result, cluster) is None  # a given layout: nothing else searched
 
 

@@ -3,6 +3,7 @@ against every cut and width assignment on random instances, and by hand."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -12,15 +13,19 @@ from plait.errors import PartitionError
 from plait.plan.submesh import WidthCosts, brute_force_widths, width_partition
 
 
-def _costs(rng: random.Random, n: int, widths: tuple[int, ...]) -> dict[int, WidthCosts]:
+def _costs(rng: random.Random, n: int, widths: tuple[int, ...], recomputed: bool = False) -> dict[int, WidthCosts]:
     base = [float(rng.randint(1, 9)) for _ in range(n)]
     state = [float(rng.randint(0, 20)) for _ in range(n)]
     act = [float(rng.randint(0, 6)) for _ in range(n)]
+    entry = [float(rng.randint(0, 3)) for _ in range(n)]
     out = {}
     for w in widths:  # wider: each layer's work split with a random efficiency, its memory split
         speed = [w * rng.uniform(0.4, 1.0) for _ in range(n)]
         time = [b / s for b, s in zip(base, speed)]
-        out[w] = WidthCosts(time, time, [x / w for x in state], [a / w for a in act])
+        if recomputed:  # each held micro-batch keeps its stage's input; one is recomputed at a time
+            out[w] = WidthCosts(time, time, [x / w for x in state], [0.0] * n, [a / w for a in act], entry)
+        else:
+            out[w] = WidthCosts(time, time, [x / w for x in state], [a / w for a in act])
     return out
 
 
@@ -29,7 +34,7 @@ def test_the_program_is_the_brute_force(seed: int) -> None:
     rng = random.Random(seed)
     n, devices = rng.randint(1, 6), rng.randint(1, 6)
     widths = tuple(sorted(rng.sample([1, 2, 3, 4], rng.randint(1, 3))))
-    costs = _costs(rng, n, widths)
+    costs = _costs(rng, n, widths, recomputed=seed % 3 == 0)
     cuts = [float(rng.randint(0, 3)) for _ in range(n - 1)]
     m, gpipe = rng.randint(1, 6), rng.random() < 0.3
     limit = rng.choice([math.inf, 30.0, 15.0])
@@ -40,6 +45,10 @@ def test_the_program_is_the_brute_force(seed: int) -> None:
         return
     got = width_partition(costs, cuts, devices, m, gpipe, limit)
     assert got.objective == pytest.approx(want.objective)
+    bounds = [0, *itertools.accumulate(got.layers_per_stage)]
+    for s, w in enumerate(got.widths):  # every stage of the answer fits
+        held = m if gpipe else min(len(got.widths) - s, m)
+        assert costs[w].memory(bounds[s], bounds[s + 1], held) <= limit
     assert sum(got.widths) == devices and sum(got.layers_per_stage) == n
 
 
@@ -59,3 +68,15 @@ def test_bad_input_is_named() -> None:
         width_partition({}, [], 2, 4)
     with pytest.raises(PartitionError, match="per-layer values"):
         width_partition({1: WidthCosts([1.0, 1.0], [1.0, 1.0], [0, 0], [0, 0])}, [], 2, 4)
+
+
+def test_recomputation_holds_each_micro_batch_s_input_and_one_micro_batch() -> None:
+    plain = WidthCosts([1.0, 1.0], [1.0, 1.0], [2.0, 3.0], [5.0, 7.0])
+    recomputed = WidthCosts([1.0, 1.0], [1.0, 1.0], [2.0, 3.0], [0.0, 0.0], [5.0, 7.0], [1.0, 4.0])
+    assert plain.memory(0, 2, 3) == 2 + 3 + 3 * (5 + 7)
+    assert recomputed.memory(0, 2, 3) == 2 + 3 + (5 + 7) + 3 * 1.0
+    assert recomputed.memory(1, 2, 3) == 3 + 7 + 3 * 4.0
+    # a limit only recomputation meets: two layers on one device, GPipe holding four micro-batches
+    with pytest.raises(PartitionError):
+        width_partition({1: plain}, [0.0], 1, 4, gpipe=True, memory_limit=25.0)
+    assert width_partition({1: recomputed}, [0.0], 1, 4, gpipe=True, memory_limit=25.0).layers_per_stage == (2,)

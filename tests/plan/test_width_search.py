@@ -45,3 +45,21 @@ def test_nothing_when_one_width_applies_or_uniform_wins() -> None:
     assert search_widths(costs, {}, 3, 4, Cluster(FREE, math.inf), (1, 2)) is None  # tp=2 not priced
     even = {2: _shares(3, 2, (1.0, 1.0, 1.0))}  # everything splits evenly: 2 x tp=2 beats any mix
     assert search_widths(costs, even, 4, 4, Cluster(FREE, math.inf), (1, 2), microbatches=(4,)) is None
+
+
+def test_recomputation_where_only_it_fits() -> None:
+    # layer 0 keeps 200 bytes a row for its backward (100 on each of 2 ranks), the others 1; the
+    # first stage of a 1F1B pipeline holds two micro-batches (200 bytes at tp=2): over a 150-byte
+    # limit unless it recomputes (then it keeps its input, 0 bytes, and one micro-batch's 100)
+    n = 3
+    zeros = (0.0,) * n
+    costs = LayerCosts(tuple(f"l{i}" for i in range(n)), zeros, (4.0, 1.0, 1.0), zeros, (8.0, 2.0, 2.0), zeros,
+                       zeros, (200.0, 1.0, 1.0), (1.0,) * n, zeros, zeros, zeros)
+    shares = {2: _shares(3, 2, (1.0, 0.0, 0.0))}
+    tight = Cluster(FREE, 150.0)
+    found = search_widths(costs, shares, 3, 4, tight, (1, 2), microbatches=(4,))
+    assert found is not None and found.recompute and found.to_dict()["recompute"] is True
+    assert sorted(found.widths) == [1, 2]
+    assert search_widths(costs, shares, 3, 4, tight, (1, 2), microbatches=(4,), recompute=(False,)) is None
+    roomy = search_widths(costs, shares, 3, 4, Cluster(FREE, math.inf), (1, 2), microbatches=(4,))
+    assert roomy is not None and not roomy.recompute  # recomputing costs a forward: not where all fits

@@ -59,3 +59,17 @@ def test_not_where_the_config_asks_for_what_it_cannot_run_or_two_ranks() -> None
                    plait.Config(schedule="zbh1"), plait.Config(num_stages=2)):
         assert mixed_widths_choice(captured, config, 3, result, cluster) is None
     assert mixed_widths_choice(captured, plait.Config(), 2, result, cluster) is None
+
+
+def test_recomputation_asked_for_is_what_the_widths_are_priced_with() -> None:
+    captured, result, cluster = _setup(1e-3)
+    # the uniform layouts as Config(recompute=True) searches them: recomputed too
+    recomputed = search_tp(result.profile.costs, {}, 3, BATCH, cluster, SearchSpace(recompute=(True,)), degrees=(1,))
+    found = mixed_widths_choice(captured, plait.Config(recompute=True), 3,
+                                dataclasses.replace(result, candidates=recomputed), cluster)
+    assert found is not None
+    fields, report = found
+    assert fields["recompute"] is True and report.chosen["recompute"] is True
+    assert "recomputed" in report.table
+    plain = mixed_widths_choice(captured, plait.Config(), 3, result, cluster)
+    assert plain is not None and plain[0]["recompute"] is False  # memory is no object here
