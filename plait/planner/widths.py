@@ -53,7 +53,7 @@ def mixed_widths_choice(captured: CapturedGraph, config: Config, world_size: int
         except Exception as e:  # noqa: BLE001 - a graph the layout cannot read: that width is not priced
             log.debug("plait: tp=%d not priced for stages of different widths (%s)", w, e)
     costs = result.profile.costs
-    recompute = (False, True) if config.recompute is None else (config.recompute,)
+    recompute = (False, True) if config.recompute is None else (config.recompute is True,)
     found = search_widths(costs, shares, world_size, result.global_batch, cluster, widths, recompute=recompute)
     if found is None or found.step_time_s >= result.best.step_time_s:
         return None
