@@ -37,6 +37,7 @@ slowed by concurrent communication, allocator fragmentation and framework worksp
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -270,20 +271,33 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
     by_rank: list[list[StageCost]] = [[] for _ in range(p)]
     for st in stages:
         by_rank[st.rank].append(st)
+    grad_sum, param_sum, step_sum = (_prefix(values) for values in (costs.grad_bytes, costs.param_bytes,
+                                                                      costs.optimizer_s))
+    # ZeRO-2 reduces each bucket to its owners: one reduce of 1/dp of it per owner
+    gradient_sum = by_owner if zero == 2 else all_reduce
+    per_node = cluster.network.devices_per_node
+    seen: dict[tuple[Any, ...], tuple[float, float, float, StateBytes]] = {}  # ranks alike priced once
     for r in range(p):
         mine = by_rank[r]
-        grads = [costs.grad_bytes[i] for st in mine for i in range(st.start, st.end)]
-        link = cluster.network.reduce_link([setting.rank_of(r, d) for d in range(dp)])
-        # ZeRO-2 reduces each bucket to its owners: one reduce of 1/dp of it per owner
-        gradient_sum = by_owner if zero == 2 else all_reduce
-        summed.append(gradient_sum(sum(grads), dp, link))
-        tail = gradient_sum(_last_bucket(grads, cluster.bucket_bytes), dp, link)
-        # ZeRO: each owner broadcasts its updated share (1/dp of the trainable bytes) to the others
-        gather.append(by_owner(sum(grads), dp, link) if zero else 0.0)
-        stepped = sum(sum(costs.optimizer_s[st.start:st.end]) for st in mine)
+        ranges = tuple((st.start, st.end) for st in mine)
+        grads = sum(grad_sum[b] - grad_sum[a] for a, b in ranges)
+        params = sum(param_sum[b] - param_sum[a] for a, b in ranges)
+        # a rank's replicas are r, r + pp, ...: one node when the first and last share it
+        one_node = r // per_node == setting.rank_of(r, dp - 1) // per_node
+        layers = tuple(costs.grad_bytes[a:b] for a, b in ranges)
+        key = (layers, params, one_node)
+        if key not in seen:
+            link = cluster.network.reduce_link([setting.rank_of(r, d) for d in range(dp)])
+            tail = gradient_sum(_last_bucket([x for part in layers for x in part], cluster.bucket_bytes), dp, link)
+            # ZeRO: each owner broadcasts its updated share (1/dp of the trainable bytes) to the others
+            seen[key] = (gradient_sum(grads, dp, link), tail, by_owner(grads, dp, link) if zero else 0.0,
+                         _state(params, grads, setting, cluster))
+        total, tail, shared, state = seen[key]
+        summed.append(total)
+        gather.append(shared)
+        stepped = sum(step_sum[b] - step_sum[a] for a, b in ranges)
         optimizer.append(stepped / dp if zero else stepped)
-        states.append(_state(sum(costs.param_bytes[i] for st in mine for i in range(st.start, st.end)),
-                             sum(grads), setting, cluster))
+        states.append(state)
         if recomputed_memory(setting):
             acts.append(peaks[r] * sum(st.entry_bytes for st in mine) + max(st.activation_bytes for st in mine))
         else:
@@ -312,6 +326,11 @@ def by_owner(nbytes: float, num_devices: int, link: Link) -> float:
     """ZeRO's collectives as the runtime issues them: one reduce (gradients) or broadcast
     (updated parameters) of each owner's 1/p share of `nbytes`, p of them in turn."""
     return num_devices * broadcast(nbytes / num_devices, num_devices, link)
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    """[i] = sum of values[:i] (a range's sum in two lookups)."""
+    return [0.0, *itertools.accumulate(float(x) for x in values)]
 
 
 def _last_bucket(grad_bytes: Sequence[float], cap: float) -> float:
