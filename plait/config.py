@@ -7,6 +7,7 @@ import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable
 
+from plait.config_widths import check_dp_per_stage, check_tp_per_stage, stage_lanes
 from plait.errors import ConfigError
 
 __all__ = ["Config", "SCHEDULE_NAMES", "SEARCH_ORDER", "NONFINITE_ACTIONS", "TP_STRATEGIES", "TP_PLACEMENT"]
@@ -97,6 +98,12 @@ class Config:
         the receiving stage all-gathers it (`plait.plan.tiles`). Needs the cut (layers_per_proc or
         split_points) and one replica; not with interleaving, ZeRO, tp_plan, sequence parallelism,
         a plan file, replan or checkpoints (refused by name). None: one tp for every stage (`tp`).
+    dp_per_stage: one dp per pipeline stage, for stages of different data-parallel widths, e.g.
+        (2, 1) with layers_per_proc=(a, b): stage 0 on ranks 0 1 (two replicas, each running half
+        the rows of every micro-batch), stage 1 on rank 2 (world size = their sum). Activations cross
+        by row blocks and their gradients back (`plait.plan.row_blocks`); each micro-batch's rows
+        must divide by every stage's dp. Needs the cut and tp=1; not with grad_reduction="sum" nor
+        what tp_per_stage refuses (refused by name). None: one dp for every stage (`dp`).
     tp_plan: {module-name pattern: "colwise" | "rowwise" | "vocab" | "replicate"} fixing the
         strategy of the linears and embeddings it names (fnmatch patterns such as
         "*.mlp.c_fc"; the first matching pattern wins); the rest is found automatically.
@@ -144,10 +151,12 @@ class Config:
     tp_plan: tuple[tuple[str, str], ...] | None = None  # given as a dict; kept as its items, in order
     sequence_parallel: bool = False
     tp_per_stage: tuple[int, ...] | None = None
+    dp_per_stage: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         self._check_tp()
-        self._check_tp_per_stage()
+        check_tp_per_stage(self)
+        check_dp_per_stage(self)
         self._check_leaf_modules()
         self._check_layout()
         self._check_zero()
@@ -178,30 +187,6 @@ class Config:
         if self.tp == 1:
             raise ConfigError(f"tp_plan={ {k: v for k, v in items} } splits modules over tensor-parallel ranks, but tp=1; set tp > 1")
         object.__setattr__(self, "tp_plan", items)
-
-    def _check_tp_per_stage(self) -> None:
-        """tp_per_stage: one positive tp per stage of a given cut, in a layout that supports it."""
-        widths = self.tp_per_stage
-        if widths is None:
-            return
-        if isinstance(widths, (str, bytes)) or not hasattr(widths, "__iter__") or not tuple(widths) or any(
-                not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in widths):
-            raise ConfigError(f"tp_per_stage must list one positive tp per stage, e.g. (2, 1), got {widths!r}")
-        widths = tuple(widths)
-        object.__setattr__(self, "tp_per_stage", widths)
-        cut = len(self.layers_per_proc or ()) or (None if self.split_points is None else len(self.split_points) + 1)
-        refused = {"tp": self.tp not in (None, 1), "dp": self.dp not in (None, 1), "zero": bool(self.zero),
-                   "num_virtual_stages": self.num_virtual_stages != 1, "tp_plan": self.tp_plan is not None,
-                   "sequence_parallel": self.sequence_parallel, "checkpoint_dir": self.checkpoint_dir is not None,
-                   "replan": bool(self.replan), "plan": self.plan is not None}
-        bad = {name: getattr(self, name) for name, is_bad in refused.items() if is_bad}
-        if bad:
-            raise ConfigError(f"tp_per_stage={list(widths)} (stages of different widths) does not run with {bad}; "
-                              "leave those fields at their defaults (one replica, dp=1), or give one tp for every stage")
-        if cut != len(widths):
-            raise ConfigError(f"tp_per_stage={list(widths)} gives {len(widths)} stages but the cut gives "
-                              f"{cut or 'none'}; give layers_per_proc (or split_points) "
-                              f"for exactly {len(widths)} stages")
 
     def _check_init_fn(self) -> None:
         if self.init_fn is not None and not callable(self.init_fn):
@@ -405,11 +390,9 @@ class Config:
     def lanes(self, world_size: int) -> int:
         """Ranks per tensor-parallel part (world size / tp): the pp x dp ranks the layout is planned on
         (tp=None: the world, until the planner chooses tp)."""
-        if self.tp_per_stage is not None:  # the stages' widths: one lane per stage
-            if world_size != sum(self.tp_per_stage):
-                raise ConfigError(f"tp_per_stage={list(self.tp_per_stage)} needs {sum(self.tp_per_stage)} ranks (their "
-                                  f"sum) but the world size is {world_size}; launch {sum(self.tp_per_stage)} ranks")
-            return len(self.tp_per_stage)
+        lanes = stage_lanes(self, world_size)  # stages of different widths: one lane per stage
+        if lanes is not None:
+            return lanes
         if self.tp is None:
             return world_size
         if world_size % self.tp:
@@ -451,7 +434,7 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain JSON-ready values."""
         d = asdict(replace(self, init_fn=None))
-        for name in ("layers_per_proc", "split_points", "leaf_modules", "tp_per_stage"):
+        for name in ("layers_per_proc", "split_points", "leaf_modules", "tp_per_stage", "dp_per_stage"):
             if d[name] is not None:
                 d[name] = list(d[name])
         if isinstance(d["recompute"], tuple):

@@ -86,9 +86,9 @@ class Model:
             self.num_stages = 1
             config = self.config
             asked = max(config.num_stages or 1, len(config.layers_per_proc or ()), len(config.split_points or ()) + 1)
-            if asked > 1 or (config.tp or 1) > 1 or config.tp_per_stage:  # stages asked for, by size or by cut (Config checks that they agree)
+            if asked > 1 or (config.tp or 1) > 1 or config.tp_per_stage or config.dp_per_stage:  # stages asked for, by size or by cut (Config checks that they agree)
                 log.warning("plait: one process (no launcher): running every layer on one stage")
-                self.config = dataclasses.replace(config, tp=1, tp_plan=None, tp_per_stage=None)
+                self.config = dataclasses.replace(config, tp=1, tp_plan=None, tp_per_stage=None, dp_per_stage=None)
         else:  # 0 until planned (`plait.planner.layout`); a size given is checked against the world now
             lanes = self.config.lanes(self.world_size)  # pp x dp: the ranks of one tensor-parallel part
             self.num_stages = 0 if self.config.plans_everything else self.config.stages_for(lanes)
@@ -121,8 +121,11 @@ class Model:
                 elif self._frees:  # eval too, while every tensor is real: the build frees the others
                     self._eval_captured = capture_batch(self.net, x, False, captured.method, captured.kept_whole)
                 work = Workload(self.net, captured, x, y, self.loss, self._optimizer_arg)
-                self._layout = choose_layout(work, self.config, self.world_size, self.rank,
-                                             self._checkpoints.resumed_plan)
+                layout = choose_layout(work, self.config, self.world_size, self.rank, self._checkpoints.resumed_plan)
+                if self.config.dp_per_stage is not None:  # planned as one lane per stage: its replicas go in here
+                    layout = dataclasses.replace(layout, plan=dataclasses.replace(
+                        layout.plan, stage_dp=self.config.dp_per_stage, stage_to_rank=()))
+                self._layout = layout
                 if self._layout.report is not None:
                     self._loop = ClosedLoop(self._layout.report, self.rank, self.world_size,
                                             self.config.timeout_s, bool(self.config.replan))
@@ -442,10 +445,12 @@ class Model:
 
     def _refuse_stage_widths(self, what: str) -> None:
         """Checkpoints of stages of different widths are not written or read yet: say so, not do wrong."""
-        if self.config.tp_per_stage is not None and self.world_size > 1:
-            raise ConfigError(f"{what} is not supported with tp_per_stage={list(self.config.tp_per_stage)} "
-                              "(stages of different widths); use model.state_dict(), which gathers the whole "
-                              "model, or one tp for every stage")
+        for name, same in (("tp_per_stage", "one tp"), ("dp_per_stage", "one dp")):
+            widths = getattr(self.config, name)
+            if widths is not None and self.world_size > 1:
+                raise ConfigError(f"{what} is not supported with {name}={list(widths)} (stages of different "
+                                  f"widths); use model.state_dict(), which gathers the whole model, or {same} "
+                                  "for every stage")
 
     def _restore(self, ckpt: checkpoint.Checkpoint) -> None:
         pipe = self._train.pipe if self._train is not None else None

@@ -4,7 +4,8 @@ talks to other ranks.
 The layers, bottom to top (a package imports only from its own layer or below, and within a layer only
 along the order written here, so that the packages form a chain, never a loop):
 
-    base        errors, config, data, metrics, callbacks, materialize, tensor_parts  (the top-level modules but model)
+    base        errors, config_widths, config, data, metrics, callbacks, materialize, tensor_parts
+                                                          (the top-level modules but model)
     pure        capture, schedule, plan                   (no torch.distributed)
     job-side    runtime, job -> planner, checkpoint       (planner and checkpoint use runtime's
                                                           collectives; planner reads job's ranks)
@@ -20,10 +21,11 @@ import plait
 ROOT = pathlib.Path(plait.__file__).parent
 
 # Each unit (a package, or a top-level module) and what it may import besides itself.
-BASE = {"errors", "config", "data", "metrics", "callbacks", "materialize", "tensor_parts"}
+BASE = {"errors", "config_widths", "config", "data", "metrics", "callbacks", "materialize", "tensor_parts"}
 ALLOWED = {
     "errors": set(),
-    "config": {"errors"},
+    "config_widths": {"errors"},
+    "config": {"errors", "config_widths"},
     "data": {"errors"},
     "metrics": {"errors"},
     "callbacks": set(),
@@ -42,7 +44,7 @@ ALLOWED = {
 }
 # Old import paths kept working (with a DeprecationWarning) after a move: they only re-export.
 DEPRECATED_ALIASES = {"plait.runtime.process_group"}
-PURE = ["capture", "schedule", "plan", "errors", "config", "data", "metrics", "materialize.py", "tensor_parts.py", "checkpoint/disk.py",
+PURE = ["capture", "schedule", "plan", "errors", "config", "config_widths.py", "data", "metrics", "materialize.py", "tensor_parts.py", "checkpoint/disk.py",
         "checkpoint/tensorfile.py", "checkpoint/train_state.py", "checkpoint/resume.py", "checkpoint/weights.py"]
 
 

@@ -38,9 +38,10 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str, problems: list[str]
 
 
 def train_and_compare(name: str, config: dict[str, Any], adam: bool = False,
-                      split_loss: bool = True) -> tuple[list[str], int, str]:
+                      split_loss: bool = True, batches: tuple[int, ...] = BATCHES) -> tuple[list[str], int, str]:
     """(what differs from one process, how many parameters this rank holds split, the plan);
-    `split_loss`: the loss must have run on split logits."""
+    `split_loss`: the loss must have run on split logits; `batches`: the rows of each step (of
+    the case's sum(BATCHES) rows), the first also predict's batch size."""
     case = _bert_mlm() if name == "bert-mlm" else make(name)
     ref = copy.deepcopy(case.net)
     optimizer = _adam if adam else _sgd
@@ -49,7 +50,7 @@ def train_and_compare(name: str, config: dict[str, Any], adam: bool = False,
     model = plait.Model(case.net, plait.Config(**settings), optimizer=optimizer, loss=case.loss)
     problems: list[str] = []
     a = 0
-    for rows in BATCHES:
+    for rows in batches:
         xb, yb = _rows(case.x, a, a + rows), case.y[a:a + rows]
         got, want = model.train_on_batch(xb, yb), _reference_step(ref, ref_opt, case, xb, yb)
         if abs(got - want) > 1e-5 * abs(want) + 1e-6:
@@ -76,7 +77,7 @@ def train_and_compare(name: str, config: dict[str, Any], adam: bool = False,
     ref.eval()
     with torch.no_grad():
         want_out = _call(ref, case.x)
-    got_out = model.predict(case.x, batch_size=BATCHES[0])
+    got_out = model.predict(case.x, batch_size=batches[0])
     _close(getattr(got_out, "logits", got_out), getattr(want_out, "logits", want_out), "predict", problems)
     last = model._train.pipe.executors.get(model.plan.num_chunks - 1) if model._train is not None else None
     if last is not None and split_loss and name != "bert" and (last.split_loss is None or last.split_loss.calls["gathered"]

@@ -41,6 +41,8 @@ class Plan:
     tp_layouts: tuple[dict[str, Any], ...] = ()
     # per stage, when stages differ: its tp ranks (dp = 1; `tp` is then the widest; see `rank_of`)
     stage_tp: tuple[int, ...] = ()
+    # per stage, when stages differ: its data-parallel replicas (`dp` and `tp` are then 1; see `rank_of`)
+    stage_dp: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         counts = {"num_virtual_stages": self.num_virtual_stages, "dp": self.dp, "tp": self.tp,
@@ -63,8 +65,13 @@ class Plan:
                 f"plan has {self.num_chunks} stages, not a multiple of num_virtual_stages="
                 f"{self.num_virtual_stages}; every rank holds the same number of chunks"
             )
+        if self.stage_tp and self.stage_dp:
+            raise ConfigError(f"plan has stage_tp={list(self.stage_tp)} and stage_dp={list(self.stage_dp)}; "
+                              "stages differ in one width at a time: give one of them")
         if self.stage_tp:
             self._check_stage_tp()
+        elif self.stage_dp:
+            self._check_stage_dp()
         elif self.world_size % self.tp:
             raise ConfigError(f"plan has world_size={self.world_size}, not a multiple of tp={self.tp}")
         if self.zero not in (0, 1, 2):
@@ -90,13 +97,31 @@ class Plan:
         if self.tp != max(widths):
             raise ConfigError(f"plan has tp={self.tp} and stage_tp={widths}; tp is the widest stage's, {max(widths)}")
 
+    def _check_stage_dp(self) -> None:
+        """stage_dp: one positive replica count per stage, summing to the world size, at tp = dp = 1."""
+        widths = list(self.stage_dp)
+        if len(widths) != self.num_chunks or any(not isinstance(w, int) or isinstance(w, bool) or w < 1
+                                                 for w in widths):
+            raise ConfigError(f"plan has stage_dp={widths} for {self.num_chunks} stages; give one positive dp per stage")
+        if sum(widths) != self.world_size:
+            raise ConfigError(f"plan has stage_dp={widths}, {sum(widths)} ranks in all, on world_size="
+                              f"{self.world_size}; the stages' replicas must add up to the world size")
+        if self.dp != 1 or self.tp != 1 or self.num_virtual_stages != 1 or self.zero:
+            raise ConfigError(f"plan has stage_dp={widths} with dp={self.dp}, tp={self.tp}, num_virtual_stages="
+                              f"{self.num_virtual_stages}, zero={self.zero}; stages of different dp run one chunk "
+                              "per rank, unsplit: use dp=1, tp=1, no interleaving, zero=0")
+
+    def dp_of(self, stage_index: int) -> int:
+        """The data-parallel replicas of one stage (`dp` unless stage_dp gives each stage's)."""
+        return self.stage_dp[stage_index] if self.stage_dp else self.dp
+
     def tp_of(self, stage_index: int) -> int:
         """The tp ranks of one stage (`tp` unless stage_tp gives the stages' widths)."""
         return self.stage_tp[stage_index] if self.stage_tp else self.tp
 
     def _first_rank(self, stage_index: int) -> int:
-        """With stage_tp: the first rank of a stage (the stages' ranks in order)."""
-        return sum(self.stage_tp[:stage_index])
+        """With stage_tp or stage_dp: the first rank of a stage (the stages' ranks in order)."""
+        return sum((self.stage_tp or self.stage_dp)[:stage_index])
 
     @property
     def num_chunks(self) -> int:
@@ -129,19 +154,23 @@ class Plan:
         With v chunks per rank (interleaved), rank r of a replica holds stages r, r + pp, ...
 
         Stages of different widths (`stage_tp`, one replica) take the ranks in stage order: at
-        stage_tp = (2, 1) stage 0 runs on ranks 0 1, stage 1 on rank 2.
+        stage_tp = (2, 1) stage 0 runs on ranks 0 1, stage 1 on rank 2. So do stages of different
+        replica counts (`stage_dp`, tp = 1): at stage_dp = (2, 1) replica r of stage 0 is rank r.
         """
         if self.stage_tp:
             return self._first_rank(stage_index) + tp_rank
+        if self.stage_dp:
+            return self._first_rank(stage_index) + replica
         return (replica * self.pp + stage_index % self.pp) * self.tp + tp_rank
 
     def position_of(self, rank: int) -> tuple[int, int]:
         """(position in the pipeline, replica) of a rank; the position is its first stage."""
-        if self.stage_tp:
+        if self.stage_tp or self.stage_dp:
             stage = next((s for s in range(self.num_chunks) if rank < self._first_rank(s + 1)), None)
             if stage is None or rank < 0:
-                raise ConfigError(f"rank {rank} is not in the plan's {self.world_size} ranks (stage_tp={list(self.stage_tp)})")
-            return stage, 0
+                raise ConfigError(f"rank {rank} is not in the plan's {self.world_size} ranks "
+                                  f"({self._widths_text().strip()})")
+            return stage, rank - self._first_rank(stage) if self.stage_dp else 0
         lane = rank // self.tp
         return lane % self.pp, lane // self.pp
 
@@ -149,7 +178,7 @@ class Plan:
         """Which part of its stages' split tensors a rank holds."""
         if self.stage_tp:
             return rank - self._first_rank(self.position_of(rank)[0])
-        return rank % self.tp
+        return 0 if self.stage_dp else rank % self.tp
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages a rank runs, in model order."""
@@ -164,6 +193,8 @@ class Plan:
     def _widths_text(self) -> str:
         if self.stage_tp:
             return f" x tp={list(self.stage_tp)} (per stage)"
+        if self.stage_dp:
+            return f" x dp={list(self.stage_dp)} (per stage)"
         return f" x tp={self.tp}" if self.tp > 1 else ""
 
     def to_json(self) -> str:
@@ -197,6 +228,7 @@ class Plan:
                 batch_weight_grads=bool(data.get("batch_weight_grads", False)),
                 tp_layouts=tuple(_layout(s) for s in data.get("tp_layouts", ())),
                 stage_tp=tuple(int(w) for w in data.get("stage_tp", ())),
+                stage_dp=tuple(int(w) for w in data.get("stage_dp", ())),
             )
         except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as e:
             raise ConfigError(f"not a plait plan ({type(e).__name__}: {e}); expected Plan.to_json() output") from e
@@ -205,7 +237,7 @@ class Plan:
         lines = [
             f"plait plan: {self.num_chunks} stage(s)"
             f"{f' ({self.num_virtual_stages} per rank)' if self.num_virtual_stages > 1 else ''}"
-            f" x {self.dp} replica(s){self._widths_text()} on {self.world_size} rank(s), schedule "
+            f"{'' if self.stage_dp else f' x {self.dp} replica(s)'}{self._widths_text()} on {self.world_size} rank(s), schedule "
             f"{self.schedule}, {self.num_microbatches} micro-batch(es)"
             f"{', weight gradients batched' if self.batch_weight_grads else ''}, captured with "
             f"{self.capture_method}, {len(self.layer_names)} layers"
@@ -216,8 +248,8 @@ class Plan:
                 ", ".join(names[:3]) + f", ... ({len(names) - 6} more) ..., " + ", ".join(names[-3:])
             )
             ranks = ", ".join("-".join(str(self.rank_of(s, r, t)) for t in sorted({0, self.tp_of(s) - 1}))
-                              for r in range(self.dp))
-            where = f"rank {ranks}" if self.dp == 1 and self.tp_of(s) == 1 else f"ranks {ranks}"
+                              for r in range(self.dp_of(s)))
+            where = f"rank {ranks}" if self.dp_of(s) == 1 and self.tp_of(s) == 1 else f"ranks {ranks}"
             again = ", recomputed" if s in self.recompute else ""
             lines.append(f"  stage {s} ({where}{again}): {len(names)} layers: {shown}")
         if self.zero:

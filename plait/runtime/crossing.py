@@ -62,8 +62,9 @@ class Crossing:
 
     # -- forward: activations ------------------------------------------------------------------
 
-    def send_forward(self, values: list[Any], wire: Wire, key: Hashable, tag: int) -> None:
-        """Send this sender's tiles of `values` to its receivers."""
+    def send_forward(self, values: list[Any], wire: Wire, key: Hashable, tag: int, rows: int = 0) -> None:
+        """Send this sender's tiles of `values` to its receivers (`rows`: unused, as every rank of
+        either stage holds the whole micro-batch)."""
         leaves, spec = pytree.tree_flatten([tuple(v) if isinstance(v, torch.Size) else v for v in values])
         for peer, k in zip(self.peers, self._pair_tiles()):
             skeleton, tiles, meta = [], [], []
@@ -109,7 +110,7 @@ class Crossing:
 
     # -- backward: gradients of the activations ------------------------------------------------
 
-    def send_backward(self, grads: list[torch.Tensor], wire: Wire, tag: int) -> None:
+    def send_backward(self, grads: list[torch.Tensor], wire: Wire, tag: int, key: Hashable = None) -> None:
         """Send each sender the gradients of what it sent: the whole small ones, its tile of the rest."""
         whole = [g for g in grads if not self._cuts(g)]
         cut = [g.detach().contiguous().reshape(-1) for g in grads if self._cuts(g)]
@@ -120,9 +121,10 @@ class Crossing:
         """Post ahead the receives of every receiver's gradients (False: not sent to it yet)."""
         return all([wire.post_recv_grads(peer, key, tag) for peer in self.peers])
 
-    def recv_backward(self, like: list[torch.Tensor], wire: Wire, tag: int) -> list[torch.Tensor]:
+    def recv_backward(self, like: list[torch.Tensor], wire: Wire, tag: int, key: Hashable = None) -> list[torch.Tensor]:
         """The whole gradients of `like` (what this sender sent that requires grad): its tiles from
-        its receivers, the rest all-gathered over its own stage."""
+        its receivers, the rest all-gathered over its own stage (`key`: unused, the tiles follow
+        from `like`)."""
         whole = [t for t in like if not self._cuts(t)]
         cut = [t for t in like if self._cuts(t)]
         pairs = list(zip(self.peers, self._pair_tiles()))

@@ -13,7 +13,8 @@ the lowering orders every rank's receives as its peer sends (the validator check
 receives are posted ahead strictly in program order.
 
 Between stages of different tp widths a `Crossing` (crossing.py) moves the values tile by tile
-in place of the one lane-to-lane message, and the receiving stage all-gathers them.
+in place of the one lane-to-lane message, and the receiving stage all-gathers them; between
+stages of different dp widths a `RowCrossing` (row_crossing.py) moves them by row blocks.
 
 A failure anywhere becomes a `PipelineError` naming this rank, the action, the peer, and the
 rank x step grid with this rank's position marked.
@@ -29,6 +30,7 @@ import torch
 
 from plait.errors import PipelineError, PlaitError
 from plait.runtime.crossing import Crossing
+from plait.runtime.row_crossing import RowCrossing
 from plait.runtime.executor import StageExecutor, grad_leaves
 from plait.runtime.report import gather_failures, report_wait
 from plait.runtime.trace import NULL_TRACER, NullTracer, Tracer
@@ -49,6 +51,7 @@ class MicroBatch:
     target: Any
     scale: float  # rows in this micro-batch / rows in the global batch
     key: Hashable  # input shapes: equal keys mean equal activation shapes
+    rows: int = 0  # rows of the whole micro-batch, over every replica of a stage (dp_per_stage cuts it by them)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -62,7 +65,7 @@ class Interpreter:
         stage_to_rank: Sequence[int],
         wire: Wire,
         tracer: Tracer | NullTracer = NULL_TRACER,
-        crossings: dict[int, Crossing] | None = None,
+        crossings: dict[int, Crossing | RowCrossing] | None = None,
     ):
         self.rank = rank
         self.crossings = crossings or {}  # boundary s (after stage s) -> its crossing, where widths differ
@@ -127,7 +130,7 @@ class Interpreter:
             values = run.outbox.pop((s, k))
             key, tag, crossing = ("F", s, run.train, mb.key), self._tag(k, s, 0), self.crossings.get(s)
             if crossing is not None:
-                crossing.send_forward(values, self.wire, key, tag)
+                crossing.send_forward(values, self.wire, key, tag, mb.rows)
             else:
                 self.wire.send(values, self.stage_to_rank[s + 1], key, tag)
             if run.train:
@@ -135,7 +138,8 @@ class Interpreter:
         elif op is Op.RECV_B:
             like, crossing = run.sent_like.pop((s, k)), self.crossings.get(s)
             if crossing is not None:
-                run.grads_in[(s, k)] = crossing.recv_backward(like, self.wire, self._tag(k, s + 1, 1))
+                run.grads_in[(s, k)] = crossing.recv_backward(like, self.wire, self._tag(k, s + 1, 1),
+                                                              ("F", s, run.train, mb.key))
             else:
                 run.grads_in[(s, k)] = self.wire.recv_tensors(like, self.stage_to_rank[s + 1], self._tag(k, s + 1, 1))
         elif op is Op.BACKWARD:
@@ -149,7 +153,8 @@ class Interpreter:
         elif op is Op.SEND_B:
             crossing = self.crossings.get(s - 1)
             if crossing is not None:
-                crossing.send_backward(run.grads_out.pop((s, k)), self.wire, self._tag(k, s, 1))
+                crossing.send_backward(run.grads_out.pop((s, k)), self.wire, self._tag(k, s, 1),
+                                       ("F", s - 1, run.train, mb.key))
             else:
                 self.wire.send_tensors(run.grads_out.pop((s, k)), self.stage_to_rank[s - 1], self._tag(k, s, 1))
         else:  # pragma: no cover - the validator rejects unknown actions

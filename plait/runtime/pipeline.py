@@ -238,7 +238,7 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     ties, sync, zero = None, None, None
     if make_ties:
         position = plan.position_of(rank)[0]
-        replicas = [plan.rank_of(position, r, t) for r in range(plan.dp)]
+        replicas = [plan.rank_of(position, r, t) for r in range(plan.dp_of(position))]
         owner_rank = {i: replicas[r] for i, r in owners.items()} if plan.zero == 2 else None
         plan, ties, sync = _ties_and_buckets(captured, replace(parts, plan=plan), holders, tensors, local,
                                              owner_rank)
@@ -252,7 +252,8 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
                          split_loss=split_loss if s == plan.num_chunks - 1 else None) for s in mine
     }
     interpreter = Interpreter(rank, executors, lane_ranks(plan, rank), parts.wire, parts.tracer,
-                              crossings(plan, rank, parts.tp_group) if plan.stage_tp else None)
+                              crossings(plan, rank, parts.tp_group, stages) if plan.stage_tp or plan.stage_dp
+                              else None)
     return Pipeline(captured, stages, plan, rank, executors, interpreter, ties, local, owner_of,
                     parts.output_spec, layer_stage, sync, config, zero, meter, tp_group=parts.tp_group,
                     tp_parts=tp_parts)
@@ -335,17 +336,20 @@ def _ties_and_buckets(captured: CapturedGraph, parts: _Parts, holders: dict[int,
         # sums both the tie (layer reuse) and the data-parallel contributions.
         ties = TiedGradients([(p, ranks, silent) for p, ss in tied for ranks, silent in tie_groups(plan, ss)], rank)
     sync = None
-    if plan.dp > 1:
-        groups = [  # every rank makes every group, in the same order
-            make_group([plan.rank_of(s, r, t) for r in range(plan.dp)]) for s in range(plan.pp) for t in range(plan.tp)
+    if any(plan.dp_of(s) > 1 for s in range(plan.pp)):
+        groups = [  # every rank makes every group, in the same order (stage_dp: stages of several replicas)
+            make_group([plan.rank_of(s, r, t) for r in range(plan.dp_of(s))]) if plan.dp_of(s) > 1 else None
+            for s in range(plan.pp) for t in range(plan.tp)
         ]
+        group = groups[plan.position_of(rank)[0] * plan.tp + plan.tp_rank_of(rank)]
         tied_ids = {id(p) for p, _ in tied}
         bucketed = [p for p in local if id(p) not in tied_ids]
         if owner_rank is not None:  # a frozen parameter has no owner: its (zero) gradient goes to the first
             first = plan.rank_of(plan.position_of(rank)[0], 0, plan.tp_rank_of(rank))
             owner_rank = {id(p): owner_rank.get(id(p), first) for p in bucketed}
-        sync = GradientBuckets(bucketed, groups[plan.position_of(rank)[0] * plan.tp + plan.tp_rank_of(rank)], int(config.bucket_cap_mb * 2**20),
-                               config.timeout_s, owner_rank, rank)
+        if group is not None:
+            sync = GradientBuckets(bucketed, group, int(config.bucket_cap_mb * 2**20), config.timeout_s, owner_rank,
+                                   rank)
     return plan, ties, sync
 
 

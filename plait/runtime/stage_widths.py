@@ -1,4 +1,4 @@
-"""Stages of different tp widths (`Plan.stage_tp`): each rank's groups, peers, crossings and tied sums.
+"""Stages of different widths (`Plan.stage_tp`, `Plan.stage_dp`): each rank's groups, peers, crossings and tied sums.
 
 At stage_tp = (2, 1), 1F1B, stage 0 on ranks 0 1, stage 1 on rank 2::
 
@@ -11,6 +11,12 @@ uniform pipeline's "lane" (`lane_ranks`); only the messages across a boundary of
 through a `Crossing`. A parameter tied across stages of different widths (a word embedding and
 its LM head) stays whole on each (`kept_whole`), and its gradient is summed once over all its
 ranks, each stage's tp rank 0 adding it and the others (which hold the same value) zeros.
+
+Stages of different dp widths (`stage_dp`, tp = 1) are laid out alike, a stage's replicas in
+place of its tp ranks: at stage_dp = (2, 1) rank 0 and rank 1 each run the lane of a two-stage
+pipeline with rank 2, whose own lane is rank 0's; the boundary goes through a `RowCrossing`
+(each replica sends its rows), and a tied parameter's gradient is summed over every replica of
+every stage that holds it (each replica's share of the rows is scaled as plain dp scales it).
 """
 
 from __future__ import annotations
@@ -23,12 +29,15 @@ from plait.capture.tp_layout import module_of
 from plait.plan import Plan
 from plait.runtime.collectives import make_group
 from plait.runtime.crossing import Crossing
+from plait.runtime.row_crossing import RowCrossing, batch_major
 
 __all__ = ["stage_ranks", "stage_group", "lane_ranks", "crossings", "tie_groups", "kept_whole"]
 
 
 def stage_ranks(plan: Plan, stage_index: int) -> list[int]:
-    """The ranks of one stage of replica 0, in tp order."""
+    """The ranks of one stage of replica 0, in tp order (with stage_dp: its replicas, in order)."""
+    if plan.stage_dp:
+        return [plan.rank_of(stage_index, r) for r in range(plan.dp_of(stage_index))]
     return [plan.rank_of(stage_index, 0, t) for t in range(plan.tp_of(stage_index))]
 
 
@@ -39,20 +48,27 @@ def stage_group(plan: Plan, rank: int) -> Any:
 
 
 def lane_ranks(plan: Plan, rank: int) -> list[int]:
-    """The rank of each stage on this rank's lane: its own tp rank, or the last of a narrower stage
-    (the schedule's programs are made on it; the crossings replace its peers where widths differ)."""
+    """The rank of each stage on this rank's lane: its own tp rank and replica, or the last of a
+    narrower stage (the schedule's programs are made on it; the crossings replace its peers where
+    widths differ)."""
     t, replica = plan.tp_rank_of(rank), plan.position_of(rank)[1]
-    return [plan.rank_of(s, replica, min(t, plan.tp_of(s) - 1)) for s in range(plan.num_chunks)]
+    return [plan.rank_of(s, min(replica, plan.dp_of(s) - 1), min(t, plan.tp_of(s) - 1))
+            for s in range(plan.num_chunks)]
 
 
-def crossings(plan: Plan, rank: int, group: Any) -> dict[int, Crossing]:
+def crossings(plan: Plan, rank: int, group: Any,
+              stages: Sequence[StageModule]) -> dict[int, Crossing | RowCrossing]:
     """The crossings of this rank's stages' boundaries with a stage of another width, by boundary."""
-    out: dict[int, Crossing] = {}
+    out: dict[int, Crossing | RowCrossing] = {}
     for s in plan.stages_of(rank):
         for boundary in (s - 1, s):
-            if 0 <= boundary < plan.num_chunks - 1 and plan.tp_of(boundary) != plan.tp_of(boundary + 1):
-                out[boundary] = Crossing(boundary, stage_ranks(plan, boundary), stage_ranks(plan, boundary + 1),
-                                         rank, group)
+            if not 0 <= boundary < plan.num_chunks - 1:
+                continue
+            sides = stage_ranks(plan, boundary), stage_ranks(plan, boundary + 1)
+            if plan.dp_of(boundary) != plan.dp_of(boundary + 1):
+                out[boundary] = RowCrossing(boundary, *sides, rank, batch_major(stages[boundary].module))
+            elif plan.tp_of(boundary) != plan.tp_of(boundary + 1):
+                out[boundary] = Crossing(boundary, *sides, rank, group)
     return out
 
 
@@ -61,7 +77,7 @@ def tie_groups(plan: Plan, holders: Sequence[int]) -> list[tuple[list[int], list
     stages `holders`: per tp rank when their widths agree, else one sum over all their ranks."""
     widths = {plan.tp_of(s) for s in holders}
     if len(widths) == 1:
-        return [(list(dict.fromkeys(plan.rank_of(s, r, t) for s in holders for r in range(plan.dp))), [])
+        return [(list(dict.fromkeys(plan.rank_of(s, r, t) for s in holders for r in range(plan.dp_of(s)))), [])
                 for t in range(widths.pop())]
     ranks = [r for s in holders for r in stage_ranks(plan, s)]
     return [(ranks, [r for r in ranks if plan.tp_rank_of(r) > 0])]

@@ -26,6 +26,7 @@ from plait.capture.output import flatten_output
 from plait.capture.trace import CapturedGraph, in_mode
 from plait.errors import ConfigError, PlaitError
 from plait.metrics import METRICS
+from plait.plan.row_blocks import check_rows, row_block
 from plait.runtime.collectives import start_sum_floats
 from plait.runtime.interpreter import MicroBatch
 from plait.runtime.nonfinite import NonFiniteWatch, verdict
@@ -119,6 +120,8 @@ class StepRunner:
         """
         pipe = self.pipe
         local = batching.join_rows([flatten_output(o)[0] for o in outputs]) if outputs else None
+        if pipe.plan.stage_dp:
+            return self._gather_row_blocks(local, rows)
         shard_rows = [hi - lo for lo, hi in batching.shard_bounds(rows, pipe.plan.dp)]
         try:
             return batching.join_rows(pipe.gather_outputs(local, shard_rows, ("predict", rows)))
@@ -127,6 +130,43 @@ class StepRunner:
         except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
             raise failure_error("gathering the outputs of predict", pipe.rank, e, pipe.config.timeout_s) from e
 
+    def _gather_row_blocks(self, local: list[Any] | None, rows: int) -> list[Any]:
+        """`gather_outputs` with stage_dp: each replica of the last stage holds its block of every
+        micro-batch's rows (in micro-batch order); the blocks are joined micro-batch by micro-batch."""
+        pipe = self.pipe
+        replicas = pipe.plan.dp_of(pipe.plan.num_chunks - 1)
+        try:
+            held = pipe.gather_outputs(local, [1] * replicas, ("predict", rows))
+        except PlaitError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
+            raise failure_error("gathering the outputs of predict", pipe.rank, e, pipe.config.timeout_s) from e
+        pieces: list[list[Any]] = []
+        offset = 0
+        for a, b in batching.microbatch_bounds(rows, pipe.plan.num_microbatches):
+            share = (b - a) // replicas
+            pieces += [batching.slice_rows(leaves, offset, offset + share) for leaves in held]
+            offset += share
+        return batching.join_rows(pieces)
+
+    def _row_blocks(self, x: Any, y: Any) -> list[MicroBatch]:
+        """`microbatches` with stage_dp: every micro-batch of the global batch, cut into this
+        replica's equal block of its rows (each stage's replicas share every micro-batch)."""
+        pipe = self.pipe
+        rows = batching.num_rows(x)
+        stage, replica = pipe.plan.position_of(pipe.rank)
+        x, y = batching.to_device(x, self.device), batching.to_device(y, self.device)
+        out: list[MicroBatch] = []
+        for a, b in batching.microbatch_bounds(rows, pipe.plan.num_microbatches):
+            check_rows(b - a, pipe.plan.stage_dp, f"micro-batch {len(out)} (rows {a}:{b} of a batch of {rows})")
+            lo, hi = row_block(b - a, pipe.plan.dp_of(stage), replica)
+            args, kwargs = batching.as_call(batching.slice_rows(x, a + lo, a + hi))
+            inputs = pipe.captured.bind(args, kwargs)
+            key = (b - a, tuple(tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor)))
+            target = None if y is None else batching.slice_rows(y, a + lo, a + hi)
+            out.append(MicroBatch(inputs, target, (hi - lo) / rows, key, b - a))  # "mean": Config refuses "sum"
+        return out
+
     def microbatches(self, x: Any, y: Any) -> list[MicroBatch]:
         """This replica's shard of a global batch, cut into micro-batches.
 
@@ -134,6 +174,8 @@ class StepRunner:
         loss ("mean"), or of this replica's own mean loss ("sum").
         """
         pipe, config = self.pipe, self.pipe.config
+        if pipe.plan.stage_dp:
+            return self._row_blocks(x, y)
         rows = batching.num_rows(x)
         start, stop = batching.shard_bounds(rows, pipe.plan.dp)[pipe.replica]
         if stop == start:
@@ -147,7 +189,7 @@ class StepRunner:
             inputs = pipe.captured.bind(args, kwargs)
             key = tuple(tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor))
             target = None if y is None else batching.slice_rows(y, start + a, start + b)
-            out.append(MicroBatch(inputs, target, (b - a) / denominator, key))
+            out.append(MicroBatch(inputs, target, (b - a) / denominator, key, b - a))
         return out
 
     def run(self, x: Any, y: Any, keep_outputs: bool, steps_done: int,

@@ -122,3 +122,46 @@ def test_stages_of_different_widths_print_their_ranks() -> None:
 def test_bad_stage_widths_are_named(stage_tp, fields, message) -> None:
     with pytest.raises(ConfigError, match=message):
         widths(stage_tp, **fields)
+
+
+# -- stages of different dp widths (stage_dp) ----------------------------------------------------
+
+def replicas(stage_dp=(2, 1), **fields):
+    return Plan(**{"layer_names": ("a", "b", "c", "d"), "layers_per_stage": (1, 3), "num_microbatches": 2,
+                   "schedule": "1f1b", "world_size": sum(stage_dp), "capture_method": "torch.export",
+                   "stage_dp": stage_dp, **fields})
+
+
+@pytest.mark.parametrize("stage_dp, ranks", [((2, 1), [[0, 1], [2]]), ((1, 2), [[0], [1, 2]]),
+                                             ((3, 2), [[0, 1, 2], [3, 4]])])
+def test_stages_of_different_dp_take_the_ranks_in_stage_order_one_per_replica(stage_dp, ranks) -> None:
+    p = replicas(stage_dp)
+    assert p.dp == 1 and p.tp == 1 and [p.dp_of(s) for s in range(2)] == list(stage_dp)
+    assert [[p.rank_of(s, r) for r in range(p.dp_of(s))] for s in range(2)] == ranks
+    for s, stage_ranks in enumerate(ranks):
+        for replica, rank in enumerate(stage_ranks):
+            assert p.position_of(rank) == (s, replica) and p.tp_rank_of(rank) == 0 and p.stages_of(rank) == (s,)
+    assert p.stage_to_rank == (0, ranks[1][0])
+    assert Plan.from_json(p.to_json()) == p
+    with pytest.raises(ConfigError, match=rf"rank {sum(stage_dp)} is not in the plan's"):
+        p.position_of(sum(stage_dp))
+
+
+def test_stages_of_different_dp_print_their_replicas() -> None:
+    text = str(replicas())
+    assert "2 stage(s) x dp=[2, 1] (per stage) on 3 rank(s)" in text and "replica(s)" not in text
+    assert "stage 0 (ranks 0, 1)" in text and "stage 1 (rank 2)" in text
+
+
+@pytest.mark.parametrize("stage_dp, fields, message", [
+    ((2, 1, 1), {}, r"stage_dp=\[2, 1, 1\] for 2 stages"),
+    ((2, 0), {}, r"stage_dp=\[2, 0\] for 2 stages; give one positive dp"),
+    ((2, 1), {"world_size": 4}, r"stage_dp=\[2, 1\], 3 ranks in all, on world_size=4"),
+    ((2, 1), {"dp": 2}, "dp=2, tp=1"),
+    ((2, 1), {"tp": 2}, "tp=2, num_virtual_stages=1"),
+    ((2, 1), {"zero": 1}, "zero=1; stages of different dp"),
+    ((2, 1), {"stage_tp": (2, 1)}, "stages differ in one width at a time"),
+])
+def test_bad_stage_dp_is_named(stage_dp, fields, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        replicas(stage_dp, **fields)

@@ -1,0 +1,182 @@
+"""Stages of different data-parallel widths (Config.dp_per_stage, Alpa's cross-mesh resharding along
+the batch) train exactly as one process: 3 ranks, stage 0 as 2 replicas (each running half the
+rows of every micro-batch) and stage 1 on one rank, and the reverse, on Hugging Face GPT-2 and
+Llama (tied word embedding and head: its gradient summed over every replica of both stages), with
+1F1B, GPipe and ZB-H1, SGD with momentum and Adam.
+
+Each rank trains plait and a deep copy in one process through the same steps and compares the
+loss of each step, every parameter and gradient it holds, the gathered `state_dict()` and
+`predict` (`tests.test_tensor_parallel.train_and_compare`; fp32, atol 2e-5). Steps of 8, 4 and 4
+rows at 2 micro-batches: every micro-batch's rows divide by 2. What stages of different dp refuse
+raises a ConfigError naming the field and the fix."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import plait
+from plait.errors import ConfigError
+from tests.harness import run_ranks
+from tests.test_tensor_parallel import train_and_compare
+
+Run = tuple[str, dict[str, Any], bool]  # model, Config settings, Adam (else SGD with momentum)
+
+STEPS = (8, 4, 4)  # rows of each step (of the case's 16): micro-batches of 4/4, 2/2, 2/2
+EVEN = {"num_microbatches": 2}
+
+JOINING: list[Run] = [  # stage 0 as 2 replicas, stage 1 on one rank: the rows join at the boundary
+    ("gpt2", {"dp_per_stage": (2, 1), "layers_per_proc": (12, 11), **EVEN}, False),  # between blocks, 1F1B
+    ("llama", {"dp_per_stage": (2, 1), "layers_per_proc": (10, 14), "schedule": "gpipe", **EVEN}, True),
+    ("gpt2", {"dp_per_stage": (2, 1), "layers_per_proc": (9, 14), "schedule": "zbh1", **EVEN}, True),  # after the GELU
+]
+SPLITTING: list[Run] = [  # stage 0 on one rank, stage 1 as 2 replicas: the rows split at the boundary
+    ("gpt2", {"dp_per_stage": (1, 2), "layers_per_proc": (9, 14), "schedule": "gpipe", **EVEN}, True),
+    ("llama", {"dp_per_stage": (1, 2), "layers_per_proc": (10, 14), **EVEN}, False),
+]
+
+
+def _train(rank: int, world: int, runs: list[Run]) -> list[tuple[list[str], int, str]]:
+    return [train_and_compare(name, config, adam, split_loss=False, batches=STEPS) for name, config, adam in runs]
+
+
+def _check(runs: list[Run], report: list[Any]) -> None:
+    for rank, results in enumerate(report):
+        for (name, config, adam), (problems, split, plan) in zip(runs, results):
+            what = f"rank {rank} {name} {config} {'Adam' if adam else 'SGD'}"
+            assert not problems, f"{what}:\n" + "\n".join(problems)
+            assert split == 0, what  # nothing is split by tensor parallelism
+            assert f"x dp={list(config['dp_per_stage'])} (per stage) on 3 rank(s)" in plan, what
+
+
+@pytest.mark.timeout(280)
+def test_two_replicas_joining_into_one_equal_one_process() -> None:
+    _check(JOINING, run_ranks(3, _train, JOINING, timeout=270))
+
+
+@pytest.mark.timeout(280)
+def test_one_rank_splitting_into_two_replicas_equals_one_process() -> None:
+    _check(SPLITTING, run_ranks(3, _train, SPLITTING, timeout=270))
+
+
+class _SharedBias(nn.Module):
+    """A value computed from parameters alone (not batch-major, requires grad) crosses the cut beside the
+    batch's activations: layers b, a | c, the bias made on stage 0 and added on stage 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.source = nn.Parameter(torch.randn(1, 16))
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.b(self.source)  # (1, 4): one row whatever the batch
+        return self.c(torch.relu(self.a(x))) + bias  # (B, 4)
+
+
+def _shared_bias(rank: int, world: int, widths: tuple[int, int]) -> list[str]:
+    """Micro-batches of 2 rows: a replica of stage 0 runs 1 row, as many as the bias has; the capture
+    tells them apart, and the bias's gradient reaches stage 0 once (not once per replica)."""
+    torch.manual_seed(0)
+    net = _SharedBias()
+    ref = copy.deepcopy(net)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    model = plait.Model(net, plait.Config(layers_per_proc=(2, 1), dp_per_stage=widths, num_microbatches=2,
+                                          timeout_s=60.0),
+                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), loss=nn.MSELoss())
+    g = torch.Generator().manual_seed(1)
+    problems = []
+    for step in range(2):
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+        got = model.train_on_batch(x, y)
+        ref_opt.zero_grad()
+        want = nn.functional.mse_loss(ref(x), y)
+        want.backward()
+        ref_opt.step()
+        if abs(got - want.item()) > 1e-5 * abs(want.item()) + 1e-6:
+            problems.append(f"loss of step {step}: {got} != {want.item()}")
+    theirs = dict(ref.named_parameters())
+    for name, p in net.named_parameters():
+        if not p.is_meta:
+            for what, mine, want_t in (("parameter", p.detach(), theirs[name].detach()), ("gradient", p.grad, theirs[name].grad)):
+                if mine is not None and not torch.allclose(mine, want_t, rtol=1e-5, atol=1e-6):
+                    problems.append(f"{what} {name}: {mine.flatten()[:4].tolist()} != {want_t.flatten()[:4].tolist()}")
+    return problems
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("widths", [(2, 1), (1, 2)])
+def test_a_value_of_no_rows_crosses_whole_and_its_gradient_counts_once(widths: tuple[int, int]) -> None:
+    for rank, problems in enumerate(run_ranks(3, _shared_bias, widths, timeout=110)):
+        assert not problems, f"rank {rank}:\n" + "\n".join(problems)
+
+
+def _refusals(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A small MLP at dp_per_stage=(2, 1) trains; a micro-batch of odd rows, a checkpoint, an export
+    and a load are refused by name, on every rank."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    model = plait.Model(net, plait.Config(layers_per_proc=(3, 2), dp_per_stage=(2, 1), num_microbatches=2,
+                                          timeout_s=60.0),
+                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=nn.MSELoss())
+    loss = model.train_on_batch(torch.randn(4, 8), torch.randn(4, 4))
+    found = []
+    for call in (lambda: model.train_on_batch(torch.randn(6, 8), torch.randn(6, 4)),  # micro-batches of 3 rows
+                 lambda: model.save(root), lambda: model.export(root), lambda: model.load(root)):
+        try:
+            call()
+        except ConfigError as e:
+            found.append(str(e))
+    after = model.train_on_batch(torch.randn(4, 8), torch.randn(4, 4))  # the refusals left it running
+    return {"losses": [loss, after], "refused": found}
+
+
+@pytest.mark.timeout(120)
+def test_what_stages_of_different_dp_refuse(tmp_path: Any) -> None:
+    for rank, result in enumerate(run_ranks(3, _refusals, str(tmp_path), timeout=110)):
+        assert all(x > 0 for x in result["losses"]), (rank, result)
+        rows, *saving = result["refused"]
+        assert "of 3 rows does not divide by dp=[2] of dp_per_stage=[2, 1]" in rows, (rank, rows)
+        assert "num_microbatches x a multiple of 2" in rows, (rank, rows)
+        assert len(saving) == 3 and all("dp_per_stage=[2, 1]" in text for text in saving), (rank, saving)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tp", 2), ("tp_per_stage", (2, 1)), ("zero", 1), ("num_virtual_stages", 2), ("sequence_parallel", True),
+    ("tp_plan", {"*.fc": "colwise"}), ("checkpoint_dir", "ckpt"), ("replan", True), ("plan", "plan.json"),
+    ("dp", 2), ("grad_reduction", "sum"),
+])
+def test_config_refuses_what_dp_per_stage_does_not_run_with(field: str, value: Any) -> None:
+    settings: dict[str, Any] = {"layers_per_proc": (2, 2), "dp_per_stage": (2, 1), field: value}
+    if field == "num_virtual_stages":
+        settings.update(layers_per_proc=(1, 1, 1, 1), schedule="interleaved")
+    if field == "tp_plan":
+        settings.update(tp=2)
+    with pytest.raises(ConfigError, match=r"dp_per_stage=\[2, 1\].*" + field) as e:
+        plait.Config(**settings)
+    assert "leave those fields at their defaults" in str(e.value) or "tp_per_stage" in str(e.value)
+
+
+def test_config_needs_one_dp_per_stage_of_the_cut_and_the_ranks_they_add_up_to() -> None:
+    with pytest.raises(ConfigError, match=r"dp_per_stage=\[2, 1, 1\] gives 3 stages but the cut gives 2"):
+        plait.Config(layers_per_proc=(2, 2), dp_per_stage=(2, 1, 1))
+    with pytest.raises(ConfigError, match="dp_per_stage must list one positive dp"):
+        plait.Config(layers_per_proc=(2, 2), dp_per_stage=(2, 0))
+    config = plait.Config(layers_per_proc=(2, 2), dp_per_stage=[2, 1])
+    assert config.dp_per_stage == (2, 1) and config.tp == 1 and plait.Config.from_json(config.to_json()) == config
+    assert config.lanes(3) == 2
+    with pytest.raises(ConfigError, match=r"needs 3 ranks \(their sum\) but the world size is 4; launch 3 ranks"):
+        config.lanes(4)
+
+
+def test_one_process_runs_every_layer_on_one_stage() -> None:
+    """Without a launcher the replicas, like the cut, are set aside (a warning), and the model trains."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = plait.Model(net, plait.Config(layers_per_proc=(2, 1), dp_per_stage=(2, 1)),
+                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=nn.MSELoss())
+    assert model.train_on_batch(torch.randn(4, 8), torch.randn(4, 4)) > 0
+    assert model.plan.stage_dp == () and model.plan.world_size == 1
