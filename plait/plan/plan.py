@@ -79,15 +79,20 @@ class Plan:
         if not self.stage_to_rank:
             object.__setattr__(self, "stage_to_rank", tuple(self.rank_of(s, 0) for s in range(self.num_chunks)))
 
-    def _check_stage_tp(self) -> None:
-        """stage_tp: one positive width per stage, summing to the world size, with one replica."""
-        widths = list(self.stage_tp)
+    def _per_stage(self, field: str, unit: str, what: str) -> list[int]:
+        """`field` (stage_tp or stage_dp): one positive `unit` per stage, adding up to the world size."""
+        widths = list(getattr(self, field))
         if len(widths) != self.num_chunks or any(not isinstance(w, int) or isinstance(w, bool) or w < 1
                                                  for w in widths):
-            raise ConfigError(f"plan has stage_tp={widths} for {self.num_chunks} stages; give one positive tp per stage")
+            raise ConfigError(f"plan has {field}={widths} for {self.num_chunks} stages; give one positive {unit} per stage")
         if sum(widths) != self.world_size:
-            raise ConfigError(f"plan has stage_tp={widths}, {sum(widths)} ranks in all, on world_size="
-                              f"{self.world_size}; the stages' widths must add up to the world size")
+            raise ConfigError(f"plan has {field}={widths}, {sum(widths)} ranks in all, on world_size="
+                              f"{self.world_size}; the stages' {what} must add up to the world size")
+        return widths
+
+    def _check_stage_tp(self) -> None:
+        """stage_tp: one positive width per stage, summing to the world size, with one replica."""
+        widths = self._per_stage("stage_tp", "tp", "widths")
         if self.dp != 1 or self.num_virtual_stages != 1 or self.zero:
             raise ConfigError(f"plan has stage_tp={widths} with dp={self.dp}, num_virtual_stages="
                               f"{self.num_virtual_stages}, zero={self.zero}; stages of different widths run "
@@ -99,13 +104,7 @@ class Plan:
 
     def _check_stage_dp(self) -> None:
         """stage_dp: one positive replica count per stage, summing to the world size, at tp = dp = 1."""
-        widths = list(self.stage_dp)
-        if len(widths) != self.num_chunks or any(not isinstance(w, int) or isinstance(w, bool) or w < 1
-                                                 for w in widths):
-            raise ConfigError(f"plan has stage_dp={widths} for {self.num_chunks} stages; give one positive dp per stage")
-        if sum(widths) != self.world_size:
-            raise ConfigError(f"plan has stage_dp={widths}, {sum(widths)} ranks in all, on world_size="
-                              f"{self.world_size}; the stages' replicas must add up to the world size")
+        widths = self._per_stage("stage_dp", "dp", "replicas")
         if self.dp != 1 or self.tp != 1 or self.num_virtual_stages != 1 or self.zero:
             raise ConfigError(f"plan has stage_dp={widths} with dp={self.dp}, tp={self.tp}, num_virtual_stages="
                               f"{self.num_virtual_stages}, zero={self.zero}; stages of different dp run one chunk "
