@@ -86,11 +86,13 @@ def test_a_wide_stage_between_two_narrow_ones_equals_one_process() -> None:
         assert "x tp=[1, 2, 1] (per stage) on 4 rank(s)" in plan
 
 
-def test_one_process_runs_every_layer_on_one_stage() -> None:
-    """Without a launcher the widths, like the cut, are set aside (a warning), and the model trains."""
+@pytest.mark.parametrize("field", ["tp_per_stage", "dp_per_stage"])
+def test_one_process_runs_every_layer_on_one_stage(field: str) -> None:
+    """Without a launcher the widths (tp or replicas), like the cut, are set aside (a warning), and
+    the model trains."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    model = plait.Model(net, plait.Config(layers_per_proc=(2, 1), tp_per_stage=(2, 1)),
+    model = plait.Model(net, plait.Config(layers_per_proc=(2, 1), **{field: (2, 1)}),
                         optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=nn.MSELoss())
     assert model.train_on_batch(torch.randn(4, 8), torch.randn(4, 4)) > 0
-    assert model.plan.stage_tp == () and model.plan.world_size == 1
+    assert model.plan.stage_tp == () == model.plan.stage_dp and model.plan.world_size == 1

@@ -170,13 +170,3 @@ def test_config_needs_one_dp_per_stage_of_the_cut_and_the_ranks_they_add_up_to()
     assert config.lanes(3) == 2
     with pytest.raises(ConfigError, match=r"needs 3 ranks \(their sum\) but the world size is 4; launch 3 ranks"):
         config.lanes(4)
-
-
-def test_one_process_runs_every_layer_on_one_stage() -> None:
-    """Without a launcher the replicas, like the cut, are set aside (a warning), and the model trains."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    model = plait.Model(net, plait.Config(layers_per_proc=(2, 1), dp_per_stage=(2, 1)),
-                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=nn.MSELoss())
-    assert model.train_on_batch(torch.randn(4, 8), torch.randn(4, 4)) > 0
-    assert model.plan.stage_dp == () and model.plan.world_size == 1
