@@ -274,10 +274,10 @@ def _mixed_widths(args: argparse.Namespace, spec: Any, dev: Any, cluster: Any) -
 
 def _captured(net: Any, sample: Any, args: argparse.Namespace) -> Any:
     """The model captured once, for pricing tp and stages of different widths; None where neither
-    is searched (one device, or --tp 1 on a world too large for uneven widths)."""
+    is searched (one device, or --tp 1: no width splits)."""
     from plait.planner.autoplan import capture_sample
 
-    if args.devices < 2 or (args.tp == (1,) and args.devices > MIXED_LIMIT[0]):
+    if args.devices < 2 or args.tp == (1,):
         return None
     return capture_sample(net, sample)
 

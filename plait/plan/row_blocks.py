@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,18 +22,10 @@ def check_rows(rows: int, widths: Sequence[int], what: str = "a micro-batch") ->
     """Raise ConfigError unless `rows` divides by every stage's replicas (`widths`, dp_per_stage)."""
     bad = sorted({w for w in widths if rows % w})
     if bad:
-        multiple = 1
-        for w in widths:
-            multiple = multiple * w // _gcd(multiple, w)
+        multiple = math.lcm(*widths)
         raise ConfigError(f"{what} of {rows} rows does not divide by dp={bad} of dp_per_stage={list(widths)} "
                           f"(each replica of a stage runs an equal block of every micro-batch's rows); use a "
                           f"batch size that is num_microbatches x a multiple of {multiple}")
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from plait.plan.tiles import TileMap
-from plait.runtime.wire import Wire, dim_order
+from plait.runtime.wire import Wire, dim_order, inverse_order
 
 __all__ = ["Crossing"]
 
@@ -103,7 +103,7 @@ class Crossing:
                 flat[lo:hi] = message[1][cut].detach()
             if self.tiles.gathers:
                 _all_gather(flat, self.tiles, self.me, self.group)
-            whole = flat.view([shape[d] for d in order]).permute(_inverse(order))
+            whole = flat.view([shape[d] for d in order]).permute(inverse_order(order))
             leaves[position] = whole.requires_grad_() if like.requires_grad else whole
             cut += 1
         return list(pytree.tree_unflatten(leaves, spec))
@@ -150,11 +150,6 @@ def _size(bounds: tuple[int, int]) -> int:
     return bounds[1] - bounds[0]
 
 
-def _inverse(order: Sequence[int]) -> list[int]:
-    out = [0] * len(order)
-    for position, d in enumerate(order):
-        out[d] = position
-    return out
 
 
 def _all_gather(flat: torch.Tensor, tiles: TileMap, me: int, group: Any) -> None:

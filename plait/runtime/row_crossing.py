@@ -33,7 +33,7 @@ import torch.utils._pytree as pytree
 
 from plait.errors import ConfigError
 from plait.plan.row_blocks import RowMap, row_block
-from plait.runtime.wire import Wire
+from plait.runtime.wire import Wire, inverse_order
 
 __all__ = ["RowCrossing", "batch_major"]
 
@@ -135,7 +135,7 @@ class RowCrossing:
             order = orders[position]  # as sent (a one-row piece's strides would not tell)
             shape = [sum(p.shape[0] for p in pieces), *first.shape[1:]]
             whole = torch.empty([shape[d] for d in order], dtype=first.dtype, device=first.device).permute(
-                _inverse(order))  # the sender's memory order, as the wire rebuilds it
+                inverse_order(order))  # the sender's memory order, as the wire rebuilds it
             start = 0
             for piece in pieces:
                 whole[start:start + piece.shape[0]] = piece.detach()
@@ -177,10 +177,3 @@ class RowCrossing:
                 else:
                     o += g
         return out
-
-
-def _inverse(order: Sequence[int]) -> list[int]:
-    out = [0] * len(order)
-    for position, d in enumerate(order):
-        out[d] = position
-    return out

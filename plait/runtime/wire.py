@@ -30,13 +30,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Hashable
+from typing import Any, Hashable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-__all__ = ["Wire", "WireTimeout", "Description", "describe", "dim_order"]
+__all__ = ["Wire", "WireTimeout", "Description", "describe", "dim_order", "inverse_order"]
 
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -90,7 +90,8 @@ def dim_order(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(sorted(range(tensor.dim()), key=lambda d: -strides[d]))
 
 
-def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+def inverse_order(order: Sequence[int]) -> tuple[int, ...]:
+    """The permutation that undoes `tensor.permute(order)` (a value rebuilt in its sender's memory order)."""
     out = [0] * len(order)
     for position, d in enumerate(order):
         out[d] = position
@@ -261,7 +262,7 @@ class Wire:
             if kind == _TENSOR:
                 t = next(filled)  # in memory order: back to the sender's dimensions and strides
                 if order != tuple(range(len(order))):
-                    t = t.permute(_inverse(order))
+                    t = t.permute(inverse_order(order))
                 leaves.append(t.requires_grad_() if grad else t)
             else:
                 leaves.append(None)
