@@ -121,11 +121,8 @@ class Model:
                 elif self._frees:  # eval too, while every tensor is real: the build frees the others
                     self._eval_captured = capture_batch(self.net, x, False, captured.method, captured.kept_whole)
                 work = Workload(self.net, captured, x, y, self.loss, self._optimizer_arg)
-                layout = choose_layout(work, self.config, self.world_size, self.rank, self._checkpoints.resumed_plan)
-                if self.config.dp_per_stage is not None:  # planned as one lane per stage: its replicas go in here
-                    layout = dataclasses.replace(layout, plan=dataclasses.replace(
-                        layout.plan, stage_dp=self.config.dp_per_stage, stage_to_rank=()))
-                self._layout = layout
+                self._layout = choose_layout(work, self.config, self.world_size, self.rank,
+                                             self._checkpoints.resumed_plan)
                 if self._layout.report is not None:
                     self._loop = ClosedLoop(self._layout.report, self.rank, self.world_size,
                                             self.config.timeout_s, bool(self.config.replan))
