@@ -94,10 +94,14 @@ class Config:
         it (1, 2, 4 or 8 within a node) where it plans the whole layout by timing, else 1.
     tp_per_stage: one tp per pipeline stage, for stages of different widths (Alpa's cross-mesh
         resharding), e.g. (2, 1) with layers_per_proc=(a, b): stage 0 on ranks 0 1, stage 1 on rank 2
-        (the stages' ranks in order; world size = their sum). A stage output crosses tile by tile and
-        the receiving stage all-gathers it (`plait.plan.tiles`). Needs the cut (layers_per_proc or
+        (the stages' ranks in order; world size = their sum). A stage output crosses as `crossing`
+        says (`plait.plan.tiles`). Needs the cut (layers_per_proc or
         split_points) and one replica; not with interleaving, ZeRO, tp_plan, sequence parallelism,
         a plan file, replan or checkpoints (refused by name). None: one tp for every stage (`tp`).
+    crossing: with tp_per_stage, how a value crosses between stages of different widths: "tiles"
+        (once over the link, tile by tile; the receiving stage all-gathers it, Alpa's) or "whole"
+        (every receiving rank gets all of it; nothing gathered). None: "tiles", or the planner's
+        choice by its cost model where it chose the widths.
     dp_per_stage: one dp per pipeline stage, for stages of different data-parallel widths, e.g.
         (2, 1) with layers_per_proc=(a, b): stage 0 on ranks 0 1 (two replicas, each running half
         the rows of every micro-batch), stage 1 on rank 2 (world size = their sum). Activations cross
@@ -151,6 +155,7 @@ class Config:
     tp_plan: tuple[tuple[str, str], ...] | None = None  # given as a dict; kept as its items, in order
     sequence_parallel: bool = False
     tp_per_stage: tuple[int, ...] | None = None
+    crossing: str | None = None
     dp_per_stage: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:

@@ -6,7 +6,9 @@ from typing import Any
 
 from plait.errors import ConfigError
 
-__all__ = ["check_tp_per_stage", "check_dp_per_stage", "stage_lanes"]
+__all__ = ["CROSSINGS", "check_tp_per_stage", "check_dp_per_stage", "stage_lanes"]
+
+CROSSINGS = ("tiles", "whole")  # Config.crossing: how a value crosses between stages of different tp widths
 
 # Each check takes the `plait.config.Config` being made (typed Any: plait.config imports this module).
 
@@ -43,6 +45,12 @@ def _refused(config: Any) -> dict[str, bool]:
 
 def check_tp_per_stage(config: Any) -> None:
     """tp_per_stage: one positive tp per stage of a given cut, in a layout that supports it."""
+    if config.crossing not in (None, *CROSSINGS):
+        raise ConfigError(f"crossing={config.crossing!r}; use 'tiles' (each value once over the link, then a "
+                          "local all-gather), 'whole' (every receiving rank gets all of it) or None")
+    if config.crossing is not None and config.dp_per_stage is not None:
+        raise ConfigError(f"crossing={config.crossing!r} is for stages of different tp widths (tp_per_stage); "
+                          "stages of different dp widths always send their rows; leave crossing=None")
     widths = _widths(config, "tp_per_stage", "(2, 1)")
     if widths is None:
         return

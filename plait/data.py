@@ -159,6 +159,22 @@ def count_batches(x: Any, batch_size: int | None) -> int:
     return -(-rows // (batch_size or rows))
 
 
+def batch_sizes(x: Any, batch_size: int | None) -> tuple[int, ...]:
+    """The sizes of an epoch's global batches, the full one first and a smaller last one if any; ()
+    where the data does not tell before it is read (a DataLoader with its own sampler)."""
+    if isinstance(x, DataLoader):
+        if not isinstance(x.sampler, (RandomSampler, SequentialSampler)) or not x.batch_size:
+            return ()
+        rows, batch_size = len(x.dataset), x.batch_size  # type: ignore[arg-type]
+        if x.drop_last:
+            return (batch_size,) if rows >= batch_size else ()
+    else:
+        rows = len(x) if isinstance(x, Dataset) else num_rows(x)  # type: ignore[arg-type]
+        batch_size = batch_size or rows
+    last = rows % batch_size
+    return (min(batch_size, rows),) + ((last,) if last and rows > batch_size else ())
+
+
 def row_ranges(x: Any, batch_size: int | None) -> list[tuple[int, int]]:
     """(start, stop) rows of each batch of `x` in order, for evaluate and predict; checks batch_size."""
     count_batches(x, batch_size)

@@ -28,6 +28,7 @@ from plait.job.process_group import init_process_group
 from plait.job.run_options import apply_run_options
 from plait.metrics import check_metrics, logs_of
 from plait.plan import Plan
+from plait.plan.row_blocks import check_rows
 from plait.plan.report import PlanReport
 from plait.planner.closed_loop import ClosedLoop
 from plait.planner.layout import Layout, Workload, choose_layout, layout_of
@@ -312,6 +313,8 @@ class Model:
             totals, rows_seen, skip = list(start.totals), start.rows_seen, start.batch
         batches = batching.epoch_batches(fit.x, fit.y, fit.batch_size, fit.shuffle, self.config.seed, epoch, skip)
         for step, (xb, yb) in enumerate(batches, start=skip):
+            if step <= skip + 1 and self._train is not None and self.plan.stage_dp:  # once the plan is known
+                self._check_batch_sizes(batching.batch_sizes(fit.x, fit.batch_size))
             stats, _, skipped = self._run(xb, yb, train=True, keep_outputs=False)
             if not skipped:  # a skipped step's NaN loss stays out of the epoch's logs
                 rows_seen += batching.num_rows(xb)
@@ -321,6 +324,15 @@ class Model:
             if root is not None and every is not None and self.step % every == 0:
                 self._save(root, fit.position(epoch, step + 1, totals, rows_seen))
         return logs_of(self.metrics, totals, max(rows_seen, 1))
+
+    def _check_batch_sizes(self, sizes: Sequence[int]) -> None:
+        """With stage_dp, before an epoch's last batch fails mid-epoch: every batch size's micro-batches divide."""
+        for size in sizes:
+            for a, b in batching.microbatch_bounds(size, self.plan.num_microbatches):
+                try:
+                    check_rows(b - a, self.plan.stage_dp, f"this epoch has a batch of {size} rows; its micro-batch {a}:{b}")
+                except ConfigError as e:
+                    raise ConfigError(f"{e}, or drop the uneven last batch (a DataLoader with drop_last=True)") from None
 
     def write_trace(self) -> str | None:
         """Write this rank's timeline to `Config.trace_dir` (fit does it at its end); returns the path.

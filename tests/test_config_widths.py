@@ -36,3 +36,11 @@ def test_bad_widths_are_named(bad: object) -> None:
     with pytest.raises(ConfigError, match=r"dp_per_stage must list one positive dp \(data-parallel replicas\) "
                                           r"per stage, e.g. \(2, 1\)"):
         plait.Config(layers_per_proc=(2, 2), dp_per_stage=bad)
+
+
+def test_crossing_takes_tiles_or_whole_and_is_named_when_bad_or_misplaced() -> None:
+    assert plait.Config(layers_per_proc=(2, 2), tp_per_stage=(2, 1), crossing="whole").crossing == "whole"
+    with pytest.raises(ConfigError, match=r"crossing='gather'; use 'tiles' .*, 'whole' .* or None"):
+        plait.Config(layers_per_proc=(2, 2), tp_per_stage=(2, 1), crossing="gather")
+    with pytest.raises(ConfigError, match=r"crossing='whole' is for stages of different tp widths \(tp_per_stage\)"):
+        plait.Config(layers_per_proc=(2, 2), dp_per_stage=(2, 1), crossing="whole")

@@ -64,7 +64,7 @@ def test_stages_of_tp_2_and_1_and_of_1_and_2_equal_one_process(tmp_path: Any) ->
             what = f"rank {rank} {name} {config} {'Adam' if adam else 'SGD'}"
             assert not problems, f"{what}:\n" + "\n".join(problems)
             widths = config["tp_per_stage"]
-            assert f"x tp={list(widths)} (per stage) on 3 rank(s)" in plan, what
+            assert f"x tp={list(widths)} (per stage, crossing as tiles) on 3 rank(s)" in plan, what
             alone = rank == 2 if widths == (2, 1) else rank == 0  # the rank of the tp=1 stage splits nothing
             assert split == 0 if alone else split >= 4, (what, split)
         refused = results["refused"]
@@ -72,18 +72,20 @@ def test_stages_of_tp_2_and_1_and_of_1_and_2_equal_one_process(tmp_path: Any) ->
 
 
 def _four_ranks(rank: int, world: int) -> tuple[list[str], int, str]:
-    return train_and_compare("gpt2", {"tp_per_stage": (1, 2, 1), "layers_per_proc": (8, 8, 7)}, True,
-                             split_loss=False)
+    return train_and_compare("gpt2", {"tp_per_stage": (1, 2, 1), "layers_per_proc": (8, 8, 7), "crossing": "whole"},
+                             True, split_loss=False)
 
 
 @pytest.mark.timeout(300)
 def test_a_wide_stage_between_two_narrow_ones_equals_one_process() -> None:
     """tp_per_stage=(1, 2, 1) on 4 ranks: the middle stage receives and sends across a change of
-    width; the word embedding and head (stages 0 and 2, one rank each) sum their gradient alone."""
+    width; the word embedding and head (stages 0 and 2, one rank each) sum their gradient alone.
+    Values cross whole (crossing="whole"): rank 0 sends its output to both ranks of stage 1, rank 3
+    its gradient to both, and nothing is all-gathered."""
     for rank, (problems, split, plan) in enumerate(run_ranks(4, _four_ranks, timeout=280)):
         assert not problems, f"rank {rank}:\n" + "\n".join(problems)
         assert split == (6 if rank in (1, 2) else 0), (rank, split)
-        assert "x tp=[1, 2, 1] (per stage) on 4 rank(s)" in plan
+        assert "x tp=[1, 2, 1] (per stage, crossing as whole) on 4 rank(s)" in plan
 
 
 @pytest.mark.parametrize("field", ["tp_per_stage", "dp_per_stage"])

@@ -86,3 +86,19 @@ def test_row_ranges_cut_x_in_order_and_check_batch_size():
     assert data.row_ranges(x, None) == [(0, 10)]
     with pytest.raises(plait.ConfigError, match="batch_size must be a positive integer.*got 0"):
         data.row_ranges(x, 0)
+
+
+def test_batch_sizes_are_the_full_one_and_an_uneven_last_one_where_the_data_tells() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from plait.data import batch_sizes
+
+    x = torch.zeros(10, 3)
+    assert batch_sizes(x, 4) == (4, 2) and batch_sizes(x, 5) == (5,) and batch_sizes(x, None) == (10,)
+    assert batch_sizes(x, 16) == (10,)  # one batch of every row
+    data = TensorDataset(x, torch.zeros(10))
+    assert batch_sizes(data, 4) == (4, 2)
+    assert batch_sizes(DataLoader(data, batch_size=3), None) == (3, 1)
+    assert batch_sizes(DataLoader(data, batch_size=3, drop_last=True), None) == (3,)
+    sampler = torch.utils.data.SubsetRandomSampler(range(7))
+    assert batch_sizes(DataLoader(data, batch_size=3, sampler=sampler), None) == ()  # its own sampler: not known

@@ -250,8 +250,8 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if mixed is not None:
         text += (f"\nstages of different tp widths (one pipeline; Config(layers_per_proc, tp_per_stage)): tp "
                  f"{list(mixed.widths)}, layers {list(mixed.layers_per_stage)}, {mixed.num_microbatches} "
-                 f"micro-batches, {mixed.schedule}{', recomputed' if mixed.recompute else ''}: "
-                 f"{mixed.step_time_s:.4f} s a step")
+                 f"micro-batches, {mixed.schedule}{', recomputed' if mixed.recompute else ''}, crossing as "
+                 f"{mixed.crossing}: {mixed.step_time_s:.4f} s a step")
     return data, text
 
 

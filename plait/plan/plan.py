@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from plait.config_widths import CROSSINGS
 from plait.errors import ConfigError
 
 __all__ = ["Plan"]
@@ -41,6 +42,7 @@ class Plan:
     tp_layouts: tuple[dict[str, Any], ...] = ()
     # per stage, when stages differ: its tp ranks (dp = 1; `tp` is then the widest; see `rank_of`)
     stage_tp: tuple[int, ...] = ()
+    crossing: str = "tiles"  # with stage_tp: how values cross between widths (Config.crossing)
     # per stage, when stages differ: its data-parallel replicas (`dp` and `tp` are then 1; see `rank_of`)
     stage_dp: tuple[int, ...] = ()
 
@@ -76,6 +78,8 @@ class Plan:
             raise ConfigError(f"plan has world_size={self.world_size}, not a multiple of tp={self.tp}")
         if self.zero not in (0, 1, 2):
             raise ConfigError(f"plan has zero={self.zero!r}; it must be 0, 1 or 2")
+        if self.crossing not in CROSSINGS:
+            raise ConfigError(f"plan has crossing={self.crossing!r}; it must be one of {list(CROSSINGS)}")
         if not self.stage_to_rank:
             object.__setattr__(self, "stage_to_rank", tuple(self.rank_of(s, 0) for s in range(self.num_chunks)))
 
@@ -191,7 +195,7 @@ class Plan:
 
     def _widths_text(self) -> str:
         if self.stage_tp:
-            return f" x tp={list(self.stage_tp)} (per stage)"
+            return f" x tp={list(self.stage_tp)} (per stage, crossing as {self.crossing})"
         if self.stage_dp:
             return f" x dp={list(self.stage_dp)} (per stage)"
         return f" x tp={self.tp}" if self.tp > 1 else ""
@@ -227,6 +231,7 @@ class Plan:
                 batch_weight_grads=bool(data.get("batch_weight_grads", False)),
                 tp_layouts=tuple(_layout(s) for s in data.get("tp_layouts", ())),
                 stage_tp=tuple(int(w) for w in data.get("stage_tp", ())),
+                crossing=str(data.get("crossing", "tiles")),
                 stage_dp=tuple(int(w) for w in data.get("stage_dp", ())),
             )
         except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as e:

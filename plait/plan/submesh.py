@@ -66,15 +66,19 @@ class WidthLayout:
 
 def width_partition(costs: Mapping[int, WidthCosts], cut_time: Sequence[float], devices: int,
                     num_microbatches: int, gpipe: bool = False, memory_limit: float = math.inf,
-                    max_stages: int | None = None) -> WidthLayout:
+                    max_stages: int | None = None,
+                    cross: Mapping[tuple[int, int], Sequence[float]] | None = None) -> WidthLayout:
     """The stages (layers, width) of one pipeline on exactly `devices` ranks minimising T plus
-    the hand-overs `cut_time[k]` (after layer k, both ways). PartitionError when none fits."""
+    the hand-overs: `cut_time[k]` (after layer k, both ways) between stages of one width,
+    `cross[(a, b)][k]` from a stage of width a to one of width b (None: `cut_time` too).
+    PartitionError when none fits."""
     widths = sorted(costs)
     n = len(next(iter(costs.values())).time) if costs else 0
     if not widths or n == 0 or devices < 1 or any(w < 1 for w in widths):
         raise PartitionError(f"width_partition needs widths >= 1 and layers, got widths {widths}, "
                              f"{n} layers, {devices} devices")
-    if len(cut_time) != n - 1 or any(len(c.time) != n for c in costs.values()):
+    if (len(cut_time) != n - 1 or any(len(c.time) != n for c in costs.values())
+            or any(len(c) != n - 1 for c in (cross or {}).values())):
         raise PartitionError(f"width_partition: every width needs {n} per-layer values and {n - 1} cut times")
     m = num_microbatches
     stages_cap = min(n, devices // widths[0], max_stages or n)
@@ -85,11 +89,10 @@ def width_partition(costs: Mapping[int, WidthCosts], cut_time: Sequence[float], 
              for w in widths}
     act = {w: _range_sums(costs[w].activation) + (_entry_column(costs[w].entry) if costs[w].entry else 0.0)
            for w in widths}
-    hand = np.zeros(n + 1)  # [i]: the hand-over of a stage ending before layer i (none at the end)
-    hand[1:n] = np.asarray(cut_time, dtype=np.float64)
+    hand = _hand_overs(widths, cut_time, cross or {}, n)
+    tables = _Tables(widths, time, fill, fixed, act, hand, n, devices, m, gpipe, memory_limit, stages_cap)
     best: tuple[float, WidthLayout | None] = (math.inf, None)
-    unbounded = _best_under(math.inf, widths, time, fill, fixed, act, hand, n, devices, m, gpipe,
-                            memory_limit, stages_cap)
+    unbounded = tables.best_under(math.inf)
     # with no bound on the bottleneck the fills are least: a floor under every t_max's
     floor = unbounded[0] if unbounded is not None else math.inf
     candidates = np.unique(np.concatenate([t[np.isfinite(t)] for t in time.values()])).tolist()
@@ -105,8 +108,7 @@ def width_partition(costs: Mapping[int, WidthCosts], cut_time: Sequence[float], 
     for t_max in candidates[low:] if unbounded is not None and m > 1 else ():
         if (m - 1) * t_max + floor >= best[0]:
             break  # every later bottleneck costs more than the best found
-        found = _best_under(t_max, widths, time, fill, fixed, act, hand, n, devices, m, gpipe,
-                            memory_limit, stages_cap)
+        found = tables.best_under(t_max)
         if found is not None and found[0] + (m - 1) * t_max < best[0]:
             best = (found[0] + (m - 1) * t_max, found[1])
     if unbounded is not None and m == 1:  # one micro-batch: no bottleneck term
@@ -118,6 +120,17 @@ def width_partition(costs: Mapping[int, WidthCosts], cut_time: Sequence[float], 
         )
     layout = best[1]
     return WidthLayout(layout.layers_per_stage, layout.widths, best[0])
+
+
+def _hand_overs(widths: list[int], cut_time: Sequence[float], cross: Mapping[tuple[int, int], Sequence[float]],
+                n: int) -> npt.NDArray[np.float64]:
+    """[a, b, i]: the hand-over of a stage of widths[a] ending before layer i to one of widths[b]
+    (none at the end, i = n)."""
+    hand = np.zeros((len(widths), len(widths), n + 1))
+    for a, wa in enumerate(widths):
+        for b, wb in enumerate(widths):
+            hand[a, b, 1:n] = np.asarray(cross.get((wa, wb), cut_time) if wa != wb else cut_time, dtype=np.float64)
+    return hand
 
 
 def _fewest_devices(t_max: float, widths: list[int], time: dict[int, npt.NDArray[np.float64]], n: int) -> float:
@@ -148,56 +161,74 @@ def _range_sums(values: Sequence[float]) -> npt.NDArray[np.float64]:
     return sums
 
 
-def _best_under(t_max: float, widths: list[int], time: dict[int, npt.NDArray[np.float64]],
-                fill: dict[int, npt.NDArray[np.float64]], fixed: dict[int, npt.NDArray[np.float64]],
-                act: dict[int, npt.NDArray[np.float64]], hand: npt.NDArray[np.float64], n: int,
-                devices: int, m: int, gpipe: bool, memory_limit: float,
-                stages_cap: int) -> tuple[float, WidthLayout] | None:
-    """The least sum of fills and hand-overs with every stage <= t_max, and its layout."""
-    inf = math.inf
-    # g[j][k, d]: layers k..n-1 in j stages on d devices; choice[j][k, d] = (end layer, width)
-    g = [np.full((n + 1, devices + 1), inf)]
-    g[0][n, 0] = 0.0
-    choice: list[npt.NDArray[np.int64]] = [np.zeros((n + 1, devices + 1, 2), dtype=np.int64)]
-    best_j, best_total = 0, inf
-    for j in range(1, stages_cap + 1):
-        held = m if gpipe else min(j, m)
-        table = np.full((n + 1, devices + 1), inf)
-        picks = np.zeros((n + 1, devices + 1, 2), dtype=np.int64)
-        prev = g[j - 1]
-        for w in widths:
-            ok = (time[w] <= t_max) & (fixed[w] + held * act[w] <= memory_limit)  # [k, i]
-            if w > devices:
-                continue
-            cost = np.where(ok, fill[w] + hand[None, :], inf)  # [k, i]
-            shifted = np.full((n + 1, devices + 1), inf)  # [i, d]: prev[i, d - w]
-            shifted[:, w:] = prev[:, : devices + 1 - w]
-            total = cost[:, :, None] + shifted[None, :, :]  # [k, i, d]
-            end = np.argmin(total, axis=1)  # [k, d]
-            value = np.take_along_axis(total, end[:, None, :], axis=1)[:, 0, :]
-            better = value < table
-            table = np.where(better, value, table)
-            picks[..., 0] = np.where(better, end, picks[..., 0])
-            picks[..., 1] = np.where(better, w, picks[..., 1])
-        g.append(table)
-        choice.append(picks)
-        if table[0, devices] < best_total:
-            best_j, best_total = j, float(table[0, devices])
-    if not math.isfinite(best_total):
-        return None
-    layers, chosen, k, d = [], [], 0, devices
-    for j in range(best_j, 0, -1):
-        end, w = (int(x) for x in choice[j][k, d])
-        layers.append(end - k)
-        chosen.append(w)
-        k, d = end, d - w
-    assert k == n and d == 0
-    return best_total, WidthLayout(tuple(layers), tuple(chosen), best_total)
+@dataclass(frozen=True)
+class _Tables:
+    """The range tables of one problem, and the program over them for a bound on the bottleneck."""
+
+    widths: list[int]
+    time: dict[int, npt.NDArray[np.float64]]
+    fill: dict[int, npt.NDArray[np.float64]]
+    fixed: dict[int, npt.NDArray[np.float64]]
+    act: dict[int, npt.NDArray[np.float64]]
+    hand: npt.NDArray[np.float64]  # [a, b, i], `_hand_overs`
+    n: int
+    devices: int
+    m: int
+    gpipe: bool
+    memory_limit: float
+    stages_cap: int
+
+    def best_under(self, t_max: float) -> tuple[float, WidthLayout] | None:
+        """The least sum of fills and hand-overs with every stage <= t_max, and its layout.
+
+        g[j][k, d, b]: layers k..n-1 in j stages on d devices, the first of width widths[b];
+        choice[j][k, d, b] = (end layer, index of the next stage's width)."""
+        n, devices, widths, inf = self.n, self.devices, self.widths, math.inf
+        count = len(widths)
+        g = [np.full((n + 1, devices + 1, count), inf)]
+        g[0][n, 0, :] = 0.0  # nothing left: whatever width would come next
+        choice: list[npt.NDArray[np.int64]] = [np.zeros((n + 1, devices + 1, count, 2), dtype=np.int64)]
+        best: tuple[int, float, int] = (0, inf, 0)  # (stages, total, first width's index)
+        columns = np.arange(devices + 1)[None, :]
+        for j in range(1, self.stages_cap + 1):
+            held = self.m if self.gpipe else min(j, self.m)
+            table = np.full((n + 1, devices + 1, count), inf)
+            picks = np.zeros((n + 1, devices + 1, count, 2), dtype=np.int64)
+            prev = g[j - 1]
+            for a, w in enumerate(widths):
+                if w > devices:
+                    continue
+                ok = (self.time[w] <= t_max) & (self.fixed[w] + held * self.act[w] <= self.memory_limit)  # [k, i]
+                shifted = np.full((n + 1, devices + 1, count), inf)  # [i, d, b]: prev[i, d - w, b] + hand
+                shifted[:, w:, :] = prev[:, : devices + 1 - w, :] + self.hand[a].T[:, None, :]
+                after = shifted.argmin(axis=2)  # [i, d]: the next stage's best width
+                rest = shifted.min(axis=2)
+                total = np.where(ok, self.fill[w], inf)[:, :, None] + rest[None, :, :]  # [k, i, d]
+                end = total.argmin(axis=1)  # [k, d]
+                table[:, :, a] = total.min(axis=1)
+                picks[:, :, a, 0] = end
+                picks[:, :, a, 1] = after[end, columns]
+            g.append(table)
+            choice.append(picks)
+            first = int(np.argmin(table[0, devices]))
+            if table[0, devices, first] < best[1]:
+                best = (j, float(table[0, devices, first]), first)
+        best_j, best_total, a = best
+        if not math.isfinite(best_total):
+            return None
+        layers, chosen, k, d = [], [], 0, devices
+        for j in range(best_j, 0, -1):
+            end, following = (int(x) for x in choice[j][k, d, a])
+            layers.append(end - k)
+            chosen.append(widths[a])
+            k, d, a = end, d - widths[a], following
+        assert k == n and d == 0
+        return best_total, WidthLayout(tuple(layers), tuple(chosen), best_total)
 
 
 def brute_force_widths(costs: Mapping[int, WidthCosts], cut_time: Sequence[float], devices: int,
-                       num_microbatches: int, gpipe: bool = False,
-                       memory_limit: float = math.inf) -> WidthLayout | None:
+                       num_microbatches: int, gpipe: bool = False, memory_limit: float = math.inf,
+                       cross: Mapping[tuple[int, int], Sequence[float]] | None = None) -> WidthLayout | None:
     """Every cut and every width assignment (small cases; for tests)."""
     widths = sorted(costs)
     n = len(next(iter(costs.values())).time)
@@ -216,7 +247,9 @@ def brute_force_widths(costs: Mapping[int, WidthCosts], cut_time: Sequence[float
                     if c.memory(k, i, held) > memory_limit:
                         fits = False
                         break
-                    total += sum(c.fill[k:i]) + (cut_time[i - 1] if i < n else 0.0)
+                    following = assign[s + 1] if s + 1 < p else w
+                    hand: Sequence[float] = (cross or {}).get((w, following), cut_time) if following != w else cut_time
+                    total += sum(c.fill[k:i]) + (hand[i - 1] if i < n else 0.0)
                     worst = max(worst, sum(c.time[k:i]))
                 if fits:
                     value = total + (num_microbatches - 1) * worst

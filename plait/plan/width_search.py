@@ -5,9 +5,11 @@ For one pipeline on all the devices (dp = 1), each tp width's per-layer costs ar
 each stage its width, for every micro-batch count, plain schedule (1F1B, GPipe) and recomputation
 (every stage recomputes, or none: each held micro-batch keeps only its stage's input); the step adds
 the closing all-reduce and the slowest stage's optimizer step to the pipeline's closed form.
-Hand-overs are priced as whole tensors on the pipeline's slowest link (tiles over several links
-would be faster). The uniform layouts are `plait.plan.tp_costs.search_tp`'s; this pass finds
-whether uneven widths beat them.
+A hand-over between stages of one width is the value over the pipeline's slowest link; between
+two widths it is the crossing's (`plait.plan.tiles.crossing_time`, forward and back): tiles on that
+link and an all-gather on the receiving stage's own, or the whole value to every receiving rank;
+each way is searched (`Config.crossing`: one for every boundary) and the faster kept. The uniform
+layouts are `plait.plan.tp_costs.search_tp`'s; this pass finds whether uneven widths beat them.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from plait.errors import PartitionError
+from plait.config_widths import CROSSINGS
 from plait.plan.cost import CLOSING_BYTES, Cluster, partition_problem
 from plait.plan.layer_costs import LayerCosts
-from plait.plan.network import all_reduce
-from plait.plan.setting import Setting
+from plait.plan.network import Network, all_reduce
+from plait.plan.setting import Setting, microbatch_rows
 from plait.plan.submesh import WidthCosts, width_partition
+from plait.plan.tiles import crossing_time
 from plait.plan.tp_costs import TpShares, at_tp
 
 __all__ = ["MixedWidths", "search_widths", "stage_widths"]
@@ -44,10 +48,12 @@ class MixedWidths:
     step_time_s: float
     stage_s: tuple[float, ...] = ()  # each stage's F + B + W of one micro-batch
     recompute: bool = False
+    crossing: str = "tiles"  # how values cross between widths (Config.crossing)
 
     def to_dict(self) -> dict[str, Any]:
         return {"layers_per_stage": list(self.layers_per_stage), "tp": list(self.widths),
                 "num_microbatches": self.num_microbatches, "schedule": self.schedule, "recompute": self.recompute,
+                "crossing": self.crossing,
                 "pipeline_s": self.pipeline_s, "predicted_step_time_s": self.step_time_s,
                 "stage_s": list(self.stage_s)}
 
@@ -68,7 +74,8 @@ def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size:
     counts = microbatches or [2**k for k in range(global_batch.bit_length()) if 2**k <= global_batch]
     closing = all_reduce(CLOSING_BYTES, world_size, cluster.network.reduce_link(range(world_size)))
     best: MixedWidths | None = None
-    for m, schedule, again in ((m, s, r) for m in counts for s in ("1f1b", "gpipe") for r in recompute):
+    for m, schedule, again, crossing in ((m, s, r, c) for m in counts for s in ("1f1b", "gpipe") for r in recompute
+                                         for c in CROSSINGS):
         # the cuts priced on the slowest link of a pipeline over all the devices
         chain = Setting(max(1, min(world_size, n)), 1, m, schedule, recompute=again)
         cut_time = partition_problem(costs, chain, cluster, global_batch).cut_time
@@ -76,9 +83,11 @@ def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size:
         for w, lane in lanes.items():
             p = partition_problem(lane, replace(chain, pp=1), cluster, global_batch)  # per-layer terms
             width_costs[w] = WidthCosts(p.time, p.fill, p.fixed, p.per_held, p.once, p.entry)
+        rows = microbatch_rows(global_batch, 1, m)
+        cross = _crossings(costs, rows, list(lanes), cluster.network, world_size, crossing == "whole")
         try:
             found = width_partition(width_costs, cut_time, world_size, m, schedule == "gpipe",
-                                    cluster.memory_bytes)
+                                    cluster.memory_bytes, cross=cross)
         except PartitionError:
             continue
         if len(set(found.widths)) < 2:
@@ -91,5 +100,21 @@ def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size:
         step = found.objective + closing + optimizer
         if best is None or step < best.step_time_s - 1e-15 * max(1.0, abs(step)):
             best = MixedWidths(found.layers_per_stage, found.widths, m, schedule, found.objective, step,
-                               tuple(float(sum(width_costs[w].time[a:b])) for w, a, b in stages), again)
+                               tuple(float(sum(width_costs[w].time[a:b])) for w, a, b in stages), again, crossing)
     return best if best is not None and math.isfinite(best.step_time_s) else None
+
+
+def _crossings(costs: LayerCosts, rows: int, widths: list[int], network: Network, world_size: int,
+               whole: bool) -> dict[tuple[int, int], list[float]]:
+    """[(a, b)][k]: a cut after layer k crossing from a stage of width a to one of width b, forward
+    and back, on the pipeline's slowest link (each stage all-gathers on its own)."""
+    link = network.link(range(world_size))
+    local = {w: network.reduce_link(range(w)) for w in widths}
+    out = {}
+    for a in widths:
+        for b in widths:
+            if a != b:
+                out[(a, b)] = [crossing_time(v * rows, a, b, link, local[b], whole)
+                               + crossing_time(v * rows, b, a, link, local[a], whole)
+                               for v in costs.output_row_bytes[:-1]]
+    return out

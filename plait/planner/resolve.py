@@ -73,6 +73,7 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         zero=_zero(config, lanes),
         tp=max(widths) if widths else config.tp or 1,
         stage_tp=widths if len(set(widths)) > 1 else (),  # equal widths: the uniform grid
+        crossing=config.crossing or "tiles",
         stage_dp=tuple(config.dp_per_stage or ()),  # stages of their own replica counts (Config.dp_per_stage)
         batch_weight_grads=bool(config.batch_weight_grads),
         uncuttable=regions,

@@ -52,7 +52,7 @@ def memory_stats(pipe: Pipeline, net: nn.Module, readings: dict[str, int | None]
     plan = pipe.plan
     state = state_bytes(float(sum(p.numel() * p.element_size() for p in local)),
                         float(sum(p.numel() * p.element_size() for p in local if p.requires_grad)),
-                        state_factor, plan.dp, plan.zero)
+                        state_factor, plan.dp_of(plan.position_of(pipe.rank)[0]), plan.zero)
     predicted: dict[str, float | None] = {
         "parameters_bytes": state.parameters, "gradients_bytes": state.gradients,
         "gradients_at_step_bytes": state.step_gradients, "optimizer_bytes": state.optimizer,

@@ -68,7 +68,7 @@ def crossings(plan: Plan, rank: int, group: Any,
             if plan.dp_of(boundary) != plan.dp_of(boundary + 1):
                 out[boundary] = RowCrossing(boundary, *sides, rank, batch_major(stages[boundary].module))
             elif plan.tp_of(boundary) != plan.tp_of(boundary + 1):
-                out[boundary] = Crossing(boundary, *sides, rank, group)
+                out[boundary] = Crossing(boundary, *sides, rank, group, whole=plan.crossing == "whole")
     return out
 
 

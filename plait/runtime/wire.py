@@ -224,6 +224,12 @@ class Wire:
                         if kind == _TENSOR and grad], peer, tag)
         return desc is not None
 
+    def post_tensors(self, buffers: list[torch.Tensor], peer: int, tag: int) -> None:
+        """Post now the receives of tensors shaped as `buffers` (a message whose shapes the caller
+        knows; `recv_tensors` takes them), unless (peer, tag) is posted already."""
+        if (peer, tag) not in self._posted:
+            self._post(buffers, peer, tag)
+
     def _post(self, buffers: list[torch.Tensor], peer: int, tag: int) -> None:
         works = [dist.irecv(b, peer, group=self.group, tag=tag) for b in buffers]
         self._posted[(peer, tag)] = (buffers, works)

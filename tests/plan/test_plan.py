@@ -108,8 +108,10 @@ def test_stages_of_different_widths_take_the_ranks_in_stage_order(stage_tp, rank
 
 def test_stages_of_different_widths_print_their_ranks() -> None:
     text = str(widths())
-    assert f"x tp=[2, 1] (per stage) on 3 rank(s)" in text
+    assert f"x tp=[2, 1] (per stage, crossing as tiles) on 3 rank(s)" in text
     assert "stage 0 (ranks 0-1)" in text and "stage 1 (rank 2)" in text
+    whole = widths(crossing="whole")
+    assert "crossing as whole" in str(whole) and Plan.from_json(whole.to_json()) == whole
 
 
 @pytest.mark.parametrize("stage_tp, fields, message", [
@@ -118,6 +120,7 @@ def test_stages_of_different_widths_print_their_ranks() -> None:
     ((2, 1), {"world_size": 4}, r"stage_tp=\[2, 1\], 3 ranks in all, on world_size=4"),
     ((2, 1), {"dp": 2, "world_size": 3}, "dp=2"),
     ((2, 1), {"tp": 4}, r"tp=4 and stage_tp=\[2, 1\]; tp is the widest stage's, 2"),
+    ((2, 1), {"crossing": "gather"}, r"crossing='gather'; it must be one of \['tiles', 'whole'\]"),
 ])
 def test_bad_stage_widths_are_named(stage_tp, fields, message) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -38,18 +38,30 @@ def test_the_program_is_the_brute_force(seed: int) -> None:
     cuts = [float(rng.randint(0, 3)) for _ in range(n - 1)]
     m, gpipe = rng.randint(1, 6), rng.random() < 0.3
     limit = rng.choice([math.inf, 30.0, 15.0])
-    want = brute_force_widths(costs, cuts, devices, m, gpipe, limit)
+    # half the instances: a hand-over between two widths costs its own (a crossing), per direction
+    cross = {(a, b): [float(rng.randint(0, 6)) for _ in range(n - 1)] for a in widths for b in widths
+             if a != b} if seed % 2 else None
+    want = brute_force_widths(costs, cuts, devices, m, gpipe, limit, cross)
     if want is None:
         with pytest.raises(PartitionError, match="no cut of"):
-            width_partition(costs, cuts, devices, m, gpipe, limit)
+            width_partition(costs, cuts, devices, m, gpipe, limit, cross=cross)
         return
-    got = width_partition(costs, cuts, devices, m, gpipe, limit)
+    got = width_partition(costs, cuts, devices, m, gpipe, limit, cross=cross)
     assert got.objective == pytest.approx(want.objective)
     bounds = [0, *itertools.accumulate(got.layers_per_stage)]
     for s, w in enumerate(got.widths):  # every stage of the answer fits
         held = m if gpipe else min(len(got.widths) - s, m)
         assert costs[w].memory(bounds[s], bounds[s + 1], held) <= limit
     assert sum(got.widths) == devices and sum(got.layers_per_stage) == n
+
+
+def test_a_dear_crossing_keeps_one_width_by_hand() -> None:
+    # the heavy layer would take a wide stage (see below), but changing width costs 100 a hand-over
+    costs = {1: WidthCosts([12, 1, 1], [12, 1, 1], [0, 0, 0], [0, 0, 0]),
+             2: WidthCosts([6, 1, 1], [6, 1, 1], [0, 0, 0], [0, 0, 0])}
+    dear = {(1, 2): [100.0, 100.0], (2, 1): [100.0, 100.0]}
+    got = width_partition(costs, [0.0, 0.0], 3, 4, cross=dear)
+    assert got.widths == (1, 1, 1) and got.objective == pytest.approx(12 + 1 + 1 + 3 * 12)
 
 
 def test_a_heavy_layer_gets_the_wide_stage_by_hand() -> None:

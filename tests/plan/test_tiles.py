@@ -47,3 +47,32 @@ def test_bad_sizes_and_ranks_are_named() -> None:
         TileMap(0, 2)
     with pytest.raises(ConfigError, match="no sender 2 or receiver 0"):
         TileMap(2, 1).tile(2, 0)
+
+
+@pytest.mark.parametrize("senders, receivers", [(1, 2), (2, 1), (3, 2), (2, 4)])
+def test_whole_sends_every_receiver_every_tile_and_gathers_nothing(senders: int, receivers: int) -> None:
+    m = TileMap(senders, receivers, whole=True)
+    assert m.num_tiles == senders and not m.gathers
+    assert all(m.held(j) == tuple(range(senders)) for j in range(receivers))  # the whole value, no gather
+    assert all(m.tile(i, j) == i for i in range(senders) for j in range(receivers))
+    assert all(m.receivers_of(i) == tuple(range(receivers)) for i in range(senders))
+    back = m.reversed()  # every sender gets the whole gradient: receiver j's tile j of `receivers`
+    assert back.whole and back.num_tiles == receivers and not back.gathers
+    assert all(back.held(i) == tuple(range(receivers)) for i in range(senders))
+
+
+def test_crossing_time_prices_tiles_and_whole_and_picks_the_cheaper() -> None:
+    from plait.plan.network import Link
+    from plait.plan.tiles import cheaper_crossing, crossing_time
+
+    slow, fast = Link(1e-5, 1e9), Link(1e-5, 100e9)
+    v = 8e6
+    # 1 -> 2, tiles: two tiles of V/2 from the sender, then an all-gather of V/2 on the fast link
+    assert crossing_time(v, 1, 2, slow, fast, whole=False) == pytest.approx(2 * (1e-5 + v / 2 / 1e9) + 1e-5 + v / 2 / 100e9)
+    # whole: V to each receiver from the one sender
+    assert crossing_time(v, 1, 2, slow, fast, whole=True) == pytest.approx(2e-5 + 2 * v / 1e9)
+    # 2 -> 1 both ways alike: two tiles into the one receiver, nothing gathered
+    assert crossing_time(v, 2, 1, slow, fast, False) == pytest.approx(crossing_time(v, 2, 1, slow, fast, True))
+    assert cheaper_crossing(v, 1, 2, slow, fast, fast)[0] == "tiles"  # a slow link between: gather locally
+    slow_local = Link(1e-3, 1e9)  # a collective as slow as a CPU gloo all-gather: send the value whole
+    assert cheaper_crossing(1e3, 1, 2, slow, slow_local, slow_local)[0] == "whole"

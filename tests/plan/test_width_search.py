@@ -63,3 +63,23 @@ def test_recomputation_where_only_it_fits() -> None:
     assert search_widths(costs, shares, 3, 4, tight, (1, 2), microbatches=(4,), recompute=(False,)) is None
     roomy = search_widths(costs, shares, 3, 4, Cluster(FREE, math.inf), (1, 2), microbatches=(4,))
     assert roomy is not None and not roomy.recompute  # recomputing costs a forward: not where all fits
+
+
+@pytest.mark.parametrize("gather_latency, crossing, crossing_s", [
+    # a gather on the stage's own link is cheap: tiles (forward 2 tiles of V/2 into the tp=1 rank;
+    # back, 2 tiles of V/2 out of it and a 2-rank all-gather of V/2 on the fast link)
+    (0.0, "tiles", 2 * 0.5e-3 + 2 * 0.5e-3 + 1e6 / 2 / 1e12),
+    # the gather costs a second: every rank gets the whole value (back: V to each of 2 ranks)
+    (1.0, "whole", 2 * 0.5e-3 + 2 * 1e-3),
+])
+def test_the_crossing_is_priced_and_the_cheaper_way_chosen(gather_latency: float, crossing: str,
+                                                            crossing_s: float) -> None:
+    from dataclasses import replace
+
+    costs = replace(_costs((4.0, 1.0, 1.0)), output_row_bytes=(1e6, 1e6, 1e6))  # V = 1 MB a micro-batch
+    network = Network(Link(0.0, 1e9), Link(0.0, 1e9), 8, reduce_intra=Link(gather_latency, 1e12))
+    shares = {2: _shares(3, 2, (1.0, 0.0, 0.0))}
+    found = search_widths(costs, shares, 3, 4, Cluster(network, math.inf), (1, 2), microbatches=(4,))
+    assert found is not None and found.widths == (2, 1) and found.crossing == crossing
+    assert found.pipeline_s == pytest.approx(6 + 6 + 3 * 6 + crossing_s)
+    assert found.to_dict()["crossing"] == crossing

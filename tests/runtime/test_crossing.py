@@ -34,10 +34,11 @@ def cross(rank: int, world: int) -> list:
     group = groups[0] if rank in STAGE_A else groups[1]
     wire = Wire(timeout_s=20)
     out = []
-    for senders, receivers in ((STAGE_A, STAGE_B), (STAGE_B, STAGE_A)):  # narrowing 3 -> 2, widening 2 -> 3
-        crossing = Crossing(0, senders, receivers, rank, group)
+    boundaries = [(STAGE_A, STAGE_B), (STAGE_B, STAGE_A)]  # narrowing 3 -> 2, widening 2 -> 3
+    for b, ((senders, receivers), whole) in enumerate((sides, whole) for whole in (False, True) for sides in boundaries):
+        crossing = Crossing(0, senders, receivers, rank, group, whole=whole)
         for step in range(2):  # the second time the descriptions are known: receives are posted ahead
-            key, tag = ("F", 0, True, "shapes"), 2 * step
+            key, tag = ("F", b, True, "shapes"), 2 * step + 4 * b
             if crossing.sending:
                 sent = values(step)
                 crossing.send_forward(sent, wire, key, tag)
@@ -56,12 +57,12 @@ def cross(rank: int, world: int) -> list:
 
 @pytest.mark.timeout(120)
 def test_values_and_gradients_cross_whole_between_three_and_two_ranks() -> None:
+    """Both ways, as tiles with a local all-gather and as whole values (Crossing(whole=True))."""
     for rank, results in enumerate(run_ranks(5, cross, timeout=110)):
-        assert len(results) == 4, rank
-        for step, (kind, got) in enumerate(results[i] for i in (0, 1)):
-            _check(kind, got, step, rank)
-        for step, (kind, got) in enumerate(results[i] for i in (2, 3)):
-            _check(kind, got, step, rank)
+        assert len(results) == 8, rank
+        for first in (0, 2, 4, 6):
+            for step, (kind, got) in enumerate(results[i] for i in (first, first + 1)):
+                _check(kind, got, step, rank)
 
 
 def _check(kind: str, got: list, step: int, rank: int) -> None:
