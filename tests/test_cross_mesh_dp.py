@@ -2,7 +2,8 @@
 the batch) train exactly as one process: 3 ranks, stage 0 as 2 replicas (each running half the
 rows of every micro-batch) and stage 1 on one rank, and the reverse, on Hugging Face GPT-2 and
 Llama (tied word embedding and head: its gradient summed over every replica of both stages), with
-1F1B, GPipe and ZB-H1, SGD with momentum and Adam.
+1F1B, GPipe and ZB-H1, SGD with momentum and Adam; and as Config() plans them, where the planner
+predicts them faster (a small model priced so that they must be).
 
 Each rank trains plait and a deep copy in one process through the same steps and compares the
 loss of each step, every parameter and gradient it holds, the gathered `state_dict()` and
@@ -77,16 +78,9 @@ class _SharedBias(nn.Module):
         return self.c(torch.relu(self.a(x))) + bias  # (B, 4)
 
 
-def _shared_bias(rank: int, world: int, widths: tuple[int, int]) -> list[str]:
-    """Micro-batches of 2 rows: a replica of stage 0 runs 1 row, as many as the bias has; the capture
-    tells them apart, and the bias's gradient reaches stage 0 once (not once per replica)."""
-    torch.manual_seed(0)
-    net = _SharedBias()
-    ref = copy.deepcopy(net)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    model = plait.Model(net, plait.Config(layers_per_proc=(2, 1), dp_per_stage=widths, num_microbatches=2,
-                                          timeout_s=60.0),
-                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), loss=nn.MSELoss())
+def _two_steps(model: plait.Model, net: nn.Module, ref: nn.Module, ref_opt: torch.optim.Optimizer) -> list[str]:
+    """Two steps of 4 rows (8 in, 4 out, MSE) on `model` (training `net`) and on `ref` (its deep copy):
+    what differs in the loss, then in every parameter and gradient this rank holds."""
     g = torch.Generator().manual_seed(1)
     problems = []
     for step in range(2):
@@ -101,10 +95,24 @@ def _shared_bias(rank: int, world: int, widths: tuple[int, int]) -> list[str]:
     theirs = dict(ref.named_parameters())
     for name, p in net.named_parameters():
         if not p.is_meta:
-            for what, mine, want_t in (("parameter", p.detach(), theirs[name].detach()), ("gradient", p.grad, theirs[name].grad)):
+            for what, mine, want_t in (("parameter", p.detach(), theirs[name].detach()),
+                                       ("gradient", p.grad, theirs[name].grad)):
                 if mine is not None and not torch.allclose(mine, want_t, rtol=1e-5, atol=1e-6):
                     problems.append(f"{what} {name}: {mine.flatten()[:4].tolist()} != {want_t.flatten()[:4].tolist()}")
     return problems
+
+
+def _shared_bias(rank: int, world: int, widths: tuple[int, int]) -> list[str]:
+    """Micro-batches of 2 rows: a replica of stage 0 runs 1 row, as many as the bias has; the capture
+    tells them apart, and the bias's gradient reaches stage 0 once (not once per replica)."""
+    torch.manual_seed(0)
+    net = _SharedBias()
+    ref = copy.deepcopy(net)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    model = plait.Model(net, plait.Config(layers_per_proc=(2, 1), dp_per_stage=widths, num_microbatches=2,
+                                          timeout_s=60.0),
+                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), loss=nn.MSELoss())
+    return _two_steps(model, net, ref, ref_opt)
 
 
 @pytest.mark.timeout(120)
@@ -124,23 +132,39 @@ def _refusals(rank: int, world: int, root: str) -> dict[str, Any]:
                         optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=nn.MSELoss())
     loss = model.train_on_batch(torch.randn(4, 8), torch.randn(4, 4))
     found = []
+    steps = model.step
     for call in (lambda: model.train_on_batch(torch.randn(6, 8), torch.randn(6, 4)),  # micro-batches of 3 rows
+                 lambda: model.fit(torch.randn(10, 8), torch.randn(10, 4), batch_size=4, verbose=0),  # last: 2 rows
                  lambda: model.save(root), lambda: model.export(root), lambda: model.load(root)):
         try:
             call()
         except ConfigError as e:
             found.append(str(e))
+    fit_steps = model.step - steps  # steps taken by the refused calls: none
     after = model.train_on_batch(torch.randn(4, 8), torch.randn(4, 4))  # the refusals left it running
-    return {"losses": [loss, after], "refused": found}
+    return {"losses": [loss, after], "refused": found, "fit_steps": fit_steps}
 
 
-@pytest.mark.timeout(120)
-def test_what_stages_of_different_dp_refuse(tmp_path: Any) -> None:
-    for rank, result in enumerate(run_ranks(3, _refusals, str(tmp_path), timeout=110)):
+def _small_models(rank: int, world: int, root: str) -> dict[str, Any]:
+    """`_refusals`, then `_planned`: small models sharing one start of 3 ranks."""
+    return {"refusals": _refusals(rank, world, root), "planned": _planned(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def small_models(tmp_path_factory: Any) -> list[dict[str, Any]]:
+    return run_ranks(3, _small_models, str(tmp_path_factory.mktemp("dp_widths")), timeout=140)
+
+
+@pytest.mark.timeout(150)
+def test_what_stages_of_different_dp_refuse(small_models: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(r["refusals"] for r in small_models):
         assert all(x > 0 for x in result["losses"]), (rank, result)
-        rows, *saving = result["refused"]
+        rows, last, *saving = result["refused"]
         assert "of 3 rows does not divide by dp=[2] of dp_per_stage=[2, 1]" in rows, (rank, rows)
         assert "num_microbatches x a multiple of 2" in rows, (rank, rows)
+        # fit refuses an epoch whose last batch (2 rows: micro-batches of 1) cannot run, before its first step
+        assert "this epoch has a batch of 2 rows; its micro-batch 0:1 of 1 rows does not divide" in last, (rank, last)
+        assert "drop_last=True" in last and result["fit_steps"] == 0, (rank, last, result["fit_steps"])
         assert len(saving) == 3 and all("dp_per_stage=[2, 1]" in text for text in saving), (rank, saving)
 
 
@@ -170,3 +194,34 @@ def test_config_needs_one_dp_per_stage_of_the_cut_and_the_ranks_they_add_up_to()
     assert config.lanes(3) == 2
     with pytest.raises(ConfigError, match=r"needs 3 ranks \(their sum\) but the world size is 4; launch 3 ranks"):
         config.lanes(4)
+
+
+def _planned(rank: int, world: int) -> dict[str, Any]:
+    """Config() on 3 ranks, the layers priced as `tests.planner.test_widths._embedding_like` (a profile
+    in place of the measured one, on every rank): the planner takes stages of dp (2, 1), which train
+    as one process does (2 steps of 4 rows, SGD; loss, then every parameter and gradient held)."""
+    import plait.planner.autoplan as autoplan
+    import plait.planner.layout as layout
+    from plait.planner.profile import LayerProfile
+    from tests.planner.test_widths import _embedding_like
+
+    net, _, costs = _embedding_like()
+
+    def priced(*args: Any, **kwargs: Any) -> LayerProfile:
+        return LayerProfile(costs, 4, 1, 1, 0.0, "test")
+
+    autoplan.profile_sample = layout.profile_sample = priced  # this rank's process only
+    ref = copy.deepcopy(net)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model = plait.Model(net, plait.Config(timeout_s=60.0), optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                        loss=nn.MSELoss())
+    problems = _two_steps(model, net, ref, ref_opt)
+    return {"problems": problems, "plan": str(model.plan), "dp_per_stage": model.plan.stage_dp,
+            "layers": model.plan.layers_per_stage}
+
+
+@pytest.mark.timeout(150)
+def test_config_plans_stages_of_different_dp_widths_that_equal_one_process(small_models: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(r["planned"] for r in small_models):
+        assert not result["problems"], f"rank {rank}:\n" + "\n".join(result["problems"])
+        assert (result["dp_per_stage"], result["layers"]) == ((2, 1), (1, 3)), (rank, result["plan"])

@@ -8,7 +8,9 @@ Prints the chosen layout (per stage: layers, time, memory) and the best alternat
 --json exactly one JSON object: pp, dp, tp, num_microbatches, schedule, zero, stages (each with
 its dp x tp mesh), predicted_step_time_s, peak_memory_bytes, feasible and, when infeasible,
 reason; a feasible one also has each rank's parameter_bytes, gradient_bytes, optimizer_bytes and
-activation_bytes, and with --gpt tflops_per_device. `--layout tp=8,pp=2` prices that layout only.
+activation_bytes, and with --gpt tflops_per_device; mixed_widths and mixed_dp: the best one pipeline
+of stages of different tp or dp widths (null where none is searched or found). `--layout tp=8,pp=2`
+prices that layout only.
 """
 
 from __future__ import annotations
@@ -195,6 +197,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         found = search_tp(gpt_costs(spec, dev, args.optimizer), {t: gpt_tp_shares(spec, dev, t) for t in tps if t > 1},
                           args.devices, args.batch, cluster, _search_space(args), degrees=tps)
         mixed = _mixed_widths(args, spec, dev, cluster)
+        mixed_dp = _mixed_dp(args, gpt_costs(spec, dev, args.optimizer), args.batch, cluster)
         head = {"model": f"GPT {args.gpt} ({spec.parameters / 1e9:.2f}B parameters)",
                 "device": dev.name, "devices": args.devices, "global_batch": args.batch}
         costs_source = f"analytic, {dev.name}"
@@ -225,6 +228,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                             PlanOptions(space=_search_space(args), tp=tps, captured=captured))
         found = result.candidates
         mixed = _model_widths(args, captured, result, cluster)
+        mixed_dp = _mixed_dp(args, result.profile.costs, result.global_batch, cluster)
         head = {"model": args.model, "device": args.device or "this machine",
                 "devices": args.devices, "global_batch": batch}
         costs_source = result.profile.costs.source + (" (cached)" if result.profile.cached else "")
@@ -240,6 +244,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if args.layout is not None:
         data["layout"] = args.layout
     data["mixed_widths"] = mixed.to_dict() if mixed is not None else None
+    data["mixed_dp"] = mixed_dp.to_dict() if mixed_dp is not None else None
     rate = ""
     if args.gpt is not None and data.get("predicted_step_time_s"):  # Megatron's count over the predicted step
         data["tflops_per_device"] = megatron_flops(spec, args.batch) / (data["predicted_step_time_s"] * args.devices) / 1e12
@@ -252,6 +257,11 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                  f"{list(mixed.widths)}, layers {list(mixed.layers_per_stage)}, {mixed.num_microbatches} "
                  f"micro-batches, {mixed.schedule}{', recomputed' if mixed.recompute else ''}, crossing as "
                  f"{mixed.crossing}: {mixed.step_time_s:.4f} s a step")
+    if mixed_dp is not None:
+        text += (f"\nstages of different dp widths (one pipeline; Config(layers_per_proc, dp_per_stage)): dp "
+                 f"{list(mixed_dp.dp)}, layers {list(mixed_dp.layers_per_stage)}, {mixed_dp.num_microbatches} "
+                 f"micro-batches, {mixed_dp.schedule}{', recomputed' if mixed_dp.recompute else ''}: "
+                 f"{mixed_dp.step_time_s:.4f} s a step")
     return data, text
 
 
@@ -270,6 +280,17 @@ def _mixed_widths(args: argparse.Namespace, spec: Any, dev: Any, cluster: Any) -
     shares = {w: gpt_tp_shares(spec, dev, w) for w in widths if w > 1}
     return search_widths(gpt_costs(spec, dev, args.optimizer), shares, args.devices, args.batch, cluster, widths,
                          args.microbatches, args.recompute)
+
+
+def _mixed_dp(args: argparse.Namespace, costs: Any, global_batch: int, cluster: Any) -> Any:
+    """The best one-pipeline layout with stages of different dp widths (`plait.plan.dp_widths`), for
+    worlds of 3 to MIXED_LIMIT devices with no --layout and tp=1 among --tp; None otherwise or when none is found."""
+    from plait.plan.dp_widths import search_dp_widths
+
+    if args.layout is not None or not 3 <= args.devices <= MIXED_LIMIT[0] or costs.num_layers > MIXED_LIMIT[1] \
+            or (args.tp and 1 not in args.tp):
+        return None
+    return search_dp_widths(costs, args.devices, global_batch, cluster, _search_space(args))
 
 
 def _captured(net: Any, sample: Any, args: argparse.Namespace) -> Any:

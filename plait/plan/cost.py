@@ -57,7 +57,7 @@ from plait.plan.setting import Setting, microbatch_rows, peak_activations
 from plait.schedule.steptime import compile_schedule, time_step
 
 __all__ = ["Setting", "Cluster", "StageCost", "Prediction", "microbatch_rows", "handover_busy", "handover_term",
-           "peak_activations", "partition_problem", "pipeline_lower_bound", "predict"]
+           "last_bucket", "peak_activations", "partition_problem", "pipeline_lower_bound", "predict"]
 
 CLOSING_BYTES = 64.0  # the step's loss and metric sums (and non-finite flags): a few float64s
 
@@ -288,7 +288,7 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         key = (layers, params, one_node)
         if key not in seen:
             link = cluster.network.reduce_link([setting.rank_of(r, d) for d in range(dp)])
-            tail = gradient_sum(_last_bucket([x for part in layers for x in part], cluster.bucket_bytes), dp, link)
+            tail = gradient_sum(last_bucket([x for part in layers for x in part], cluster.bucket_bytes), dp, link)
             # ZeRO: each owner broadcasts its updated share (1/dp of the trainable bytes) to the others
             seen[key] = (gradient_sum(grads, dp, link), tail, by_owner(grads, dp, link) if zero else 0.0,
                          _state(params, grads, setting, cluster))
@@ -333,7 +333,7 @@ def _prefix(values: Sequence[float]) -> list[float]:
     return [0.0, *itertools.accumulate(float(x) for x in values)]
 
 
-def _last_bucket(grad_bytes: Sequence[float], cap: float) -> float:
+def last_bucket(grad_bytes: Sequence[float], cap: float) -> float:
     """Bytes of the last gradient bucket of layers with `grad_bytes` (forward order), filled in
     backward order by the runtime's rule, a layer's gradients counted as one tensor."""
     sizes = [b for b in reversed(grad_bytes) if b > 0]

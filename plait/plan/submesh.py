@@ -14,7 +14,10 @@ sum of fills and hand-overs whose stages all take <= t_max and fit in memory; th
 (m - 1) t_max + that sum over the candidates is the optimum (the optimum's own bottleneck is
 among them). The enumeration starts at the first t_max whose stages can cover the layers on the
 devices (bisection) and stops once (m - 1) t_max plus the sum without any bound on the
-bottleneck (a floor under all of them) cannot beat the best found (Alpa's early stop). Memory of a stage j-th from the end: its fixed bytes plus the
+bottleneck (a floor under all of them) cannot beat the best found (Alpa's early stop). Beyond 64
+candidates they are tried in buckets 1% wide, each at its top, and every layout found is priced
+at its own bottleneck: T is then within 1% of the optimum's (a GPT of 48 layers on 16 devices
+has thousands of candidates). Memory of a stage j-th from the end: its fixed bytes plus the
 micro-batches it holds (1F1B: min(j, m); GPipe: m) times its activations of one; recomputed, its
 input of each held micro-batch (`entry` at its first layer) and one micro-batch's activations
 (`once`, while it is recomputed).
@@ -33,6 +36,8 @@ import numpy.typing as npt
 from plait.errors import PartitionError
 
 __all__ = ["WidthCosts", "WidthLayout", "width_partition"]
+
+EXACT, THIN = 64, 0.01  # more bottleneck candidates than EXACT: tried in buckets 1% wide
 
 
 @dataclass(frozen=True)
@@ -105,12 +110,14 @@ def width_partition(costs: Mapping[int, WidthCosts], cut_time: Sequence[float], 
             high = mid
         else:
             low = mid + 1
-    for t_max in candidates[low:] if unbounded is not None and m > 1 else ():
+    for t_max in _thinned(candidates[low:]) if unbounded is not None and m > 1 else ():
         if (m - 1) * t_max + floor >= best[0]:
             break  # every later bottleneck costs more than the best found
         found = tables.best_under(t_max)
-        if found is not None and found[0] + (m - 1) * t_max < best[0]:
-            best = (found[0] + (m - 1) * t_max, found[1])
+        if found is not None:  # its own bottleneck may lie below t_max (a thinned bucket's top)
+            value = found[0] + (m - 1) * tables.bottleneck(found[1])
+            if value < best[0]:
+                best = (value, found[1])
     if unbounded is not None and m == 1:  # one micro-batch: no bottleneck term
         best = unbounded
     if best[1] is None:
@@ -120,6 +127,21 @@ def width_partition(costs: Mapping[int, WidthCosts], cut_time: Sequence[float], 
         )
     layout = best[1]
     return WidthLayout(layout.layers_per_stage, layout.widths, best[0])
+
+
+def _thinned(candidates: list[float]) -> list[float]:
+    """The bottlenecks to try: all of them up to EXACT of them; beyond, the top of each bucket
+    [t, (1 + THIN) t) (each bucket's layouts are found at its top, so the answer's T is within
+    a factor 1 + THIN of the optimum's)."""
+    if len(candidates) <= EXACT:
+        return candidates
+    kept: list[float] = []
+    start = candidates[0]
+    for t, following in zip(candidates, candidates[1:] + [math.inf]):
+        if following >= start * (1 + THIN):
+            kept.append(t)
+            start = following
+    return kept
 
 
 def _hand_overs(widths: list[int], cut_time: Sequence[float], cross: Mapping[tuple[int, int], Sequence[float]],
@@ -177,6 +199,11 @@ class _Tables:
     gpipe: bool
     memory_limit: float
     stages_cap: int
+
+    def bottleneck(self, layout: WidthLayout) -> float:
+        """The slowest stage's time of one micro-batch in `layout`."""
+        bounds = np.cumsum([0, *layout.layers_per_stage])
+        return max(float(self.time[w][k, i]) for w, k, i in zip(layout.widths, bounds, bounds[1:]))
 
     def best_under(self, t_max: float) -> tuple[float, WidthLayout] | None:
         """The least sum of fills and hand-overs with every stage <= t_max, and its layout.

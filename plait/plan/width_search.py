@@ -61,7 +61,8 @@ class MixedWidths:
 def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int, global_batch: int,
                   cluster: Cluster, degrees: Sequence[int],
                   microbatches: Sequence[int] | None = None,
-                  recompute: Sequence[bool] = (False, True)) -> MixedWidths | None:
+                  recompute: Sequence[bool] = (False, True),
+                  schedules: Sequence[str] = ("1f1b", "gpipe")) -> MixedWidths | None:
     """The fastest one-pipeline layout with stages of different widths among `degrees` (each
     > 1 needs its shares), or None when fewer than two widths apply or no such layout fits."""
     lanes = {1: costs} if 1 in degrees else {}
@@ -74,17 +75,18 @@ def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size:
     counts = microbatches or [2**k for k in range(global_batch.bit_length()) if 2**k <= global_batch]
     closing = all_reduce(CLOSING_BYTES, world_size, cluster.network.reduce_link(range(world_size)))
     best: MixedWidths | None = None
-    for m, schedule, again, crossing in ((m, s, r, c) for m in counts for s in ("1f1b", "gpipe") for r in recompute
+    for m, schedule, again, crossing in ((m, s, r, c) for m in counts for s in schedules for r in recompute
                                          for c in CROSSINGS):
         # the cuts priced on the slowest link of a pipeline over all the devices
         chain = Setting(max(1, min(world_size, n)), 1, m, schedule, recompute=again)
-        cut_time = partition_problem(costs, chain, cluster, global_batch).cut_time
+        cut_time = _uncut(costs, partition_problem(costs, chain, cluster, global_batch).cut_time)
         width_costs = {}
         for w, lane in lanes.items():
             p = partition_problem(lane, replace(chain, pp=1), cluster, global_batch)  # per-layer terms
             width_costs[w] = WidthCosts(p.time, p.fill, p.fixed, p.per_held, p.once, p.entry)
         rows = microbatch_rows(global_batch, 1, m)
-        cross = _crossings(costs, rows, list(lanes), cluster.network, world_size, crossing == "whole")
+        cross = {pair: _uncut(costs, times) for pair, times in
+                 _crossings(costs, rows, list(lanes), cluster.network, world_size, crossing == "whole").items()}
         try:
             found = width_partition(width_costs, cut_time, world_size, m, schedule == "gpipe",
                                     cluster.memory_bytes, cross=cross)
@@ -102,6 +104,11 @@ def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size:
             best = MixedWidths(found.layers_per_stage, found.widths, m, schedule, found.objective, step,
                                tuple(float(sum(width_costs[w].time[a:b])) for w, a, b in stages), again, crossing)
     return best if best is not None and math.isfinite(best.step_time_s) else None
+
+
+def _uncut(costs: LayerCosts, cut_time: Sequence[float]) -> list[float]:
+    """`cut_time` with inf at the cuts inside an uncuttable region (no stage boundary there)."""
+    return [math.inf if any(a <= k < b for a, b in costs.uncuttable) else t for k, t in enumerate(cut_time)]
 
 
 def _crossings(costs: LayerCosts, rows: int, widths: list[int], network: Network, world_size: int,

@@ -163,6 +163,8 @@ def test_a_model_file_is_profiled_and_planned(capsys, tmp_path):
     three = run_json(capsys, "--model", f"{model_file}:build", "--sample-shape", "16,8", "--devices", "3")
     mixed = three["mixed_widths"]  # searched on three: priced when a width splits, shown if one fits
     assert mixed is None or (sum(mixed["tp"]) == 3 and sum(mixed["layers_per_stage"]) == 5)
+    assert data["mixed_dp"] is None and "mixed_dp" in three  # dp widths: searched on three (16 rows divide by 2)
+    assert three["mixed_dp"] is None or (sum(three["mixed_dp"]["dp"]) == 3 and len(set(three["mixed_dp"]["dp"])) == 2)
 
 
 def test_a_model_s_stages_of_different_widths_come_from_its_graph() -> None:
@@ -215,3 +217,15 @@ def test_stages_of_different_widths_are_priced_beside_the_uniform_layouts(capsys
     assert sum(mixed["layers_per_stage"]) == 4 and mixed["predicted_step_time_s"] > mixed["pipeline_s"] > 0
     assert {c["tp"] for c in [data, *data["alternatives"]]} == {1}
     assert run_json(capsys, *gpt, "--devices", "32")["mixed_widths"] is None  # over the size searched
+
+
+def test_stages_of_different_dp_widths_are_priced_beside_the_uniform_layouts(capsys):
+    # 3 GPUs, 8 sequences: one pipeline may run a stage as 2 replicas of half of each micro-batch's rows
+    gpt = ["--gpt", "layers=2,hidden=1024,heads=16,vocab=50257", "--batch", "8", "--device", "a100-40gb"]
+    data = run_json(capsys, *gpt, "--devices", "3")
+    mixed = data["mixed_dp"]
+    assert mixed is not None and sum(mixed["dp"]) == 3 and len(set(mixed["dp"])) == 2
+    assert all((8 // mixed["num_microbatches"]) % w == 0 for w in mixed["dp"]) and 8 % mixed["num_microbatches"] == 0
+    assert sum(mixed["layers_per_stage"]) == 4 and mixed["predicted_step_time_s"] > mixed["pipeline_s"] > 0
+    assert run_json(capsys, *gpt, "--devices", "3", "--microbatches", "8")["mixed_dp"] is None  # 1 row each
+    assert run_json(capsys, *gpt, "--devices", "3", "--layout", "tp=1,pp=3")["mixed_dp"] is None  # that layout only

@@ -92,3 +92,21 @@ def test_recomputation_holds_each_micro_batch_s_input_and_one_micro_batch() -> N
     with pytest.raises(PartitionError):
         width_partition({1: plain}, [0.0], 1, 4, gpipe=True, memory_limit=25.0)
     assert width_partition({1: recomputed}, [0.0], 1, 4, gpipe=True, memory_limit=25.0).layers_per_stage == (2,)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_many_bottlenecks_are_tried_in_buckets_within_one_percent(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from plait.plan import submesh
+
+    rng = random.Random(100 + seed)
+    n, devices, widths = 8, 5, (1, 2, 3)
+    costs = _costs(rng, n, widths)
+    cuts = [float(rng.randint(0, 3)) for _ in range(n - 1)]
+    candidates = {sum(c.time[k:i]) for c in costs.values() for k in range(n) for i in range(k + 1, n + 1)}
+    assert len(candidates) > submesh.EXACT  # thinned
+    want = brute_force_widths(costs, cuts, devices, 8)
+    assert want is not None
+    got = width_partition(costs, cuts, devices, 8)
+    assert want.objective - 1e-9 <= got.objective <= want.objective * (1 + submesh.THIN)
+    monkeypatch.setattr(submesh, "EXACT", 10**9)  # every candidate: the optimum itself
+    assert width_partition(costs, cuts, devices, 8).objective == pytest.approx(want.objective)

@@ -83,3 +83,15 @@ def test_the_crossing_is_priced_and_the_cheaper_way_chosen(gather_latency: float
     assert found is not None and found.widths == (2, 1) and found.crossing == crossing
     assert found.pipeline_s == pytest.approx(6 + 6 + 3 * 6 + crossing_s)
     assert found.to_dict()["crossing"] == crossing
+
+
+def test_no_cut_inside_an_uncuttable_region_and_only_the_schedules_asked() -> None:
+    from dataclasses import replace
+
+    shares = {2: _shares(3, 2, (1.0, 0.0, 0.0))}
+    free = Cluster(FREE, math.inf)
+    whole = replace(_costs((4.0, 1.0, 1.0)), uncuttable=((0, 1),))  # no cut after layer 0
+    found = search_widths(whole, shares, 3, 4, free, (1, 2), microbatches=(4,))
+    assert found is not None and found.layers_per_stage[0] >= 2, found  # the best cut (after layer 0) is barred
+    gpipe = search_widths(_costs((4.0, 1.0, 1.0)), shares, 3, 4, free, (1, 2), microbatches=(4,), schedules=("gpipe",))
+    assert gpipe is not None and gpipe.schedule == "gpipe"

@@ -1,5 +1,5 @@
-"""Tests for plait.planner.widths: Config() takes one pipeline of stages of different tp widths
-only where it is predicted faster than every uniform layout and the config allows it."""
+"""Tests for plait.planner.widths: Config() takes one pipeline of stages of different tp or dp widths
+only where it is predicted faster than every uniform layout (and the other kind) and the config allows it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch import nn
 import plait
 from plait.capture.trace import capture_batch
 from plait.plan.cost import Cluster
+from plait.plan.dp_widths import search_dp_widths
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.network import Link, Network
 from plait.plan.search import SearchSpace
@@ -73,3 +74,53 @@ def test_recomputation_asked_for_is_what_the_widths_are_priced_with() -> None:
     assert "recomputed" in report.table
     plain = mixed_widths_choice(captured, plait.Config(), 3, result, cluster)
     assert plain is not None and plain[0]["recompute"] is False  # memory is no object here
+
+
+# -- stages of different dp widths ------------------------------------------------------------------
+
+def _embedding_like(grad_bytes: float = 3e8):
+    """A captured LayerNorm -> Linear -> ReLU -> Linear (4 layers) priced so that one pipeline of a
+    replicated stage must win at 4 rows on 3 ranks: the LayerNorm (which tp does not split) takes
+    0.03 s a row and has no gradients; the rest is nearly free but holds `grad_bytes` of gradients a
+    layer, which any stage of replicas all-reduces. Returns (net, captured, costs)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    captured = capture_batch(net, torch.randn(4, 8))
+    names = captured.layers.layer_names
+    zeros = (0.0,) * len(names)
+    row = (0.01, 1e-5, 1e-5, 1e-5)
+    grads = (0.0, grad_bytes, grad_bytes, grad_bytes)
+    costs = LayerCosts(names, zeros, row, zeros, tuple(2 * r for r in row), zeros, zeros, (64.0,) * 4, (32.0,) * 4,
+                       (1e3,) * 4, grads, zeros, input_row_bytes=32.0)
+    return net, captured, costs
+
+
+def test_a_heavy_layer_without_gradients_gets_two_replicas() -> None:
+    # pp=3 runs the LayerNorm on all 4 rows (0.12 s); dp=3 and the replicated stage run 2 rows each
+    # (0.06 s), but dp=3 all-reduces 0.9 GB; stage 0 = the LayerNorm on ranks 0 1, stage 1 the rest
+    _, captured, costs = _embedding_like()
+    cluster = Cluster(Network(Link(1e-5, 1e9), Link(1e-5, 1e9), 8), 2**34)
+    uniform = search_tp(costs, {}, 3, 4, cluster, SearchSpace(), degrees=(1,))
+    result = PlanResult(uniform, LayerProfile(costs, 4, 1, 1, 0.0, "test"), cluster, 3, 4)
+    found = mixed_widths_choice(captured, plait.Config(), 3, result, cluster)
+    assert found is not None
+    fields, report = found
+    assert (fields["dp_per_stage"], fields["layers_per_proc"]) == ([2, 1], [1, 3]) and "tp_per_stage" not in fields
+    assert fields["num_microbatches"] in (1, 2)  # 4 or 2 rows a micro-batch: each divides by 2
+    assert report.predicted_step_s is not None and report.predicted_step_s < result.best.step_time_s
+    assert report.chosen["stages"][0]["mesh"] == {"dp": 2, "tp": 1} and "stages of different dp widths" in report.table
+    config = dataclasses.replace(plait.Config(), **{**fields, "layers_per_proc": tuple(fields["layers_per_proc"])})
+    assert config.dp_per_stage == (2, 1) and config.lanes(3) == 2  # a config the runtime takes
+    assert mixed_widths_choice(captured, plait.Config(schedule="gpipe"), 3, result, cluster)[0]["schedule"] == "gpipe"
+    for refused in (plait.Config(zero=1), plait.Config(grad_reduction="sum"), plait.Config(num_stages=2),
+                    plait.Config(replan=True)):
+        assert mixed_widths_choice(captured, refused, 3, result, cluster) is None
+
+
+def test_the_faster_of_the_tp_and_the_dp_widths_is_taken() -> None:
+    # the heavy linear pair of `_setup` splits over tp; replicating it all-reduces its 0.1 s a layer
+    captured, result, cluster = _setup(1e-3)
+    dp = search_dp_widths(result.profile.costs, 3, BATCH, cluster)
+    assert dp is not None and dp.step_time_s > result.best.step_time_s  # found, and slower than uniform
+    fields, _ = mixed_widths_choice(captured, plait.Config(), 3, result, cluster)
+    assert "tp_per_stage" in fields
