@@ -22,9 +22,9 @@ each stage its width, for every micro-batch count, plain schedule (1F1B, GPipe) 
     closing     the loss sums' all-reduce over every rank
     optimizer   the slowest stage's optimizer step (each replica steps its whole stage)
 
-What is approximated: a hand-over is priced as the whole micro-batch's value on the pipeline's
-slowest link whichever widths it joins (a stage's w replicas each send r / w rows at once: an upper
-bound, exact where one side has one rank); the partition does not see the gradients' max over
+A hand-over between widths a and b is priced per pair of replicas, all at once, on the pipeline's
+slowest link (`plait.plan.row_blocks.row_crossing_time`: the busiest rank's messages and rows).
+What is approximated: the partition does not see the gradients' max over
 stages, so each (m, schedule, recomputation) is partitioned twice, as it is and with each layer's
 all-reduce bandwidth term (not overlapped: the stages' sum bounds their max) added to its fill at
 each width, and both layouts are priced as above; the one of one width a partition may return is
@@ -41,12 +41,15 @@ from plait.errors import PartitionError
 from plait.plan.cost import CLOSING_BYTES, Cluster, handover_term, last_bucket, partition_problem
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.layer_times import layer_times
-from plait.plan.network import all_reduce, point_to_point
+from plait.plan.network import all_reduce
+from plait.plan.row_blocks import row_crossing_time
 from plait.plan.search import SearchSpace
 from plait.plan.setting import Setting
 from plait.plan.submesh import WidthCosts, WidthLayout, width_partition
 
 __all__ = ["MixedDp", "dp_widths", "dp_width_costs", "row_cut_times", "price_dp_layout", "search_dp_widths"]
+
+Crossings = dict[tuple[int, int], list[float]]  # [(a, b)][k]: a cut after layer k from width a to width b
 
 
 def dp_widths(world_size: int) -> tuple[int, ...]:
@@ -85,12 +88,15 @@ def dp_width_costs(costs: LayerCosts, width: int, setting: Setting, cluster: Clu
     return WidthCosts(p.time, p.fill, p.fixed, p.per_held, p.once, p.entry)
 
 
-def row_cut_times(costs: LayerCosts, rows: int, cluster: Cluster, world_size: int) -> list[float]:
-    """[k]: a cut after layer k, forward and back: a micro-batch's `rows` rows of the value on the
-    pipeline's slowest link; inf inside an uncuttable region."""
+def row_cut_times(costs: LayerCosts, rows: int, cluster: Cluster, world_size: int,
+                  widths: Sequence[int] = (1,)) -> Crossings:
+    """[(a, b)][k]: a cut after layer k between stages of `widths` a and b, forward and back: each
+    pair of replicas the rows they share of a micro-batch's `rows`, on the pipeline's slowest link
+    (`row_crossing_time`); inf inside an uncuttable region."""
     link = cluster.network.link(range(world_size))
-    return [math.inf if any(a <= k < b for a, b in costs.uncuttable)
-            else 2 * point_to_point(costs.output_row_bytes[k] * rows, link) for k in range(costs.num_layers - 1)]
+    return {(a, b): [math.inf if any(lo <= k < hi for lo, hi in costs.uncuttable)
+                     else 2 * row_crossing_time(costs.output_row_bytes[k] * rows, a, b, link)
+                     for k in range(costs.num_layers - 1)] for a in widths for b in widths}
 
 
 def search_dp_widths(costs: LayerCosts, world_size: int, global_batch: int, cluster: Cluster,
@@ -114,7 +120,7 @@ def search_dp_widths(costs: LayerCosts, world_size: int, global_batch: int, clus
         usable = [w for w in widths if rows % w == 0]  # every micro-batch's rows divide by each width
         if len(usable) < 2:
             continue
-        cut_time = row_cut_times(costs, rows, cluster, world_size)
+        cut_time = row_cut_times(costs, rows, cluster, world_size, usable)
         for schedule in schedules:
             for again in space.recompute:
                 setting = Setting(1, 1, m, schedule, recompute=again)
@@ -142,7 +148,7 @@ def _floor(costs: LayerCosts, table: dict[int, WidthCosts], m: int, world_size: 
     return fill + (m - 1) * work / world_size + max(costs.optimizer_s)
 
 
-def _layouts(costs: LayerCosts, table: dict[int, WidthCosts], cut_time: list[float], setting: Setting,
+def _layouts(costs: LayerCosts, table: dict[int, WidthCosts], cut_time: Crossings, setting: Setting,
              cluster: Cluster, world_size: int) -> list[WidthLayout]:
     """The partition's mixed layouts of one (m, schedule, recomputation): as it is and with the
     gradients' all-reduce in the fills; where hand-overs take the ranks' time (it grows with the
@@ -154,9 +160,9 @@ def _layouts(costs: LayerCosts, table: dict[int, WidthCosts], cut_time: list[flo
         cap: int | None = None
         while cap is None or cap >= 2:
             try:
-                found = width_partition(costs_at, cut_time, world_size, setting.num_microbatches,
+                found = width_partition(costs_at, cut_time[(1, 1)], world_size, setting.num_microbatches,
                                         gpipe=setting.schedule == "gpipe", memory_limit=cluster.memory_bytes,
-                                        max_stages=cap)
+                                        max_stages=cap, cross=cut_time)
             except PartitionError:
                 break
             if len(set(found.widths)) > 1:  # one width: the uniform layouts' own
@@ -180,19 +186,20 @@ def price_dp_layout(costs: LayerCosts, layout: WidthLayout, setting: Setting, cl
     `setting`'s m, schedule and recomputation, as the module prices it (memory is not checked)."""
     rows = global_batch // setting.num_microbatches
     table = {w: dp_width_costs(costs, w, setting, cluster, global_batch) for w in set(layout.widths)}
-    return _price(costs, layout, setting, cluster, global_batch, (table, row_cut_times(costs, rows, cluster,
-                                                                                       sum(layout.widths))))
+    cut_time = row_cut_times(costs, rows, cluster, sum(layout.widths), sorted(set(layout.widths)))
+    return _price(costs, layout, setting, cluster, global_batch, (table, cut_time))
 
 
 def _price(costs: LayerCosts, layout: WidthLayout, setting: Setting, cluster: Cluster, global_batch: int,
-           terms: tuple[dict[int, WidthCosts], list[float]]) -> MixedDp:
+           terms: tuple[dict[int, WidthCosts], Crossings]) -> MixedDp:
     """`price_dp_layout` with the widths' costs and the cut times (`terms`) given."""
     table, cut_time = terms
     m, world, stages = setting.num_microbatches, sum(layout.widths), _stages(layout)
     stage_s = tuple(float(sum(table[w].time[a:b])) for w, a, b in stages)
     # T = fills + hand-overs + (m - 1) x the bottleneck (`width_partition`'s objective)
     pipeline = (sum(float(sum(table[w].fill[a:b])) for w, a, b in stages)
-                + sum(cut_time[b - 1] for _, _, b in stages[:-1]) + (m - 1) * max(stage_s)
+                + sum(cut_time[(w, after[0])][b - 1] for (w, _, b), after in zip(stages, stages[1:]))
+                + (m - 1) * max(stage_s)
                 + handover_term(Setting(len(stages), 1, m, setting.schedule), cluster.network.handover_cpu_s))
     reach, summed, first = [], [], 0
     for w, a, b in stages:

@@ -1,4 +1,4 @@
-"""The row map of cross-mesh resharding along the batch: which replica sends which rows of a micro-batch across a boundary of two dp widths."""
+"""The row map of cross-mesh resharding along the batch: which replica sends which rows of a micro-batch across a boundary of two dp widths, and what it costs."""
 
 from __future__ import annotations
 
@@ -7,8 +7,20 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from plait.errors import ConfigError
+from plait.plan.network import Link
 
-__all__ = ["RowMap", "row_block", "check_rows"]
+__all__ = ["RowMap", "row_block", "check_rows", "row_crossing_time"]
+
+
+def row_crossing_time(nbytes: float, senders: int, receivers: int, link: Link) -> float:
+    """One direction of `nbytes` (a micro-batch's value) from a stage of `senders` replicas to one of
+    `receivers`, each pair the rows their blocks share, all at once: the busiest rank's
+    ceil(max / min) messages and nbytes / min(senders, receivers) bytes (equal widths: each replica
+    its block to its counterpart)."""
+    if nbytes <= 0:
+        return 0.0
+    low, high = min(senders, receivers), max(senders, receivers)
+    return math.ceil(high / low) * link.latency_s + nbytes / low / link.bandwidth
 
 
 def row_block(rows: int, replicas: int, replica: int) -> tuple[int, int]:

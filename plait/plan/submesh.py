@@ -74,9 +74,8 @@ def width_partition(costs: Mapping[int, WidthCosts], cut_time: Sequence[float], 
                     max_stages: int | None = None,
                     cross: Mapping[tuple[int, int], Sequence[float]] | None = None) -> WidthLayout:
     """The stages (layers, width) of one pipeline on exactly `devices` ranks minimising T plus
-    the hand-overs: `cut_time[k]` (after layer k, both ways) between stages of one width,
-    `cross[(a, b)][k]` from a stage of width a to one of width b (None: `cut_time` too).
-    PartitionError when none fits."""
+    the hand-overs after layer k, both ways: `cross[(a, b)][k]` from a stage of width a to one of
+    width b, `cut_time[k]` for the pairs `cross` does not list. PartitionError when none fits."""
     widths = sorted(costs)
     n = len(next(iter(costs.values())).time) if costs else 0
     if not widths or n == 0 or devices < 1 or any(w < 1 for w in widths):
@@ -151,7 +150,7 @@ def _hand_overs(widths: list[int], cut_time: Sequence[float], cross: Mapping[tup
     hand = np.zeros((len(widths), len(widths), n + 1))
     for a, wa in enumerate(widths):
         for b, wb in enumerate(widths):
-            hand[a, b, 1:n] = np.asarray(cross.get((wa, wb), cut_time) if wa != wb else cut_time, dtype=np.float64)
+            hand[a, b, 1:n] = np.asarray(cross.get((wa, wb), cut_time), dtype=np.float64)
     return hand
 
 
@@ -275,7 +274,7 @@ def brute_force_widths(costs: Mapping[int, WidthCosts], cut_time: Sequence[float
                         fits = False
                         break
                     following = assign[s + 1] if s + 1 < p else w
-                    hand: Sequence[float] = (cross or {}).get((w, following), cut_time) if following != w else cut_time
+                    hand: Sequence[float] = (cross or {}).get((w, following), cut_time)
                     total += sum(c.fill[k:i]) + (hand[i - 1] if i < n else 0.0)
                     worst = max(worst, sum(c.time[k:i]))
                 if fits:

@@ -4,6 +4,7 @@ against every cut and width assignment on random instances, and by hand."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import math
 import random
 
@@ -153,7 +154,8 @@ def test_the_gradients_steer_the_cut_away_from_a_replicated_embedding() -> None:
     cluster = Cluster(NET, math.inf, optimizer_state_factor=0.0)
     setting = Setting(1, 1, 4, "1f1b")
     table = {w: dp_width_costs(costs, w, setting, cluster, 8) for w in (1, 2)}
-    plain = width_partition(table, row_cut_times(costs, 2, cluster, 3), 3, 4)
+    cuts = row_cut_times(costs, 2, cluster, 3, (1, 2))
+    plain = width_partition(table, cuts[(1, 1)], 3, 4, cross=cuts)
     assert (plain.layers_per_stage, plain.widths) == ((2, 1), (2, 1))
     found = search_dp_widths(costs, 3, 8, cluster, ONE_CASE)
     assert found is not None and (found.layers_per_stage, found.dp) == ((1, 2), (1, 2))
@@ -202,3 +204,13 @@ def test_hand_overs_that_take_the_ranks_time_favour_fewer_stages() -> None:
             assert found is None  # the partition's best is three stages of one rank: the uniform layouts'
         else:
             assert found is not None and sorted(found.dp) == [1, 2] and found.pipeline_s == pytest.approx(want)
+
+
+def test_a_cut_is_priced_by_the_widths_it_joins() -> None:
+    costs = replace(_costs((1.0, 1.0, 1.0), (0.0, 0.0, 0.0)), output_row_bytes=(1e6, 1e6, 1e6))
+    cluster = Cluster(Network(Link(0.0, 1e9), Link(0.0, 1e9), 8), math.inf)
+    cuts = row_cut_times(replace(costs, uncuttable=((1, 2),)), 4, cluster, 4, (1, 2))
+    # 4 rows of 1 MB, forward and back: 2 -> 2 each replica its 2 rows; 2 -> 1 and 1 -> 2 all 4 on one rank
+    assert cuts[(2, 2)][0] == pytest.approx(2 * 2e6 / 1e9) and cuts[(1, 1)][0] == pytest.approx(2 * 4e6 / 1e9)
+    assert cuts[(2, 1)][0] == cuts[(1, 2)][0] == pytest.approx(2 * 4e6 / 1e9)
+    assert cuts[(2, 2)][1] == math.inf  # inside the uncuttable region

@@ -58,3 +58,15 @@ def test_rows_that_do_not_divide_are_refused_with_the_fix() -> None:
         RowMap(0, 1)
     with pytest.raises(ConfigError, match="has no sender 2"):
         RowMap(2, 1).receivers_of(2)
+
+
+def test_a_row_crossing_costs_the_busiest_rank_s_messages_and_rows() -> None:
+    from plait.plan.network import Link
+    from plait.plan.row_blocks import row_crossing_time
+
+    link = Link(1e-3, 1e9)
+    assert row_crossing_time(8e6, 2, 2, link) == pytest.approx(1e-3 + 4e6 / 1e9)  # each replica its half
+    assert row_crossing_time(8e6, 2, 1, link) == pytest.approx(2e-3 + 8e6 / 1e9)  # the one receiver: both halves
+    assert row_crossing_time(8e6, 1, 4, link) == pytest.approx(4e-3 + 8e6 / 1e9)  # the one sender: four quarters
+    assert row_crossing_time(8e6, 4, 2, link) == pytest.approx(2e-3 + 4e6 / 1e9)
+    assert row_crossing_time(0.0, 2, 1, link) == 0.0
