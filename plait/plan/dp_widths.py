@@ -42,6 +42,7 @@ from plait.plan.cost import CLOSING_BYTES, Cluster, handover_term, last_bucket, 
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.layer_times import layer_times
 from plait.plan.network import all_reduce
+from plait.plan.partition import cuts_allowed
 from plait.plan.row_blocks import row_crossing_time
 from plait.plan.search import SearchSpace
 from plait.plan.setting import Setting
@@ -94,8 +95,8 @@ def row_cut_times(costs: LayerCosts, rows: int, cluster: Cluster, world_size: in
     pair of replicas the rows they share of a micro-batch's `rows`, on the pipeline's slowest link
     (`row_crossing_time`); inf inside an uncuttable region."""
     link = cluster.network.link(range(world_size))
-    return {(a, b): [math.inf if any(lo <= k < hi for lo, hi in costs.uncuttable)
-                     else 2 * row_crossing_time(costs.output_row_bytes[k] * rows, a, b, link)
+    allowed = cuts_allowed(costs.num_layers, costs.uncuttable)
+    return {(a, b): [2 * row_crossing_time(costs.output_row_bytes[k] * rows, a, b, link) if allowed[k] else math.inf
                      for k in range(costs.num_layers - 1)] for a in widths for b in widths}
 
 

@@ -15,6 +15,7 @@ from plait.plan.partition_band import BandedTables
 
 __all__ = [
     "balance",
+    "cuts_allowed",
     "check_partition",
     "PartitionProblem",
     "PartitionResult",
@@ -26,7 +27,7 @@ __all__ = [
 ]
 
 
-def _cuts_allowed(num_layers: int, uncuttable: Sequence[tuple[int, int]]) -> list[bool]:
+def cuts_allowed(num_layers: int, uncuttable: Sequence[tuple[int, int]]) -> list[bool]:
     """allowed[k]: a boundary may fall after layer k (0 <= k < num_layers - 1)."""
     return [all(not (a <= k < b) for a, b in uncuttable) for k in range(num_layers - 1)]
 
@@ -40,7 +41,7 @@ def balance(
     cost when the first i layers form s stages. O(num_chunks * n^2), n = len(costs).
     """
     n = len(costs)
-    allowed = _cuts_allowed(n, uncuttable)
+    allowed = cuts_allowed(n, uncuttable)
     if num_chunks > n or num_chunks < 1:
         raise PartitionError(
             f"cannot cut {n} layers into {num_chunks} stages; use between 1 and {n} stages"
@@ -312,7 +313,7 @@ class _Tables:
             raise PartitionError(
                 f"cannot cut {n} layers into {problem.num_chunks} stages; use between 1 and {n}"
             )
-        allowed = [True] + _cuts_allowed(n, problem.uncuttable) + [True]  # boundary k: after layer k-1
+        allowed = [True] + cuts_allowed(n, problem.uncuttable) + [True]  # boundary k: after layer k-1
         start = np.arange(n + 1)[:, None]
         end = np.arange(n + 1)[None, :]
         ok_bounds = np.array(allowed, dtype=bool)

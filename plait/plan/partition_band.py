@@ -81,7 +81,7 @@ class BandedTables:
             raise PartitionError(
                 f"cannot cut {n} layers into {problem.num_chunks} stages; use between 1 and {n}"
             )
-        allowed = np.ones(n + 1, dtype=bool)  # a cut after layer k - 1, as `_cuts_allowed`
+        allowed = np.ones(n + 1, dtype=bool)  # a cut after layer k - 1, as `cuts_allowed`
         for a, b in problem.uncuttable:
             allowed[a + 1: b + 1] = False
         self.allowed = allowed

@@ -23,6 +23,7 @@ from plait.config_widths import CROSSINGS
 from plait.plan.cost import CLOSING_BYTES, Cluster, partition_problem
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.network import Network, all_reduce
+from plait.plan.partition import cuts_allowed
 from plait.plan.setting import Setting, microbatch_rows
 from plait.plan.submesh import WidthCosts, width_partition
 from plait.plan.tiles import crossing_time
@@ -108,7 +109,7 @@ def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size:
 
 def _uncut(costs: LayerCosts, cut_time: Sequence[float]) -> list[float]:
     """`cut_time` with inf at the cuts inside an uncuttable region (no stage boundary there)."""
-    return [math.inf if any(a <= k < b for a, b in costs.uncuttable) else t for k, t in enumerate(cut_time)]
+    return [t if ok else math.inf for t, ok in zip(cut_time, cuts_allowed(costs.num_layers, costs.uncuttable))]
 
 
 def _crossings(costs: LayerCosts, rows: int, widths: list[int], network: Network, world_size: int,
