@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from plait.config_widths import CROSSINGS
 from plait.errors import ConfigError
 from plait.plan.network import Link, all_gather
 
-__all__ = ["TileMap", "crossing_time", "cheaper_crossing"]
+__all__ = ["TileMap", "crossing_time"]
 
 
 @dataclass(frozen=True)
@@ -123,13 +122,3 @@ def crossing_time(nbytes: float, senders: int, receivers: int, link: Link, local
     busiest = math.ceil(n / min(s, r))
     return busiest * (link.latency_s + nbytes / n / link.bandwidth) + all_gather(nbytes / r, r, local)
 
-
-def cheaper_crossing(nbytes: float, senders: int, receivers: int, link: Link, local_senders: Link,
-                     local_receivers: Link) -> tuple[str, float]:
-    """("tiles" or "whole", its time) for a value of `nbytes` forward and its gradient back (each
-    stage all-gathers on its own `local_*` link)."""
-    times = {mode: crossing_time(nbytes, senders, receivers, link, local_receivers, mode == "whole")
-             + crossing_time(nbytes, receivers, senders, link, local_senders, mode == "whole")
-             for mode in CROSSINGS}
-    mode = min(CROSSINGS, key=lambda m: times[m])
-    return mode, times[mode]

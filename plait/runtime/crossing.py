@@ -45,7 +45,7 @@ class Crossing:
         assert self.sending or rank in self.receivers, f"rank {rank} is on neither side of boundary {boundary}"
         self.me = (self.senders if self.sending else self.receivers).index(rank)
         self.group = group  # this rank's stage's tp group (None: the stage has one rank)
-        self._sent: dict[Hashable, list[torch.Tensor]] = {}  # per key: what was sent that requires grad
+        self._sent: dict[Hashable, list[torch.Tensor]] = {}  # per key: what was sent that requires grad (meta)
 
     @property
     def peers(self) -> list[int]:
@@ -69,7 +69,8 @@ class Crossing:
         """Send this sender's tiles of `values` to its receivers (`rows`: unused, as every rank of
         either stage holds the whole micro-batch)."""
         leaves, spec = pytree.tree_flatten([tuple(v) if isinstance(v, torch.Size) else v for v in values])
-        self._sent[key] = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+        self._sent[key] = [x.new_empty(x.shape, device="meta") for x in leaves
+                           if isinstance(x, torch.Tensor) and x.requires_grad]  # shapes only: no activation kept
         for peer, k in self._pairs(backward=False):
             skeleton, tiles, meta = [], [], []
             for position, x in enumerate(leaves):
@@ -120,10 +121,10 @@ class Crossing:
         for peer, k in self._pairs(backward=True):
             wire.send_tensors(whole + [g[slice(*self.back.bounds(g.numel(), k))] for g in cut], peer, tag)
 
-    def _grad_buffers(self, like: list[torch.Tensor], k: int) -> list[torch.Tensor]:
+    def _grad_buffers(self, like: list[torch.Tensor], k: int, device: torch.device) -> list[torch.Tensor]:
         """Buffers of one receiver's gradient message for `like`: whole ones, then tile k of the rest."""
-        whole = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in like if not self._cuts(t, self.back)]
-        return whole + [torch.empty(_size(self.back.bounds(t.numel(), k)), dtype=t.dtype, device=t.device)
+        whole = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in like if not self._cuts(t, self.back)]
+        return whole + [torch.empty(_size(self.back.bounds(t.numel(), k)), dtype=t.dtype, device=device)
                         for t in like if self._cuts(t, self.back)]
 
     def post_backward(self, wire: Wire, key: Hashable, tag: int) -> bool:
@@ -132,7 +133,7 @@ class Crossing:
         if like is None:
             return False
         for peer, k in self._pairs(backward=True):
-            wire.post_tensors(self._grad_buffers(like, k), peer, tag)
+            wire.post_tensors(self._grad_buffers(like, k, wire.device), peer, tag)
         return True
 
     def recv_backward(self, like: list[torch.Tensor], wire: Wire, tag: int, key: Hashable = None) -> list[torch.Tensor]:
@@ -144,7 +145,7 @@ class Crossing:
         flats = [torch.empty(t.numel(), dtype=t.dtype, device=t.device) for t in cut]
         got: list[torch.Tensor] = []
         for n, (peer, k) in enumerate(self._pairs(backward=True)):
-            message = wire.recv_tensors(self._grad_buffers(like, k), peer, tag)
+            message = wire.recv_tensors(self._grad_buffers(like, k, wire.device), peer, tag)
             if n == 0:
                 got = message[:len(whole)]
             for flat, tile in zip(flats, message[len(whole):]):
