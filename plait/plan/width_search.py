@@ -75,9 +75,9 @@ def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size:
     n = costs.num_layers
     counts = microbatches or [2**k for k in range(global_batch.bit_length()) if 2**k <= global_batch]
     closing = all_reduce(CLOSING_BYTES, world_size, cluster.network.reduce_link(range(world_size)))
-    best: MixedWidths | None = None
-    for m, schedule, again, crossing in ((m, s, r, c) for m in counts for s in schedules for r in recompute
-                                         for c in CROSSINGS):
+    cases = []
+    for index, (m, schedule, again, crossing) in enumerate(
+            (m, s, r, c) for m in counts for s in schedules for r in recompute for c in CROSSINGS):
         # the cuts priced on the slowest link of a pipeline over all the devices
         chain = Setting(max(1, min(world_size, n)), 1, m, schedule, recompute=again)
         cut_time = _uncut(costs, partition_problem(costs, chain, cluster, global_batch).cut_time)
@@ -88,6 +88,13 @@ def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size:
         rows = microbatch_rows(global_batch, 1, m)
         cross = {pair: _uncut(costs, times) for pair, times in
                  _crossings(costs, rows, list(lanes), cluster.network, world_size, crossing == "whole").items()}
+        floor = _floor(width_costs, lanes, m, world_size) + closing
+        cases.append((floor, index, m, schedule, again, crossing, width_costs, cut_time, cross))
+    best: MixedWidths | None = None
+    best_index = 0
+    for floor, index, m, schedule, again, crossing, width_costs, cut_time, cross in sorted(cases, key=lambda c: c[:2]):
+        if best is not None and floor > best.step_time_s * (1 + 1e-12):
+            break  # no later case can beat (or tie) the best found
         try:
             found = width_partition(width_costs, cut_time, world_size, m, schedule == "gpipe",
                                     cluster.memory_bytes, cross=cross)
@@ -101,10 +108,23 @@ def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size:
         stages = list(zip(found.widths, bounds, bounds[1:]))
         optimizer = max(sum(lanes[w].optimizer_s[a:b]) for w, a, b in stages)
         step = found.objective + closing + optimizer
-        if best is None or step < best.step_time_s - 1e-15 * max(1.0, abs(step)):
+        tie = 1e-15 * max(1.0, abs(step))
+        if best is None or step < best.step_time_s - tie or (step <= best.step_time_s + tie and index < best_index):
+            best_index = index  # among equal steps, the first in (m, schedule, recompute, crossing) order
             best = MixedWidths(found.layers_per_stage, found.widths, m, schedule, found.objective, step,
                                tuple(float(sum(width_costs[w].time[a:b])) for w, a, b in stages), again, crossing)
     return best if best is not None and math.isfinite(best.step_time_s) else None
+
+
+def _floor(table: Mapping[int, WidthCosts], lanes: Mapping[int, LayerCosts], m: int, devices: int) -> float:
+    """A step no layout of these widths beats, but for the closing all-reduce: each layer's least
+    fill, m - 1 bottlenecks of at least the mean rank-seconds of a micro-batch (sum_s w_s t_s over
+    the devices bounds max_s t_s from below), and the largest layer's least optimizer step."""
+    n = len(next(iter(table.values())).time)
+    fill = sum(min(c.fill[k] for c in table.values()) for k in range(n))
+    work = sum(min(w * c.time[k] for w, c in table.items()) for k in range(n))
+    optimizer = max(min(lanes[w].optimizer_s[k] for w in table) for k in range(n))
+    return fill + (m - 1) * work / devices + optimizer
 
 
 def _uncut(costs: LayerCosts, cut_time: Sequence[float]) -> list[float]:

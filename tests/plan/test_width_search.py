@@ -95,3 +95,25 @@ def test_no_cut_inside_an_uncuttable_region_and_only_the_schedules_asked() -> No
     assert found is not None and found.layers_per_stage[0] >= 2, found  # the best cut (after layer 0) is barred
     gpipe = search_widths(_costs((4.0, 1.0, 1.0)), shares, 3, 4, free, (1, 2), microbatches=(4,), schedules=("gpipe",))
     assert gpipe is not None and gpipe.schedule == "gpipe"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_floors_prune_nothing_that_wins(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    import random
+
+    from plait.plan import width_search
+
+    rng = random.Random(seed)
+    n = rng.randint(3, 6)
+    zeros = (0.0,) * n
+    forward = tuple(rng.uniform(0.5, 4.0) for _ in range(n))
+    costs = LayerCosts(tuple(f"l{i}" for i in range(n)), tuple(rng.uniform(0, 1) for _ in range(n)), forward,
+                       zeros, tuple(2 * f for f in forward), zeros, zeros, tuple(rng.uniform(0, 4) for _ in range(n)),
+                       tuple(rng.uniform(0, 1e6) for _ in range(n)), zeros, zeros,
+                       tuple(rng.uniform(0, 2) for _ in range(n)))
+    shares = {2: _shares(n, 2, tuple(rng.choice([0.0, 0.5, 1.0]) for _ in range(n)))}
+    cluster = Cluster(Network(Link(1e-4, 1e9), Link(1e-3, 1e8), 2), rng.choice([math.inf, 40.0]))
+    pruned = search_widths(costs, shares, 3, 8, cluster, (1, 2))
+    monkeypatch.setattr(width_search, "_floor", lambda *args: -math.inf)  # every case partitioned
+    every = search_widths(costs, shares, 3, 8, cluster, (1, 2))
+    assert pruned == every
