@@ -46,7 +46,7 @@ from plait.plan.partition import cuts_allowed
 from plait.plan.row_blocks import row_crossing_time
 from plait.plan.search import SearchSpace
 from plait.plan.setting import Setting
-from plait.plan.submesh import WidthCosts, WidthLayout, width_partition
+from plait.plan.submesh import WidthCosts, WidthLayout, pipeline_floor, width_partition
 
 __all__ = ["MixedDp", "dp_widths", "dp_width_costs", "row_cut_times", "price_dp_layout", "search_dp_widths"]
 
@@ -139,14 +139,10 @@ def search_dp_widths(costs: LayerCosts, world_size: int, global_batch: int, clus
 
 
 def _floor(costs: LayerCosts, table: dict[int, WidthCosts], m: int, world_size: int) -> float:
-    """A step no layout of these widths' costs beats, but for the closing all-reduce: each layer's
-    least fill, plus m - 1 bottlenecks of at least the mean rank-seconds of a micro-batch (stage s
-    runs w_s ranks for t_s; sum_s w_s t_s / sum_s w_s <= max_s t_s), plus the largest layer's
-    optimizer step (its stage steps at least that)."""
-    n = costs.num_layers
-    fill = sum(min(c.fill[k] for c in table.values()) for k in range(n))
-    work = sum(min(w * c.time[k] for w, c in table.items()) for k in range(n))
-    return fill + (m - 1) * work / world_size + max(costs.optimizer_s)
+    """A step no layout of these widths' costs beats, but for the closing all-reduce: the
+    pipeline's floor (`pipeline_floor`) plus the largest layer's optimizer step (its stage steps
+    at least that)."""
+    return pipeline_floor(table, m, world_size) + max(costs.optimizer_s)
 
 
 def _layouts(costs: LayerCosts, table: dict[int, WidthCosts], cut_time: Crossings, setting: Setting,

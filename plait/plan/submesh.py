@@ -35,7 +35,7 @@ import numpy.typing as npt
 
 from plait.errors import PartitionError
 
-__all__ = ["WidthCosts", "WidthLayout", "width_partition"]
+__all__ = ["WidthCosts", "WidthLayout", "width_partition", "pipeline_floor"]
 
 EXACT, THIN = 64, 0.01  # more bottleneck candidates than EXACT: tried in buckets 1% wide
 
@@ -126,6 +126,16 @@ def width_partition(costs: Mapping[int, WidthCosts], cut_time: Sequence[float], 
         )
     layout = best[1]
     return WidthLayout(layout.layers_per_stage, layout.widths, best[0])
+
+
+def pipeline_floor(table: Mapping[int, WidthCosts], num_microbatches: int, devices: int) -> float:
+    """A T no layout of these widths' costs on `devices` beats: each layer's least fill, plus m - 1
+    bottlenecks of at least the mean rank-seconds of a micro-batch (stage s runs w_s ranks for
+    t_s; sum_s w_s t_s / devices <= max_s t_s); hand-overs cost >= 0."""
+    n = len(next(iter(table.values())).time)
+    fill = sum(min(c.fill[k] for c in table.values()) for k in range(n))
+    work = sum(min(w * c.time[k] for w, c in table.items()) for k in range(n))
+    return fill + (num_microbatches - 1) * work / devices
 
 
 def _thinned(candidates: list[float]) -> list[float]:

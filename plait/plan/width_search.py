@@ -25,7 +25,7 @@ from plait.plan.layer_costs import LayerCosts
 from plait.plan.network import Network, all_reduce
 from plait.plan.partition import cuts_allowed
 from plait.plan.setting import Setting, microbatch_rows
-from plait.plan.submesh import WidthCosts, width_partition
+from plait.plan.submesh import WidthCosts, pipeline_floor, width_partition
 from plait.plan.tiles import crossing_time
 from plait.plan.tp_costs import TpShares, at_tp
 
@@ -117,14 +117,11 @@ def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size:
 
 
 def _floor(table: Mapping[int, WidthCosts], lanes: Mapping[int, LayerCosts], m: int, devices: int) -> float:
-    """A step no layout of these widths beats, but for the closing all-reduce: each layer's least
-    fill, m - 1 bottlenecks of at least the mean rank-seconds of a micro-batch (sum_s w_s t_s over
-    the devices bounds max_s t_s from below), and the largest layer's least optimizer step."""
+    """A step no layout of these widths beats, but for the closing all-reduce: the pipeline's floor
+    (`pipeline_floor`) and the largest layer's least optimizer step."""
     n = len(next(iter(table.values())).time)
-    fill = sum(min(c.fill[k] for c in table.values()) for k in range(n))
-    work = sum(min(w * c.time[k] for w, c in table.items()) for k in range(n))
     optimizer = max(min(lanes[w].optimizer_s[k] for w in table) for k in range(n))
-    return fill + (m - 1) * work / devices + optimizer
+    return pipeline_floor(table, m, devices) + optimizer
 
 
 def _uncut(costs: LayerCosts, cut_time: Sequence[float]) -> list[float]:
