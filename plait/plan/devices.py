@@ -65,9 +65,12 @@ class Device:
         return self.memory_bytes * fraction
 
 
-def _gpu_node(intra_gbs: float, inter_gbs: float, per_node: int = 8) -> Network:
-    """NVLink-class links inside a node (10 us), a network between nodes (30 us); GB/s."""
-    return Network(Link(10e-6, intra_gbs * 1e9), Link(30e-6, inter_gbs * 1e9), per_node)
+def _gpu_node(intra_gbs: float, inter_gbs: float, per_node: int = 8, reduce_gbs: float = 0.0) -> Network:
+    """NVLink-class links inside a node (10 us), a network between nodes (30 us); GB/s. `reduce_gbs`:
+    an all-reduce benchmark's bus bandwidth inside a node (nccl-tests' busbw, which is the ring
+    formula's bandwidth), where one was measured; else the all-reduce runs at the link's."""
+    reduce = Link(10e-6, reduce_gbs * 1e9) if reduce_gbs else None
+    return Network(Link(10e-6, intra_gbs * 1e9), Link(30e-6, inter_gbs * 1e9), per_node, reduce_intra=reduce)
 
 
 DEVICES: dict[str, Device] = {
@@ -79,15 +82,17 @@ DEVICES: dict[str, Device] = {
     # 2039 GB/s (A100 80GB data sheet). DGX A100 (its user guide): NVSwitch, 600 GB/s per GPU both
     # ways = 300 GB/s each way; 8 x 200 Gbit/s HDR InfiniBand per node = 25 GB/s per GPU.
     # Measured best bf16 matmul (MAMF table): 271.2 TFLOP/s at 1024 x 10240 x 5120 (A100 SXM).
-    "a100-40gb": Device("a100-40gb", 312e12, 1.0, 40 * GIB, 1555e9, _gpu_node(300, 25), 50e-6, sms=108,
-                        gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120)),
-    "a100-80gb": Device("a100-80gb", 312e12, 1.0, 80 * GIB, 2039e9, _gpu_node(300, 25), 50e-6, sms=108,
-                        gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120)),
+    # Measured all-reduce on 8 A100-SXM4-80GB over NVSwitch: ~200 GB/s busbw (nccl-tests issue 149).
+    "a100-40gb": Device("a100-40gb", 312e12, 1.0, 40 * GIB, 1555e9, _gpu_node(300, 25, reduce_gbs=200), 50e-6,
+                        sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120)),
+    "a100-80gb": Device("a100-80gb", 312e12, 1.0, 80 * GIB, 2039e9, _gpu_node(300, 25, reduce_gbs=200), 50e-6,
+                        sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120)),
     # H100 SXM 80GB (NVIDIA H100 data sheet): 989 TFLOP/s dense bf16, 132 SMs, 3.35 TB/s HBM3;
     # NVLink4 900 GB/s both ways = 450 each way; 400 Gbit/s NDR per GPU (DGX H100) = 50 GB/s.
     # Measured best bf16 matmul (MAMF table): 794.5 TFLOP/s at 2048 x 2048 x 13312 (H100 SXM).
-    "h100-80gb": Device("h100-80gb", 989e12, 1.0, 80 * GIB, 3350e9, _gpu_node(450, 50), 30e-6, sms=132,
-                        gemm_flops=794.5e12, gemm_shape=(2048, 2048, 13312)),
+    # NCCL's ring on NVLink4: ~370 GB/s busbw, the line rate less ~20% protocol (nccl-tests issue 212).
+    "h100-80gb": Device("h100-80gb", 989e12, 1.0, 80 * GIB, 3350e9, _gpu_node(450, 50, reduce_gbs=370), 30e-6,
+                        sms=132, gemm_flops=794.5e12, gemm_shape=(2048, 2048, 13312)),
     # MI250X, one GCD (AMD Instinct MI250X data sheet; what a process sees): 191.5 TFLOP/s fp16/bf16
     # matrix, 110 CUs, 64 GB HBM2e at 1.6 TB/s; 8 GCDs per node (Frontier), Infinity Fabric
     # ~50 GB/s between GCDs, 4 x 25 GB/s Slingshot per node = 12.5 GB/s per GCD.

@@ -4,7 +4,7 @@ One message of n bytes costs alpha + n / beta (`plait.plan.network.Link`). Rank 
 bytes to rank b, which sends them back; half the round trip, median of `repeats`, for sizes
 from 1 KiB to a few MiB, then a least-squares line through (n, seconds) gives alpha (the
 intercept) and beta (one over the slope). An all-reduce is timed the same way, on the same
-pair, and fitted to the ring formula 2(p-1) alpha + 2(p-1) n / (p beta) (Thakur et al. 2005):
+pair, waited for as the runtime waits (`plait.runtime.waiting`), and fitted to the ring formula 2(p-1) alpha + 2(p-1) n / (p beta) (Thakur et al. 2005):
 a library's collective has costs of its own that a ping-pong does not show (docs/benchmarks.md
 has a measured case). On CPU ranks (gloo) a hand-over also takes time from the ranks themselves:
 `measure_handover` times, while both ranks compute as pipeline stages do, the sender's send and
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from plait.job.ranks import local_world_size
 from plait.plan.network import Link, Network
 from plait.runtime.collectives import all_gather_text, broadcast_json, make_group
+from plait.runtime.waiting import finish
 
 __all__ = ["fit_link", "measure_link", "measure_all_reduce", "measure_handover", "calibrate"]
 
@@ -88,7 +89,7 @@ def measure_all_reduce(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = 
             for k in range(repeats + 1):  # the first one sets the group's connections up
                 dist.barrier(group)
                 start = time.perf_counter()
-                dist.all_reduce(buffer, group=group)
+                finish(dist.all_reduce(buffer, group=group, async_op=True))  # waited for as the runtime waits
                 if k:
                     samples.append(time.perf_counter() - start)
             times.append(statistics.median(samples))
@@ -167,7 +168,7 @@ def calibrate(cache_dir: str | os.PathLike[str] | None = None, repeats: int = 5)
     world = dist.get_world_size()
     per_node = local_world_size(world)
     hosts = all_gather_text(socket.gethostname())
-    key = f"v2-{dist.get_backend()}-{world}-{per_node}-{'-'.join(sorted(set(hosts)))}"
+    key = f"v3-{dist.get_backend()}-{world}-{per_node}-{'-'.join(sorted(set(hosts)))}"
     path = Path(cache_dir) / f"network-{key}.json" if cache_dir is not None else None
     stored = None
     if path is not None and dist.get_rank() == 0 and path.exists():

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.tensor_parts import whole_of, whole_shape
+from plait.runtime.waiting import finish
 
 __all__ = ["local_device", "make_group", "sum_floats", "failed_ranks", "max_floats", "start_sum_floats", "broadcast_tensors", "TiedGradients",
            "gather_state_dict", "gather_parts_to_first", "whole_split_tensors", "broadcast_json", "all_gather_text"]
@@ -94,7 +95,7 @@ class TiedGradients:
                 param.grad = torch.zeros_like(param)
             elif id(param) in self._silent:
                 param.grad.zero_()
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+            finish(dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group, async_op=True))
 
 
 def gather_state_dict(net: nn.Module, owner_of: dict[int, int],
@@ -194,11 +195,11 @@ def start_sum_floats(values: list[float]) -> Callable[[], list[float]]:
     t = torch.tensor(values, dtype=torch.float64, device=local_device())
     work = dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)
 
-    def finish() -> list[float]:
-        work.wait()
+    def summed() -> list[float]:
+        finish(work)
         return t.tolist()
 
-    return finish
+    return summed
 
 
 def broadcast_json(value: Any, src: int = 0) -> Any:

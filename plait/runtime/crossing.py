@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 
 from plait.plan.tiles import TileMap
 from plait.runtime.wire import Wire, dim_order, inverse_order
+from plait.runtime.waiting import finish
 
 __all__ = ["Crossing"]
 
@@ -176,7 +177,7 @@ def _all_gather(flat: torch.Tensor, tiles: TileMap, me: int, group: Any) -> None
     mine = torch.zeros(max(sizes), dtype=flat.dtype, device=flat.device)
     mine[:sizes[me]] = torch.cat([flat[lo:hi] for lo, hi in shares[me]])
     out = [torch.empty_like(mine) for _ in shares]
-    dist.all_gather(out, mine, group=group)
+    finish(dist.all_gather(out, mine, group=group, async_op=True))
     for share, got in zip(shares, out):
         offset = 0
         for lo, hi in share:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.plan.buckets import assign_buckets
+from plait.runtime.waiting import finish
 
 __all__ = ["GradientBuckets"]
 
@@ -174,7 +175,7 @@ class GradientBuckets:
         """Launch what is left, then wait for every bucket (ZeRO-2: then free the others' shares)."""
         self.flush()
         for _, work in self._works:
-            work.wait(self.timeout)
+            finish(work, self.timeout)
         self._works.clear()
         self._expected = 0
         if self.sharded:

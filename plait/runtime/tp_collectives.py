@@ -24,6 +24,7 @@ from torch import nn
 
 from plait.errors import ConfigError
 from plait.runtime.collectives import local_device
+from plait.runtime.waiting import finish
 from plait.tensor_parts import local_part, whole_of
 
 __all__ = ["reduce_sum", "sum_both_ways", "TpCollective", "VocabLookup", "SplitDropout", "same_generators"]
@@ -38,7 +39,7 @@ class _Copy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        finish(dist.all_reduce(grad, group=ctx.group, async_op=True))
         return grad, None
 
 
@@ -46,7 +47,7 @@ class _Reduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
+        finish(dist.all_reduce(x, group=group, async_op=True))
         return x
 
     @staticmethod
@@ -73,7 +74,7 @@ class _Gather(torch.autograd.Function):
         ctx.args = (dim, blocks, tp_rank, tp)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(tp)]
-        dist.all_gather(parts, x, group=group)
+        finish(dist.all_gather(parts, x, group=group, async_op=True))
         return whole_of(parts, dim, blocks)
 
     @staticmethod
@@ -84,7 +85,7 @@ class _Gather(torch.autograd.Function):
 
 def _gather_along(x: torch.Tensor, group: Any, dim: int, tp: int) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    finish(dist.all_gather(parts, x.contiguous(), group=group, async_op=True))
     return torch.cat(parts, dim)
 
 
@@ -92,7 +93,7 @@ def _reduce_scatter_along(x: torch.Tensor, group: Any, dim: int, tp: int) -> tor
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // tp, *front.shape[1:]))
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # its newer name, if any
-    scatter(out, front, group=group)
+    scatter(out, front, group=group)  # blocked: gloo's reduce-scatter Work never reports itself done
     return out.movedim(0, dim)
 
 

@@ -30,6 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from plait.capture.shard_rules import reshape_dim
 from plait.runtime.tp_collectives import TpCollective, reduce_sum, sum_both_ways
+from plait.runtime.waiting import finish
 
 __all__ = ["SplitLoss"]
 
@@ -111,7 +112,7 @@ class SplitLoss:
         """log_softmax over the split dimension `dim` of this rank's part (see the module)."""
         x = x.float() if to_float else x
         top = x.detach().amax(dim, keepdim=True)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
+        finish(dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
         shifted = x - top
         total = sum_both_ways(shifted.exp().sum(dim, keepdim=True), self.group)
         return shifted - total.log()
