@@ -2,7 +2,7 @@
 
 A blocked wait lets the rank's core go idle until the transport thread wakes it. On a virtual
 machine an idle virtual core is halted, and waking it again is up to the host's scheduler: a
-64 KiB gloo all-reduce between two idle ranks took a scheduler tick (~4 ms) one time in five,
+64 KiB gloo all-reduce between two idle ranks took a scheduler tick (~4 ms) one time in five to ten,
 against a median of 0.4 ms (docs/benchmarks.md, "Waiting for gloo"). A polled wait keeps the core
 running and hands it to every other runnable thread at once (`os.sched_yield`), as MPI's busy
 polling does: the transport's threads get the core the moment they are woken.
