@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # re-exported without __all__
 
 from plait.errors import ConfigError
+from plait.job.host_memory import keep_freed_memory
 from plait.job.ranks import RankInfo, is_loopback, resolve_ranks
 from plait.job.ranks import local_world_size as local_world_size_of_env
 
@@ -146,6 +147,8 @@ def init_process_group(
         existing = dist.get_rank(), dist.get_world_size()
         log.info("plait: rank %d of %d from the existing process group (backend %s)",
                  *existing, dist.get_backend())
+        if dist.get_backend() == "gloo":
+            keep_freed_memory()  # CPU ranks: a step's large buffers reused, not faulted in again
         return existing
 
     agree = _mpi4py_agree if importlib.util.find_spec("mpi4py") is not None else None
@@ -158,6 +161,8 @@ def init_process_group(
     backend = choose_backend(info.local_world_size)
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)  # one device per local rank
+    else:
+        keep_freed_memory()  # CPU ranks: a step's large buffers reused, not faulted in again
     if info.loopback:
         os.environ.update(loopback_interface_env())  # read by gloo/NCCL when the group is made
     log.info("plait: %s, backend %s", info.describe(), backend)
