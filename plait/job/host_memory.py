@@ -5,7 +5,7 @@ as pages of its own, unmapped when freed, and gives the heap's free top back to 
 its trim threshold (128 KiB). A training step allocates the same large buffers every time --
 gradients, flat gradient buckets, ZeRO's buffers of updated parameters -- so each step faults in
 every 4 KiB page of them again: on a 2-core virtual machine a data-parallel ZeRO-1 step of a
-134 MB MLP took 370-430 ms, and 278-298 ms with large blocks kept for reuse (docs/benchmarks.md,
+134 MB MLP took 517 ms, and 276 ms with large blocks kept for reuse (docs/benchmarks.md,
 "Keeping freed host memory"). `keep_freed_memory` raises both thresholds to 2 GiB (mallopt), once
 per process: on gloo ranks, with glibc, and not where the user set MALLOC_MMAP_THRESHOLD_ or
 MALLOC_TRIM_THRESHOLD_ (theirs wins). The price: memory a rank frees stays with it, for its own

@@ -4,9 +4,9 @@ One message of n bytes costs alpha + n / beta (`plait.plan.network.Link`). Rank 
 bytes to rank b, which sends them back; half the round trip, median of `repeats`, for sizes
 from 1 KiB to a few MiB, then a least-squares line through (n, seconds) gives alpha (the
 intercept) and beta (one over the slope). An all-reduce is timed the same way, on the same
-pair, waited for as the runtime waits (`plait.runtime.waiting`), and fitted to the ring formula 2(p-1) alpha + 2(p-1) n / (p beta) (Thakur et al. 2005):
-a library's collective has costs of its own that a ping-pong does not show (docs/benchmarks.md
-has a measured case). On CPU ranks (gloo) a hand-over also takes time from the ranks themselves:
+pair, waited for as the runtime waits (`plait.runtime.waiting`), and fitted to the ring formula
+2(p-1) alpha + 2(p-1) n / (p beta) (Thakur et al. 2005): a library's collective has costs of
+its own that a ping-pong does not show (docs/benchmarks.md has a measured case). On CPU ranks (gloo) a hand-over also takes time from the ranks themselves:
 `measure_handover` times, while both ranks compute as pipeline stages do, the sender's send and
 yield to the transport thread and the receiver's posting of its receive. Every rank of the group calls `measure_link` and
 `measure_all_reduce` (the others only wait for the broadcast result); `calibrate` measures a
