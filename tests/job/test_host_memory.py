@@ -9,7 +9,7 @@ import pytest
 
 from plait.job import host_memory
 
-# Allocates, touches and frees a 64 MB tensor, then counts the page faults of doing it again.
+# Allocates, touches and frees a 64 MB tensor, then counts the page faults of doing it four times more.
 PROBE = """
 import resource, sys, torch
 from plait.job.host_memory import keep_freed_memory
@@ -20,7 +20,8 @@ def touch():
     del t
 touch()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-touch()
+for _ in range(4):
+    touch()
 print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
@@ -41,8 +42,10 @@ def test_a_freed_64_mb_buffer_is_reused_without_faulting_its_pages_in_again(monk
     # glibc's own default trim threshold set by the user: plait leaves malloc as it is
     left, faults_default = _faults({"MALLOC_TRIM_THRESHOLD_": "131072"})
     assert kept and not left
-    assert faults_default > 10_000  # 64 MB of fresh 4 KiB pages, mapped again
-    assert faults_kept < faults_default / 10
+    assert faults_default > 4 * 16_000  # 64 MB of fresh 4 KiB pages, mapped again each time
+    # kept: the freed block is reused (a small allocation in its way can make the heap grow once
+    # more: 16384 faults in 23 of 30 probes, 0 in the others, against ~65,500 by default)
+    assert faults_kept < faults_default / 2
 
 
 def test_the_users_own_setting_wins(monkeypatch):
