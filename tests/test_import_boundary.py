@@ -4,7 +4,7 @@ talks to other ranks.
 The layers, bottom to top (a package imports only from its own layer or below, and within a layer only
 along the order written here, so that the packages form a chain, never a loop):
 
-    base        errors, config_widths, config, data, metrics, callbacks, materialize, tensor_parts
+    base        errors, config_widths, config, data, metrics, callbacks, materialize, tensor_parts, host
                                                           (the top-level modules but model)
     pure        capture, schedule, plan                   (no torch.distributed)
     job-side    runtime, job -> planner, checkpoint       (planner and checkpoint use runtime's
@@ -21,7 +21,7 @@ import plait
 ROOT = pathlib.Path(plait.__file__).parent
 
 # Each unit (a package, or a top-level module) and what it may import besides itself.
-BASE = {"errors", "config_widths", "config", "data", "metrics", "callbacks", "materialize", "tensor_parts"}
+BASE = {"errors", "config_widths", "config", "data", "metrics", "callbacks", "materialize", "tensor_parts", "host"}
 ALLOWED = {
     "errors": set(),
     "config_widths": {"errors"},
@@ -31,6 +31,7 @@ ALLOWED = {
     "callbacks": set(),
     "materialize": {"errors"},
     "tensor_parts": set(),
+    "host": set(),
     "capture": BASE,
     "schedule": BASE,
     "plan": BASE | {"schedule"},

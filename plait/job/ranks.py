@@ -25,14 +25,13 @@ no outgoing connection can be holding it.
 
 from __future__ import annotations
 
-import os
-
 import dataclasses
 import ipaddress
 import zlib
 from typing import Callable, Mapping
 
 from plait.errors import ConfigError
+from plait.host import local_world_size, usable_cores
 from plait.job.hostlist import expand_nodelist, expand_tasks_per_node
 
 __all__ = ["RankInfo", "resolve_ranks", "derived_port", "is_loopback", "SOURCES", "local_world_size",
@@ -97,20 +96,9 @@ class RankInfo:
                 f"from {SOURCE_NAMES[self.source]}{where}{origin}{skipped}")
 
 
-def local_world_size(default: int = 1) -> int:
-    """The ranks on this node: LOCAL_WORLD_SIZE as the launcher set it (torchrun, `plait run`;
-    plait's process group sets it from Slurm and MPI too), else `default`."""
-    value = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(value) if value.isdigit() and int(value) > 0 else default
-
-
 def threads_per_rank(local_ranks: int) -> int:
     """This machine's cores shared by `local_ranks` processes (what `plait run` gives each)."""
-    try:
-        cores = len(os.sched_getaffinity(0))  # the cores this process may use
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_ranks))
+    return max(1, usable_cores() // max(1, local_ranks))
 
 
 def is_loopback(host: str) -> bool:

@@ -27,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from plait.errors import ConfigError
+from plait.host import local_world_size, usable_cores
 
 __all__ = ["finish", "polls", "WAIT_ENV"]
 
@@ -44,13 +45,7 @@ def polls() -> bool:
         return forced == "poll"
     if not dist.is_initialized() or dist.get_backend() != "gloo":
         return False
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    node = os.environ.get("LOCAL_WORLD_SIZE", "")  # as the launcher set it; else all on this node
-    ranks = int(node) if node.isdigit() and int(node) > 0 else dist.get_world_size()
-    return ranks <= cores
+    return local_world_size(dist.get_world_size()) <= usable_cores()  # unknown: all ranks on this node
 
 
 def finish(work: Any, timeout: datetime.timedelta | None = None) -> None:
