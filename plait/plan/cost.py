@@ -71,6 +71,8 @@ class Cluster:
     (`Config.bucket_cap_mb`). overlap_gradients: the gradient sum starts while the last gradient
     pass runs, as plait's runtime does it (False: after the pipeline, as Megatron-LM's local DDP
     of 2021 all-reduces its gradient buffer once the forward-backward pass has returned).
+    owner_reduces: ZeRO-2 reduces each bucket to its owners (False: all-reduces it, as the runtime
+    does on gloo, whose reduces ran slower than its all-reduces inside a step; see GradientBuckets).
     """
 
     network: Network
@@ -78,6 +80,7 @@ class Cluster:
     optimizer_state_factor: float = 2.0
     bucket_bytes: float = DEFAULT_BUCKET_BYTES
     overlap_gradients: bool = True
+    owner_reduces: bool = True
 
     def __post_init__(self) -> None:
         if not self.memory_bytes > 0:
@@ -274,7 +277,7 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
     grad_sum, param_sum, step_sum = (_prefix(values) for values in (costs.grad_bytes, costs.param_bytes,
                                                                       costs.optimizer_s))
     # ZeRO-2 reduces each bucket to its owners: one reduce of 1/dp of it per owner
-    gradient_sum = by_owner if zero == 2 else all_reduce
+    gradient_sum = by_owner if zero == 2 and cluster.owner_reduces else all_reduce
     per_node = cluster.network.devices_per_node
     seen: dict[tuple[Any, ...], tuple[float, float, float, StateBytes]] = {}  # ranks alike priced once
     for r in range(p):
@@ -287,10 +290,14 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         layers = tuple(costs.grad_bytes[a:b] for a, b in ranges)
         key = (layers, params, one_node)
         if key not in seen:
-            link = cluster.network.reduce_link([setting.rank_of(r, d) for d in range(dp)])
+            replicas = [setting.rank_of(r, d) for d in range(dp)]
+            link = cluster.network.reduce_link(replicas)
             tail = gradient_sum(last_bucket([x for part in layers for x in part], cluster.bucket_bytes), dp, link)
-            # ZeRO: each owner broadcasts its updated share (1/dp of the trainable bytes) to the others
-            seen[key] = (gradient_sum(grads, dp, link), tail, by_owner(grads, dp, link) if zero else 0.0,
+            # ZeRO: each owner broadcasts its updated share (1/dp of the trainable bytes) to the others:
+            # copies, no sums, at the point-to-point link's rate (2 gloo ranks: two 16 MiB broadcasts
+            # took 10-11 ms, a send and a receive of 16 MiB each way 12-13, a 32 MiB all-reduce 23)
+            seen[key] = (gradient_sum(grads, dp, link), tail,
+                         by_owner(grads, dp, cluster.network.link(replicas)) if zero else 0.0,
                          _state(params, grads, setting, cluster))
         total, tail, shared, state = seen[key]
         summed.append(total)

@@ -2,8 +2,11 @@
 
 One message of n bytes costs alpha + n / beta (`plait.plan.network.Link`). Rank a sends n
 bytes to rank b, which sends them back; half the round trip, median of `repeats`, for sizes
-from 1 KiB to a few MiB, then a least-squares line through (n, seconds) gives alpha (the
-intercept) and beta (one over the slope). An all-reduce is timed the same way, on the same
+from 1 KiB to 32 MiB (past the gradient buckets' 25 MiB), then beta
+is one over the least-squares slope through the sizes of 1 MiB and more, where the bytes cost
+more than the latency, and alpha the median, over the smaller sizes, of what their times leave
+beyond n / beta (one fitted line would let the large sizes' noise set alpha and the small
+sizes' set beta, and the memory's caches bend the line between them). An all-reduce is timed the same way, on the same
 pair, waited for as the runtime waits (`plait.runtime.waiting`), and fitted to the ring formula
 2(p-1) alpha + 2(p-1) n / (p beta) (Thakur et al. 2005): a library's collective has costs of
 its own that a ping-pong does not show (docs/benchmarks.md has a measured case). On CPU ranks (gloo) a hand-over also takes time from the ranks themselves:
@@ -34,16 +37,31 @@ from plait.runtime.waiting import finish
 
 __all__ = ["fit_link", "measure_link", "measure_all_reduce", "measure_handover", "calibrate"]
 
-SIZES = tuple(2**k for k in range(10, 23, 2))  # 1 KiB .. 4 MiB
+# 1 KiB .. 4 MiB, then to 32 MiB: a gradient bucket's size (25 MiB cap), a ZeRO owner's broadcast
+SIZES = tuple(2**k for k in range(10, 23, 2)) + (2**23, 2**24, 2**25)
+LARGE = 2**20  # sizes from here fit the bandwidth; those below, the latency
 HANDOVER_BYTES = 64 * 1024
 BUSY_S = 1e-3  # compute around each timed hand-over, as a stage computes around its sends
 
 
 def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
-    """Least-squares alpha + n / beta through the measurements (latency clamped at >= 0)."""
+    """alpha + n / beta through the measurements. With two or more sizes of at least LARGE bytes
+    and some smaller: beta = their bytes over their time less alpha (a ratio of sums, which the
+    largest sizes weigh most), alpha the median, over the smaller sizes, of t - n / beta (>= 0).
+    Otherwise the least-squares line through all of them (latency clamped at >= 0)."""
     n = len(sizes)
     if n < 2 or len(seconds) != n:
         raise ValueError(f"need two or more (size, seconds) pairs, got {n} sizes, {len(seconds)} times")
+    large = [(x, y) for x, y in zip(sizes, seconds) if x >= LARGE]
+    small = [(x, y) for x, y in zip(sizes, seconds) if x < LARGE]
+    if len(large) >= 2 and small:
+        nbytes, taken = sum(x for x, _ in large), sum(y for _, y in large)
+        latency = 0.0
+        for _ in range(2):  # the bytes' time less the latency, then the latency of that bandwidth
+            slope = max(taken - len(large) * latency, 0.0) / nbytes
+            latency = max(statistics.median(y - x * slope for x, y in small), 0.0)
+        if slope > 0:
+            return Link(latency, 1.0 / slope)
     mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
     sxx = sum((x - mean_x) ** 2 for x in sizes)
     sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds))
@@ -168,7 +186,7 @@ def calibrate(cache_dir: str | os.PathLike[str] | None = None, repeats: int = 5)
     world = dist.get_world_size()
     per_node = local_world_size(world)
     hosts = all_gather_text(socket.gethostname())
-    key = f"v3-{dist.get_backend()}-{world}-{per_node}-{'-'.join(sorted(set(hosts)))}"
+    key = f"v4-{dist.get_backend()}-{world}-{per_node}-{'-'.join(sorted(set(hosts)))}"
     path = Path(cache_dir) / f"network-{key}.json" if cache_dir is not None else None
     stored = None
     if path is not None and dist.get_rank() == 0 and path.exists():

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from plait import data as batching
@@ -231,7 +232,8 @@ def _search_inputs(config: Config, world_size: int, work: Workload,
     cluster = local_cluster(local_world_size(world_size), network=network,
                             memory_bytes=config.memory_limit_bytes,
                             optimizer_state_factor=state_factor(work.optimizer),
-                            bucket_bytes=config.bucket_cap_mb * 2**20)
+                            bucket_bytes=config.bucket_cap_mb * 2**20,
+                            backend=dist.get_backend() if dist.is_initialized() else "")
     return space, source, cluster
 
 

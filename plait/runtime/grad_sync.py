@@ -29,7 +29,9 @@ from torch import nn
 from plait.plan.buckets import assign_buckets
 from plait.runtime.waiting import finish
 
-__all__ = ["GradientBuckets"]
+__all__ = ["GradientBuckets", "ALONE_BYTES"]
+
+ALONE_BYTES = 4 * 2**20  # a gradient this large is reduced where autograd put it, not copied into a bucket
 
 
 class GradientBuckets:
@@ -37,8 +39,9 @@ class GradientBuckets:
     or with `owner_rank` (ZeRO-2: id(parameter) -> the rank that steps it) reduced to each owner.
 
     With owners, a bucket holds one flat buffer per owner (its parameters in bucket order): each is
-    reduced to its owner, and after `finish` the others' buffers are freed, so the optimizer step
-    runs holding this rank's share of the gradients only (they come back at the next `prepare`).
+    reduced to its owner (on gloo all-reduced, which it runs faster), and after `finish` the others'
+    buffers are freed, so the optimizer step runs holding this rank's share of the gradients only
+    (they come back at the next `prepare`).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int,
@@ -47,6 +50,10 @@ class GradientBuckets:
         self.timeout = timedelta(seconds=timeout_s)
         self.rank = rank
         self.sharded = owner_rank is not None
+        # gloo's reduce ran slower than its all-reduce inside a step (mlp of benchmarks/tp_planner.py,
+        # ZeRO-2: 334 ms a step with reduces, 272 with all-reduces, ZeRO-1 258); NCCL's reduce moves
+        # half an all-reduce's bytes
+        self.all_reduces = dist.get_backend(group) == "gloo"
         # Backward runs roughly in reverse order of the forward: fill buckets from the end.
         ordered = list(params)[::-1]
         self.buckets: list[list[nn.Parameter]] = [
@@ -58,13 +65,14 @@ class GradientBuckets:
         # Each bucket's segments: (owner rank or None for all of them, its parameters). One flat buffer
         # per segment (a bucket holds one dtype); each parameter's .grad becomes a view into it at its
         # first gradient of a step, so autograd accumulates straight into the buffer that is reduced
-        # in place (DistributedDataParallel's gradient_as_bucket_view).
-        self._segments: list[list[tuple[int | None, list[nn.Parameter]]]] = [
-            [(None, b)] if owner_rank is None else
-            [(dst, [p for p in b if owner_rank[id(p)] == dst]) for dst in dict.fromkeys(owner_rank[id(p)] for p in b)]
-            for b in self.buckets
-        ]
+        # in place (DistributedDataParallel's gradient_as_bucket_view). A parameter of ALONE_BYTES or
+        # more is a segment of its own with no buffer: the gradient autograd made is reduced in place,
+        # which saves copying it (a collective more costs less than the copy from that size up).
+        self._segments = [_segments(b, owner_rank) for b in self.buckets]
         self._flats: list[list[torch.Tensor | None]] = [[None] * len(segs) for segs in self._segments]
+        self._alone = [(b, k, share[0]) for b, segs in enumerate(self._segments)
+                       for k, (_, share) in enumerate(segs) if len(share) == 1]
+        self._alone_at = {id(p): (b, k) for b, k, p in self._alone}
         self._view_of: dict[int, torch.Tensor] = {}
         self._allocate()
         self._counts: dict[int, int] = {}
@@ -79,10 +87,11 @@ class GradientBuckets:
         ]
 
     def _allocate(self) -> None:
-        """A flat buffer for every segment that has none (all at first; the others' after a ZeRO-2 step)."""
+        """A flat buffer for every segment of several parameters that has none (all at first; the
+        others' after a ZeRO-2 step)."""
         for b, segs in enumerate(self._segments):
             for k, (_, share) in enumerate(segs):
-                if self._flats[b][k] is None:
+                if self._flats[b][k] is None and len(share) > 1:
                     flat = torch.zeros(sum(p.numel() for p in share), dtype=share[0].dtype, device=share[0].device)
                     self._flats[b][k] = flat
                     for p, end in zip(share, _ends(share)):
@@ -121,6 +130,9 @@ class GradientBuckets:
         for b in self.buckets:
             for p in b:
                 p.grad = None
+        for index, k, alone in self._alone:  # the last step's gradient goes; this step's is adopted
+            self._flats[index][k] = None
+            self._view_of.pop(id(alone), None)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if self._expected == 0:
@@ -141,7 +153,11 @@ class GradientBuckets:
             self._next += 1
 
     def _adopt(self, param: torch.Tensor) -> None:
-        """Move `param`'s gradient into its view of the bucket, so later ones accumulate there."""
+        """Move `param`'s gradient into its view of the bucket, so later ones accumulate there (a
+        parameter alone in its segment: its gradient becomes the segment's buffer)."""
+        if id(param) in self._alone_at and id(param) not in self._view_of:
+            self._own(param, *self._alone_at[id(param)])
+            return
         view = self._view_of[id(param)]
         if param.grad is not view:
             if param.grad is None:
@@ -150,12 +166,22 @@ class GradientBuckets:
                 view.copy_(param.grad)
             param.grad = view
 
+    def _own(self, param: torch.Tensor, b: int, k: int) -> None:
+        """The gradient autograd made for `param` (zeros where it has none) as segment k of bucket
+        b, reduced in place; copied into a buffer of its own if it is not contiguous."""
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+        param.grad = grad
+        self._flats[b][k] = grad.view(-1)
+        self._view_of[id(param)] = grad
+
     def _launch(self, index: int) -> None:
         for p in self.buckets[index]:
             self._adopt(p)  # a parameter without a gradient (unused this step) counts as zero
         for (dst, _), flat in zip(self._segments[index], self._flats[index]):
             assert flat is not None  # allocated at `prepare`
-            if dst is None:
+            if dst is None or self.all_reduces:
                 work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             else:
                 work = dist.reduce(flat, dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -185,6 +211,20 @@ class GradientBuckets:
         """Detach the hooks from the parameters."""
         for h in self._handles:
             h.remove()
+
+
+def _segments(bucket: Sequence[nn.Parameter],
+              owner_rank: dict[int, int] | None) -> list[tuple[int | None, list[nn.Parameter]]]:
+    """A bucket's segments, in an order every replica shares: per owner (None: no owners, all-reduced),
+    each parameter of ALONE_BYTES or more alone, then the smaller ones together."""
+    owners = [None] if owner_rank is None else list(dict.fromkeys(owner_rank[id(p)] for p in bucket))
+    out: list[tuple[int | None, list[nn.Parameter]]] = []
+    for dst in owners:
+        share = [p for p in bucket if owner_rank is None or owner_rank[id(p)] == dst]
+        large = [p for p in share if p.numel() * p.element_size() >= ALONE_BYTES]
+        small = [p for p in share if p.numel() * p.element_size() < ALONE_BYTES]
+        out += [(dst, [p]) for p in large] + ([(dst, small)] if small else [])
+    return out
 
 
 def _ends(params: Sequence[nn.Parameter]) -> list[int]:

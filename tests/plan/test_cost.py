@@ -227,18 +227,20 @@ def test_a_layout_that_fits_only_with_zero_is_feasible_with_it() -> None:
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero_communication_by_hand(dp: int) -> None:
     # one stage of one layer, dp replicas, 1 micro-batch of 1 row: F 0-1 s, B 1-3 s; 4e9 bytes
-    # of gradients over 1 GB/s; the optimizer steps every parameter in 0.5 s. One layer is one
-    # bucket: it starts when the backward ends (3 s).
+    # of gradients; sums over the all-reduce's measured 0.5 GB/s, copies over the 1 GB/s link;
+    # the optimizer steps every parameter in 0.5 s. One layer is one bucket: it starts when the
+    # backward ends (3 s).
     costs = layer_costs(1, params=4e9, optimizer=0.5)
-    net = Network(Link(0.0, 1e9), Link(0.0, 1e9), 1)
+    net = Network(Link(0.0, 1e9), Link(0.0, 1e9), 1, reduce_intra=Link(0.0, 0.5e9), reduce_inter=Link(0.0, 0.5e9))
     cluster = Cluster(net, math.inf)
     p = dp
-    ring_all_reduce = 2 * (p - 1) / p * 4.0  # 2(p-1)/p x V / B
-    # as the runtime issues them: each owner's V/p reduced to it (gradients) or broadcast from it
-    # (parameters), one owner after another, each over a binary tree of log2(p) hops
-    by_owner = p * math.ceil(math.log2(p)) * (4.0 / p)
-    reduce_scatter = all_gather = by_owner
-    closing = 2 * (dp - 1) * 64 / (dp * 1e9)
+    ring_all_reduce = 2 * (p - 1) / p * 8.0  # 2(p-1)/p x V / B
+    # as the runtime issues them: each owner's V/p reduced to it (gradients, at the all-reduce's
+    # rate) or broadcast from it (parameters: copies, at the link's), one owner after another,
+    # each over a binary tree of log2(p) hops
+    reduce_scatter = p * math.ceil(math.log2(p)) * (8.0 / p)
+    all_gather = p * math.ceil(math.log2(p)) * (4.0 / p)
+    closing = 2 * (dp - 1) * 64 / (dp * 0.5e9)
     zero0, zero1, zero2 = (predict(costs, Setting(1, dp, 1, zero=z), cluster, dp, (1,)) for z in (0, 1, 2))
     assert zero0.allreduce_s == (pytest.approx(ring_all_reduce),) and zero0.gather_s == (0.0,)
     assert zero0.optimizer_s == (0.5,)
@@ -250,6 +252,10 @@ def test_zero_communication_by_hand(dp: int) -> None:
     # ZeRO-2: each bucket reduced to its owners instead (on 2 replicas: as long as the all-reduce)
     assert zero2.allreduce_s == (pytest.approx(reduce_scatter),) and zero2.gather_s == zero1.gather_s
     assert zero2.step_time_s == pytest.approx(3 + reduce_scatter + closing + 0.5 / dp + all_gather)
+    # where the runtime all-reduces ZeRO-2's buckets (gloo), they are priced as all-reduces
+    gloo = predict(costs, Setting(1, dp, 1, zero=2), Cluster(net, math.inf, owner_reduces=False), dp, (1,))
+    assert gloo.allreduce_s == zero0.allreduce_s and gloo.gather_s == zero1.gather_s
+    assert (gloo.allreduce_s[0] < zero2.allreduce_s[0]) == (dp > 2)
 
 
 def test_zero_settings_are_checked() -> None:

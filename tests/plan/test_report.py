@@ -63,7 +63,7 @@ def test_to_dict_is_the_chosen_fields_plus_the_context() -> None:
     assert data["costs"] == COSTS.to_dict()
     assert data["cluster"] == {"network": CLUSTER.network.to_dict(), "memory_bytes": 1e6,
                                "optimizer_state_factor": 2.0, "bucket_bytes": CLUSTER.bucket_bytes,
-                               "overlap_gradients": True}
+                               "overlap_gradients": True, "owner_reduces": True}
     with_check = planned(feedback=FEEDBACK, history=("2 stages: [3, 1]",)).to_dict()
     assert with_check["feedback"] == FEEDBACK.to_dict()
     assert with_check["earlier_layouts"] == ["2 stages: [3, 1]"]

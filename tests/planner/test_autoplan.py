@@ -43,3 +43,8 @@ def test_local_cluster_shares_the_machine():
     one, two = local_cluster(1), local_cluster(2)
     assert two.memory_bytes == pytest.approx(one.memory_bytes / 2)
     assert threads_per_rank(1) >= threads_per_rank(2) >= 1
+    # CPU ranks (gloo) sum gradients on the cores that compute: no overlap priced, and ZeRO-2's
+    # sums are the all-reduces the runtime issues there
+    gloo, nccl = local_cluster(2, backend="gloo"), local_cluster(2, backend="nccl")
+    assert (gloo.overlap_gradients, gloo.owner_reduces) == (False, False)
+    assert (nccl.overlap_gradients, nccl.owner_reduces) == (two.overlap_gradients, two.owner_reduces) == (True, True)

@@ -19,6 +19,17 @@ def test_fit_recovers_latency_and_bandwidth() -> None:
         fit_link([1.0], [1.0])
 
 
+def test_the_bandwidth_comes_from_the_large_sizes_and_the_latency_from_the_small():
+    sizes = [1e3, 1e4, 1e5, 2**20, 2**22, 2**25]
+    line = fit_link(sizes, [20e-6 + n / 2e9 for n in sizes])
+    assert line.latency_s == pytest.approx(20e-6, rel=1e-3) and line.bandwidth == pytest.approx(2e9, rel=1e-3)
+    # Small messages in the caches move 4x faster than large ones from memory: one line through
+    # all of them would price a 25 MiB gradient bucket at the small sizes' pace; the large ones
+    # set the bandwidth, and the latency stays a small-message figure.
+    bent = fit_link(sizes, [20e-6 + n / (4e9 if n < 2**20 else 1e9) for n in sizes])
+    assert bent.bandwidth == pytest.approx(1e9, rel=1e-2) and 0 < bent.latency_s < 20e-6
+
+
 def measure(rank, world, cache_dir):
     import torch.distributed as dist
 
@@ -42,4 +53,4 @@ def test_two_ranks_measure_the_same_link(tmp_path) -> None:
     assert first0["devices_per_node"] == 2 and again0 == first0
     # gloo on CPU ranks: a hand-over takes time from the ranks themselves (a send is not free)
     assert 1e-6 < first0["handover_cpu_s"] < 0.05
-    assert len(list(tmp_path.glob("network-v3-gloo-2-2-*.json"))) == 1
+    assert len(list(tmp_path.glob("network-v4-gloo-2-2-*.json"))) == 1
