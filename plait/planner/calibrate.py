@@ -2,14 +2,18 @@
 
 One message of n bytes costs alpha + n / beta (`plait.plan.network.Link`). Rank a sends n
 bytes to rank b, which sends them back; half the round trip, median of `repeats`, for sizes
-from 1 KiB to 32 MiB (past the gradient buckets' 25 MiB), then beta
-is one over the least-squares slope through the sizes of 1 MiB and more, where the bytes cost
-more than the latency, and alpha the median, over the smaller sizes, of what their times leave
-beyond n / beta (one fitted line would let the large sizes' noise set alpha and the small
-sizes' set beta, and the memory's caches bend the line between them). An all-reduce is timed the same way, on the same
-pair, waited for as the runtime waits (`plait.runtime.waiting`), and fitted to the ring formula
+from 1 KiB to 32 MiB (past the gradient buckets' 25 MiB). beta is the bytes of the sizes of 1 MiB
+and more over their time (less its latency), where the bytes cost more than the latency; alpha
+the median, over the smaller sizes, of what their times leave beyond n / beta (one line fitted
+through all would let the large sizes' noise set alpha and the small sizes' set beta, and the
+caches bend the line between them). An all-reduce is timed the same way, on the same pair, waited for as the runtime waits (`plait.runtime.waiting`), and fitted to the ring formula
 2(p-1) alpha + 2(p-1) n / (p beta) (Thakur et al. 2005): a library's collective has costs of
-its own that a ping-pong does not show (docs/benchmarks.md has a measured case). On CPU ranks (gloo) a hand-over also takes time from the ranks themselves:
+its own that a ping-pong does not show (docs/benchmarks.md has a measured case). Its sizes below
+1 MiB, which set alpha, are timed as a step meets them -- right after both ranks computed -- and
+averaged over four times the repeats: on CPU ranks such a collective now and then waits a
+scheduler tick for a thread pushed off its core, a tail that a step's sum of them pays and a
+median leaves out (2 gloo ranks: a 64 KiB all-reduce after compute, 0.8-1.9 ms mean against a
+0.4 ms median between idle ranks). On CPU ranks (gloo) a hand-over also takes time from the ranks themselves:
 `measure_handover` times, while both ranks compute as pipeline stages do, the sender's send and
 yield to the transport thread and the receiver's posting of its receive. Every rank of the group calls `measure_link` and
 `measure_all_reduce` (the others only wait for the broadcast result); `calibrate` measures a
@@ -42,6 +46,7 @@ SIZES = tuple(2**k for k in range(10, 23, 2)) + (2**23, 2**24, 2**25)
 LARGE = 2**20  # sizes from here fit the bandwidth; those below, the latency
 HANDOVER_BYTES = 64 * 1024
 BUSY_S = 1e-3  # compute around each timed hand-over, as a stage computes around its sends
+IN_STEP_REPEATS = 4  # times `repeats` all-reduces of each small size: their mean has a long tail
 
 
 def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
@@ -104,13 +109,16 @@ def measure_all_reduce(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = 
         for size in sizes:
             buffer = torch.zeros(size // 4, dtype=torch.float32)
             samples = []
-            for k in range(repeats + 1):  # the first one sets the group's connections up
+            in_step = size < LARGE  # the latency: as a step meets it, after compute, and its mean
+            for k in range(IN_STEP_REPEATS * repeats + 1 if in_step else repeats + 1):  # the first: set-up
                 dist.barrier(group)
+                if in_step:
+                    _compute(BUSY_S)
                 start = time.perf_counter()
                 finish(dist.all_reduce(buffer, group=group, async_op=True))  # waited for as the runtime waits
                 if k:
                     samples.append(time.perf_counter() - start)
-            times.append(statistics.median(samples))
+            times.append(statistics.mean(samples) if in_step else statistics.median(samples))
     link = _fitted_on(rank_a, sizes, times, latencies=2)  # intercept 2 alpha, slope 1 / beta
     if group is not dist.group.WORLD:
         dist.destroy_process_group(group)
