@@ -6,14 +6,15 @@ from 1 KiB to 32 MiB (past the gradient buckets' 25 MiB). beta is the bytes of t
 and more over their time (less its latency), where the bytes cost more than the latency; alpha
 the median, over the smaller sizes, of what their times leave beyond n / beta (one line fitted
 through all would let the large sizes' noise set alpha and the small sizes' set beta, and the
-caches bend the line between them). An all-reduce is timed the same way, on the same pair, waited for as the runtime waits (`plait.runtime.waiting`), and fitted to the ring formula
+caches bend the line between them). The sizes below 1 MiB, which set alpha, are timed as a
+step meets them -- right after both ranks computed -- and averaged over four times the repeats:
+on CPU ranks a message or collective now and then waits a scheduler tick for a thread pushed off
+its core, a tail that a step's sum of them pays and a median leaves out (2 gloo ranks, 1-256 KiB:
+a ping-pong's one way 0.5-1.1 ms mean after compute, 0.13-0.24 ms median between idle ranks; a 64
+KiB all-reduce 0.8-1.9 ms mean after compute, 0.4 ms median idle). An all-reduce is timed the
+same way, on the same pair, waited for as the runtime waits (`plait.runtime.waiting`), and fitted to the ring formula
 2(p-1) alpha + 2(p-1) n / (p beta) (Thakur et al. 2005): a library's collective has costs of
-its own that a ping-pong does not show (docs/benchmarks.md has a measured case). Its sizes below
-1 MiB, which set alpha, are timed as a step meets them -- right after both ranks computed -- and
-averaged over four times the repeats: on CPU ranks such a collective now and then waits a
-scheduler tick for a thread pushed off its core, a tail that a step's sum of them pays and a
-median leaves out (2 gloo ranks: a 64 KiB all-reduce after compute, 0.8-1.9 ms mean against a
-0.4 ms median between idle ranks). On CPU ranks (gloo) a hand-over also takes time from the ranks themselves:
+its own that a ping-pong does not show (docs/benchmarks.md has a measured case). On CPU ranks (gloo) a hand-over also takes time from the ranks themselves:
 `measure_handover` times, while both ranks compute as pipeline stages do, the sender's send and
 yield to the transport thread and the receiver's posting of its receive. Every rank of the group calls `measure_link` and
 `measure_all_reduce` (the others only wait for the broadcast result); `calibrate` measures a
@@ -84,7 +85,10 @@ def measure_link(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = SIZES,
     for size in sizes:
         buffer = torch.zeros(size, dtype=torch.uint8)
         samples = []
-        for k in range(repeats + 1):  # the first round trip sets the connection up
+        in_step = size < LARGE  # the latency: as a pipeline's hand-over meets it, after compute, and its mean
+        for k in range(IN_STEP_REPEATS * repeats + 1 if in_step else repeats + 1):  # the first: set-up
+            if in_step and me in (rank_a, rank_b):
+                _compute(BUSY_S)
             if me == rank_a:
                 start = time.perf_counter()
                 dist.send(buffer, rank_b)
@@ -94,7 +98,7 @@ def measure_link(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = SIZES,
             elif me == rank_b:
                 dist.recv(buffer, rank_a)
                 dist.send(buffer, rank_a)
-        times.append(statistics.median(samples) if samples else 0.0)
+        times.append((statistics.mean(samples) if in_step else statistics.median(samples)) if samples else 0.0)
     return _fitted_on(rank_a, sizes, times, latencies=1)
 
 
@@ -194,7 +198,7 @@ def calibrate(cache_dir: str | os.PathLike[str] | None = None, repeats: int = 5)
     world = dist.get_world_size()
     per_node = local_world_size(world)
     hosts = all_gather_text(socket.gethostname())
-    key = f"v4-{dist.get_backend()}-{world}-{per_node}-{'-'.join(sorted(set(hosts)))}"
+    key = f"v5-{dist.get_backend()}-{world}-{per_node}-{'-'.join(sorted(set(hosts)))}"
     path = Path(cache_dir) / f"network-{key}.json" if cache_dir is not None else None
     stored = None
     if path is not None and dist.get_rank() == 0 and path.exists():
