@@ -2,12 +2,13 @@
 
 Each row of Megatron-LM's weak-scaling table (Narayanan et al., SC'21: A100 80GB, sequence 2048,
 vocabulary 51200, full activation recomputation) is priced by `plait plan --gpt ... --layout
-tp=T,pp=P,recompute=1` on the a100-80gb preset -- the roofline of `plait.plan.roofline` from the
+tp=T,pp=P,recompute=1,overlap=O` (O: whether Megatron-LM's DDP summed the gradients beside the
+backward, as its run script set it) on the a100-80gb preset -- the roofline of `plait.plan.roofline` from the
 data sheet, no fitted efficiency -- and its predicted TFLOP/s per GPU (Megatron's FLOP count,
 SC'21 equation 3, over the predicted step) printed beside the published one (target: within 10%).
 Then the planner chooses freely; its choice must be predicted no slower than Megatron's layout.
-Beside them, not the target: the row as Megatron-LM's own run script ran it (micro-batch size,
-interleaving, its DDP overlapping the gradient all-reduce or not; examples/sc21/run_table_1.sh).
+Beside them, not the target: the row at the run script's micro-batch size and interleaving too
+(examples/sc21/run_table_1.sh).
 Last, Alpa's GPT-39B on 64 V100-16GB (8 per node): feasible or not, and its predicted throughput.
 
     python benchmarks/megatron_table.py [--rows 4]   (the 5th row, 1T on 3072 GPUs, plans longer)
@@ -71,8 +72,10 @@ def main() -> int:
     ok = True
     for name, layers, hidden, heads, t, p, gpus, batch, published in MEGATRON[: args.rows]:
         gpt = f"layers={layers},hidden={hidden},heads={heads},seq=2048,vocab=51200"
-        # as Megatron-LM ran it: gradients all-reduced after the forward-backward pass (local DDP)
-        given = plan(gpt, batch, gpus, "a100-80gb", "--layout", f"tp={t},pp={p},recompute=1,overlap=0")
+        # as Megatron-LM ran it: its DDP's gradient all-reduce beside the backward (torch's) or after
+        # the forward-backward pass (its local DDP)
+        overlapped = RUN_SCRIPT[name][2]
+        given = plan(gpt, batch, gpus, "a100-80gb", "--layout", f"tp={t},pp={p},recompute=1,overlap={int(overlapped)}")
         ours = plan(gpt, batch, gpus, "a100-80gb", "--layout", f"tp={t},pp={p},recompute=1")
         own = plan(gpt, batch, gpus, "a100-80gb")
         ratio = given["tflops_per_device"] / published
