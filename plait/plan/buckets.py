@@ -8,10 +8,18 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["FIRST_BUCKET_BYTES", "DEFAULT_BUCKET_BYTES", "assign_buckets"]
+__all__ = ["FIRST_BUCKET_BYTES", "DEFAULT_BUCKET_BYTES", "assign_buckets", "reduces_to_owners"]
 
 FIRST_BUCKET_BYTES = 2**20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # Config.bucket_cap_mb's default, as DistributedDataParallel's
+
+
+def reduces_to_owners(backend: str) -> bool:
+    """Whether ZeRO-2's buckets are reduced to their owners on `backend`, as the runtime issues them
+    and the cost model prices them: not on gloo, whose reduce ran slower than its all-reduce inside
+    a step (the mlp of benchmarks/tp_planner.py: 334 ms a step with reduces, 272 with all-reduces,
+    ZeRO-1 258), so the buckets are all-reduced there; NCCL's reduce moves half an all-reduce's bytes."""
+    return backend != "gloo"
 
 
 def assign_buckets(sizes: Sequence[float], dtypes: Sequence[Any], cap: float) -> list[list[int]]:

@@ -72,7 +72,7 @@ class Cluster:
     pass runs, as plait's runtime does it (False: after the pipeline, as Megatron-LM's local DDP
     of 2021 all-reduces its gradient buffer once the forward-backward pass has returned).
     owner_reduces: ZeRO-2 reduces each bucket to its owners (False: all-reduces it, as the runtime
-    does on gloo, whose reduces ran slower than its all-reduces inside a step; see GradientBuckets).
+    does on gloo; `plait.plan.buckets.reduces_to_owners`).
     """
 
     network: Network

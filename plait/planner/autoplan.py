@@ -21,7 +21,7 @@ from torch import nn
 
 from plait import data as batching
 from plait.errors import ConfigError
-from plait.plan.buckets import DEFAULT_BUCKET_BYTES
+from plait.plan.buckets import DEFAULT_BUCKET_BYTES, reduces_to_owners
 from plait.plan.cost import Cluster
 from plait.plan.devices import device
 from plait.capture.trace import CapturedGraph, capture, in_mode
@@ -106,16 +106,15 @@ def local_cluster(local_ranks: int, network: Network | None = None, memory_bytes
     On `backend` gloo (CPU ranks, whose own cores move and sum the bytes while every core
     computes) the gradient sum is priced after the backward pass instead of beside it (measured
     on 2 gloo ranks: a 16 MiB all-reduce run beside 19 ms of compute hid 3-35% of its time), and
-    ZeRO-2's sums as the all-reduces the runtime issues there (`GradientBuckets`)."""
+    ZeRO-2's sums as the runtime issues them (`plait.plan.buckets.reduces_to_owners`)."""
     if memory_bytes is None:
         try:
             total = float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         except (AttributeError, ValueError, OSError):
             total = device("cpu").memory_bytes
         memory_bytes = 0.9 * total / max(1, local_ranks)
-    cpu_ranks = backend == "gloo"
     return Cluster(network or device("cpu").network, memory_bytes, optimizer_state_factor, bucket_bytes,
-                   overlap_gradients=not cpu_ranks, owner_reduces=not cpu_ranks)
+                   overlap_gradients=backend != "gloo", owner_reduces=reduces_to_owners(backend))
 
 
 def profile_sample(net: nn.Module, sample: Any, world_size: int, options: PlanOptions = PlanOptions()) -> LayerProfile:

@@ -85,9 +85,8 @@ def measure_link(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = SIZES,
     for size in sizes:
         buffer = torch.zeros(size, dtype=torch.uint8)
         samples = []
-        in_step = size < LARGE  # the latency: as a pipeline's hand-over meets it, after compute, and its mean
-        for k in range(IN_STEP_REPEATS * repeats + 1 if in_step else repeats + 1):  # the first: set-up
-            if in_step and me in (rank_a, rank_b):
+        for k in range(_rounds(size, repeats)):  # the first sets the connection up
+            if size < LARGE and me in (rank_a, rank_b):  # a hand-over as a pipeline meets it: after compute
                 _compute(BUSY_S)
             if me == rank_a:
                 start = time.perf_counter()
@@ -98,7 +97,7 @@ def measure_link(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = SIZES,
             elif me == rank_b:
                 dist.recv(buffer, rank_a)
                 dist.send(buffer, rank_a)
-        times.append((statistics.mean(samples) if in_step else statistics.median(samples)) if samples else 0.0)
+        times.append(_typical(size, samples) if samples else 0.0)
     return _fitted_on(rank_a, sizes, times, latencies=1)
 
 
@@ -113,16 +112,15 @@ def measure_all_reduce(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = 
         for size in sizes:
             buffer = torch.zeros(size // 4, dtype=torch.float32)
             samples = []
-            in_step = size < LARGE  # the latency: as a step meets it, after compute, and its mean
-            for k in range(IN_STEP_REPEATS * repeats + 1 if in_step else repeats + 1):  # the first: set-up
+            for k in range(_rounds(size, repeats)):  # the first sets the group's connections up
                 dist.barrier(group)
-                if in_step:
+                if size < LARGE:  # as a step meets it: after compute
                     _compute(BUSY_S)
                 start = time.perf_counter()
                 finish(dist.all_reduce(buffer, group=group, async_op=True))  # waited for as the runtime waits
                 if k:
                     samples.append(time.perf_counter() - start)
-            times.append(statistics.mean(samples) if in_step else statistics.median(samples))
+            times.append(_typical(size, samples))
     link = _fitted_on(rank_a, sizes, times, latencies=2)  # intercept 2 alpha, slope 1 / beta
     if group is not dist.group.WORLD:
         dist.destroy_process_group(group)
@@ -167,6 +165,17 @@ def measure_handover(rank_a: int = 0, rank_b: int = 1, nbytes: int = HANDOVER_BY
             dist.send(mean, rank_a)
     dist.broadcast(mean, rank_a)
     return float(mean[0])
+
+
+def _rounds(size: int, repeats: int) -> int:
+    """Timed rounds of a size, plus one to set up: IN_STEP_REPEATS x `repeats` below LARGE, whose
+    mean has a long tail, else `repeats`."""
+    return (IN_STEP_REPEATS * repeats if size < LARGE else repeats) + 1
+
+
+def _typical(size: int, samples: Sequence[float]) -> float:
+    """A size's time: below LARGE the mean (a step's sum of them pays the tail), else the median."""
+    return statistics.mean(samples) if size < LARGE else statistics.median(samples)
 
 
 def _compute(seconds: float) -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.plan.buckets import assign_buckets
+from plait.plan.buckets import assign_buckets, reduces_to_owners
 from plait.runtime.waiting import finish
 
 __all__ = ["GradientBuckets", "ALONE_BYTES"]
@@ -50,10 +50,7 @@ class GradientBuckets:
         self.timeout = timedelta(seconds=timeout_s)
         self.rank = rank
         self.sharded = owner_rank is not None
-        # gloo's reduce ran slower than its all-reduce inside a step (mlp of benchmarks/tp_planner.py,
-        # ZeRO-2: 334 ms a step with reduces, 272 with all-reduces, ZeRO-1 258); NCCL's reduce moves
-        # half an all-reduce's bytes
-        self.all_reduces = dist.get_backend(group) == "gloo"
+        self.all_reduces = not reduces_to_owners(dist.get_backend(group))
         # Backward runs roughly in reverse order of the forward: fill buckets from the end.
         ordered = list(params)[::-1]
         self.buckets: list[list[nn.Parameter]] = [

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from plait.plan.buckets import FIRST_BUCKET_BYTES, assign_buckets
+from plait.plan.buckets import FIRST_BUCKET_BYTES, assign_buckets, reduces_to_owners
 
 MB = 2**20
 F32 = torch.float32
@@ -38,3 +38,8 @@ def test_every_tensor_is_in_exactly_one_bucket_in_order(cap):
     buckets = assign_buckets(sizes, [F32] * len(sizes), cap)
     assert [i for b in buckets for i in b] == list(range(len(sizes)))
     assert all(b for b in buckets)
+
+
+def test_zero2_buckets_go_to_their_owners_except_on_gloo() -> None:
+    # one rule for the runtime's GradientBuckets and the cost model's Cluster.owner_reduces
+    assert reduces_to_owners("nccl") and not reduces_to_owners("gloo")
