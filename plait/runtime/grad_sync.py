@@ -67,9 +67,8 @@ class GradientBuckets:
         # which saves copying it (a collective more costs less than the copy from that size up).
         self._segments = [_segments(b, owner_rank) for b in self.buckets]
         self._flats: list[list[torch.Tensor | None]] = [[None] * len(segs) for segs in self._segments]
-        self._alone = [(b, k, share[0]) for b, segs in enumerate(self._segments)
-                       for k, (_, share) in enumerate(segs) if len(share) == 1]
-        self._alone_at = {id(p): (b, k) for b, k, p in self._alone}
+        self._alone_at = {id(share[0]): (b, k) for b, segs in enumerate(self._segments)
+                          for k, (_, share) in enumerate(segs) if len(share) == 1}
         self._view_of: dict[int, torch.Tensor] = {}
         self._allocate()
         self._counts: dict[int, int] = {}
@@ -127,9 +126,9 @@ class GradientBuckets:
         for b in self.buckets:
             for p in b:
                 p.grad = None
-        for index, k, alone in self._alone:  # the last step's gradient goes; this step's is adopted
+        for alone, (index, k) in self._alone_at.items():  # the last step's gradient goes; this step's is adopted
             self._flats[index][k] = None
-            self._view_of.pop(id(alone), None)
+            self._view_of.pop(alone, None)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if self._expected == 0:
