@@ -173,7 +173,7 @@ def gpt_costs(spec: GptSpec, dev: Device, optimizer: str = "adam") -> LayerCosts
     s, h, a, vocab, d = spec.seq, spec.hidden, spec.heads, spec.vocab, dev.dtype_bytes
     overhead = dev.kernel_overhead_s
     block, head = _block_and_head(spec, dev, 1)
-    embed_s = 2 * s * h * d / dev.memory_bandwidth  # gather rows, add positions
+    embed_s = 2 * s * h * d / dev.bandwidth  # gather rows, add positions
     names = ["embedding"] + [f"block{i}" for i in range(spec.layers)] + ["head"]
     n = len(names)
     forward_row = [embed_s] + [block.forward_s] * spec.layers + [head.forward_s]
@@ -182,7 +182,7 @@ def gpt_costs(spec: GptSpec, dev: Device, optimizer: str = "adam") -> LayerCosts
     block_act = s * h * (34 + 5 * a * s / h) * d / 2
     head_act = 2 * s * h * d + s * vocab * (d + 4)  # normed input, logits, fp32 softmax
     params = [(vocab + s) * h] + [12 * h * h + 13 * h] * spec.layers + [vocab * h + 2 * h]
-    traffic = OPTIMIZER_TRAFFIC[optimizer] / dev.memory_bandwidth
+    traffic = OPTIMIZER_TRAFFIC[optimizer] / dev.bandwidth
     return LayerCosts(
         names=tuple(names),
         forward_fixed_s=(overhead,) * n, forward_row_s=tuple(forward_row),

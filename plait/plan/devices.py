@@ -37,6 +37,7 @@ class Device:
     sms: int = 0  # streaming multiprocessors (compute units): > 0 times operators by the roofline
     gemm_flops: float = 0.0  # a GEMM benchmark's best measured FLOP/s (0: none; the roofline uses peak)
     gemm_shape: tuple[int, int, int] = (0, 0, 0)  # the (M, N, K) it was measured at
+    stream_bandwidth: float = 0.0  # a copy benchmark's best measured bytes/s (0: none; the data sheet's)
 
     def __post_init__(self) -> None:
         if not (0 < self.efficiency <= 1):
@@ -49,7 +50,13 @@ class Device:
         """The roofline's view of a GPU preset (None: a CPU, timed by `flops`)."""
         if not self.sms:
             return None
-        return Gpu(self.peak_flops, self.sms, self.memory_bandwidth, self.dtype_bytes, self.gemm_flops, self.gemm_shape)
+        return Gpu(self.peak_flops, self.sms, self.memory_bandwidth, self.dtype_bytes, self.gemm_flops, self.gemm_shape,
+                   self.stream_bandwidth)
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes/s memory-bound work moves at: a copy benchmark's measured best, else the data sheet's."""
+        return self.stream_bandwidth or self.memory_bandwidth
 
     @property
     def flops(self) -> float:
@@ -83,16 +90,24 @@ DEVICES: dict[str, Device] = {
     # ways = 300 GB/s each way; 8 x 200 Gbit/s HDR InfiniBand per node = 25 GB/s per GPU.
     # Measured best bf16 matmul (MAMF table): 271.2 TFLOP/s at 1024 x 10240 x 5120 (A100 SXM).
     # Measured all-reduce on 8 A100-SXM4-80GB over NVSwitch: ~200 GB/s busbw (nccl-tests issue 149).
+    # Measured HBM read bandwidth of an A100 80GB SXM: 1.80 TB/s, 88% of the data sheet's in Nsight
+    # Compute (NVIDIA developer forums, "Trouble to reach peak bandwidth of A100").
     "a100-40gb": Device("a100-40gb", 312e12, 1.0, 40 * GIB, 1555e9, _gpu_node(300, 25, reduce_gbs=200), 50e-6,
                         sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120)),
     "a100-80gb": Device("a100-80gb", 312e12, 1.0, 80 * GIB, 2039e9, _gpu_node(300, 25, reduce_gbs=200), 50e-6,
-                        sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120)),
+                        sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120), stream_bandwidth=1800e9),
     # H100 SXM 80GB (NVIDIA H100 data sheet): 989 TFLOP/s dense bf16, 132 SMs, 3.35 TB/s HBM3;
     # NVLink4 900 GB/s both ways = 450 each way; 400 Gbit/s NDR per GPU (DGX H100) = 50 GB/s.
     # Measured best bf16 matmul (MAMF table): 794.5 TFLOP/s at 2048 x 2048 x 13312 (H100 SXM).
     # NCCL's ring on NVLink4: ~370 GB/s busbw, the line rate less ~20% protocol (nccl-tests issue 212).
     "h100-80gb": Device("h100-80gb", 989e12, 1.0, 80 * GIB, 3350e9, _gpu_node(450, 50, reduce_gbs=370), 30e-6,
                         sms=132, gemm_flops=794.5e12, gemm_shape=(2048, 2048, 13312)),
+    # H200 SXM 141GB (NVIDIA H200 data sheet): the H100's 989 TFLOP/s dense bf16, 132 SMs and
+    # NVLink4, 4.8 TB/s HBM3e; 143771 MiB as nvidia-smi reports it; DGX H200: 400 Gbit/s NDR per GPU.
+    # Measured on one H200 by benchmarks/roofline_gpu.py (docs/benchmarks.md): best bf16 matmul
+    # 779.9 TFLOP/s at 8192^3, copy 4.15 TB/s (read + written).
+    "h200-141gb": Device("h200-141gb", 989e12, 1.0, 143771 * 2**20, 4800e9, _gpu_node(450, 50, reduce_gbs=370), 30e-6,
+                         sms=132, gemm_flops=779.9e12, gemm_shape=(8192, 8192, 8192), stream_bandwidth=4150e9),
     # MI250X, one GCD (AMD Instinct MI250X data sheet; what a process sees): 191.5 TFLOP/s fp16/bf16
     # matrix, 110 CUs, 64 GB HBM2e at 1.6 TB/s; 8 GCDs per node (Frontier), Infinity Fabric
     # ~50 GB/s between GCDs, 4 x 25 GB/s Slingshot per node = 12.5 GB/s per GCD.

@@ -3,7 +3,8 @@
 A GEMM of M x K by K x N (`batch` of them) takes (Williams et al. 2009; NVIDIA, "Matrix
 Multiplication Background User's Guide", 2023, chapters 2-3):
 
-    max(2 M N K batch / (rate x quantization x k_fill), (M K + K N + M N) batch x dtype / bandwidth)
+    max(2 M N K batch / (rate x quantization x k_fill), (M K + K N) batch x dtype / bandwidth)
+      + M N batch x dtype / bandwidth
 
     quantization  cuBLAS cuts the output into tiles (256x128, 128x256, 128x128, 128x64, 64x128,
                   64x64) that run in waves of one tile per SM: the useful M N batch over
@@ -17,11 +18,17 @@ Multiplication Background User's Guide", 2023, chapters 2-3):
                   the Maximum Achievable Matmul FLOPS of Bekman's ML Engineering book), that
                   figure over this model's own quantization x k_fill at that shape -- so the
                   roofline gives the measured figure back at the measured shape
+    epilogue      the output tile is stored after the main loop over K, not beside it (CUTLASS's
+                  multistage kernels run their epilogue once the K loop ends), so writing C adds
+                  to the time where reading A and B overlaps the FLOPs; it shows where C is large
+                  for its K, e.g. the attention scores q k^T (K = head size)
+    bandwidth     the data sheet's, or a copy benchmark's measured best where one was measured
+                  (`stream_bandwidth`: no kernel reaches the data sheet's HBM figure)
 
 Element-wise operators (layer norms, the softmax, GeLU, dropouts, residual adds, fused as
 Megatron-LM fuses them) move their bytes at the memory bandwidth. No efficiency is fitted: the
-device's peak, SM count and bandwidth are its data sheet's; a measured GEMM rate is a GEMM
-benchmark's, never fitted to the training throughput being predicted.
+device's peak, SM count and bandwidth are its data sheet's; a measured GEMM rate or copy bandwidth
+is a benchmark's, never fitted to the training throughput being predicted.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ PIPELINE_K = 3 * 32
 @dataclass(frozen=True)
 class Gpu:
     """What the roofline reads of a GPU: tensor-core peak, SMs, memory bandwidth, element size, and
-    a GEMM benchmark's best rate and its shape (M, N, K) where one was measured."""
+    a GEMM benchmark's best rate and its shape (M, N, K), and a copy benchmark's bandwidth, where
+    they were measured."""
 
     peak_flops: float
     sms: int
@@ -46,6 +54,12 @@ class Gpu:
     dtype_bytes: int = 2
     measured_flops: float = 0.0
     measured_shape: tuple[int, int, int] = (0, 0, 0)
+    stream_bandwidth: float = 0.0
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes/s the roofline moves memory at: the measured copy bandwidth, else the data sheet's."""
+        return self.stream_bandwidth or self.memory_bandwidth
 
     @property
     def rate(self) -> float:
@@ -54,7 +68,11 @@ class Gpu:
         if self.measured_flops <= 0:
             return self.peak_flops
         m, n, k = self.measured_shape
-        return min(self.peak_flops, self.measured_flops / (quantization(m, n, 1, self.sms) * k / (k + PIPELINE_K)))
+        flops = 2.0 * m * n * k
+        main_loop = flops / self.measured_flops - m * n * self.dtype_bytes / self.bandwidth  # less the epilogue
+        if main_loop <= 0:
+            return self.peak_flops
+        return min(self.peak_flops, flops / (main_loop * quantization(m, n, 1, self.sms) * k / (k + PIPELINE_K)))
 
 
 def quantization(m: int, n: int, batch: int, sms: int) -> float:
@@ -72,13 +90,13 @@ def gemm_s(m: int, n: int, k: int, gpu: Gpu, batch: int = 1) -> float:
     if min(m, n, k, batch) <= 0:
         return 0.0
     compute = 2.0 * m * n * k * batch / (gpu.rate * quantization(m, n, batch, gpu.sms) * k / (k + PIPELINE_K))
-    traffic = (m * k + k * n + m * n) * batch * gpu.dtype_bytes / gpu.memory_bandwidth
-    return max(compute, traffic)
+    reads = (m * k + k * n) * batch * gpu.dtype_bytes / gpu.bandwidth
+    return max(compute, reads) + m * n * batch * gpu.dtype_bytes / gpu.bandwidth
 
 
 def memory_s(nbytes: float, gpu: Gpu) -> float:
     """Seconds to read and write `nbytes` in all at the memory bandwidth."""
-    return nbytes / gpu.memory_bandwidth
+    return nbytes / gpu.bandwidth
 
 
 @dataclass(frozen=True)

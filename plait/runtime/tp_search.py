@@ -129,10 +129,10 @@ def _preset_name(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"
     name = torch.cuda.get_device_name(device).lower()
-    for key, preset in (("v100", "v100-16gb"), ("a100", "a100-80gb"), ("mi250", "mi250x")):
+    for key, preset in (("v100", "v100-16gb"), ("a100", "a100-80gb"), ("mi250", "mi250x"), ("h200", "h200-141gb")):
         if key in name:
             return preset
-    return "h100-80gb"  # H100, H200 and newer: the nearest preset
+    return "h100-80gb"  # H100 and newer: the nearest preset
 
 
 def searched_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping[str, str] | None,

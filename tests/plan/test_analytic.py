@@ -55,10 +55,11 @@ def test_a_gpu_preset_times_each_block_by_the_roofline() -> None:
     assert (costs.forward_row_s[1], costs.backward_row_s[1], costs.weight_row_s[1]) == (
         block.forward_s, block.backward_s, block.weight_s)
     assert costs.forward_row_s[-1] == head.forward_s
-    # no efficiency factor: Megatron's FLOPs of a block run between 50% and 100% of the peak here
+    # no efficiency factor: Megatron's FLOPs of a block run between 40% and 100% of the peak here
+    # (its published 1.7B row: 137 of 312 TFLOP/s a GPU over the whole step)
     flops = 72 * spec.seq * spec.hidden**2 * (1 + spec.seq / (6 * spec.hidden))
     rate = flops / (block.forward_s + block.backward_s + block.weight_s) / dev.peak_flops
-    assert 0.5 < rate < 1.0
+    assert 0.4 < rate < 1.0
 
 
 def test_tp_shares_give_one_ranks_roofline_time() -> None:

@@ -13,7 +13,7 @@ NET = Network(Link(0.0, 1.0), Link(0.0, 1.0), 1)
 
 
 def test_presets() -> None:
-    for name in ("v100-16gb", "a100-40gb", "a100-80gb", "h100-80gb", "mi250x", "cpu"):
+    for name in ("v100-16gb", "a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "mi250x", "cpu"):
         dev = DEVICES[name]
         assert dev.flops < dev.peak_flops and dev.usable_memory() < dev.memory_bytes
         assert (dev.gpu is None) == (name == "cpu")
@@ -24,7 +24,7 @@ def test_presets() -> None:
 
 
 def test_the_presets_and_their_numbers() -> None:
-    assert sorted(DEVICES) == ["a100-40gb", "a100-80gb", "cpu", "h100-80gb", "mi250x", "v100-16gb"]
+    assert sorted(DEVICES) == ["a100-40gb", "a100-80gb", "cpu", "h100-80gb", "h200-141gb", "mi250x", "v100-16gb"]
     assert all(DEVICES[name].name == name for name in DEVICES)
     v100 = device("v100-16gb")
     assert (v100.peak_flops, v100.sms, v100.memory_bytes, v100.dtype_bytes) == (125e12, 80, 16 * GIB, 2)
@@ -38,12 +38,15 @@ def test_the_presets_and_their_numbers() -> None:
     assert a100.flops == pytest.approx(2 * 8192**3 / gemm_s(8192, 8192, 8192, a100.gpu))
     # a measured best matmul (MAMF table) comes back from the roofline at the shape it was measured at
     for name, flops, shape in (("a100-80gb", 271.2e12, (1024, 10240, 5120)), ("h100-80gb", 794.5e12, (2048, 2048, 13312)),
-                               ("mi250x", 147.0e12, (1024, 19968, 14080))):
+                               ("mi250x", 147.0e12, (1024, 19968, 14080)), ("h200-141gb", 779.9e12, (8192, 8192, 8192))):
         dev = device(name)
         assert (dev.gemm_flops, dev.gemm_shape) == (flops, shape)
         m, n, k = shape
         assert 2 * m * n * k / gemm_s(m, n, k, dev.gpu) == pytest.approx(flops)
     assert v100.gemm_flops == 0 and v100.gpu.rate == v100.peak_flops  # none measured: the data sheet's peak
+    # a measured copy bandwidth where one was measured; the data sheet's elsewhere
+    assert (a100.bandwidth, device("h200-141gb").bandwidth, v100.bandwidth) == (1800e9, 4150e9, 900e9)
+    assert a100.gpu.bandwidth == 1800e9 and a100.memory_bandwidth == 2039e9
     cpu = device("cpu")
     assert (cpu.dtype_bytes, cpu.flops, cpu.network.intra) == (4, 50e9, Link(50e-6, 2e9))
 
@@ -73,4 +76,4 @@ def test_a_device_that_cannot_be_is_named(changes: dict, message: str) -> None:
 def test_an_unknown_device_lists_the_presets() -> None:
     with pytest.raises(ConfigError) as info:
         device("rtx-4090")
-    assert str(info.value) == "unknown device 'rtx-4090'; presets: a100-40gb, a100-80gb, cpu, h100-80gb, mi250x, v100-16gb"
+    assert str(info.value) == "unknown device 'rtx-4090'; presets: a100-40gb, a100-80gb, cpu, h100-80gb, h200-141gb, mi250x, v100-16gb"

@@ -1,5 +1,6 @@
 """Tests for plait.plan.roofline: tile and wave quantization as NVIDIA's guide counts it, the
-pipeline fill over K, memory-bound GEMMs and element-wise bytes, a block's times by tp."""
+pipeline fill over K, the epilogue's store, memory-bound GEMMs and element-wise bytes, a measured
+copy bandwidth, a block's times by tp."""
 
 from __future__ import annotations
 
@@ -14,7 +15,26 @@ def test_one_full_wave_of_large_tiles_is_all_useful() -> None:
     # 108 tiles of 256 x 128 fill the 108 SMs once
     assert quantization(256 * 12, 128 * 9, 1, 108) == 1.0
     m, n, k = 256 * 12, 128 * 9, 8192
-    assert gemm_s(m, n, k, A100) == pytest.approx(2 * m * n * k / (312e12 * k / (k + PIPELINE_K)))
+    store = m * n * 2 / 2039e9  # the epilogue writes C once the K loop is done
+    assert gemm_s(m, n, k, A100) == pytest.approx(2 * m * n * k / (312e12 * k / (k + PIPELINE_K)) + store)
+
+
+def test_the_epilogue_store_adds_to_the_main_loop() -> None:
+    # attention scores q k^T: a 2048 x 2048 output per head from K = 128 -- its store is a large
+    # share of the time, where max(FLOPs, bytes) would hide it
+    m, n, k, heads = 2048, 2048, 128, 32
+    compute = 2 * m * n * k * heads / (312e12 * quantization(m, n, heads, 108) * k / (k + PIPELINE_K))
+    store = m * n * heads * 2 / 2039e9
+    assert store > 0.5 * compute
+    assert gemm_s(m, n, k, A100, heads) == pytest.approx(compute + store)
+
+
+def test_a_measured_copy_bandwidth_replaces_the_data_sheet() -> None:
+    streamed = Gpu(312e12, 108, 2039e9, stream_bandwidth=1800e9)
+    assert (A100.bandwidth, streamed.bandwidth) == (2039e9, 1800e9)
+    assert memory_s(1800e9, streamed) == pytest.approx(1.0)
+    m, n, k = 1, 8192, 8192  # memory-bound: every byte at the measured bandwidth
+    assert gemm_s(m, n, k, streamed) == pytest.approx(gemm_s(m, n, k, A100) * 2039 / 1800)
 
 
 def test_one_tile_more_than_a_wave_costs_a_second_wave() -> None:
@@ -58,8 +78,12 @@ def test_a_measured_rate_replaces_the_peak_and_is_given_back_at_its_shape() -> N
     measured = Gpu(312e12, 108, 2039e9, measured_flops=250e12, measured_shape=(256 * 12, 128 * 9, 8192))
     m, n, k = 256 * 12, 128 * 9, 8192
     assert 2 * m * n * k / gemm_s(m, n, k, measured) == pytest.approx(250e12)
-    assert measured.rate == pytest.approx(250e12 * (k + PIPELINE_K) / k)  # one full wave: quantization 1
+    # one full wave (quantization 1): the main loop's time is the measured time less the epilogue's store
+    main_loop = 2 * m * n * k / 250e12 - m * n * 2 / 2039e9
+    assert measured.rate == pytest.approx(2 * m * n * k / main_loop * (k + PIPELINE_K) / k)
     # other shapes keep their own quantization at the measured rate
-    assert gemm_s(4100, 4096, 4096, measured) == pytest.approx(gemm_s(4100, 4096, 4096, A100) * 312e12 / measured.rate)
+    store = 4100 * 4096 * 2 / 2039e9
+    assert gemm_s(4100, 4096, 4096, measured) - store == pytest.approx(
+        (gemm_s(4100, 4096, 4096, A100) - store) * 312e12 / measured.rate)
     # a measurement above what the shape terms allow never lifts the rate above the peak
     assert Gpu(312e12, 108, 2039e9, measured_flops=400e12, measured_shape=(4096, 4096, 4096)).rate == 312e12
