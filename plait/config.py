@@ -67,6 +67,11 @@ class Config:
         hold activations of more than one micro-batch at once under the schedule, where it
         saves memory) or a list of stage indices. A recomputed stage keeps only its inputs and
         runs its forward again during the backward. None: False, or planned when no size is given.
+    recompute_by_layer: how recomputed stages recompute: True, each layer (a repeated block, e.g.
+        a transformer layer) under its own checkpoint -- every layer's input kept, one layer's
+        activations alive at a time (Megatron-LM's full recomputation); False, the stage whole
+        -- its input kept, all its activations alive while it is recomputed; or a list of stage
+        indices. None: per stage, whichever the planner prices smaller where it plans, else False.
     plan: a plan file to replay instead of planning: the JSON of `model.plan_report.save()` or
         `plait plan -o` (the layout, micro-batches, schedule and recomputation it chose), or
         of `model.plan.to_json()`. Its world size and layers must match this run.
@@ -157,6 +162,7 @@ class Config:
     tp_per_stage: tuple[int, ...] | None = None
     crossing: str | None = None
     dp_per_stage: tuple[int, ...] | None = None
+    recompute_by_layer: bool | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         self._check_tp()
@@ -381,16 +387,18 @@ class Config:
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r} is not known; choose one of {list(NONFINITE_ACTIONS)}")
 
     def _check_recompute(self) -> None:
-        r = self.recompute
-        if r is None or isinstance(r, bool) or r == "auto":
-            return
-        if isinstance(r, (str, bytes)) or not hasattr(r, "__iter__"):
-            raise ConfigError(f"recompute={r!r} is not known; use True, False, 'auto' or a list of stage indices")
-        stages = tuple(r)
-        bad = [s for s in stages if not isinstance(s, int) or isinstance(s, bool) or s < 0]
-        if bad:
-            raise ConfigError(f"recompute={list(stages)} must list stage indices >= 0 (bad entries: {bad})")
-        object.__setattr__(self, "recompute", stages)
+        for name, words in (("recompute", ("auto",)), ("recompute_by_layer", ())):
+            r = getattr(self, name)
+            if r is None or isinstance(r, bool) or r in words:
+                continue
+            if isinstance(r, (str, bytes)) or not hasattr(r, "__iter__"):
+                known = ", ".join(["True", "False", *(repr(w) for w in words)])
+                raise ConfigError(f"{name}={r!r} is not known; use {known} or a list of stage indices")
+            stages = tuple(r)
+            bad = [s for s in stages if not isinstance(s, int) or isinstance(s, bool) or s < 0]
+            if bad:
+                raise ConfigError(f"{name}={list(stages)} must list stage indices >= 0 (bad entries: {bad})")
+            object.__setattr__(self, name, stages)
 
     def lanes(self, world_size: int) -> int:
         """Ranks per tensor-parallel part (world size / tp): the pp x dp ranks the layout is planned on
@@ -442,8 +450,9 @@ class Config:
         for name in ("layers_per_proc", "split_points", "leaf_modules", "tp_per_stage", "dp_per_stage"):
             if d[name] is not None:
                 d[name] = list(d[name])
-        if isinstance(d["recompute"], tuple):
-            d["recompute"] = list(d["recompute"])
+        for name in ("recompute", "recompute_by_layer"):
+            if isinstance(d[name], tuple):
+                d[name] = list(d[name])
         if d["tp_plan"] is not None:
             d["tp_plan"] = {str(k): str(v) for k, v in d["tp_plan"]}
         return d
@@ -458,7 +467,7 @@ class Config:
         if unknown:
             raise ConfigError(f"unknown Config fields {unknown}; known: {sorted(known)}")
         values = dict(data)
-        for name in ("layers_per_proc", "split_points", "leaf_modules", "recompute"):
+        for name in ("layers_per_proc", "split_points", "leaf_modules", "recompute", "recompute_by_layer"):
             if isinstance(values.get(name), list):
                 values[name] = tuple(values[name])
         try:

@@ -2,9 +2,10 @@
 
 Each rank draws its dropout masks from its own process's generator, in the order of its
 micro-batches' forwards. A recomputed stage (Config(recompute=True)) runs its forward again in
-the backward under torch.utils.checkpoint, which restores the generator's state of the first
-forward and leaves the generator as it was: the masks, and so every gradient, are the same as
-without recomputation. A recomputed forward that drew new masks would give other gradients.
+the backward under torch.utils.checkpoint -- whole, or layer by layer (recompute_by_layer) --
+which restores the generator's state of the first forward and leaves the generator as it was:
+the masks, and so every gradient, are the same as without recomputation. A recomputed forward
+that drew new masks would give other gradients.
 
 One process can do the same with one generator state per stage: with each rank's generator
 seeded as the test seeds it, the reference below draws stage s's masks from seed 100 + s, and
@@ -46,17 +47,19 @@ def train(rank: int, world: int) -> dict:
     x, y = data()
     out = {}
     for schedule in SCHEDULES:
-        for recompute in (False, True):
+        for recompute in (False, True, "by layer"):
             net = dropout_mlp()
             model = plait.Model(net, plait.Config(layers_per_proc=CUT, num_microbatches=MICROBATCHES,
-                                                  schedule=schedule, recompute=recompute),
+                                                  schedule=schedule, recompute=bool(recompute),
+                                                  recompute_by_layer=recompute == "by layer"),
                                 optimizer=sgd, loss=nn.CrossEntropyLoss())
             model.build(x[:ROWS])
             torch.manual_seed(SEED + rank)
             losses = [model.train_on_batch(x[a:a + ROWS], y[a:a + ROWS]) for a in range(0, ROWS * STEPS, ROWS)]
             grads = {name: p.grad.clone() for name, p in net.named_parameters() if p.grad is not None}
             out[(schedule, recompute)] = {"losses": losses, "grads": grads, "state": model.state_dict(),
-                                          "recomputed": list(model.plan.recompute)}
+                                          "recomputed": list(model.plan.recompute),
+                                          "by_layer": list(model.plan.recompute_by_layer)}
     return out
 
 
@@ -91,14 +94,17 @@ def test_recomputed_stages_repeat_their_dropout_masks():
     want = reference()
     for rank, runs in enumerate(results):
         for schedule in SCHEDULES:
-            kept, again = runs[(schedule, False)], runs[(schedule, True)]
-            where = f"rank {rank}, {schedule}"
-            assert kept["recomputed"] == [] and again["recomputed"] == [0, 1], where
-            assert again["losses"] == kept["losses"], where
-            assert again["grads"].keys() == kept["grads"].keys() and kept["grads"], where
-            for name, grad in kept["grads"].items():
-                assert torch.equal(again["grads"][name], grad), f"{where}: gradient of {name}"
+            kept = runs[(schedule, False)]
+            assert kept["recomputed"] == [] and kept["grads"], f"rank {rank}, {schedule}"
             for name, value in kept["state"].items():
-                assert torch.equal(again["state"][name], value), f"{where}: {name} after training"
                 torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-6,
-                                           msg=lambda m, n=name: f"{where}: {n} against one process: {m}")
+                                           msg=lambda m, n=name: f"rank {rank}, {schedule}: {n} against one process: {m}")
+            for how, by_layer in ((True, []), ("by layer", [0, 1])):  # the stage whole, or layer by layer
+                again, where = runs[(schedule, how)], f"rank {rank}, {schedule}, recomputed {how}"
+                assert again["recomputed"] == [0, 1] and again["by_layer"] == by_layer, where
+                assert again["losses"] == kept["losses"], where
+                assert again["grads"].keys() == kept["grads"].keys(), where
+                for name, grad in kept["grads"].items():
+                    assert torch.equal(again["grads"][name], grad), f"{where}: gradient of {name}"
+                for name, value in kept["state"].items():
+                    assert torch.equal(again["state"][name], value), f"{where}: {name} after training"

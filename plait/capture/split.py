@@ -26,7 +26,9 @@ from plait.capture.mutation import written_placeholders
 from plait.capture.trace import CapturedGraph, is_local
 from plait.errors import PartitionError
 
-__all__ = ["StageModule", "split", "stage_of_layers"]
+__all__ = ["LAYER", "StageModule", "split", "stage_of_layers"]
+
+LAYER = "plait_layer"  # a stage graph node's meta key: the captured layer it belongs to
 
 
 @dataclass
@@ -56,9 +58,8 @@ def split(captured: CapturedGraph, layer_stage: Sequence[int]) -> list[StageModu
     num_chunks = max(layer_stage) + 1
     if any(b < a for a, b in zip(layer_stage, layer_stage[1:])):
         raise PartitionError(f"stages of layers must not decrease, got {list(layer_stage)}")
-    node_stage: dict[fx.Node, int] = {
-        op: layer_stage[captured.layers.op_layer[i]] for i, op in enumerate(captured.ops)
-    }
+    layer_of = dict(zip(captured.ops, captured.layers.op_layer))
+    node_stage: dict[fx.Node, int] = {op: layer_stage[layer] for op, layer in layer_of.items()}
     order = {n: i for i, n in enumerate(captured.graph.nodes)}
     output = next(n for n in captured.graph.nodes if n.op == "output")
     last = num_chunks - 1
@@ -90,7 +91,7 @@ def split(captured: CapturedGraph, layer_stage: Sequence[int]) -> list[StageModu
         send = boundaries[s] if s < last else []
         ops = [n for n in captured.ops if node_stage[n] == s]
         module, input_indices = _build(captured, s, recv, send, ops, output if s == last else None,
-                                       placeholders)
+                                       placeholders, layer_of)
         written = written_placeholders(module.graph, module)
         placeholders_of_recv = [n for n in module.graph.nodes if n.op == "placeholder"][:len(recv)]
         stages.append(
@@ -108,6 +109,7 @@ def _build(
     ops: list[fx.Node],
     output: fx.Node | None,
     placeholders: list[fx.Node],
+    layer_of: dict[fx.Node, int],
 ) -> tuple[fx.GraphModule, list[int]]:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -142,6 +144,7 @@ def _build(
     for node in ops:
         if node not in env:
             env[node] = graph.node_copy(node, lookup)
+        env[node].meta[LAYER] = layer_of[node]  # for recomputation layer by layer
     if output is not None:
         graph.output(fx.map_arg(output.args[0], lookup))
     else:

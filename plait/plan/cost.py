@@ -28,7 +28,9 @@ end + the last bucket's) (pipeline end + gradient sum where the cluster does not
 ZeRO's broadcasts). Memory of a rank = parameters + gradients + optimizer state
 (`plait.plan.memory`: ZeRO's shares) + the activations of the micro-batches the schedule makes
 it hold at once (its peak); recomputation keeps only each held micro-batch's stage input, plus
-one micro-batch's activations while it is recomputed. Batched weight gradients
+one micro-batch's activations while it is recomputed -- or, recomputed layer by layer
+(`plait.plan.recompute_pieces`) where that needs less, each layer's input and one layer's
+activations. Batched weight gradients
 (`plait.plan.layer_times`): each rank's W over all micro-batches after its last action, its
 last gradient pass; every micro-batch's linear inputs and output gradients held. Left out: tensor parallelism, compute
 slowed by concurrent communication, allocator fragmentation and framework workspace.
@@ -53,6 +55,7 @@ from plait.plan.layer_times import (
 from plait.plan.memory import StateBytes, state_bytes, state_totals
 from plait.plan.network import Link, Network, all_reduce, broadcast, point_to_point
 from plait.plan.partition import PartitionProblem
+from plait.plan.recompute_pieces import piece_terms
 from plait.plan.setting import Setting, microbatch_rows, peak_activations
 from plait.schedule.steptime import compile_schedule, time_step
 
@@ -72,7 +75,8 @@ class Cluster:
     pass runs, as plait's runtime does it (False: after the pipeline, as Megatron-LM's local DDP
     of 2021 all-reduces its gradient buffer once the forward-backward pass has returned).
     owner_reduces: ZeRO-2 reduces each bucket to its owners (False: all-reduces it, as the runtime
-    does on gloo; `plait.plan.buckets.reduces_to_owners`).
+    does on gloo; `plait.plan.buckets.reduces_to_owners`). recompute_by_layer: a recomputed stage
+    may recompute layer by layer where that needs less memory (False: `Config(recompute_by_layer=False)`).
     """
 
     network: Network
@@ -81,6 +85,7 @@ class Cluster:
     bucket_bytes: float = DEFAULT_BUCKET_BYTES
     overlap_gradients: bool = True
     owner_reduces: bool = True
+    recompute_by_layer: bool = True
 
     def __post_init__(self) -> None:
         if not self.memory_bytes > 0:
@@ -109,6 +114,17 @@ class StageCost:
     activation_bytes: float  # one micro-batch's activations (kept, or recomputed)
     entry_bytes: float  # one micro-batch's input to the stage
     flush_s: float = 0.0  # batch_weight_grads: the step's weight gradients, after the rank's last action
+    layer_entry_bytes: float = 0.0  # recomputed by layer: one micro-batch's input to each layer (piece)
+    layer_activation_bytes: float = 0.0  # ... and the largest piece's activations of one
+
+    def recomputed(self, held: float) -> tuple[float, float, bool]:
+        """(bytes kept per held micro-batch, bytes while recomputing, by layer) of the two ways
+        this stage can recompute, whichever needs less holding `held` micro-batches."""
+        whole = (self.entry_bytes, self.activation_bytes, False)
+        if not self.layer_activation_bytes:
+            return whole
+        layered = (self.layer_entry_bytes, self.layer_activation_bytes, True)
+        return min(whole, layered, key=lambda form: held * form[0] + form[1])
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -135,6 +151,7 @@ class Prediction:
     gradient_bytes: tuple[float, ...] = ()  # the peak, during the backward
     optimizer_bytes: tuple[float, ...] = ()
     activation_bytes: tuple[float, ...] = ()
+    recompute_by_layer: tuple[int, ...] = ()  # recomputed stages that recompute layer by layer
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -203,12 +220,15 @@ def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, glo
     peaks = peak_activations(setting)
     held = [peaks[s % setting.pp] for s in range(setting.num_chunks)]
     recomputed = recomputed_memory(setting)
+    by_layer = recomputed and cluster.recompute_by_layer
+    piece_entry, piece_once = piece_terms(costs.names, act, entry) if by_layer else ((), ())
     return PartitionProblem(
         time=time, fill=fill, last_fill=last_fill, cut_time=cuts, bottleneck_count=count,
         num_chunks=setting.num_chunks, fixed=state, held=held,
         per_held=[0.0] * len(act) if recomputed else [hold(setting) * a for a in act],
         once=act if recomputed else (), entry=entry if recomputed else (),
         memory_limit=cluster.memory_bytes / v, uncuttable=costs.uncuttable, names=costs.names,
+        piece_once=piece_once, piece_entry=piece_entry,
     )
 
 
@@ -218,6 +238,8 @@ def _stages(costs: LayerCosts, setting: Setting, cluster: Cluster, rows: int,
     flush = flush_times(costs, setting, rows)
     links = _boundary_links(setting, cluster.network)
     busy = handover_busy(len(layers_per_stage), cluster.network.handover_cpu_s)
+    entries = [costs.input_row_bytes] + list(costs.output_row_bytes[:-1])
+    piece_entry, piece_once = piece_terms(costs.names, costs.activation_row_bytes, entries)
     stages, start = [], 0
     for s, size in enumerate(layers_per_stage):
         end = start + size
@@ -228,6 +250,8 @@ def _stages(costs: LayerCosts, setting: Setting, cluster: Cluster, rows: int,
             point_to_point(costs.output_row_bytes[end - 1] * rows, links[s])
             if s < len(layers_per_stage) - 1 else 0.0, state,
             sum(costs.activation_row_bytes[start:end]) * rows, entry * rows, sum(flush[start:end]),
+            (entry + sum(piece_entry[start + 1:end])) * rows,
+            max(piece_once[start:end]) * rows if cluster.recompute_by_layer else 0.0,
         ))
         start = end
     return stages
@@ -271,6 +295,7 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         method = "closed form"
     dp, zero = setting.dp, setting.zero
     summed, gather, optimizer, states, acts, memory, reach = [], [], [], [], [], [], []
+    by_layer: list[int] = []
     by_rank: list[list[StageCost]] = [[] for _ in range(p)]
     for st in stages:
         by_rank[st.rank].append(st)
@@ -306,7 +331,9 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         optimizer.append(stepped / dp if zero else stepped)
         states.append(state)
         if recomputed_memory(setting):
-            acts.append(peaks[r] * sum(st.entry_bytes for st in mine) + max(st.activation_bytes for st in mine))
+            forms = [st.recomputed(peaks[r]) for st in mine]
+            acts.append(peaks[r] * sum(kept for kept, _, _ in forms) + max(once for _, once, _ in forms))
+            by_layer.extend(st.stage_index for st, (_, _, layered) in zip(mine, forms) if layered)
         else:
             acts.append(peaks[r] * hold(setting) * sum(st.activation_bytes for st in mine))
         memory.append(states[r].peak(acts[r]))
@@ -321,7 +348,7 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         max(reach) + closing + max(o + g for o, g in zip(optimizer, gather)), method, rows,
         gather_s=tuple(gather), parameter_bytes=tuple(s.parameters for s in states),
         gradient_bytes=tuple(s.gradients for s in states), optimizer_bytes=tuple(s.optimizer for s in states),
-        activation_bytes=tuple(acts),
+        activation_bytes=tuple(acts), recompute_by_layer=tuple(sorted(by_layer)),
     )
 
 

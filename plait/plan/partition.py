@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from plait.errors import PartitionError
 from plait.plan.partition_band import BandedTables
+from plait.plan.recompute_pieces import range_max
 
 __all__ = [
     "balance",
@@ -129,7 +130,11 @@ class PartitionProblem:
     stage s holds at once under the schedule; per_held: activation bytes of one micro-batch;
     entry[j]: bytes of one micro-batch entering layer j (kept instead under recomputation,
     when `once` is the one micro-batch recomputed). Sums over a range are of per-layer values;
-    `last_fill` is added to the fill of the last stage only.
+    `last_fill` is added to the fill of the last stage only. With `piece_once` and `piece_entry`
+    (`plait.plan.recompute_pieces`) a recomputed stage may instead recompute piece by piece,
+    and its memory is the lesser of the two:
+
+        fixed[j:i] + max(piece_once[j:i]) + held[s] * (per_held[j:i] + entry[j] + piece_entry[j+1:i])
     """
 
     time: Sequence[float]
@@ -146,12 +151,15 @@ class PartitionProblem:
     last_fill: Sequence[float] = ()  # () = zeros
     uncuttable: Sequence[tuple[int, int]] = ()
     names: Sequence[str] = ()  # for messages only
+    piece_once: Sequence[float] = ()  # () = recomputed stages recompute whole
+    piece_entry: Sequence[float] = ()
 
     def __post_init__(self) -> None:
         n = len(self.time)
         sizes = {"fill": len(self.fill), "fixed": len(self.fixed), "per_held": len(self.per_held)}
         sizes.update({k: len(v) for k, v in (("once", self.once), ("entry", self.entry),
-                                             ("last_fill", self.last_fill)) if len(v)})
+                                             ("last_fill", self.last_fill), ("piece_once", self.piece_once),
+                                             ("piece_entry", self.piece_entry)) if len(v)})
         wrong = {k: v for k, v in sizes.items() if v != n}
         if wrong or len(self.cut_time) != max(n - 1, 0) or len(self.held) != self.num_chunks:
             raise PartitionError(
@@ -176,10 +184,25 @@ class PartitionProblem:
         return total + self.bottleneck_count * worst
 
     def memory(self, stage_index: int, start: int, end: int) -> float:
-        """Bytes stage `stage_index` needs when it holds layers start..end-1."""
+        """Bytes stage `stage_index` needs when it holds layers start..end-1 (recomputed piece by
+        piece where that needs less)."""
+        return min(self._whole(stage_index, start, end), self._by_pieces(stage_index, start, end))
+
+    def by_pieces(self, stage_index: int, start: int, end: int) -> bool:
+        """Whether that stage needs less recomputed piece by piece than whole."""
+        return self._by_pieces(stage_index, start, end) < self._whole(stage_index, start, end)
+
+    def _whole(self, stage_index: int, start: int, end: int) -> float:
         once = sum(self.once[start:end]) if self.once else 0.0
         entry = self.entry[start] if self.entry else 0.0
         return (sum(self.fixed[start:end]) + once
+                + self.held[stage_index] * (sum(self.per_held[start:end]) + entry))
+
+    def _by_pieces(self, stage_index: int, start: int, end: int) -> float:
+        if not self.piece_once:
+            return math.inf
+        entry = (self.entry[start] if self.entry else 0.0) + sum(self.piece_entry[start + 1:end])
+        return (sum(self.fixed[start:end]) + max(self.piece_once[start:end])
                 + self.held[stage_index] * (sum(self.per_held[start:end]) + entry))
 
 
@@ -332,13 +355,26 @@ class _Tables:
         base = ranges(problem.fixed) + ranges(problem.once or zeros)
         entry = np.asarray(list(problem.entry or zeros) + [0.0], dtype=np.float64)
         per = ranges(problem.per_held) + entry[:, None]
+        self.base, self.per = base, per
+        self.pieces: tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None = None
+        if problem.piece_once:  # recomputed piece by piece: max of the pieces, their entries held
+            prefix = np.concatenate(([0.0], np.cumsum(np.asarray(problem.piece_entry, dtype=np.float64))))
+            after_start = prefix[None, :] - prefix[np.minimum(np.arange(n + 1) + 1, n)][:, None]
+            self.pieces = (ranges(problem.fixed) + range_max(problem.piece_once),
+                           ranges(problem.per_held) + entry[:, None] + after_start)
         masks: dict[float, npt.NDArray[np.bool_]] = {}
         self.fits = []
         for h in problem.held:
             if h not in masks:
-                masks[h] = self.valid & (base + h * per <= problem.memory_limit)
+                masks[h] = self.valid & (self.need(h) <= problem.memory_limit)
             self.fits.append(masks[h])
-        self.base, self.per = base, per
+
+    def need(self, held: float) -> npt.NDArray[np.float64]:
+        """[start, end]: the range's memory as a stage holding `held` micro-batches."""
+        need = self.base + held * self.per
+        if self.pieces is not None:
+            need = np.minimum(need, self.pieces[0] + held * self.pieces[1])
+        return need
 
     def run(self, t_max: float) -> PartitionResult | None:
         """Min fill + cut sum with every stage time <= t_max (None: no layout fits)."""
@@ -391,15 +427,15 @@ class _Tables:
             best = np.full(self.n + 1, math.inf)
             best[0] = 0.0
             for s in range(self.p.num_chunks):
-                need = np.where(self.valid, self.base + self.p.held[s] * self.per, math.inf)
+                need = np.where(self.valid, self.need(self.p.held[s]), math.inf)
                 best = np.maximum(best[:, None], need).min(axis=0)
             self._least = float(best[self.n])
         return self._least
 
     def why_infeasible(self) -> str:
         """Which layer or which stage count does not fit, with the numbers."""
-        held = min(self.p.held)
-        alone = [float(self.base[j, j + 1] + held * self.per[j, j + 1]) for j in range(self.n)]
+        need = self.need(min(self.p.held))
+        alone = [float(need[j, j + 1]) for j in range(self.n)]
         return why_infeasible(self.p, alone, self.least_memory)
 
 

@@ -93,8 +93,12 @@ class BandedTables:
         self.ph = _prefix(problem.per_held, n)
         self.entry = np.asarray(list(problem.entry or [0.0] * n) + [0.0], dtype=np.float64)
         self.cut = np.concatenate(([0.0], np.asarray(problem.cut_time, dtype=np.float64), [0.0]))
-        # a lower bound on a range's memory at any stage: no entry bytes, the fewest held
-        self.floor_memory = self.fx + self.on + min(problem.held) * self.ph
+        # a lower bound on a range's memory at any stage: no entry bytes, the fewest held (and no
+        # once-bytes where a stage may recompute piece by piece: one piece's, not their sum)
+        self.pieces = bool(len(problem.piece_once))
+        self.piece_once = np.asarray(problem.piece_once, dtype=np.float64)
+        self.pe = _prefix(problem.piece_entry, n)
+        self.floor_memory = self.fx + (0.0 if self.pieces else self.on) + min(problem.held) * self.ph
         # memory(j, i) = rise[i] - drop[j] at each distinct held count (prefix form)
         self._rise: dict[float, Floats] = {}
         self._drop: dict[float, Floats] = {}
@@ -103,7 +107,8 @@ class BandedTables:
             self._drop[held] = self.fx + self.on + held * (self.ph - self.entry)
         # The floor bounds memory from below only for nonnegative bytes and counts; its reach
         # is widened by far more than the prefix sums' rounding (a few ulps of the largest).
-        parts = (problem.fixed, problem.once, problem.per_held, problem.entry, problem.held)
+        parts = (problem.fixed, problem.once, problem.per_held, problem.entry, problem.held,
+                 problem.piece_once, problem.piece_entry)
         self._floor_memory_bounds = all(min(values, default=0.0) >= 0 for values in parts)
         self._memory_slack = 0.0
         if self._floor_memory_bounds:
@@ -344,9 +349,17 @@ class BandedTables:
         ends = np.cumsum(np.asarray(sizes, dtype=np.intp))
         starts = ends - np.asarray(sizes, dtype=np.intp)
         for held, at in self._stages_holding.items():
-            if np.any(self._rise[held][ends[at]] - self._drop[held][starts[at]] > memory_limit):
+            need = self._rise[held][ends[at]] - self._drop[held][starts[at]]
+            if self.pieces:
+                need = np.minimum(need, [self.by_pieces(held, int(j), int(i)) for j, i in zip(starts[at], ends[at])])
+            if np.any(need > memory_limit):
                 return False
         return bool(np.all(self.allowed[starts]) and np.all(self.allowed[ends]))
+
+    def by_pieces(self, held: float, start: int, end: int) -> float:
+        """A range's memory recomputed piece by piece (`PartitionProblem`), from the prefix sums."""
+        return float(self.fx[end] - self.fx[start] + self.piece_once[start:end].max()
+                     + held * (self.ph[end] - self.ph[start] + self.entry[start] + self.pe[end] - self.pe[start + 1]))
 
     def least_memory(self) -> float:
         """The smallest peak stage memory over all layouts (a min-max program)."""
@@ -388,6 +401,9 @@ class _Terms:
         self.tp, self.fp, self.lp, self.cut = (padded(a, 0.0) for a in (tables.tp, tables.fp, tables.lp, tables.cut))
         self.allowed = padded(tables.allowed, False)
         self.drop = {held: padded(drop, 0.0) for held, drop in tables._drop.items()}
+        if tables.pieces:
+            self.fx, self.ph, self.pe = (padded(a, 0.0) for a in (tables.fx, tables.ph, tables.pe))
+            self.entry, self.piece_once = padded(tables.entry, 0.0), padded(tables.piece_once, 0.0)
 
     def block(self, k_hi: int, k_lo: int, c0: int, c1: int, helds: set[float]
               ) -> dict[str, npt.NDArray[Any]]:
@@ -409,11 +425,31 @@ class _Terms:
                 out["fill"] = self.fp[ends] - at_start(self.fp)
                 out["fill_last"] = out["fill"] + (self.lp[ends] - at_start(self.lp))
                 out["cut"] = np.ascontiguousarray(at_start(self.cut))
+        pieces = self._pieces(k_hi, k_lo, c0, c1, at_start) if t.pieces else None
         for held in helds:
             memory = t._rise[held][c0: c1 + 1] - at_start(self.drop[held])
+            if pieces is not None:
+                memory = np.minimum(memory, pieces[0] + held * pieces[1])
             if self.score == "memory":
                 out[f"memory{held}"] = memory
                 out[f"bad{held}"] = ~ok
             else:
                 out[f"bad{held}"] = ~(ok & (memory <= self.memory_limit))
         return out
+
+    def _pieces(self, k_hi: int, k_lo: int, c0: int, c1: int, at_start: Any
+                ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+        """A block's memory recomputed piece by piece, as (held-free part, per held micro-batch):
+        the fixed bytes and the largest piece, and the entries of the first layer and each piece."""
+        pad, width = self.pad, c1 - c0 + 1
+        ends = slice(pad + c0, pad + c1 + 1)
+        largest, rows = np.zeros(width), []
+        for k in range(1, k_hi + 1):  # the largest piece among the last k layers before each end
+            largest = np.maximum(largest, self.piece_once[pad + c0 - k: pad + c1 - k + 1])
+            if k >= k_lo:
+                rows.append(largest)
+        most = np.stack(rows[::-1])  # row 0: k_hi layers, as the other terms
+        after_first = sliding_window_view(self.pe[pad + c0 - k_hi + 1: pad + c1 - k_lo + 2], width)
+        return (self.fx[ends] - at_start(self.fx) + most,
+                self.ph[ends] - at_start(self.ph) + at_start(self.entry) + self.pe[ends] - after_first)
+

@@ -28,6 +28,7 @@ class Plan:
     dp: int = 1
     num_virtual_stages: int = 1  # model chunks per rank (interleaved schedule)
     recompute: tuple[int, ...] = ()  # stages that recompute their forward during the backward
+    recompute_by_layer: tuple[int, ...] = ()  # of those, the ones that recompute it layer by layer
     check: str = ""  # the closed loop: measured against predicted step and stage times, once known
     kept_whole: tuple[str, ...] = ()  # modules captured as one opaque call each (not traced into)
     memory: str = field(default="", compare=False)  # printed only: this rank's memory, measured / predicted
@@ -224,6 +225,7 @@ class Plan:
                 dp=int(data.get("dp", 1)),
                 num_virtual_stages=int(data.get("num_virtual_stages", 1)),
                 recompute=tuple(int(s) for s in data.get("recompute", ())),
+                recompute_by_layer=tuple(int(s) for s in data.get("recompute_by_layer", ())),
                 check=str(data.get("check", "")),
                 kept_whole=tuple(str(n) for n in data.get("kept_whole", ())),
                 zero=int(data.get("zero", 0)),
@@ -255,6 +257,7 @@ class Plan:
                               for r in range(self.dp_of(s)))
             where = f"rank {ranks}" if self.dp_of(s) == 1 and self.tp_of(s) == 1 else f"ranks {ranks}"
             again = ", recomputed" if s in self.recompute else ""
+            again += " layer by layer" if s in self.recompute_by_layer else ""
             lines.append(f"  stage {s} ({where}{again}): {len(names)} layers: {shown}")
         if self.zero:
             what = "optimizer state" if self.zero == 1 else "optimizer state and gradients"

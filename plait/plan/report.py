@@ -78,7 +78,8 @@ class PlanReport:
                                "optimizer_state_factor": self.cluster.optimizer_state_factor,
                                "bucket_bytes": self.cluster.bucket_bytes,
                                "overlap_gradients": self.cluster.overlap_gradients,
-                               "owner_reduces": self.cluster.owner_reduces}
+                               "owner_reduces": self.cluster.owner_reduces,
+                               "recompute_by_layer": self.cluster.recompute_by_layer}
         if self.feedback is not None:
             data["feedback"] = self.feedback.to_dict()
         if self.history:
@@ -96,7 +97,8 @@ class PlanReport:
             c = data["cluster"]
             cluster = Cluster(Network.from_dict(c["network"]), float(c["memory_bytes"]),
                               float(c["optimizer_state_factor"]), float(c.get("bucket_bytes", DEFAULT_BUCKET_BYTES)),
-                              bool(c.get("overlap_gradients", True)), bool(c.get("owner_reduces", True)))
+                              bool(c.get("overlap_gradients", True)), bool(c.get("owner_reduces", True)),
+                              bool(c.get("recompute_by_layer", True)))
         return cls(chosen, list(data.get("alternatives", [])), table, str(data.get("source", "")),
                    int(data["global_batch"]), costs, cluster, history=tuple(data.get("earlier_layouts", ())))
 

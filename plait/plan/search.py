@@ -85,6 +85,7 @@ class Candidate:
             "pp": st.pp, "dp": st.dp, "tp": self.tp, "num_microbatches": st.num_microbatches,
             "schedule": st.schedule, "num_virtual_stages": st.num_virtual_stages,
             "recompute": st.recompute, "zero": st.zero, "batch_weight_grads": st.batch_weight_grads,
+            "recompute_by_layer": list(pred.recompute_by_layer) if pred else [],
             "layers_per_stage": list(self.layers_per_stage),
             "feasible": self.feasible,
             "predicted_step_time_s": pred.step_time_s if pred else None,
@@ -276,8 +277,9 @@ def format_table(candidates: list[Candidate], top: int = 5) -> str:
         step = f"{c.step_time_s:10.4f}" if c.feasible else f"{'-':>10}"
         mem = (c.prediction.peak_memory_bytes if c.prediction else c.needed_memory_bytes) / GIB
         timing = c.prediction.method if c.prediction else "infeasible: " + c.reason
+        again = ("by layer" if c.prediction and c.prediction.recompute_by_layer else "yes") if st.recompute else "no"
         lines.append(f"{k:>2} {st.pp:>3} {st.dp:>3} {c.tp:>2} {st.num_microbatches:>5} {sched:<14} "
-                     f"{'yes' if st.recompute else 'no':<9} {st.zero:>4} {step} {mem:9.2f} GiB  {timing}")
+                     f"{again:<9} {st.zero:>4} {step} {mem:9.2f} GiB  {timing}")
     if best.prediction is not None:
         pred = best.prediction
         lines.append(f"chosen: {best.setting.num_microbatches} micro-batches of {pred.rows} rows, "

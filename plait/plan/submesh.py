@@ -20,7 +20,8 @@ at its own bottleneck: T is then within 1% of the optimum's (a GPT of 48 layers 
 has thousands of candidates). Memory of a stage j-th from the end: its fixed bytes plus the
 micro-batches it holds (1F1B: min(j, m); GPipe: m) times its activations of one; recomputed, its
 input of each held micro-batch (`entry` at its first layer) and one micro-batch's activations
-(`once`, while it is recomputed).
+(`once`, while it is recomputed) -- or, where given its pieces and less, recomputed layer by layer
+(`plait.plan.recompute_pieces`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from plait.errors import PartitionError
+from plait.plan.recompute_pieces import range_max
 
 __all__ = ["WidthCosts", "WidthLayout", "width_partition", "pipeline_floor"]
 
@@ -52,12 +54,20 @@ class WidthCosts:
     activation: Sequence[float]
     once: Sequence[float] = ()  # () = zeros: bytes held once per stage (recomputation's one micro-batch)
     entry: Sequence[float] = ()  # () = zeros: bytes per held micro-batch of a stage starting here
+    piece_once: Sequence[float] = ()  # recomputed piece by piece (`plait.plan.recompute_pieces`); () = never
+    piece_entry: Sequence[float] = ()
 
     def memory(self, start: int, end: int, held: int) -> float:
-        """Bytes of a stage of layers start..end-1 holding `held` micro-batches."""
+        """Bytes of a stage of layers start..end-1 holding `held` micro-batches (recomputed piece by
+        piece where that needs less)."""
         once = sum(self.once[start:end]) if self.once else 0.0
         entry = self.entry[start] if self.entry else 0.0
-        return sum(self.fixed[start:end]) + once + held * (sum(self.activation[start:end]) + entry)
+        whole = sum(self.fixed[start:end]) + once + held * (sum(self.activation[start:end]) + entry)
+        if not self.piece_once:
+            return whole
+        entries = entry + sum(self.piece_entry[start + 1:end])
+        return min(whole, sum(self.fixed[start:end]) + max(self.piece_once[start:end])
+                   + held * (sum(self.activation[start:end]) + entries))
 
 
 @dataclass(frozen=True)
@@ -93,8 +103,9 @@ def width_partition(costs: Mapping[int, WidthCosts], cut_time: Sequence[float], 
              for w in widths}
     act = {w: _range_sums(costs[w].activation) + (_entry_column(costs[w].entry) if costs[w].entry else 0.0)
            for w in widths}
+    pieces = {w: _piece_tables(costs[w]) for w in widths if costs[w].piece_once}
     hand = _hand_overs(widths, cut_time, cross or {}, n)
-    tables = _Tables(widths, time, fill, fixed, act, hand, n, devices, m, gpipe, memory_limit, stages_cap)
+    tables = _Tables(widths, time, fill, fixed, act, hand, n, devices, m, gpipe, memory_limit, stages_cap, pieces)
     best: tuple[float, WidthLayout | None] = (math.inf, None)
     unbounded = tables.best_under(math.inf)
     # with no bound on the bottleneck the fills are least: a floor under every t_max's
@@ -176,6 +187,17 @@ def _fewest_devices(t_max: float, widths: list[int], time: dict[int, npt.NDArray
     return float(fewest[0])
 
 
+def _piece_tables(costs: WidthCosts) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """[k, i] memory of layers k..i-1 recomputed piece by piece: (fixed + the largest piece,
+    activations + the entries of the first layer and of each piece after it, per held)."""
+    n = len(costs.time)
+    prefix = np.concatenate(([0.0], np.cumsum(np.asarray(costs.piece_entry, dtype=np.float64))))
+    after_first = prefix[None, :] - prefix[np.minimum(np.arange(n + 1) + 1, n)][:, None]
+    entry = _entry_column(costs.entry) if costs.entry else 0.0
+    return (_range_sums(costs.fixed) + range_max(costs.piece_once),
+            _range_sums(costs.activation) + entry + after_first)
+
+
 def _entry_column(entry: Sequence[float]) -> npt.NDArray[np.float64]:
     """[k, 0] = entry[k] (a stage starting at layer k), to add to a [k, i] table."""
     column: npt.NDArray[np.float64] = np.zeros((len(entry) + 1, 1))
@@ -208,6 +230,7 @@ class _Tables:
     gpipe: bool
     memory_limit: float
     stages_cap: int
+    pieces: dict[int, tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]]  # width -> `_piece_tables`
 
     def bottleneck(self, layout: WidthLayout) -> float:
         """The slowest stage's time of one micro-batch in `layout`."""
@@ -234,7 +257,10 @@ class _Tables:
             for a, w in enumerate(widths):
                 if w > devices:
                     continue
-                ok = (self.time[w] <= t_max) & (self.fixed[w] + held * self.act[w] <= self.memory_limit)  # [k, i]
+                need = self.fixed[w] + held * self.act[w]
+                if w in self.pieces:
+                    need = np.minimum(need, self.pieces[w][0] + held * self.pieces[w][1])
+                ok = (self.time[w] <= t_max) & (need <= self.memory_limit)  # [k, i]
                 shifted = np.full((n + 1, devices + 1, count), inf)  # [i, d, b]: prev[i, d - w, b] + hand
                 shifted[:, w:, :] = prev[:, : devices + 1 - w, :] + self.hand[a].T[:, None, :]
                 after = shifted.argmin(axis=2)  # [i, d]: the next stage's best width

@@ -140,7 +140,7 @@ def choose_layout(work: Workload, config: Config, world_size: int, rank: int,
     # Rank 0's profile may take longer than a step's waits: give it ten times as long.
     answer = agree(rank, decide, "layout plan", max(10 * config.timeout_s, 120.0))
     fields = dict(answer["fields"])
-    for name in ("layers_per_proc", "recompute"):
+    for name in ("layers_per_proc", "recompute", "recompute_by_layer"):
         if isinstance(fields.get(name), list):
             fields[name] = tuple(fields[name])
     if fields.get("tp", 1) == 1:
@@ -170,6 +170,7 @@ def candidate_fields(candidate: dict[str, Any]) -> dict[str, Any]:
             "schedule": str(candidate["schedule"]),
             "num_virtual_stages": int(candidate.get("num_virtual_stages", 1)),
             "recompute": bool(candidate.get("recompute", False)), "zero": int(candidate.get("zero", 0) or 0),
+            "recompute_by_layer": [int(s) for s in candidate.get("recompute_by_layer", [])],
             "batch_weight_grads": bool(candidate.get("batch_weight_grads", False)),
             "tp": int(candidate.get("tp", 1) or 1)}
 
@@ -211,7 +212,10 @@ def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[
     if config.tp is not None:  # the user's tp: the search ran on its lanes
         chosen.pop("tp")
     if not config.plans_everything:  # the user's layout, with the planner's layers (and ZeRO) only
-        chosen = {"layers_per_proc": chosen["layers_per_proc"], "zero": chosen["zero"]}
+        by_layer = chosen["recompute_by_layer"] if config.recompute is True else []
+        chosen = {"layers_per_proc": chosen["layers_per_proc"], "zero": chosen["zero"], "recompute_by_layer": by_layer}
+    if config.recompute_by_layer is not None:  # the user's, priced as given when False (`Cluster`)
+        chosen.pop("recompute_by_layer", None)
     data = result.to_dict()
     report = PlanReport(best.to_dict(), data["alternatives"], result.table(), source,
                         result.global_batch, result.profile.costs, cluster)
@@ -234,6 +238,8 @@ def _search_inputs(config: Config, world_size: int, work: Workload,
                             optimizer_state_factor=state_factor(work.optimizer),
                             bucket_bytes=config.bucket_cap_mb * 2**20,
                             backend=dist.get_backend() if dist.is_initialized() else "")
+    if config.recompute_by_layer is False:
+        cluster = replace(cluster, recompute_by_layer=False)
     return space, source, cluster
 
 
@@ -305,6 +311,7 @@ def _resumed_fields(plan: dict[str, Any], config: Config, world_size: int,
         full: dict[str, Any] = {"layers_per_proc": layers, "num_stages": len(layers) // v, "dp": dp,
                 "num_microbatches": int(plan["num_microbatches"]), "schedule": str(plan["schedule"]),
                 "num_virtual_stages": v, "recompute": [int(s) for s in plan.get("recompute", [])],
+                "recompute_by_layer": [int(s) for s in plan.get("recompute_by_layer", [])],
                 "zero": int(plan.get("zero", 0) or 0),
                 "batch_weight_grads": bool(plan.get("batch_weight_grads", False))}
     except (KeyError, TypeError, ValueError):
@@ -341,6 +348,7 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
                       "schedule": str(data["schedule"]),
                       "num_virtual_stages": int(data.get("num_virtual_stages", 1)),
                       "recompute": [int(s) for s in data.get("recompute", [])],
+                      "recompute_by_layer": [int(s) for s in data.get("recompute_by_layer", [])],
                       "zero": int(data.get("zero", 0) or 0),
                       "batch_weight_grads": bool(data.get("batch_weight_grads", False))}
             saved_names = tuple(str(n) for n in data["layer_names"])

@@ -62,6 +62,7 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         layers = tuple(balance([1.0 + _layer_params(net, name) for name in names], num_chunks, regions))
     assert config.num_microbatches is not None and config.schedule is not None and config.dp is not None
     widths = tuple(config.tp_per_stage or ())  # stages of different widths (Config.tp_per_stage)
+    recomputed = recomputed_stages(config, num_chunks, virtual)
     return Plan(
         layer_names=names,
         layers_per_stage=layers,
@@ -79,7 +80,8 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         uncuttable=regions,
         dp=config.dp,
         num_virtual_stages=virtual,
-        recompute=recomputed_stages(config, num_chunks, virtual),
+        recompute=recomputed,
+        recompute_by_layer=_by_layer(config, recomputed),
     )
 
 
@@ -107,6 +109,21 @@ def recomputed_stages(config: Config, num_chunks: int, num_virtual_stages: int) 
             f"recompute={list(r)} names stages {unknown}, but the model has {num_chunks} stages "
             f"(0..{num_chunks - 1}); list existing stages or use recompute=True / 'auto'"
         )
+    return tuple(sorted(set(r)))
+
+
+def _by_layer(config: Config, recomputed: tuple[int, ...]) -> tuple[int, ...]:
+    """The recomputed stages that recompute layer by layer, from `config.recompute_by_layer`."""
+    r = config.recompute_by_layer
+    if r is True:
+        return recomputed
+    if not r:
+        return ()
+    assert isinstance(r, tuple)
+    stray = sorted(set(r) - set(recomputed))
+    if stray:
+        raise ConfigError(f"recompute_by_layer={list(r)} names stages {stray} that do not recompute "
+                          f"(recomputed: {list(recomputed)}); list recomputed stages or use True")
     return tuple(sorted(set(r)))
 
 

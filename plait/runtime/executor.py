@@ -7,12 +7,13 @@ gradients those of the whole batch's mean loss.
 
 With `recompute=True` the stage keeps only its inputs: the forward runs under
 `torch.utils.checkpoint` (non-reentrant, RNG state restored, so dropout draws the same mask)
-and is run again when the backward needs its activations.
+and is run again when the backward needs its activations. Given its layers' pieces
+(`layer_pieces`), it recomputes layer by layer instead (`plait.runtime.layer_checkpoint`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -23,6 +24,7 @@ from plait.errors import LossError
 from plait.runtime.activation_meter import ActivationMeter, SavedBytes, hooks_in_use
 from plait.runtime.backward_split import WeightGradients, backward_input
 from plait.runtime.batched_wgrad import defer_linear_weight_grads
+from plait.runtime.layer_checkpoint import layer_checkpointed
 
 __all__ = ["StageExecutor", "grad_leaves"]
 
@@ -45,6 +47,7 @@ class StageExecutor:
         batch_weight_grads: bool = False,
         meter: ActivationMeter | None = None,
         split_loss: Any = None,
+        layer_pieces: Sequence[int] | None = None,
     ):
         self.stage = stage
         # tp > 1, the training pipeline's last stage: its split outputs' loss (`plait.runtime.vocab_loss`)
@@ -54,6 +57,9 @@ class StageExecutor:
         self.recompute = recompute
         # Linear weight gradients kept per micro-batch and computed once at the step's end.
         self.weight_batch = defer_linear_weight_grads(stage.module) if batch_weight_grads else None
+        # recomputed layer by layer: the stage's graph in pieces (each layer's piece index given)
+        self._layered = (layer_checkpointed(stage.module, layer_pieces)
+                         if recompute and layer_pieces is not None else None)
         self._weights: dict[int, WeightGradients] = {}
         self.finish = finish
         self.loss_fn = loss_fn
@@ -87,7 +93,9 @@ class StageExecutor:
     def _forward(self, microbatch_index: int, received: list[Any], inputs: list[Any], target: Any,
                  scale: float, train: bool, keep_output: bool) -> list[Any]:
         with torch.set_grad_enabled(train):
-            if train and self.recompute:
+            if train and self._layered is not None:
+                out = self._run(*received, *inputs, module=self._layered)
+            elif train and self.recompute:
                 out = checkpoint(self._run, *received, *inputs, use_reentrant=False)
             else:
                 out = self._run(*received, *inputs)
@@ -119,15 +127,16 @@ class StageExecutor:
                     self._losses[microbatch_index] = loss * scale
             return []
 
-    def _run(self, *args: Any) -> Any:
-        """The stage module on `args`; a received tensor it writes in place is handed over as a
-        copy, since autograd forbids writing the leaf whose gradient goes upstream (inside the
-        checkpointed call, so a recomputation starts from the value received)."""
+    def _run(self, *args: Any, module: Any = None) -> Any:
+        """The stage module (or `module`, its pieces) on `args`; a received tensor it writes in
+        place is handed over as a copy, since autograd forbids writing the leaf whose gradient
+        goes upstream (inside the checkpointed call, so a recomputation starts from the value
+        received)."""
         written = self.stage.written_recv
         if written:
             args = tuple(a.clone() if i in written and isinstance(a, torch.Tensor) and a.requires_grad else a
                          for i, a in enumerate(args))
-        return self.stage.module(*args)
+        return (module or self.stage.module)(*args)
 
     def backward(self, microbatch_index: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Backpropagate one micro-batch; return dL/d(received tensors) for the previous stage."""

@@ -19,6 +19,7 @@ from plait.capture.tp_layout import TpLayout
 from plait.capture.trace import CapturedGraph
 from plait.config import Config
 from plait.plan import Plan
+from plait.plan.recompute_pieces import pieces
 from plait.runtime.activation_meter import ActivationMeter
 from plait.runtime.collectives import TiedGradients, broadcast_tensors, make_group
 from plait.runtime.grad_sync import GradientBuckets
@@ -249,7 +250,8 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     executors = {
         s: StageExecutor(stages[s], captured.finish, parts.loss, recompute=s in plan.recompute,
                          batch_weight_grads=bool(config.batch_weight_grads), meter=meter,
-                         split_loss=split_loss if s == plan.num_chunks - 1 else None) for s in mine
+                         split_loss=split_loss if s == plan.num_chunks - 1 else None,
+                         layer_pieces=pieces(plan.layer_names) if s in plan.recompute_by_layer else None) for s in mine
     }
     interpreter = Interpreter(rank, executors, lane_ranks(plan, rank), parts.wire, parts.tracer,
                               crossings(plan, rank, parts.tp_group, stages) if plan.stage_tp or plan.stage_dp

@@ -102,10 +102,19 @@ def test_memory_of_a_layout_by_hand() -> None:
     pred = predict(costs, Setting(2, 1, 4, "1f1b"), cluster, 8, (1, 3))
     # state: params 100 + grads 100 + Adam 200 per layer
     assert pred.memory_bytes == (400 + 2 * 10 * 2, 3 * 400 + 1 * 3 * 10 * 2)
-    recomputed = predict(costs, Setting(2, 1, 4, "1f1b", recompute=True), cluster, 8, (1, 3))
+    whole = predict(costs, Setting(2, 1, 4, "1f1b", recompute=True), replace(cluster, recompute_by_layer=False), 8, (1, 3))
     # recomputation keeps each held micro-batch's input (model input 0 bytes, then 3 per row)
     # and one micro-batch's activations
-    assert recomputed.memory_bytes == (400 + 0 + 1 * 10 * 2, 3 * 400 + 1 * 3 * 2 + 3 * 10 * 2)
+    assert whole.memory_bytes == (400 + 0 + 1 * 10 * 2, 3 * 400 + 1 * 3 * 2 + 3 * 10 * 2)
+    assert whole.recompute_by_layer == ()
+    # layer by layer (each layer its own piece here): each layer's input kept, one layer's
+    # activations while it is recomputed -- less on stage 1 (3 layers), the same on stage 0
+    recomputed = predict(costs, Setting(2, 1, 4, "1f1b", recompute=True), cluster, 8, (1, 3))
+    assert recomputed.memory_bytes == (400 + 0 + 1 * 10 * 2, 3 * 400 + 1 * 3 * (3 * 2) + 1 * 10 * 2)
+    assert recomputed.recompute_by_layer == (1,)
+    # with many micro-batches held, keeping every layer's input costs more: whole again
+    gpipe = predict(costs, Setting(2, 1, 4, "gpipe", recompute=True), cluster, 8, (1, 3))
+    assert gpipe.memory_bytes[1] == 3 * 400 + 4 * 3 * 2 + 3 * 10 * 2 and gpipe.recompute_by_layer == ()
     assert pred.peak_memory_bytes == max(pred.memory_bytes)
 
 

@@ -12,6 +12,7 @@ from plait.plan import balance, check_partition
 from plait.plan.partition import (
     PartitionProblem, brute_force_partition, least_memory, optimal_partition,
 )
+from plait.plan.recompute_pieces import piece_terms
 from plait.schedule import simulate
 
 
@@ -90,20 +91,33 @@ def random_problem(rng: random.Random) -> PartitionProblem:
         a = rng.randint(0, n - 2)
         regions = [(a, rng.randint(a + 1, n - 1))]
     recompute = rng.random() < 0.3
+    once, entry = (ints(n, 0, 3), ints(n, 0, 2)) if recompute else ((), ())
+    piece_entry, piece_once = piece_terms(random_blocks(rng, n), once, entry) if recompute and rng.random() < 0.8 else ((), ())
     return PartitionProblem(
         time=ints(n, 1, 9), fill=ints(n, 0, 9), cut_time=ints(n - 1, 0, 3),
         bottleneck_count=rng.randint(0, 9), num_chunks=stages,
         fixed=ints(n, 0, 5), per_held=ints(n, 0, 3), held=sorted(ints(stages, 1, 4), reverse=True),
-        memory_limit=rng.choice([math.inf, 10, 15, 25]),
-        once=ints(n, 0, 3) if recompute else (), entry=ints(n, 0, 2) if recompute else (),
+        memory_limit=rng.choice([math.inf, 10, 15, 25]), once=once, entry=entry,
         last_fill=ints(n, 0, 3) if rng.random() < 0.3 else (), uncuttable=regions,
+        piece_once=piece_once, piece_entry=piece_entry,
     )
+
+
+def random_blocks(rng: random.Random, n: int) -> list[str]:
+    """Layer names in runs of one repeated block ('h.3.x') or alone ('head'): recomputation's pieces."""
+    names, block = [], 0
+    while len(names) < n:
+        size = rng.randint(1, 3)
+        names += [f"h.{block}.{i}" for i in range(size)] if rng.random() < 0.7 else [f"layer{block}"]
+        block += 1
+    return names[:n]
 
 
 @pytest.mark.parametrize("seed", range(300))
 def test_optimal_partition_equals_brute_force(seed):
     # integer costs: the optimum is exact, no tolerance; memory limits and uncuttable regions
-    # make some instances infeasible, and then both must agree on that too
+    # make some instances infeasible, and then both must agree on that too; recomputed stages
+    # priced whole or, where given the pieces, the lesser of whole and piece by piece
     problem = random_problem(random.Random(seed))
     want = brute_force_partition(problem)
     if want is None:
@@ -177,3 +191,28 @@ def test_arrays_of_the_wrong_length():
     with pytest.raises(PartitionError, match="wrong length"):
         PartitionProblem(time=[1, 1], fill=[1], cut_time=[0], bottleneck_count=1, num_chunks=1,
                          fixed=[0, 0], per_held=[0, 0], held=[1])
+
+
+def test_a_stage_of_many_layers_fits_recomputed_layer_by_layer():
+    # one stage of 6 layers, 2 micro-batches held: recomputed whole it holds 2 inputs (2 x 1) and
+    # every layer's activations of one micro-batch (6 x 4 = 24); layer by layer, 2 x 6 inputs and
+    # one layer's 4. A limit of 20 admits only the second.
+    n = 6
+    once, entry = [4.0] * n, [1.0] * n
+    piece_entry, piece_once = piece_terms([f"h.{i}" for i in range(n)], once, entry)
+    common = dict(time=[1.0] * n, fill=[1.0] * n, cut_time=[0.0] * (n - 1), bottleneck_count=1.0, num_chunks=1,
+                  fixed=[0.0] * n, per_held=[0.0] * n, held=[2.0], memory_limit=20.0, once=once, entry=entry)
+    whole = PartitionProblem(**common)
+    assert whole.memory(0, 0, n) == 2 * 1 + 24
+    with pytest.raises(PartitionError):
+        optimal_partition(whole)
+    layered = PartitionProblem(**common, piece_once=piece_once, piece_entry=piece_entry)
+    assert layered.memory(0, 0, n) == 2 * 6 + 4 and layered.by_pieces(0, 0, n)
+    assert optimal_partition(layered).layers_per_stage == (n,)
+    # pieces of two layers each (blocks 'h.k.a', 'h.k.b'): 3 inputs kept, a piece of 8 recomputed
+    piece_entry, piece_once = piece_terms([f"h.{i // 2}.{'ab'[i % 2]}" for i in range(n)], once, entry)
+    blocks = PartitionProblem(**common, piece_once=piece_once, piece_entry=piece_entry)
+    assert blocks.memory(0, 0, n) == 2 * 3 + 8
+    # one layer alone: both ways hold the same, and whole is kept
+    assert not layered.by_pieces(0, 0, 1) and layered.memory(0, 0, 1) == whole.memory(0, 0, 1)
+

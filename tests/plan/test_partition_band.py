@@ -16,6 +16,7 @@ from plait.plan.partition import (
     PartitionProblem, PartitionResult, brute_force_partition, least_memory, optimal_partition,
 )
 from plait.plan.partition_band import BandedTables
+from plait.plan.recompute_pieces import piece_terms
 
 
 def _problem(rng: random.Random, n: int, stages: int) -> PartitionProblem:
@@ -37,8 +38,20 @@ def _problem(rng: random.Random, n: int, stages: int) -> PartitionProblem:
         per_held=column(3), held=sorted((float(rng.randint(1, 4)) for _ in range(stages)), reverse=True),
         memory_limit=float(rng.randint(15, 80)), once=column(4) if rng.random() < 0.5 else (),
         entry=column(5) if rng.random() < 0.5 else (), last_fill=column(1) if rng.random() < 0.5 else (),
-        uncuttable=uncuttable,
+        uncuttable=uncuttable, **_pieces(rng, n, column(4), column(5)),
     )
+
+
+def _pieces(rng: random.Random, n: int, once: list[float], entry: list[float]) -> dict[str, list[float]]:
+    """Half the time, recomputation piece by piece too: pieces of 1-3 layers."""
+    if rng.random() < 0.5:
+        return {}
+    names, block = [], 0
+    while len(names) < n:
+        names += [f"h.{block}.{i}" for i in range(rng.randint(1, 3))]
+        block += 1
+    piece_entry, piece_once = piece_terms(names[:n], once, entry)
+    return {"piece_once": piece_once, "piece_entry": piece_entry}
 
 
 def _solve(problem: PartitionProblem, dense_layers: int, monkeypatch: pytest.MonkeyPatch) -> tuple[object, object]:
@@ -106,6 +119,7 @@ def _float_problem(rng: random.Random, n: int, stages: int) -> PartitionProblem:
         per_held=column(3), held=sorted((float(rng.randint(1, 4)) for _ in range(stages)), reverse=True),
         memory_limit=rng.uniform(3.0, 40.0), once=column(4) if rng.random() < 0.5 else (),
         entry=column(5) if rng.random() < 0.5 else (), last_fill=column(1) if rng.random() < 0.3 else (),
+        **_pieces(rng, n, column(4), column(5)),
     )
 
 
@@ -148,7 +162,8 @@ def _every_layout(tables: BandedTables) -> tuple[float, float]:
         if not all(tables.allowed[b] for b in bounds):
             continue
         ranges = list(zip(bounds, bounds[1:]))
-        memory = max(float(tables._rise[h][i] - tables._drop[h][j]) for h, (j, i) in zip(p.held, ranges))
+        memory = max(min(float(tables._rise[h][i] - tables._drop[h][j]),
+                         tables.by_pieces(h, j, i) if tables.pieces else math.inf) for h, (j, i) in zip(p.held, ranges))
         least = min(least, memory)
         if memory <= p.memory_limit:
             fastest = min(fastest, max(tables.range_time(j, i) for j, i in ranges))

@@ -3,6 +3,7 @@ trip (the file `Config(plan=...)` replays), and its printed form."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -63,7 +64,8 @@ def test_to_dict_is_the_chosen_fields_plus_the_context() -> None:
     assert data["costs"] == COSTS.to_dict()
     assert data["cluster"] == {"network": CLUSTER.network.to_dict(), "memory_bytes": 1e6,
                                "optimizer_state_factor": 2.0, "bucket_bytes": CLUSTER.bucket_bytes,
-                               "overlap_gradients": True, "owner_reduces": True}
+                               "overlap_gradients": True, "owner_reduces": True,
+                               "recompute_by_layer": True}
     with_check = planned(feedback=FEEDBACK, history=("2 stages: [3, 1]",)).to_dict()
     assert with_check["feedback"] == FEEDBACK.to_dict()
     assert with_check["earlier_layouts"] == ["2 stages: [3, 1]"]
@@ -78,6 +80,10 @@ def test_the_json_round_trip_keeps_everything_but_the_check() -> None:
     assert back.costs == COSTS and back.cluster == CLUSTER
     assert list(back.history) == ["2 stages: [3, 1]"]
     assert back.prediction() == report.prediction()
+    # the runtime's choices the cluster carries: gloo's sums after the pass, recomputation whole
+    gloo = dataclasses.replace(CLUSTER, overlap_gradients=False, owner_reduces=False, recompute_by_layer=False)
+    data = dataclasses.replace(report, cluster=gloo).to_dict()
+    assert PlanReport.from_dict(json.loads(json.dumps(data)), report.table).cluster == gloo
 
 
 def test_a_file_without_costs_replays_with_none() -> None:

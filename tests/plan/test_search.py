@@ -104,7 +104,8 @@ def test_alpa_gpt_suite_plans(gpus: int) -> None:
         # ZeRO on dp=2 brings a block to 1.5 + 1.5 + 4.5 GiB, but 48 blocks on 32 stages put two
         # on 16 of them: 15 GiB of state before activations, over the 14.4 GiB a V100 offers
         assert best.setting.zero > 0 and (best.setting.pp, best.setting.dp) == (32, 2)
-        assert best.needed_memory_bytes / 2**30 == pytest.approx(16.42, abs=0.01)
+        # (recomputed layer by layer: each of the two blocks' inputs kept, one block recomputed)
+        assert best.needed_memory_bytes / 2**30 == pytest.approx(16.11, abs=0.01)
         assert "with ZeRO, recomputation and one-row micro-batches" in best.reason
 
 

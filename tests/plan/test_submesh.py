@@ -10,10 +10,12 @@ import random
 import pytest
 
 from plait.errors import PartitionError
+from plait.plan.recompute_pieces import piece_terms
 from plait.plan.submesh import WidthCosts, brute_force_widths, width_partition
 
 
-def _costs(rng: random.Random, n: int, widths: tuple[int, ...], recomputed: bool = False) -> dict[int, WidthCosts]:
+def _costs(rng: random.Random, n: int, widths: tuple[int, ...], recomputed: bool = False,
+           by_layer: bool = False) -> dict[int, WidthCosts]:
     base = [float(rng.randint(1, 9)) for _ in range(n)]
     state = [float(rng.randint(0, 20)) for _ in range(n)]
     act = [float(rng.randint(0, 6)) for _ in range(n)]
@@ -23,7 +25,9 @@ def _costs(rng: random.Random, n: int, widths: tuple[int, ...], recomputed: bool
         speed = [w * rng.uniform(0.4, 1.0) for _ in range(n)]
         time = [b / s for b, s in zip(base, speed)]
         if recomputed:  # each held micro-batch keeps its stage's input; one is recomputed at a time
-            out[w] = WidthCosts(time, time, [x / w for x in state], [0.0] * n, [a / w for a in act], entry)
+            once = [a / w for a in act]  # or (by_layer) each layer's input, one layer at a time
+            piece_entry, piece_once = piece_terms([f"l{i}" for i in range(n)], once, entry) if by_layer else ((), ())
+            out[w] = WidthCosts(time, time, [x / w for x in state], [0.0] * n, once, entry, piece_once, piece_entry)
         else:
             out[w] = WidthCosts(time, time, [x / w for x in state], [a / w for a in act])
     return out
@@ -34,7 +38,7 @@ def test_the_program_is_the_brute_force(seed: int) -> None:
     rng = random.Random(seed)
     n, devices = rng.randint(1, 6), rng.randint(1, 6)
     widths = tuple(sorted(rng.sample([1, 2, 3, 4], rng.randint(1, 3))))
-    costs = _costs(rng, n, widths, recomputed=seed % 3 == 0)
+    costs = _costs(rng, n, widths, recomputed=seed % 3 != 1, by_layer=seed % 3 == 2)
     cuts = [float(rng.randint(0, 3)) for _ in range(n - 1)]
     m, gpipe = rng.randint(1, 6), rng.random() < 0.3
     limit = rng.choice([math.inf, 30.0, 15.0])
@@ -92,6 +96,14 @@ def test_recomputation_holds_each_micro_batch_s_input_and_one_micro_batch() -> N
     with pytest.raises(PartitionError):
         width_partition({1: plain}, [0.0], 1, 4, gpipe=True, memory_limit=25.0)
     assert width_partition({1: recomputed}, [0.0], 1, 4, gpipe=True, memory_limit=25.0).layers_per_stage == (2,)
+    # layer by layer: both layers' inputs kept, the larger layer recomputed -- less at one held
+    piece_entry, piece_once = piece_terms(["a", "b"], [5.0, 7.0], [1.0, 4.0])
+    layered = WidthCosts([1.0, 1.0], [1.0, 1.0], [2.0, 3.0], [0.0, 0.0], [5.0, 7.0], [1.0, 4.0], piece_once, piece_entry)
+    assert layered.memory(0, 2, 1) == 2 + 3 + 7 + 1 * (1.0 + 4.0) < recomputed.memory(0, 2, 1)
+    assert layered.memory(0, 2, 4) == recomputed.memory(0, 2, 4)  # more held: whole is less
+    with pytest.raises(PartitionError):
+        width_partition({1: recomputed}, [0.0], 1, 1, memory_limit=17.0)
+    assert width_partition({1: layered}, [0.0], 1, 1, memory_limit=17.0).layers_per_stage == (2,)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -259,8 +259,10 @@ def test_a_resume_on_the_same_world_keeps_the_checkpoints_cut_instead_of_replann
              "num_virtual_stages": 1, "num_microbatches": 3, "schedule": "gpipe", "recompute": []}
     assert _resumed_fields(saved, plait.Config(), 4, names) == {
         "layers_per_proc": [6, 3], "num_stages": 2, "dp": 2, "num_microbatches": 3, "schedule": "gpipe",
-        "num_virtual_stages": 1, "recompute": [], "zero": 0,
+        "num_virtual_stages": 1, "recompute": [], "recompute_by_layer": [], "zero": 0,
         "batch_weight_grads": False}  # the planner chose everything: all of it is kept
+    by_layer = {**saved, "recompute": [0, 1], "recompute_by_layer": [1]}
+    assert _resumed_fields(by_layer, plait.Config(), 4, names)["recompute_by_layer"] == [1]
     assert _resumed_fields({**saved, "zero": 2}, plait.Config(), 4, names)["zero"] == 2  # and its ZeRO
     fixed = plait.Config(num_stages=2, dp=2, num_microbatches=3)
     # only the cut (and ZeRO, a checkpoint saved before plait priced it: 0) was planned
