@@ -150,6 +150,8 @@ def main() -> int:
           f"by layer / kept = {step['by layer'] / step['kept']:.3f}")
     ok = peaks["by layer"] < peaks["whole"]
     print(f"{'PASS' if ok else 'FAIL'}: layer by layer peaks below recomputing whole")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0 if ok else 1
 
 
