@@ -12,7 +12,7 @@ import numpy.typing as npt
 
 from plait.errors import PartitionError
 from plait.plan.partition_band import BandedTables
-from plait.plan.recompute_pieces import range_max
+from plait.plan.recompute_pieces import after_first, by_pieces, range_max
 
 __all__ = [
     "balance",
@@ -201,9 +201,8 @@ class PartitionProblem:
     def _by_pieces(self, stage_index: int, start: int, end: int) -> float:
         if not self.piece_once:
             return math.inf
-        entry = (self.entry[start] if self.entry else 0.0) + sum(self.piece_entry[start + 1:end])
-        return (sum(self.fixed[start:end]) + max(self.piece_once[start:end])
-                + self.held[stage_index] * (sum(self.per_held[start:end]) + entry))
+        return by_pieces(self.fixed, self.per_held, self.entry, self.piece_once, self.piece_entry, start, end,
+                         self.held[stage_index])
 
 
 @dataclass(frozen=True)
@@ -358,10 +357,8 @@ class _Tables:
         self.base, self.per = base, per
         self.pieces: tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None = None
         if problem.piece_once:  # recomputed piece by piece: max of the pieces, their entries held
-            prefix = np.concatenate(([0.0], np.cumsum(np.asarray(problem.piece_entry, dtype=np.float64))))
-            after_start = prefix[None, :] - prefix[np.minimum(np.arange(n + 1) + 1, n)][:, None]
             self.pieces = (ranges(problem.fixed) + range_max(problem.piece_once),
-                           ranges(problem.per_held) + entry[:, None] + after_start)
+                           ranges(problem.per_held) + entry[:, None] + after_first(problem.piece_entry))
         masks: dict[float, npt.NDArray[np.bool_]] = {}
         self.fits = []
         for h in problem.held:

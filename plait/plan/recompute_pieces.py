@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["piece_keys", "pieces", "piece_terms", "range_max"]
+__all__ = ["piece_keys", "pieces", "piece_terms", "by_pieces", "range_max", "after_first"]
 
 
 def piece_keys(names: Sequence[str]) -> list[str]:
@@ -64,3 +64,20 @@ def range_max(values: Sequence[float]) -> npt.NDArray[np.float64]:
     for start in range(n):
         table[start, start + 1:] = np.maximum.accumulate(array[start:])
     return table
+
+
+def by_pieces(fixed: Sequence[float], per_held: Sequence[float], entry: Sequence[float],
+              piece_once: Sequence[float], piece_entry: Sequence[float], start: int, end: int, held: float) -> float:
+    """The memory above of layers start..end-1 holding `held` micro-batches (`entry` () = zeros)."""
+    first = entry[start] if len(entry) else 0.0
+    return (sum(fixed[start:end]) + max(piece_once[start:end])
+            + held * (sum(per_held[start:end]) + first + sum(piece_entry[start + 1:end])))
+
+
+def after_first(piece_entry: Sequence[float]) -> npt.NDArray[np.float64]:
+    """[start, end]: sum(piece_entry[start + 1:end]), the entries held after a range's first layer,
+    an (n + 1) x (n + 1) table (meaningful for start < end)."""
+    n = len(piece_entry)
+    prefix = np.concatenate(([0.0], np.cumsum(np.asarray(piece_entry, dtype=np.float64))))
+    return np.asarray(prefix[None, :] - prefix[np.minimum(np.arange(n + 1) + 1, n)][:, None], dtype=np.float64)
+

@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from plait.errors import PartitionError
-from plait.plan.recompute_pieces import range_max
+from plait.plan.recompute_pieces import after_first, by_pieces, range_max
 
 __all__ = ["WidthCosts", "WidthLayout", "width_partition", "pipeline_floor"]
 
@@ -65,9 +65,8 @@ class WidthCosts:
         whole = sum(self.fixed[start:end]) + once + held * (sum(self.activation[start:end]) + entry)
         if not self.piece_once:
             return whole
-        entries = entry + sum(self.piece_entry[start + 1:end])
-        return min(whole, sum(self.fixed[start:end]) + max(self.piece_once[start:end])
-                   + held * (sum(self.activation[start:end]) + entries))
+        return min(whole, by_pieces(self.fixed, self.activation, self.entry, self.piece_once, self.piece_entry,
+                                    start, end, held))
 
 
 @dataclass(frozen=True)
@@ -190,12 +189,9 @@ def _fewest_devices(t_max: float, widths: list[int], time: dict[int, npt.NDArray
 def _piece_tables(costs: WidthCosts) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
     """[k, i] memory of layers k..i-1 recomputed piece by piece: (fixed + the largest piece,
     activations + the entries of the first layer and of each piece after it, per held)."""
-    n = len(costs.time)
-    prefix = np.concatenate(([0.0], np.cumsum(np.asarray(costs.piece_entry, dtype=np.float64))))
-    after_first = prefix[None, :] - prefix[np.minimum(np.arange(n + 1) + 1, n)][:, None]
     entry = _entry_column(costs.entry) if costs.entry else 0.0
     return (_range_sums(costs.fixed) + range_max(costs.piece_once),
-            _range_sums(costs.activation) + entry + after_first)
+            _range_sums(costs.activation) + entry + after_first(costs.piece_entry))
 
 
 def _entry_column(entry: Sequence[float]) -> npt.NDArray[np.float64]:

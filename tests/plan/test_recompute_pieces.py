@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from plait.plan.recompute_pieces import piece_keys, piece_terms, pieces, range_max
+from plait.plan.recompute_pieces import after_first, by_pieces, piece_keys, piece_terms, pieces, range_max
 
 GPT2 = ["transformer.wte", "transformer.wpe", "transformer.h.0.ln_1", "transformer.h.0.attn.c_attn",
         "transformer.h.0.mlp.c_proj", "transformer.h.1.ln_1", "transformer.h.1.mlp.c_proj", "transformer.ln_f",
@@ -34,3 +34,13 @@ def test_range_max_is_the_maximum_of_each_range() -> None:
         for end in range(start + 1, len(values) + 1):
             assert table[start, end] == max(values[start:end])
     assert table.shape == (6, 6) and np.all(np.tril(table) == 0)
+
+
+def test_a_range_by_pieces_holds_its_first_input_and_each_later_piece_s() -> None:
+    piece_entry = [10.0, 0.0, 30.0, 0.0, 50.0]
+    table = after_first(piece_entry)
+    assert table[0, 5] == 80.0 and table[1, 3] == 30.0 and table[2, 3] == 0.0
+    fixed, per_held, entry, piece_once = [1.0] * 5, [0.0] * 5, [10.0, 20.0, 30.0, 40.0, 50.0], [3.0, 3.0, 7.0, 7.0, 5.0]
+    # layers 1..3: fixed 3, the largest piece 7, and per held micro-batch 20 (layer 1's input) + 30
+    assert by_pieces(fixed, per_held, entry, piece_once, piece_entry, 1, 4, 2.0) == 3 + 7 + 2 * (20 + 30)
+
