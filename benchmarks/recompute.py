@@ -19,7 +19,6 @@ import os
 import statistics
 import sys
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -29,39 +28,12 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import plait
+from plait.runtime.live_bytes import LiveBytes
 
 WAYS = {"kept": {"recompute": False}, "whole": {"recompute": True, "recompute_by_layer": False},
         "by layer": {"recompute": True, "recompute_by_layer": True}}
-
-
-class LiveBytes(TorchDispatchMode):
-    """The most bytes of CPU tensor storage made under it and alive at once."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self.seen: set[int] = set()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                key, size = storage.data_ptr(), storage.nbytes()
-                if size and key not in self.seen:
-                    self.seen.add(key)
-                    self.live += size
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._gone, key, size)
-        return out
-
-    def _gone(self, key: int, size: int) -> None:
-        self.live -= size
-        self.seen.discard(key)
 
 
 def build(args: argparse.Namespace, device: torch.device, **way: Any) -> tuple[plait.Model, Any]:

@@ -4,12 +4,10 @@ stage graph is cut into one piece per transformer block."""
 
 from __future__ import annotations
 
-import weakref
 
 import pytest
 import torch
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import plait
@@ -18,34 +16,9 @@ from plait.capture.trace import capture_batch
 from plait.errors import ConfigError
 from plait.plan.recompute_pieces import pieces
 from plait.runtime.layer_checkpoint import layer_checkpointed
+from plait.runtime.live_bytes import LiveBytes
 
 LAYERS = 6
-
-
-class LiveBytes(TorchDispatchMode):
-    """The most bytes of CPU tensor storage made under it alive at once."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self.seen: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                key, size = storage.data_ptr(), storage.nbytes()
-                if size and key not in self.seen:
-                    self.seen.add(key)
-                    self.live += size
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._gone, key, size)
-        return out
-
-    def _gone(self, key: int, size: int) -> None:
-        self.live -= size
-        self.seen.discard(key)
 
 
 def gpt2() -> transformers.GPT2LMHeadModel:
