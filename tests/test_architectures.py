@@ -6,7 +6,8 @@ steps with momentum (batches of 6, 6 and 4 rows in 3 micro-batches, 1F1B) with p
 side, a deep copy in one process. Compared: each step's loss, the full `state_dict` after the
 steps (atol 2e-5: sums over micro-batches in another order) and `predict`'s logits. The cut is
 the even one over the captured layers (moved past an uncuttable region if it falls inside one),
-so a failure reproduces. docs/architectures.md holds the table these tests back.
+so a failure reproduces. docs/architectures.md holds the table these tests back. In one process,
+each also trains recomputed layer by layer, bit for bit as with its activations kept.
 """
 
 from __future__ import annotations
@@ -150,3 +151,25 @@ def test_two_stages_two_replicas() -> None:
     report = run_ranks(4, train_all, TWO_BY_TWO, 2, timeout=560)
     for name in TWO_BY_TWO:
         check(report, name, 2, 2)
+
+
+def _sgd_twice(name: str, **recompute: Any) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
+    arch = make(name)
+    model = plait.Model(arch.net, plait.Config(num_microbatches=2, schedule="gpipe", **recompute),
+                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), loss=arch.loss)
+    for _ in range(2):
+        model.train_on_batch(arch.x, arch.y)
+    return model.state_dict(), model.plan.recompute_by_layer
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+@pytest.mark.timeout(120)
+def test_recomputed_layer_by_layer_trains_as_kept(name: str) -> None:
+    """One process: each architecture's stage graph cut into its blocks' pieces, each recomputed
+    in the backward, trains bit for bit as with every activation kept."""
+    kept, _ = _sgd_twice(name)
+    again, by_layer = _sgd_twice(name, recompute=True, recompute_by_layer=True)
+    assert by_layer == (0,)
+    for key, value in kept.items():
+        assert torch.equal(again[key], value), key
+

@@ -1,7 +1,8 @@
 """Tensor parallelism (Config(tp=...)) trains exactly as one process: Hugging Face GPT-2 (Conv1D,
 fused q|k|v, tied head), Llama (grouped-query attention, tied head), BERT (classification, and
 masked LM with its tied decoder), at tp=2, at 2 stages x tp=2 (the tied weight on both stages) and
-at dp=2 x tp=2 with ZeRO-1, with sequence parallelism too; GPT-2 with dropout; parameter bytes at
+at dp=2 x tp=2 with ZeRO-1, with sequence parallelism too, Llama recomputed layer by layer; GPT-2
+with dropout; parameter bytes at
 tp=2 against the replicated stage's; checkpoints of tp runs resumed in other layouts.
 
 Each rank trains plait and, on the side, a deep copy in one process through the same 3 steps
@@ -88,7 +89,8 @@ def train_and_compare(name: str, config: dict[str, Any], adam: bool = False,
 
 SP2 = {"tp": 2, "sequence_parallel": True}
 TWO_RANK_RUNS = [(name, {"tp": 2}, adam) for name in ("gpt2", "llama", "bert-mlm") for adam in (False, True)] + [
-    ("bert", {"tp": 2}, False), ("gpt2", SP2, True), ("llama", SP2, False), ("bert-mlm", SP2, False)]
+    ("bert", {"tp": 2}, False), ("gpt2", SP2, True), ("llama", SP2, False), ("bert-mlm", SP2, False),
+    ("llama", {"tp": 2, "recompute": True, "recompute_by_layer": True}, True)]  # the tp collectives recomputed too
 
 
 def _two_ranks(rank: int, world: int) -> dict[Any, Any]:
@@ -192,6 +194,8 @@ def test_tp2_gpt2_llama_bert_equal_one_process() -> None:
             assert not problems, f"rank {rank} {name} {config} {'Adam' if adam else 'SGD'}:\n" + "\n".join(problems)
             if config.get("sequence_parallel"):
                 assert "reduce_scatter in the forward" in plan, plan
+            if config.get("recompute_by_layer"):
+                assert "recomputed layer by layer" in plan, plan
             assert split >= 7, (name, split)  # attention and MLP of every layer, and the word embedding
             assert "x tp=2" in plan and "split over tp=2" in plan
         problems, split, plan = per_model["searched"]

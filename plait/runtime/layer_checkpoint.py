@@ -59,7 +59,7 @@ def layer_checkpointed(module: fx.GraphModule, layer_pieces: Sequence[int]) -> n
     part = _pieces(module.graph, layer_pieces)
     if len(set(part.values())) <= 1:
         return _Checkpointed(module)
-    parent = split_module(module, module, part.__getitem__, keep_original_order=True)
+    parent = split_module(module, module, part.__getitem__)
     for name, child in list(parent.named_children()):
         if name.startswith("submod_"):
             setattr(parent, name, _Checkpointed(child))
