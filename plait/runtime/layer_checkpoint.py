@@ -6,8 +6,10 @@ that micro-batch at once. Cut into pieces (`torch.fx.passes.split_module`; a pie
 block's layers, `plait.plan.recompute_pieces`) with each piece under its own checkpoint, the
 stage keeps each piece's input per micro-batch and, in the backward, recomputes and frees one
 piece at a time -- Megatron-LM's full recomputation: a transformer layer's input kept, one
-layer's activations alive. The pieces share the stage's parameters; each checkpoint restores
-the RNG state, so dropout draws the same mask when it recomputes.
+layer's activations alive. The pieces run in the order of their dependencies (split_module's
+topological order: a value made early and first used by a later block, a mask or a rotary table,
+goes with that block). They read the stage's parameters; each checkpoint restores the RNG state,
+so dropout draws the same mask when it recomputes.
 """
 
 from __future__ import annotations
