@@ -20,7 +20,6 @@ Needs a CUDA device (a machine with one GPU is enough); CI never runs it. Three 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import torch.distributed as dist
+from job import one_rank_group  # noqa: E402 - benchmarks/ is the script's own directory on sys.path
 
 
 def gpt2(layers: int, width: int, heads: int, vocab: int, meta: bool) -> torch.nn.Module:
@@ -54,13 +54,6 @@ def loss_fn(out: Any, y: torch.Tensor) -> torch.Tensor:
 def tokens(rows: int, seq: int, vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(step))
     return x, torch.roll(x, -1, dims=1)
-
-
-def one_rank_group() -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
 
 
 def equality() -> None:

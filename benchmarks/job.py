@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-__all__ = ["mlp", "regression_batch", "run_job", "join_job", "leave_job", "timed"]
+__all__ = ["mlp", "regression_batch", "run_job", "join_job", "leave_job", "timed", "one_rank_group"]
 
 
 def mlp(width: int, layers: int, seed: int) -> nn.Sequential:
@@ -31,6 +31,14 @@ def regression_batch(rows: int, width: int, seed: int) -> tuple[torch.Tensor, to
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, width, generator=g)  # (B, width)
     return x, torch.randn(rows, width, generator=g)  # (B, width)
+
+
+def one_rank_group() -> None:
+    """This process as a one-rank NCCL group on GPU 0: how a plait rank runs on a one-GPU machine."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
 
 
 def _free_port() -> int:

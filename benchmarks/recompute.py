@@ -31,6 +31,7 @@ import transformers
 
 import plait
 from plait.runtime.live_bytes import LiveBytes
+from job import one_rank_group  # noqa: E402 - benchmarks/ is the script's own directory on sys.path
 
 WAYS = {"kept": {"recompute": False}, "whole": {"recompute": True, "recompute_by_layer": False},
         "by layer": {"recompute": True, "recompute_by_layer": True}}
@@ -81,10 +82,7 @@ def main() -> int:
     else:  # a plait rank on the GPU: a one-rank NCCL group; deterministic kernels, to compare bits
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-        torch.cuda.set_device(0)
-        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+        one_rank_group()
     print(f"GPT-2 {args.layers} x {args.width}, {args.rows} x {args.seq} tokens, GPipe over "
           f"{args.microbatches} micro-batches, one stage on {device.type}"
           + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ", one thread"))

@@ -244,7 +244,7 @@ def _stages(costs: LayerCosts, setting: Setting, cluster: Cluster, rows: int,
     for s, size in enumerate(layers_per_stage):
         end = start + size
         state = _state(sum(costs.param_bytes[start:end]), sum(costs.grad_bytes[start:end]), setting, cluster).total
-        entry = costs.input_row_bytes if start == 0 else costs.output_row_bytes[start - 1]
+        entry = entries[start]
         stages.append(StageCost(
             s, s % setting.pp, start, end, sum(f[start:end]) + busy[s], sum(b[start:end]) + busy[s], sum(w[start:end]),
             point_to_point(costs.output_row_bytes[end - 1] * rows, links[s])

@@ -136,7 +136,7 @@ class StageExecutor:
         if written:
             args = tuple(a.clone() if i in written and isinstance(a, torch.Tensor) and a.requires_grad else a
                          for i, a in enumerate(args))
-        return (module or self.stage.module)(*args)
+        return (self.stage.module if module is None else module)(*args)
 
     def backward(self, microbatch_index: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Backpropagate one micro-batch; return dL/d(received tensors) for the previous stage."""
