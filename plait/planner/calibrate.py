@@ -11,10 +11,12 @@ step meets them -- right after both ranks computed -- and averaged over four tim
 on CPU ranks a message or collective now and then waits a scheduler tick for a thread pushed off
 its core, a tail that a step's sum of them pays and a median leaves out (2 gloo ranks, 1-256 KiB:
 a ping-pong's one way 0.5-1.1 ms mean after compute, 0.13-0.24 ms median between idle ranks; a 64
-KiB all-reduce 0.8-1.9 ms mean after compute, 0.4 ms median idle). An all-reduce is timed the
-same way, on the same pair, waited for as the runtime waits (`plait.runtime.waiting`), and fitted to the ring formula
-2(p-1) alpha + 2(p-1) n / (p beta) (Thakur et al. 2005): a library's collective has costs of
-its own that a ping-pong does not show (docs/benchmarks.md has a measured case). On CPU ranks (gloo) a hand-over also takes time from the ranks themselves:
+KiB all-reduce 0.8-1.9 ms mean after compute, 0.4 ms median idle). An all-reduce is timed on
+the same pair, waited for as the runtime waits (`plait.runtime.waiting`) -- below 1 MiB as what
+it adds to a chain of equal compute on both ranks, as a tensor-parallel step meets it
+(`_in_chain`) -- and fitted to the ring formula 2(p-1) alpha + 2(p-1) n / (p beta) (Thakur et
+al. 2005): a library's collective has costs of its own that a ping-pong does not show
+(docs/benchmarks.md has a measured case). On CPU ranks (gloo) a hand-over also takes time from the ranks themselves:
 `measure_handover` times, while both ranks compute as pipeline stages do, the sender's send and
 yield to the transport thread and the receiver's posting of its receive. Every rank of the group calls `measure_link` and
 `measure_all_reduce` (the others only wait for the broadcast result); `calibrate` measures a
@@ -47,7 +49,9 @@ SIZES = tuple(2**k for k in range(10, 23, 2)) + (2**23, 2**24, 2**25)
 LARGE = 2**20  # sizes from here fit the bandwidth; those below, the latency
 HANDOVER_BYTES = 64 * 1024
 BUSY_S = 1e-3  # compute around each timed hand-over, as a stage computes around its sends
-IN_STEP_REPEATS = 4  # times `repeats` all-reduces of each small size: their mean has a long tail
+IN_STEP_REPEATS = 4  # times `repeats` ping-pongs of each small size: their mean has a long tail
+CHAIN = 6  # links of compute and all-reduce in each timed block (`_in_chain`)
+CHAIN_BUSY_S = 5e-3  # compute before each: a CPU rank's layer between its tp collectives (GPT-2 256 wide: ~5 ms)
 
 
 def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
@@ -112,15 +116,16 @@ def measure_all_reduce(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = 
         for size in sizes:
             buffer = torch.zeros(size // 4, dtype=torch.float32)
             samples = []
-            for k in range(_rounds(size, repeats)):  # the first sets the group's connections up
+            if size < LARGE:  # as a tensor-parallel step meets it: between its layers' compute
+                times.append(_in_chain(buffer, group, repeats))
+                continue
+            for k in range(repeats + 1):  # the first sets the group's connections up
                 dist.barrier(group)
-                if size < LARGE:  # as a step meets it: after compute
-                    _compute(BUSY_S)
                 start = time.perf_counter()
                 finish(dist.all_reduce(buffer, group=group, async_op=True))  # waited for as the runtime waits
                 if k:
                     samples.append(time.perf_counter() - start)
-            times.append(_typical(size, samples))
+            times.append(statistics.median(samples))
     link = _fitted_on(rank_a, sizes, times, latencies=2)  # intercept 2 alpha, slope 1 / beta
     if group is not dist.group.WORLD:
         dist.destroy_process_group(group)
@@ -167,6 +172,50 @@ def measure_handover(rank_a: int = 0, rank_b: int = 1, nbytes: int = HANDOVER_BY
     return float(mean[0])
 
 
+def _in_chain(buffer: torch.Tensor, group: object, repeats: int) -> float:
+    """What an all-reduce of `buffer` adds to a chain of compute, as a tensor-parallel step has them:
+    blocks of CHAIN x (the same fixed work on both ranks, then the all-reduce) against blocks of
+    the work alone, alternating (the host's load drifts), `repeats` of each; the difference of
+    their means per link. The chain's all-reduce also waits for the other rank's slower compute,
+    and for gloo's threads to get a core back from it: costs a step pays and an all-reduce timed
+    on its own leaves out. On 2 gloo ranks a 64 KiB all-reduce after a barrier and 1 ms of compute
+    took 0.8 ms; in tensor-parallel steps (about 5-8 ms of compute between them) each added
+    1.2-3 ms; in chains it added 0.7-2.2 ms after 2 ms of compute and 1.7-3.8 ms after 8 ms."""
+    work = _work_for(CHAIN_BUSY_S, group)
+    chained: list[float] = []
+    alone: list[float] = []
+    finish(dist.all_reduce(buffer, group=group, async_op=True))  # sets the group's connections up
+    for k in range(2 * repeats):
+        reduce = (k % 4) in (0, 3)  # with, without, without, with, ...
+        dist.barrier(group)
+        start = time.perf_counter()
+        for _ in range(CHAIN):
+            _matmuls(work)
+            if reduce:
+                finish(dist.all_reduce(buffer, group=group, async_op=True))  # waited for as the runtime waits
+        (chained if reduce else alone).append((time.perf_counter() - start) / CHAIN)
+    return max(statistics.mean(chained) - statistics.mean(alone), 0.0)
+
+
+def _work_for(seconds: float, group: object) -> int:
+    """Products of `_matmuls` that take about `seconds` here: counted on the group's first rank and
+    taken by all (equal work: a rank's slower compute then shows as the other's wait)."""
+    start, count = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        _matmuls(1)
+        count += 1
+    agreed = torch.tensor([count], dtype=torch.int64)
+    dist.broadcast(agreed, dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0, group=group)
+    return int(agreed[0])
+
+
+def _matmuls(count: int) -> None:
+    """`count` products of 128 x 128 matrices: fixed work."""
+    a = torch.ones(128, 128)
+    for _ in range(count):
+        a = a @ a * 1e-3
+
+
 def _rounds(size: int, repeats: int) -> int:
     """Timed rounds of a size, plus one to set up: IN_STEP_REPEATS x `repeats` below LARGE, whose
     mean has a long tail, else `repeats`."""
@@ -207,7 +256,7 @@ def calibrate(cache_dir: str | os.PathLike[str] | None = None, repeats: int = 5)
     world = dist.get_world_size()
     per_node = local_world_size(world)
     hosts = all_gather_text(socket.gethostname())
-    key = f"v5-{dist.get_backend()}-{world}-{per_node}-{'-'.join(sorted(set(hosts)))}"
+    key = f"v6-{dist.get_backend()}-{world}-{per_node}-{'-'.join(sorted(set(hosts)))}"
     path = Path(cache_dir) / f"network-{key}.json" if cache_dir is not None else None
     stored = None
     if path is not None and dist.get_rank() == 0 and path.exists():

@@ -53,4 +53,4 @@ def test_two_ranks_measure_the_same_link(tmp_path) -> None:
     assert first0["devices_per_node"] == 2 and again0 == first0
     # gloo on CPU ranks: a hand-over takes time from the ranks themselves (a send is not free)
     assert 1e-6 < first0["handover_cpu_s"] < 0.05
-    assert len(list(tmp_path.glob("network-v5-gloo-2-2-*.json"))) == 1
+    assert len(list(tmp_path.glob("network-v6-gloo-2-2-*.json"))) == 1
