@@ -81,7 +81,8 @@ def gpt_tp_shares(spec: GptSpec, dev: Device, tp: int) -> TpShares:
     runtime runs it: the word embedding by vocabulary rows (its lookups all-reduced), each block's
     q|k|v and first MLP linear by columns and their output linears by rows (2 all-reduces of the
     hidden states in the forward, 2 in the backward; Shoeybi et al. 2019), the head by vocabulary
-    rows, its logits priced as gathered (an upper bound: a cross-entropy loss runs on them split).
+    rows, its logits left split for the vocabulary-parallel cross-entropy (`plait.runtime.vocab_loss`,
+    Megatron's: 3 all-reduces of one fp32 figure per token in the forward, 1 in the backward).
     A block's split activations are Megatron's 24 + 5as/h of its 34 + 5as/h bytes per token and
     hidden unit (Korthikanti et al. 2022); its split share of the work is what makes one rank's time
     (`_block_and_head` at tp, the roofline's shapes on a GPU) that of the whole layer."""
@@ -106,11 +107,11 @@ def gpt_tp_shares(spec: GptSpec, dev: Device, tp: int) -> TpShares:
         split_bytes=per(vocab * h * d, block_split, vocab * h * d),
         split_share=per(0.0, work(block1, block_t), work(head1, head_t)),
         activation_share=per(0.0, block_act, 1.0),
-        forward_reduce_row_bytes=per(hidden_row, 2 * hidden_row if heads_split else hidden_row, 0.0),
-        backward_reduce_row_bytes=per(0.0, 2 * hidden_row if heads_split else hidden_row, hidden_row),
-        gather_row_bytes=per(0.0, 0.0, s * vocab * d),
-        forward_collectives=per(1, 2 if heads_split else 1, 1),
-        backward_collectives=per(0, 2 if heads_split else 1, 1),
+        forward_reduce_row_bytes=per(hidden_row, 2 * hidden_row if heads_split else hidden_row, 3 * s * 4),
+        backward_reduce_row_bytes=per(0.0, 2 * hidden_row if heads_split else hidden_row, hidden_row + s * 4),
+        gather_row_bytes=per(0.0, 0.0, 0.0),
+        forward_collectives=per(1, 2 if heads_split else 1, 3),
+        backward_collectives=per(0, 2 if heads_split else 1, 2),
     )
 
 

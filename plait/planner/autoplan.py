@@ -145,7 +145,7 @@ def plan_model(net: nn.Module, sample: Any, world_size: int, global_batch: int,
     for tp in (t for t in options.tp if t > 1):
         assert options.captured is not None
         try:
-            shares[tp] = tp_shares(options.captured, tp, dict(options.tp_plan or ()))
+            shares[tp] = tp_shares(options.captured, tp, dict(options.tp_plan or ()), options.loss, options.target)
         except ConfigError:
             raise  # the user's tp_plan does not fit: say so
         except Exception as e:  # noqa: BLE001 - a graph the layout cannot read: tp=1 only

@@ -7,7 +7,9 @@ graph, and each of its operations is charged to the layer it belongs to:
     an op whose output is split             -> its output elements count as split work
     a row-parallel linear, a vocab lookup   -> an all-reduce of its output in the forward
     a column-parallel linear's input        -> an all-reduce of that input's gradient in the backward
-    a split value leaving the model         -> an all-gather (the logits)
+    a split value leaving the model         -> an all-gather (the logits); where the loss runs on
+                                               them split (`plait.runtime.vocab_loss`: given the loss
+                                               and a target), its all-reduces of per-token figures
 
 Bytes are per row of a micro-batch (the traced batch size taken as one row).
 """
@@ -15,7 +17,7 @@ Bytes are per row of a micro-batch (the traced batch size taken as one row).
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
@@ -26,12 +28,15 @@ from plait.capture.tp_layout import tp_layouts
 from plait.capture.trace import CapturedGraph
 from plait.errors import ConfigError
 from plait.plan.tp_costs import TpShares
+from plait.runtime.vocab_loss import collectives_of, split_plan
 
 __all__ = ["tp_shares"]
 
 
-def tp_shares(captured: CapturedGraph, tp: int, tp_plan: Mapping[str, str] | None = None) -> TpShares:
-    """Each layer's split bytes, split share and collectives at `tp` (see the module)."""
+def tp_shares(captured: CapturedGraph, tp: int, tp_plan: Mapping[str, str] | None = None,
+              loss: Callable[[Any, Any], torch.Tensor] | None = None, target: Any = None) -> TpShares:
+    """Each layer's split bytes, split share and collectives at `tp` (see the module); `loss` and
+    `target` (the training loss and a batch's targets): whether the logits leave gathered."""
     n = len(captured.layers.layer_names)
     [stage] = split(captured, [0] * n)
     gm = stage.module
@@ -40,21 +45,31 @@ def tp_shares(captured: CapturedGraph, tp: int, tp_plan: Mapping[str, str] | Non
     split_bytes, split_work, all_work = [0.0] * n, [0.0] * n, [0.0] * n
     fwd, bwd, gather, fwd_count, bwd_count = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
     users_of_param = {node.target: node for node in gm.graph.nodes if node.op == "get_attr"}
-    for target in layout.params:
-        node = users_of_param.get(target)
+    for name in layout.params:
+        node = users_of_param.get(name)
         layer = _layer_of_param(node, layer_of)
         if layer is not None:
-            p = gm.get_parameter(target)
+            p = gm.get_parameter(name)
             split_bytes[layer] += p.numel() * p.element_size()
     reduced_inputs: set[fx.Node] = set()
     for node in gm.graph.nodes:
         layer = layer_of.get(node.name)
         if node.op == "output":
-            for value in _leaves(node.args):
-                if isinstance(layout.values.get(value.name), Shard):
-                    last = layer_of.get(value.name, n - 1)
+            leaves = _leaves(node.args)
+            left = {i: v for i, v in enumerate(leaves) if isinstance(layout.values.get(v.name), Shard)}
+            kept = {i: v for i, v in left.items() if not layout.values[v.name].seq}  # as the runtime keeps them
+            on_parts = _loss_collectives(captured, leaves, kept, layout, tp, loss, target)
+            for i, value in left.items():
+                last = layer_of.get(value.name, n - 1)
+                if on_parts is None or i not in kept:
                     gather[last] += _row_bytes(value)
                     fwd_count[last] += 1
+                    continue
+                per_token = _row_bytes(value) / _shape(value)[layout.values[value.name].dim]
+                fwd[last] += on_parts[0] * per_token
+                bwd[last] += on_parts[1] * per_token
+                fwd_count[last] += on_parts[0]
+                bwd_count[last] += on_parts[1]
             continue
         if layer is None or node.op != "call_function":
             continue
@@ -76,6 +91,37 @@ def tp_shares(captured: CapturedGraph, tp: int, tp_plan: Mapping[str, str] | Non
     share = [s / w if w > 0 else 0.0 for s, w in zip(split_work, all_work)]
     return TpShares(tp, tuple(split_bytes), tuple(min(1.0, x) for x in share), tuple(fwd), tuple(bwd),
                     tuple(gather), tuple(fwd_count), tuple(bwd_count), tuple(layout.describe()))
+
+
+def _loss_collectives(captured: CapturedGraph, leaves: list[fx.Node], left: dict[int, fx.Node], layout: Any,
+                      tp: int, loss: Callable[[Any, Any], torch.Tensor] | None, target: Any) -> tuple[int, int] | None:
+    """(forward, backward) all-reduces of the loss run on the split outputs `left` ({leaf: node}),
+    as the runtime would run it; None where it gathers them (no loss or target given, or one that
+    does not split)."""
+    if loss is None or not isinstance(target, torch.Tensor) or not left:
+        return None
+    rows = int(target.shape[0]) if target.dim() else 1
+    whole: dict[int, torch.Tensor] = {}
+    split: dict[int, tuple[int, int]] = {}
+    for i, value in enumerate(leaves):
+        val = value.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        shape = [s if isinstance(s, int) else rows for s in val.shape]  # the batch's symbolic size
+        whole[i] = torch.empty(shape, dtype=val.dtype, device="meta")
+        if i in left:
+            lay = layout.values[value.name]
+            split[i] = (lay.dim, lay.blocks)
+    if set(left) - set(split):
+        return None
+    metas: list[Any] = [whole.get(i) for i in range(len(leaves))]
+    plan = split_plan(loss, captured.finish, metas, whole, split, tp, target)
+    return None if plan is None else collectives_of(plan[1])
+
+
+def _shape(node: fx.Node) -> list[float]:
+    val = node.meta.get("val")
+    return [float(s) if isinstance(s, int) else 1.0 for s in val.shape] if isinstance(val, torch.Tensor) else []
 
 
 def _layer_of_param(node: fx.Node | None, layer_of: Mapping[str, int]) -> int | None:

@@ -32,7 +32,7 @@ from plait.capture.shard_rules import reshape_dim
 from plait.runtime.tp_collectives import TpCollective, reduce_sum, sum_both_ways
 from plait.runtime.waiting import finish
 
-__all__ = ["SplitLoss"]
+__all__ = ["SplitLoss", "split_plan", "collectives_of"]
 
 aten = torch.ops.aten
 _SAME = {aten.clone.default, aten.contiguous.default, aten._to_copy.default, aten.alias.default,
@@ -83,24 +83,8 @@ class SplitLoss:
 
     def _trace(self, leaves: list[Any], tensors: list[int], target: torch.Tensor,
                ) -> tuple[fx.GraphModule, dict[str, Step]] | None:
-        if any(blocks != 1 for _, blocks in self.split.values()):
-            return None
-
-        def loss_of(*args: torch.Tensor) -> torch.Tensor:
-            out = list(leaves)
-            for i, t in zip(tensors, args[:-1]):
-                out[i] = t
-            return self.loss_fn(self.finish(out), args[-1])
-
         metas = [torch.empty(self._whole_shape(i, leaves[i]), dtype=leaves[i].dtype, device="meta") for i in tensors]
-        try:
-            gm = make_fx(loss_of)(*metas, torch.empty(target.shape, dtype=target.dtype, device="meta"))
-        except Exception:  # noqa: BLE001 - a loss that cannot be traced runs as written, on whole outputs
-            return None
-        places = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        start = {places[k].name: self.split[i][0] for k, i in enumerate(tensors) if i in self.split}
-        steps = _steps(gm, start, self.tp)
-        return (gm, steps) if steps is not None else None
+        return split_plan(self.loss_fn, self.finish, leaves, dict(zip(tensors, metas)), self.split, self.tp, target)
 
     # -- running on the parts ------------------------------------------------------------------------
 
@@ -154,6 +138,39 @@ class _OnParts(fx.Interpreter):
         if kind == "log_softmax":
             return self.loss.log_softmax(args[0], int(args[1]), bool(args[2]))
         return self.loss.nll(*args)
+
+
+def split_plan(loss_fn: Callable[[Any, Any], torch.Tensor], finish: Callable[[Any], Any], leaves: list[Any],
+               whole: dict[int, torch.Tensor], split: dict[int, tuple[int, int]], tp: int, target: torch.Tensor,
+               ) -> tuple[fx.GraphModule, dict[str, Step]] | None:
+    """The loss traced on meta tensors of the `whole` outputs (leaf index -> meta tensor; the other
+    leaves as they are) and how each node of it runs on the parts of those `split` ({leaf: (dim,
+    blocks)}), or None where it must run on gathered outputs (see the module)."""
+    if any(blocks != 1 for _, blocks in split.values()):
+        return None
+    tensors = sorted(whole)
+
+    def loss_of(*args: torch.Tensor) -> torch.Tensor:
+        out = list(leaves)
+        for i, t in zip(tensors, args[:-1]):
+            out[i] = t
+        return loss_fn(finish(out), args[-1])
+
+    try:
+        gm = make_fx(loss_of)(*(whole[i] for i in tensors), torch.empty(target.shape, dtype=target.dtype, device="meta"))
+    except Exception:  # noqa: BLE001 - a loss that cannot be traced runs as written, on whole outputs
+        return None
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    start = {places[k].name: split[i][0] for k, i in enumerate(tensors) if i in split}
+    steps = _steps(gm, start, tp)
+    return (gm, steps) if steps is not None else None
+
+
+def collectives_of(steps: dict[str, Step]) -> tuple[int, int]:
+    """(forward, backward) all-reduces the split loss runs: a log-softmax's max and sum (and the
+    sum's gradient), an nll_loss's picked values."""
+    kinds = [kind for kind, _ in steps.values()]
+    return 2 * kinds.count("log_softmax") + kinds.count("nll"), kinds.count("log_softmax")
 
 
 def _steps(gm: fx.GraphModule, start: dict[str, int], tp: int) -> dict[str, Step] | None:

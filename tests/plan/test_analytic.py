@@ -114,6 +114,8 @@ def test_gpt_tp_shares_are_megatrons_layout() -> None:
     assert shares.split_bytes == (100 * h * d, (12 * h * h + 7 * h) * d, (12 * h * h + 7 * h) * d, 100 * h * d)
     assert shares.forward_reduce_row_bytes[1:3] == (2 * s * h * d,) * 2  # attention's and the MLP's g
     assert shares.backward_reduce_row_bytes[1:3] == (2 * s * h * d,) * 2  # their f
-    assert shares.gather_row_bytes == (0.0, 0.0, 0.0, s * 100 * d)  # the logits, gathered
+    assert shares.gather_row_bytes == (0.0,) * 4  # the logits stay split: the vocabulary-parallel loss
+    assert shares.forward_reduce_row_bytes[3] == 3 * s * 4 and shares.forward_collectives[3] == 3  # max, sum, nll
+    assert shares.backward_reduce_row_bytes[3] == s * h * d + s * 4 and shares.backward_collectives[3] == 2
     mlp_only = gpt_tp_shares(parse_gpt("layers=1,hidden=64,heads=2,seq=16,vocab=100"), dev, 4)  # 2 heads on 4
     assert mlp_only.split_bytes[1] == (8 * h * h + 5 * h) * d and mlp_only.forward_collectives[1] == 1

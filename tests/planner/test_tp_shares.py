@@ -52,3 +52,34 @@ def test_heads_that_do_not_divide_leave_attention_whole() -> None:
     assert shares.split_bytes[layer["transformer.h.0.attn.c_attn"]] == 0
     assert shares.split_bytes[layer["transformer.h.0.mlp.c_fc"]] > 0
     assert any("replicated" in line for line in shares.layouts)
+
+
+def _lm_loss(out, y):
+    return torch.nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def test_a_cross_entropy_on_the_split_logits_is_priced_as_its_all_reduces_not_a_gather() -> None:
+    captured = _captured()
+    head = captured.layers.layer_names.index("lm_head")
+    gathered = tp_shares(captured, 2)
+    target = torch.randint(0, VOCAB, (2, SEQ))
+    split = tp_shares(captured, 2, loss=_lm_loss, target=target)
+    assert split.gather_row_bytes[head] == 0
+    # log-softmax's max and sum, nll's picked values forward; the sum's gradient backward: per token, fp32
+    assert split.forward_collectives[head] == gathered.forward_collectives[head] - 1 + 3
+    assert split.backward_collectives[head] == gathered.backward_collectives[head] + 1
+    assert split.forward_reduce_row_bytes[head] == gathered.forward_reduce_row_bytes[head] + 3 * SEQ * 4
+    assert split.backward_reduce_row_bytes[head] == gathered.backward_reduce_row_bytes[head] + SEQ * 4
+    others = [i for i in range(len(captured.layers.layer_names)) if i != head]
+    assert [split.forward_collectives[i] for i in others] == [gathered.forward_collectives[i] for i in others]
+
+
+def test_a_loss_that_needs_the_whole_logits_keeps_the_gather() -> None:
+    captured = _captured()
+    head = captured.layers.layer_names.index("lm_head")
+
+    def smoothed(out, y):  # label smoothing: not a plain log-softmax and nll of the split logits
+        return torch.nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1), label_smoothing=0.1)
+
+    shares = tp_shares(captured, 2, loss=smoothed, target=torch.randint(0, VOCAB, (2, SEQ)))
+    assert shares.gather_row_bytes[head] == SEQ * VOCAB * 4
