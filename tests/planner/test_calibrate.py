@@ -54,3 +54,34 @@ def test_two_ranks_measure_the_same_link(tmp_path) -> None:
     # gloo on CPU ranks: a hand-over takes time from the ranks themselves (a send is not free)
     assert 1e-6 < first0["handover_cpu_s"] < 0.05
     assert len(list(tmp_path.glob("network-v6-gloo-2-2-*.json"))) == 1
+
+
+def chain_with_a_slow_rank(rank, world):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from plait.planner import calibrate
+
+    dist.init_process_group("gloo")
+    if rank == 1:  # this rank's compute between the all-reduces takes 6 ms longer
+        fast = calibrate._matmuls
+
+        def slow(count: int) -> None:
+            fast(count)
+            if count > 1:  # not while counting the work (that is rank 0's count, taken by both)
+                time.sleep(6e-3)
+
+        calibrate._matmuls = slow
+    added = calibrate._in_chain(torch.zeros(256), dist.group.WORLD, repeats=3)
+    dist.destroy_process_group()
+    return added
+
+
+@pytest.mark.timeout(90)
+def test_an_all_reduce_in_a_chain_pays_the_other_ranks_slower_compute() -> None:
+    # what the all-reduce adds to rank 0's chain includes the wait for rank 1's 6 ms more per link,
+    # which an all-reduce timed after a barrier leaves out; rank 1, the slow one, waits for no one
+    fast_rank, slow_rank = run_ranks(2, chain_with_a_slow_rank, timeout=80)
+    assert fast_rank > 4e-3 and fast_rank > slow_rank + 3e-3, (fast_rank, slow_rank)
