@@ -32,7 +32,7 @@ import socket
 import statistics
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ __all__ = ["fit_link", "measure_link", "measure_all_reduce", "measure_handover",
 # 1 KiB .. 4 MiB, then to 32 MiB: a gradient bucket's size (25 MiB cap), a ZeRO owner's broadcast
 SIZES = tuple(2**k for k in range(10, 23, 2)) + (2**23, 2**24, 2**25)
 LARGE = 2**20  # sizes from here fit the bandwidth; those below, the latency
+REDUCE_SIZES = (2**12, 2**16, 2**18) + tuple(s for s in SIZES if s >= LARGE)  # the all-reduce's: the chain takes time
 HANDOVER_BYTES = 64 * 1024
 BUSY_S = 1e-3  # compute around each timed hand-over, as a stage computes around its sends
 IN_STEP_REPEATS = 4  # times `repeats` ping-pongs of each small size: their mean has a long tail
@@ -105,7 +106,7 @@ def measure_link(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = SIZES,
     return _fitted_on(rank_a, sizes, times, latencies=1)
 
 
-def measure_all_reduce(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = SIZES,
+def measure_all_reduce(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = REDUCE_SIZES,
                        repeats: int = 5) -> Link:
     """The link a SUM all-reduce between `rank_a` and `rank_b` runs at, fitted to the ring
     formula (p = 2: 2 alpha + n / beta); every rank of the job calls it and returns it."""
@@ -172,7 +173,7 @@ def measure_handover(rank_a: int = 0, rank_b: int = 1, nbytes: int = HANDOVER_BY
     return float(mean[0])
 
 
-def _in_chain(buffer: torch.Tensor, group: object, repeats: int) -> float:
+def _in_chain(buffer: torch.Tensor, group: Any, repeats: int) -> float:
     """What an all-reduce of `buffer` adds to a chain of compute, as a tensor-parallel step has them:
     blocks of CHAIN x (the same fixed work on both ranks, then the all-reduce) against blocks of
     the work alone, alternating (the host's load drifts), `repeats` of each; the difference of
@@ -197,7 +198,7 @@ def _in_chain(buffer: torch.Tensor, group: object, repeats: int) -> float:
     return max(statistics.mean(chained) - statistics.mean(alone), 0.0)
 
 
-def _work_for(seconds: float, group: object) -> int:
+def _work_for(seconds: float, group: Any) -> int:
     """Products of `_matmuls` that take about `seconds` here: counted on the group's first rank and
     taken by all (equal work: a rank's slower compute then shows as the other's wait)."""
     start, count = time.perf_counter(), 0
