@@ -205,7 +205,7 @@ def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[
             f"no layout of {world_size} ranks fits {cluster.memory_bytes / 2**30:.2f} GiB per rank "
             f"(Config.memory_limit_bytes={config.memory_limit_bytes}): {best.reason}"
         )
-    mixed = mixed_widths_choice(work.captured, config, world_size, result, cluster)
+    mixed = mixed_widths_choice(work.captured, config, world_size, result, cluster, work.loss, work.y)
     if mixed is not None:  # one pipeline of uneven stage widths, predicted faster than any uniform one
         return {"fields": mixed[0], "report": mixed[1].to_dict(), "table": mixed[1].table, "source": source}
     chosen = candidate_fields(best.to_dict())

@@ -42,17 +42,18 @@ def _allowed(config: Config, world_size: int, probe: dict[str, Any]) -> bool:
 
 
 def mixed_widths_choice(captured: CapturedGraph, config: Config, world_size: int, result: PlanResult,
-                        cluster: Cluster) -> tuple[dict[str, Any], PlanReport] | None:
+                        cluster: Cluster, loss: Any = None, target: Any = None,
+                        ) -> tuple[dict[str, Any], PlanReport] | None:
     """(Config fields, report) of the best pipeline of uneven stage widths (tp, `_tp_widths`, or dp,
     `search_dp_widths`), when the config allows it and it is predicted faster than the best
-    uniform layout; else None."""
+    uniform layout; else None. `loss` and `target`: how a split last stage's loss runs (`tp_shares`)."""
     if not result.best.feasible:
         return None
     recompute = (False, True) if config.recompute is None else (config.recompute is True,)
     schedules = (config.schedule,) if config.schedule else ("1f1b", "gpipe")
     found: list[MixedWidths | MixedDp] = []
     if config.tp is None and _allowed(config, world_size, {"tp_per_stage": (2, 1)}):
-        tp = _tp_widths(captured, world_size, result, cluster, recompute, schedules)
+        tp = _tp_widths(captured, world_size, result, cluster, recompute, schedules, loss, target)
         found += [tp] if tp is not None else []
     if config.tp in (None, 1) and _allowed(config, world_size, {"dp_per_stage": (2, 1)}):
         space = SearchSpace(schedules=schedules, recompute=recompute)
@@ -68,13 +69,13 @@ def mixed_widths_choice(captured: CapturedGraph, config: Config, world_size: int
 
 
 def _tp_widths(captured: CapturedGraph, world_size: int, result: PlanResult, cluster: Cluster,
-               recompute: Sequence[bool], schedules: Sequence[str]) -> MixedWidths | None:
+               recompute: Sequence[bool], schedules: Sequence[str], loss: Any, target: Any) -> MixedWidths | None:
     """The best pipeline of stages of different tp widths, each width priced on what it splits."""
     widths = stage_widths(world_size, local_world_size(world_size))
     shares = {}
     for w in widths[1:]:
         try:
-            shares[w] = tp_shares(captured, w)
+            shares[w] = tp_shares(captured, w, None, loss, target)
         except Exception as e:  # noqa: BLE001 - a graph the layout cannot read: that width is not priced
             log.debug("plait: tp=%d not priced for stages of different widths (%s)", w, e)
     return search_widths(result.profile.costs, shares, world_size, result.global_batch, cluster, widths,

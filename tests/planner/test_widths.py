@@ -124,3 +124,21 @@ def test_the_faster_of_the_tp_and_the_dp_widths_is_taken() -> None:
     assert dp is not None and dp.step_time_s > result.best.step_time_s  # found, and slower than uniform
     fields, _ = mixed_widths_choice(captured, plait.Config(), 3, result, cluster)
     assert "tp_per_stage" in fields
+
+
+def test_the_training_loss_reaches_each_widths_pricing(monkeypatch) -> None:
+    # a split last stage's loss is priced as it runs (`tp_shares` with the loss and targets)
+    from plait.planner import widths
+
+    captured, result, cluster = _setup(1e-3)
+    seen = []
+    real = widths.tp_shares
+
+    def spy(c, w, plan=None, loss=None, target=None):
+        seen.append((loss, target))
+        return real(c, w, plan, loss, target)
+
+    monkeypatch.setattr(widths, "tp_shares", spy)
+    y = torch.randn(BATCH, 64)
+    assert mixed_widths_choice(captured, plait.Config(), 3, result, cluster, nn.functional.mse_loss, y) is not None
+    assert seen and all(loss is nn.functional.mse_loss and target is y for loss, target in seen)
