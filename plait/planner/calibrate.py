@@ -116,10 +116,10 @@ def measure_all_reduce(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = 
     if me in (rank_a, rank_b):
         for size in sizes:
             buffer = torch.zeros(size // 4, dtype=torch.float32)
-            samples = []
             if size < LARGE:  # as a tensor-parallel step meets it: between its layers' compute
                 times.append(_in_chain(buffer, group, repeats))
                 continue
+            samples = []
             for k in range(repeats + 1):  # the first sets the group's connections up
                 dist.barrier(group)
                 start = time.perf_counter()
@@ -201,11 +201,7 @@ def _in_chain(buffer: torch.Tensor, group: Any, repeats: int) -> float:
 def _work_for(seconds: float, group: Any) -> int:
     """Products of `_matmuls` that take about `seconds` here: counted on the group's first rank and
     taken by all (equal work: a rank's slower compute then shows as the other's wait)."""
-    start, count = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
-        _matmuls(1)
-        count += 1
-    agreed = torch.tensor([count], dtype=torch.int64)
+    agreed = torch.tensor([_compute(seconds)], dtype=torch.int64)
     dist.broadcast(agreed, dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0, group=group)
     return int(agreed[0])
 
@@ -228,12 +224,14 @@ def _typical(size: int, samples: Sequence[float]) -> float:
     return statistics.mean(samples) if size < LARGE else statistics.median(samples)
 
 
-def _compute(seconds: float) -> None:
-    """Keep this rank's core busy with matrix products for `seconds`."""
-    a = torch.ones(128, 128)
+def _compute(seconds: float) -> int:
+    """Keep this rank's core busy with `_matmuls`' products for `seconds`; how many it did."""
+    a, count = torch.ones(128, 128), 0
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         a = a @ a * 1e-3
+        count += 1
+    return count
 
 
 def _fitted_on(rank_a: int, sizes: Sequence[int], times: Sequence[float], latencies: int) -> Link:

@@ -65,7 +65,7 @@ def tp_shares(captured: CapturedGraph, tp: int, tp_plan: Mapping[str, str] | Non
                     gather[last] += _row_bytes(value)
                     fwd_count[last] += 1
                     continue
-                per_token = _row_bytes(value) / _shape(value)[layout.values[value.name].dim]
+                per_token = _row_bytes(value) / int(value.meta["val"].shape[layout.values[value.name].dim])
                 fwd[last] += on_parts[0] * per_token
                 bwd[last] += on_parts[1] * per_token
                 fwd_count[last] += on_parts[0]
@@ -117,11 +117,6 @@ def _loss_collectives(captured: CapturedGraph, leaves: list[fx.Node], left: dict
     metas: list[Any] = [whole.get(i) for i in range(len(leaves))]
     plan = split_plan(loss, captured.finish, metas, whole, split, tp, target)
     return None if plan is None else collectives_of(plan[1])
-
-
-def _shape(node: fx.Node) -> list[float]:
-    val = node.meta.get("val")
-    return [float(s) if isinstance(s, int) else 1.0 for s in val.shape] if isinstance(val, torch.Tensor) else []
 
 
 def _layer_of_param(node: fx.Node | None, layer_of: Mapping[str, int]) -> int | None:
