@@ -82,13 +82,22 @@ class Interpreter:
         microbatches: Sequence[MicroBatch],
         train: bool,
         keep_outputs: bool = False,
+        after_forwards: Callable[[], None] | None = None,
     ) -> None:
-        """Run this rank's part of `program` over `microbatches`: the one loop every schedule runs in."""
+        """Run this rank's part of `program` over `microbatches`: the one loop every schedule runs in.
+
+        `after_forwards` is called once, right after this rank's last forward (before the first
+        action if it has none): what the forwards decide (the losses, the non-finite flags) can
+        start travelling while the backward passes run.
+        """
         actions = program.get(self.rank, [])
         self.runs += 1
         run = _Run(microbatches, train, keep_outputs, split=any(a.op is Op.WEIGHT for a in actions))
         ahead = _ReceivesAhead(actions, window=self.num_chunks + 1)
         step = self.runs
+        last_forward = max((i for i, a in enumerate(actions) if a.op is Op.FORWARD), default=-1)
+        if after_forwards is not None and last_forward < 0:
+            after_forwards()
 
         def post(receive: Action) -> bool:
             with self.tracer.span("recv", f"post {receive}", step=step, stage=receive.stage_index,
@@ -101,6 +110,8 @@ class Interpreter:
                 with self.tracer.span(_STREAM[action.op], str(action), step=step, stage=action.stage_index,
                                       op=action.op.value, mb=action.microbatch_index):
                     self._execute(action, run)
+                if position == last_forward and after_forwards is not None:
+                    after_forwards()
             except PlaitError:  # the user's mistake (a loss that is not a scalar...): as it is
                 raise
             except Exception as e:  # noqa: BLE001 - every failure gets the rank/action/peer report

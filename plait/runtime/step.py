@@ -3,9 +3,9 @@
 A step, in order (every rank of the job runs the same sequence):
 
     cut this replica's rows into micro-batches (each loss scaled for the global mean)
-    -> run the schedule's program for this rank (the interpreter)
-    -> this rank's loss/metric sums (last stage only) and non-finite flags, summed over the job
-       while the gradient buckets are still being all-reduced
+    -> run the schedule's program for this rank (the interpreter); after its last forward, this
+       rank's loss/metric sums (last stage only) and non-finite flags start their sum over the
+       job, which travels while the backward passes run and the gradient buckets are all-reduced
     -> finish the gradient all-reduces and the tied-parameter sums
     -> the non-finite verdict (stop / skip / ignore), then the optimizer step
 
@@ -208,18 +208,17 @@ class StepRunner:
                 ex.reset()
             if self.watch is not None:
                 self.watch.start()
+            sums = _Sums(self, mbs, keep_outputs)
             if mbs:
                 pipe.interpreter.run(pipe.program(len(mbs), train), mbs, train,
-                                     keep_outputs=keep_outputs or bool(self.metrics))
+                                     keep_outputs=keep_outputs or bool(self.metrics), after_forwards=sums.start)
+            else:
+                sums.start()
             if train:  # every backward has run: the gradients are whole, the activations freed
                 self.memory["gradients_bytes"] = gradient_bytes(pipe)
-            # The loss and metric sums travel while the gradients are still being all-reduced.
-            stats, outputs = self._local_stats(mbs, keep_outputs)
             if train and pipe.sync is not None:
-                pipe.sync.flush()  # every bucket before the sums: they may share the default group
-            flags = [] if self.watch is None else self.watch.finish(
-                pipe.last_executor.losses if pipe.is_last else {})
-            total = start_sum_floats(stats + flags)
+                pipe.sync.flush()  # the buckets no gradient hook launched (after the sums, as everywhere)
+            stats, outputs, total = sums.stats, sums.outputs, sums.total
             where = _Where(self, steps_done, len(mbs))
             if train:
                 self._finish_gradients(where)
@@ -301,6 +300,31 @@ class StepRunner:
                 outputs = [ex.outputs[k] for k in range(len(mbs))]
             ex.outputs.clear()
         return stats, outputs
+
+
+class _Sums:
+    """A step's loss and metric sums and non-finite flags, summed over the job.
+
+    `start` runs once this rank's forwards are done (the interpreter calls it after its last
+    forward): everything it sums is known then, so the all-reduce travels while the backward passes
+    run instead of after them. Every rank issues it before any gradient bucket of the step (the
+    buckets complete only in the last micro-batch's backward, or at `flush`), so where both share
+    the default group, every rank issues them in the same order.
+    """
+
+    def __init__(self, runner: StepRunner, mbs: list[MicroBatch], keep_outputs: bool) -> None:
+        self.runner, self.mbs, self.keep_outputs = runner, mbs, keep_outputs
+        self.stats: list[float] = []
+        self.outputs: list[Any] | None = None
+        self.total: Callable[[], list[float]] = list
+
+    def start(self) -> None:
+        runner = self.runner
+        pipe = runner.pipe
+        self.stats, self.outputs = runner._local_stats(self.mbs, self.keep_outputs)
+        flags = [] if runner.watch is None else runner.watch.finish(
+            pipe.last_executor.losses if pipe.is_last else {})
+        self.total = start_sum_floats(self.stats + flags)
 
 
 class _Where:
