@@ -8,6 +8,12 @@ its weight pass); the meter adds them at the forward, drops them there, and keep
 
     F0 +a  F1 +a  B0 -a  F2 +a  B1 -a  B2 -a        live: a, 2a, a, 2a, a, 0    peak: 2a
 
+A stage whose graph saves the same tensors for the same input shapes (every operation a torch
+one: no module kept whole, whose Python may branch on the data) is counted once per input shapes
+and holds that count at later forwards (`SavedShapes`): the hooks cost a few microseconds per
+saved tensor, forward and backward, which a step of small micro-batches feels. A stage with a
+module kept whole is counted at every forward.
+
 The meter stands aside where the caller's own saved-tensor hooks are in use (e.g. torch's
 `save_on_cpu`): a hook of its own inside would hide theirs. That step is then not measured.
 A recomputed stage's forward saves nothing but its inputs; the one micro-batch it recomputes inside
@@ -16,11 +22,13 @@ its backward is transient and not counted (the planner's prediction of recompute
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Hashable, Iterable
 
 import torch
+import torch.utils._pytree as pytree
+from torch import fx
 
-__all__ = ["ActivationMeter", "SavedBytes", "hooks_in_use"]
+__all__ = ["ActivationMeter", "SavedBytes", "SavedShapes", "hooks_in_use"]
 
 
 def hooks_in_use() -> bool:
@@ -91,3 +99,34 @@ class ActivationMeter:
     def release(self, key: Any) -> None:
         """`key`'s backward has run: what it kept is freed."""
         self.live -= self._held.pop(key, 0)
+
+
+class SavedShapes:
+    """The bytes a stage's forward saves, remembered per input shapes where its graph saves the
+    same tensors for the same shapes (see the module); `None` from `get`: count this forward."""
+
+    def __init__(self, module: fx.GraphModule) -> None:
+        self.fixed = fixed_saves(module)
+        self._bytes: dict[Hashable, int] = {}
+
+    def key(self, values: Iterable[Any]) -> Hashable:
+        """The shapes and dtypes of the tensors among `values` (nested), in order."""
+        return tuple((t.shape, t.dtype) for t in pytree.tree_leaves(list(values)) if isinstance(t, torch.Tensor))
+
+    def get(self, key: Hashable) -> int | None:
+        return self._bytes.get(key) if self.fixed else None
+
+    def remember(self, key: Hashable, nbytes: int) -> None:
+        if self.fixed:
+            self._bytes[key] = nbytes
+
+
+def fixed_saves(module: fx.GraphModule) -> bool:
+    """Whether a stage graph saves the same tensors whenever its inputs have the same shapes: no
+    module kept whole (`plait::kept`), and every module it calls one of torch's own."""
+    for node in module.graph.nodes:
+        if node.op == "call_function" and "plait.kept" in str(node.target):
+            return False
+        if node.op == "call_module" and not type(module.get_submodule(str(node.target))).__module__.startswith("torch."):
+            return False
+    return True

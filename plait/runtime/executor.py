@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plait.capture.split import StageModule
 from plait.errors import LossError
-from plait.runtime.activation_meter import ActivationMeter, SavedBytes, hooks_in_use
+from plait.runtime.activation_meter import ActivationMeter, SavedBytes, SavedShapes, hooks_in_use
 from plait.runtime.backward_split import WeightGradients, backward_input
 from plait.runtime.batched_wgrad import defer_linear_weight_grads
 from plait.runtime.layer_checkpoint import layer_checkpointed
@@ -53,6 +53,7 @@ class StageExecutor:
         # tp > 1, the training pipeline's last stage: its split outputs' loss (`plait.runtime.vocab_loss`)
         self.split_loss = split_loss
         self.meter = meter  # this rank's bytes held for backward passes (training forwards add to it)
+        self._saved = SavedShapes(stage.module) if meter is not None else None
         self._params = list(stage.module.parameters())
         self.recompute = recompute
         # Linear weight gradients kept per micro-batch and computed once at the step's end.
@@ -84,10 +85,18 @@ class StageExecutor:
             if train and self.meter is not None:
                 self.meter.blind = True  # the caller's saved-tensor hooks stay in charge
             return self._forward(microbatch_index, received, inputs, target, scale, train, keep_output)
-        with SavedBytes(self._params) as saved:
+        assert self._saved is not None
+        key = self._saved.key([*received, *inputs])
+        nbytes = self._saved.get(key)
+        if nbytes is not None:  # counted at an earlier forward of these shapes
             out = self._forward(microbatch_index, received, inputs, target, scale, train, keep_output)
-        saved.add(received)  # kept as the gradient leaves, whether autograd saved them or not
-        self.meter.hold((self.stage.stage_index, microbatch_index), saved.total)
+        else:
+            with SavedBytes(self._params) as saved:
+                out = self._forward(microbatch_index, received, inputs, target, scale, train, keep_output)
+            saved.add(received)  # kept as the gradient leaves, whether autograd saved them or not
+            nbytes = saved.total
+            self._saved.remember(key, nbytes)
+        self.meter.hold((self.stage.stage_index, microbatch_index), nbytes)
         return out
 
     def _forward(self, microbatch_index: int, received: list[Any], inputs: list[Any], target: Any,

@@ -1,9 +1,10 @@
 """`NonFiniteWatch`: in which stage a training step first made a NaN or infinite value.
 
-A forward hook on each of this rank's stage modules flags a stage whose output holds a NaN or
-an infinity; the last stage also flags a non-finite loss. The flags (one per stage, then the
-loss) ride in the step's all-reduce of the loss, so every rank learns the same first stage and
-stops, or skips the optimizer step, together.
+A forward hook on each of this rank's stage modules takes the extremes of each output; once the
+forwards are done, a stage whose outputs held a NaN or an infinity is flagged, and the last stage
+also flags a non-finite loss. The flags (one per stage, then the loss) ride in the step's
+all-reduce of the loss, so every rank learns the same first stage and stops, or skips the
+optimizer step, together.
 """
 
 from __future__ import annotations
@@ -20,37 +21,47 @@ from plait.errors import NonFiniteError
 from plait.runtime.pipeline import Pipeline
 from plait.plan import Plan
 
-__all__ = ["NonFiniteWatch", "all_finite", "first_nonfinite", "verdict"]
+__all__ = ["NonFiniteWatch", "all_finite", "extremes", "first_nonfinite", "verdict"]
 
 log = logging.getLogger("plait")
 
 
 class NonFiniteWatch:
-    """Flags kept during one training step for the stages of one rank."""
+    """Flags kept during one training step for the stages of one rank.
+
+    Each stage output's extremes are taken as it is made (one reduction, no wait for the device);
+    whether they are finite is read once per stage at `finish`, so a step pays one host sync per
+    stage for the check, not one per micro-batch.
+    """
 
     def __init__(self, pipe: Pipeline):
         self.num_chunks = pipe.plan.num_chunks
         self.flags = [0.0] * (self.num_chunks + 1)
         self.active = False
+        self._extremes: list[list[torch.Tensor]] = [[] for _ in range(self.num_chunks)]
         self._handles = [ex.stage.module.register_forward_hook(partial(self._check, s))
                          for s, ex in pipe.executors.items()]
 
     def _check(self, stage_index: int, module: Any, args: Any, output: Any) -> None:
-        if not self.active or self.flags[stage_index]:
+        if not self.active:
             return
         for t in pytree.tree_leaves(output):
-            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
-                if not all_finite(t.detach()):
-                    self.flags[stage_index] = 1.0
-                    return
+            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel():
+                self._extremes[stage_index].extend(extremes(t.detach()))
 
     def start(self) -> None:
         self.flags = [0.0] * (self.num_chunks + 1)
+        for kept in self._extremes:
+            kept.clear()
         self.active = True
 
     def finish(self, losses: dict[int, float]) -> list[float]:
         """This rank's flags for the step: stage outputs, then the loss (`losses` of the last stage)."""
         self.active = False
+        for s, kept in enumerate(self._extremes):
+            if not _all_finite(kept):
+                self.flags[s] = 1.0
+            kept.clear()
         if any(not math.isfinite(v) for v in losses.values()):
             self.flags[-1] = 1.0
         return list(self.flags)
@@ -60,18 +71,29 @@ class NonFiniteWatch:
             h.remove()
 
 
+def extremes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest and largest element of a non-empty floating-point or complex tensor (of its
+    real and imaginary parts), as tensors where `t` is: a NaN propagates into both, an infinity is
+    one of them. One `aminmax` pass; nothing waits for the device."""
+    lo, hi = torch.aminmax(torch.view_as_real(t) if t.is_complex() else t)
+    return lo, hi
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """Whether every element of a floating-point or complex tensor is finite.
 
-    One `aminmax` pass: a NaN propagates into both ends, an infinity is one of them. On a
-    (16, 96, 8, 8) activation it measured 69 us where `isfinite(t).all()` took 1.5 ms.
+    One `aminmax` pass (`extremes`): on a (16, 96, 8, 8) activation it measured 69 us where
+    `isfinite(t).all()` took 1.5 ms.
     """
-    if t.numel() == 0:
-        return True
-    if t.is_complex():
-        return bool(torch.isfinite(t).all())
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+    return t.numel() == 0 or _all_finite(list(extremes(t)))
+
+
+def _all_finite(values: list[torch.Tensor]) -> bool:
+    """Whether every 0-d tensor of `values` is finite: one isfinite pass and one read per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for v in values:
+        by_dtype.setdefault(v.dtype, []).append(v)
+    return all(bool(torch.isfinite(torch.stack(group)).all()) for group in by_dtype.values())
 
 
 def first_nonfinite(flags: list[float]) -> int | None:

@@ -5,7 +5,9 @@ equal the prediction (the rank's stages' parameters), the optimizer's within Ada
 counters; ZeRO-2 ends the step holding about half the gradients and optimizer state of ZeRO-0.
 With the planner choosing the layout, its predicted activation peak is given, and the measured
 peak is of its order (a profile of one sample, against the step's real micro-batches).
-The activation meter itself: one hand-counted forward.
+The activation meter itself: one hand-counted forward; a stage of torch's own operations counted
+once per input shapes (its hooks off at later forwards of those shapes), one with a module kept
+whole at every forward.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from typing import Any
 
 import pytest
 import torch
+from torch import fx, nn
 
 import plait
-from plait.runtime.activation_meter import ActivationMeter, SavedBytes
+import plait.capture.opaque  # noqa: F401 - registers plait::kept
+from plait.runtime.activation_meter import ActivationMeter, SavedBytes, fixed_saves
 from tests.harness import run_ranks
 from tests.models import LAYERS, even_cut, make
 
@@ -35,6 +39,52 @@ def test_saved_bytes_count_what_autograd_keeps_but_not_the_parameters() -> None:
     meter.release((0, 0))
     meter.hold((0, 2), 70)
     assert (meter.live, meter.peak) == (120, 150)
+
+
+def test_a_stage_of_torch_operations_is_counted_once_per_input_shapes(monkeypatch) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    config = plait.Config(num_stages=1, num_microbatches=2, schedule="1f1b", replan=False)
+    model = plait.Model(net, config, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                        loss=nn.functional.mse_loss)
+    packs = []
+    pack = SavedBytes._pack
+    monkeypatch.setattr(SavedBytes, "_pack", lambda self, t: (packs.append(1), pack(self, t))[1])
+
+    def peak(rows: int) -> tuple[int, int]:
+        packs.clear()
+        model.train_on_batch(torch.randn(rows, 16), torch.randn(rows, 8))
+        return model.memory_stats()["activations_peak_bytes"], len(packs)
+
+    first, counted = peak(8)
+    assert first > 0 and counted > 0  # the first forwards of these shapes: counted by the hooks
+    assert peak(8) == (first, 0)  # the same shapes: the count is held, no hook ran
+    wider, counted = peak(16)
+    assert counted > 0 and wider == 2 * first  # new shapes: counted again (every saved tensor has rows)
+    assert peak(16) == (wider, 0) and peak(8) == (first, 0)
+
+
+class Routed(nn.Module):
+    """Not one of torch's modules: its Python may branch on the data."""
+
+    def forward(self, x):
+        return x[x > 0]
+
+
+class KeepRouted(fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, name: str) -> bool:
+        return isinstance(m, Routed) or super().is_leaf_module(m, name)
+
+
+def test_only_graphs_of_torch_operations_save_the_same_for_the_same_shapes() -> None:
+    torch_only = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    assert fixed_saves(fx.symbolic_trace(torch_only))
+    routed = nn.Sequential(nn.Linear(4, 4), Routed())
+    assert not fixed_saves(fx.GraphModule(routed, KeepRouted().trace(routed)))
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.plait.kept.default, (0, [x])))
+    assert not fixed_saves(fx.GraphModule(nn.Module(), graph))
 
 
 def train(rank: int, world: int, zero: int, planned: bool) -> dict[str, Any]:

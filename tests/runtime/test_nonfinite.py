@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import plait
-from plait.runtime.nonfinite import all_finite, first_nonfinite
+from plait.runtime.nonfinite import NonFiniteWatch, all_finite, first_nonfinite
 from tests.harness import run_ranks
 from tests.models import mlp
 
@@ -134,6 +135,41 @@ def test_all_finite_finds_one_bad_element_anywhere(dtype):
         wide = torch.zeros(8, dtype=dtype)
         wide[0], wide[1] = torch.finfo(dtype).max, torch.finfo(dtype).min
         assert all_finite(wide)  # a range wider than the type's: still finite
+
+
+class Outputs(nn.Module):
+    """Returns the next of `values` at each call (a float32 and a float16 tensor, and an int one)."""
+
+    def __init__(self, values):
+        super().__init__()
+        self.values = list(values)
+
+    def forward(self, x):
+        return self.values.pop(0)
+
+
+def watched(stages):
+    pipe = SimpleNamespace(plan=SimpleNamespace(num_chunks=len(stages)),
+                           executors={s: SimpleNamespace(stage=SimpleNamespace(module=m)) for s, m in enumerate(stages)})
+    return NonFiniteWatch(pipe)
+
+
+def test_watch_flags_the_stage_whose_later_microbatch_went_bad_and_forgets_it_next_step():
+    ok = (torch.ones(3), torch.ones(2, dtype=torch.float16), torch.tensor([7]))
+    bad = (torch.ones(3), torch.tensor([1.0, float("inf")], dtype=torch.float16), torch.tensor([7]))
+    first, second = Outputs([ok, ok, ok, ok]), Outputs([ok, bad, ok, ok])
+    watch = watched([first, second])
+    x = torch.zeros(1)
+    watch.start()
+    for _ in range(2):  # two micro-batches through both stages: stage 1's second output is bad
+        first(x), second(x)
+    assert watch.finish({0: 0.5, 1: 0.25}) == [0.0, 1.0, 0.0]
+    watch.start()
+    for _ in range(2):
+        first(x), second(x)
+    assert watch.finish({0: float("nan"), 1: 0.25}) == [0.0, 0.0, 1.0]  # the loss alone this time
+    watch.remove()
+    assert not first._forward_hooks and not second._forward_hooks
 
 
 def test_first_nonfinite():
