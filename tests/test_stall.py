@@ -1,7 +1,9 @@
 """A peer that stalls (alive, but silent) is reported by the other ranks within timeout_s, by rank.
 
 Inside a step: the stalled rank sleeps in its forward or backward of step 2 until the other
-rank has reported (then it goes on and fails too). The other rank must fail with a
+rank has reported (then it goes on and fails too). A rank whose part of step 2 needs nothing
+more from the stalled one (its loss sums went out after the forwards) finishes that step and
+reports at step 3's first receive. The other rank must fail with a
 PipelineError that names the silent rank, in time: its wait times out after timeout_s, then it
 collects the failing ranks' reports for about one more timeout
 (plait.runtime.report.report_wait). The margin is for a busy machine: 2 ranks on 2 shared CPU
@@ -58,7 +60,7 @@ def _stall_at(name: str, call: int, stamp: str, released: str) -> None:
 
 
 def train(rank: int, world: int, victim: int, name: str, stamp: str, released: str):
-    x, y = data()
+    x, y = data(30)
     torch.manual_seed(0)
     model = plait.Model(mlp(), plait.Config(layers_per_proc=(5, 6), num_microbatches=MICROBATCHES,
                                             timeout_s=TIMEOUT_S),
@@ -66,7 +68,7 @@ def train(rank: int, world: int, victim: int, name: str, stamp: str, released: s
     if rank == victim:
         _stall_at(name, MICROBATCHES + 1, stamp, released)  # the first micro-batch of step 2
     try:
-        for a in range(0, 20, 10):
+        for a in range(0, 30, 10):
             model.train_on_batch(x[a:a + 10], y[a:a + 10])
     except plait.PlaitError as e:
         error = f"{type(e).__name__}: {e}"
@@ -82,8 +84,9 @@ def train(rank: int, world: int, victim: int, name: str, stamp: str, released: s
 CASES = [  # victim, where it stalls, what the other rank's report says of its own wait
     # rank 0 waits on the wire for the gradients of its first micro-batch
     (1, "forward", ["rank 0 failed at action 0RB0", "peer rank 1"]),
-    # rank 1 has done its part of the step and waits in the loss all-reduce
-    (0, "backward", ["rank 1 failed in the loss all-reduce of training step 2"]),
+    # rank 1 has done its part of step 2 (rank 0's loss sums went out after its forwards) and
+    # waits at step 3's first receive
+    (0, "backward", ["rank 1 failed at action 1RF0", "peer rank 0"]),
 ]
 
 

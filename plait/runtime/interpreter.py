@@ -105,8 +105,8 @@ class Interpreter:
                 return self._post(receive, microbatches, train)
 
         for position, action in enumerate(actions):
-            ahead.post_due(position, post)
             try:
+                ahead.post_due(position, post)  # a peer gone while posting: reported as this action's failure
                 with self.tracer.span(_STREAM[action.op], str(action), step=step, stage=action.stage_index,
                                       op=action.op.value, mb=action.microbatch_index):
                     self._execute(action, run)

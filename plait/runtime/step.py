@@ -208,17 +208,17 @@ class StepRunner:
                 ex.reset()
             if self.watch is not None:
                 self.watch.start()
-            sums = _Sums(self, mbs, keep_outputs)
+            started = _Sums(self, mbs, keep_outputs)
             if mbs:
                 pipe.interpreter.run(pipe.program(len(mbs), train), mbs, train,
-                                     keep_outputs=keep_outputs or bool(self.metrics), after_forwards=sums.start)
+                                     keep_outputs=keep_outputs or bool(self.metrics), after_forwards=started.start)
             else:
-                sums.start()
+                started.start()
             if train:  # every backward has run: the gradients are whole, the activations freed
                 self.memory["gradients_bytes"] = gradient_bytes(pipe)
             if train and pipe.sync is not None:
                 pipe.sync.flush()  # the buckets no gradient hook launched (after the sums, as everywhere)
-            stats, outputs, total = sums.stats, sums.outputs, sums.total
+            stats, outputs, total = started.stats, started.outputs, started.total
             where = _Where(self, steps_done, len(mbs))
             if train:
                 self._finish_gradients(where)
