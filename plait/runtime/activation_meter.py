@@ -109,15 +109,18 @@ class SavedShapes:
         self.fixed = fixed_saves(module)
         self._bytes: dict[Hashable, int] = {}
 
-    def key(self, values: Iterable[Any]) -> Hashable:
-        """The shapes and dtypes of the tensors among `values` (nested), in order."""
+    def key(self, values: Iterable[Any]) -> Hashable | None:
+        """The shapes and dtypes of the tensors among `values` (nested), in order; None where the
+        stage's saves are not fixed by its shapes (nothing is remembered, nothing to compute)."""
+        if not self.fixed:
+            return None
         return tuple((t.shape, t.dtype) for t in pytree.tree_leaves(list(values)) if isinstance(t, torch.Tensor))
 
-    def get(self, key: Hashable) -> int | None:
-        return self._bytes.get(key) if self.fixed else None
+    def get(self, key: Hashable | None) -> int | None:
+        return None if key is None else self._bytes.get(key)
 
-    def remember(self, key: Hashable, nbytes: int) -> None:
-        if self.fixed:
+    def remember(self, key: Hashable | None, nbytes: int) -> None:
+        if key is not None:
             self._bytes[key] = nbytes
 
 
