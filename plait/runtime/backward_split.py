@@ -22,17 +22,24 @@ parameter is accumulated exactly once per micro-batch.
 If some W call would also walk back into D (a parameter reached from a root through another D
 node, e.g. a weight used both near the output and near the input of one stage), its gradient
 would be counted twice; such a stage runs its whole backward in B and its W does nothing.
+
+Finding D, the roots and their groups is Python work on every node of the graph. A stage records
+the same graph at every micro-batch of the same shapes, so the graph is walked into integers (each
+node's children by their place in a fixed depth-first order, which nodes are the inputs' and the
+parameters') and the analysis done on those integers is kept per walk (`SplitPlans`): a graph whose
+walk matches one seen before reuses its analysis, and anything else is analysed anew.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["WeightGradients", "backward_input"]
+__all__ = ["WeightGradients", "SplitPlans", "backward_input"]
+
+_PLANS_KEPT = 16  # analyses a stage keeps: one per shape of its graph (micro-batch shapes, train/eval)
 
 
 class WeightGradients:
@@ -47,24 +54,47 @@ class WeightGradients:
             torch.autograd.backward(edges, grads, inputs=params)
 
 
-def _children(node: Node) -> list[Node]:
-    return [child for child, _ in node.next_functions if child is not None]
+class _Walk:
+    """One graph as integers: its nodes in depth-first order from the outputs, each node's children
+    by index, the inputs' nodes, the parameters' nodes; `key` is all of it, the analysis's input."""
+
+    def __init__(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                 params: Sequence[torch.Tensor]) -> None:
+        self.out_edges = [get_gradient_edge(o) for o in outputs]
+        index: dict[Node, int] = {}
+        nodes: list[Node] = []
+        nexts: list[tuple[Any, ...]] = []
+        stack = [e.node for e in reversed(self.out_edges)]
+        while stack:
+            node = stack.pop()
+            if node in index:
+                continue
+            index[node] = len(nodes)
+            nodes.append(node)
+            nxt = node.next_functions
+            nexts.append(nxt)
+            stack.extend(child for child, _ in reversed(nxt) if child is not None)
+        self.nodes = nodes
+        self.children = tuple(tuple(index[c] for c, _ in nxt if c is not None) for nxt in nexts)
+        # a leaf's node is its AccumulateGrad, which names it (`variable`): no view per leaf to find it
+        leaves = {id(t): t for t in (*inputs, *params) if t.grad_fn is None}
+        variable = {id(node.variable): i for i, node in enumerate(nodes)
+                    if hasattr(node, "variable") and id(node.variable) in leaves}
+
+        def place(t: torch.Tensor) -> int | None:
+            if t.grad_fn is None:
+                return variable.get(id(t))
+            return index.get(get_gradient_edge(t).node)
+
+        self.input_nodes = tuple(sorted({i for i in map(place, inputs) if i is not None}))
+        self.param_of = tuple((i, j) for j, p in enumerate(params) if p.requires_grad
+                              for i in (place(p),) if i is not None)  # (node, parameter position)
+        self.key = (self.children, self.input_nodes, self.param_of,
+                    tuple((index[e.node], e.output_nr) for e in self.out_edges))
 
 
-def _graph(roots: Sequence[Node]) -> dict[Node, list[Node]]:
-    """node -> its children, for every node reachable from `roots`."""
-    children: dict[Node, list[Node]] = {}
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if node not in children:
-            children[node] = _children(node)
-            stack.extend(children[node])
-    return children
-
-
-def _reach(starts: Any, step: Callable[[Node], Sequence[Node]]) -> set[Node]:
-    seen: set[Node] = set()
+def _reach(starts: Iterable[int], step: Callable[[int], Iterable[int]]) -> set[int]:
+    seen: set[int] = set()
     stack = list(starts)
     while stack:
         node = stack.pop()
@@ -74,24 +104,134 @@ def _reach(starts: Any, step: Callable[[Node], Sequence[Node]]) -> set[Node]:
     return seen
 
 
+class _Plan:
+    """One graph's split, in the walk's integers: the nodes on a path to the inputs (D), the roots
+    of W and their groups (see the module's picture), and whether W can run apart from B."""
+
+    def __init__(self, walk: _Walk) -> None:
+        children = walk.children
+        parents: list[list[int]] = [[] for _ in children]
+        for node, kids in enumerate(children):
+            for kid in kids:
+                parents[kid].append(node)
+        in_d = _reach(walk.input_nodes, parents.__getitem__)  # D
+        self._children, self._in_d = children, in_d
+        self._param_nodes = {i for i, _ in walk.param_of}
+        self._below: dict[int, frozenset[int]] = {}  # weight-only node -> parameter nodes below it
+        roots: dict[int, frozenset[int]] = {}  # D nodes with a weight-only child -> the parameters it reaches
+        for node in sorted(in_d):
+            reached = frozenset().union(*(self._params_below(k) for k in children[node] if k not in in_d))
+            if reached:
+                roots[node] = reached
+        outs = [(j, node) for j, (node, _) in enumerate(walk.key[3])
+                if node not in in_d and self._params_below(node)]  # outputs not depending on the inputs: run whole
+        self._group_of: dict[int, int] = {}
+        for reached in [*roots.values(), *(self._params_below(node) for _, node in outs)]:
+            first = min(reached)
+            for p in reached:
+                self._group_of[self._find(p)] = self._find(first)
+        self.separable = self._separable(roots)
+        self.roots = tuple(roots)
+        position = dict(walk.param_of)
+        groups: dict[int, tuple[list[int], list[int], set[int]]] = {}
+        for node, reached in roots.items():
+            group = groups.setdefault(self._find(min(reached)), ([], [], set()))
+            group[0].append(node)
+            group[2].update(reached)
+        for j, node in outs:
+            group = groups.setdefault(self._find(min(self._params_below(node))), ([], [], set()))
+            group[1].append(j)
+            group[2].update(self._params_below(node))
+        # per W call: its root nodes, its whole outputs (by position), its parameters (by position)
+        self.calls = tuple((tuple(r), tuple(o), tuple(sorted(position[p] for p in ps))) for r, o, ps in groups.values())
+
+    def _params_below(self, node: int) -> frozenset[int]:
+        if node not in self._below:
+            found = {node} if node in self._param_nodes else set()
+            for kid in self._children[node]:  # no descendant of a weight-only node is in D
+                found |= self._params_below(kid)
+            self._below[node] = frozenset(found)
+        return self._below[node]
+
+    def _find(self, n: int) -> int:
+        """The group of a parameter node (union-find: roots sharing a parameter are one W call)."""
+        while self._group_of.setdefault(n, n) != n:
+            n = self._group_of[n]
+        return n
+
+    def _separable(self, roots: dict[int, frozenset[int]]) -> bool:
+        """Whether no group's W would walk back into D (else a gradient would count twice)."""
+        children, in_d = self._children, self._in_d
+        for node, reached in roots.items():
+            strictly_below = _reach([k for k in children[node] if k in in_d],
+                                    lambda n: [k for k in children[n] if k in in_d])
+            group = self._find(min(reached))
+            for d in strictly_below:
+                for k in children[d]:
+                    if k not in in_d and any(self._find(p) == group for p in self._params_below(k)):
+                        return False
+        return True
+
+    def weight_gradients(self, walk: _Walk, grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                         kept: dict[Node, tuple[Any, ...]]) -> WeightGradients:
+        """W: one backward call per group, from its roots' kept gradients and its whole outputs."""
+        calls = []
+        for roots, outs, positions in self.calls:
+            edges: list[GradientEdge] = []
+            gs: list[torch.Tensor] = []
+            for r in roots:
+                node = walk.nodes[r]
+                for i, g in enumerate(kept.get(node, ())):
+                    if g is not None:
+                        edges.append(GradientEdge(node, i))
+                        gs.append(g)
+            for j in outs:
+                edges.append(walk.out_edges[j])
+                gs.append(grads[j])
+            if edges:
+                calls.append((edges, gs, [params[p] for p in positions]))
+        return WeightGradients(calls)
+
+
+class SplitPlans:
+    """A stage's analyses by the walk of its graph (see the module): the same graph, analysed once."""
+
+    def __init__(self) -> None:
+        self._plans: dict[Any, _Plan] = {}
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def plan(self, walk: _Walk) -> _Plan:
+        found = self._plans.get(walk.key)
+        if found is None:
+            if len(self._plans) >= _PLANS_KEPT:  # a stage whose graph keeps changing: start again
+                self._plans.clear()
+            found = self._plans[walk.key] = _Plan(walk)
+        return found
+
+
 def backward_input(
     outputs: Sequence[torch.Tensor],
     grad_outputs: Sequence[torch.Tensor | None],
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
+    plans: SplitPlans | None = None,
 ) -> tuple[list[torch.Tensor], WeightGradients]:
     """Run B now: return d(outputs)/d(inputs) (zeros where unused) and the W still to run.
 
     `outputs` are the stage's outputs that carry gradients, `grad_outputs` their gradients
-    (None for a scalar loss), `inputs` the received leaves, `params` the stage's parameters.
+    (None for a scalar loss), `inputs` the received leaves, `params` the stage's parameters;
+    `plans`, the stage's analyses kept from its earlier micro-batches.
     """
     grads = [torch.ones_like(o) if g is None else g for o, g in zip(outputs, grad_outputs)]
-    split = _Split(outputs, grads, inputs, params)
-    if not split.separable():  # whole backward now; W does nothing
+    walk = _Walk(outputs, inputs, params)
+    split = plans.plan(walk) if plans is not None else _Plan(walk)
+    if not split.separable:  # whole backward now; W does nothing
         torch.autograd.backward(list(outputs), grads)
         return [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs], WeightGradients([])
-    input_grads, kept = _input_grads_keeping(outputs, grads, inputs, list(split.roots))
-    return input_grads, split.weight_gradients(kept)
+    input_grads, kept = _input_grads_keeping(outputs, grads, inputs, [walk.nodes[r] for r in split.roots])
+    return input_grads, split.weight_gradients(walk, grads, params, kept)
 
 
 def _input_grads_keeping(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -109,90 +249,3 @@ def _input_grads_keeping(outputs: Sequence[torch.Tensor], grads: Sequence[torch.
     finally:
         for handle in handles:
             handle.remove()
-
-
-class _Split:
-    """One stage's autograd graph seen from its outputs: the nodes on a path to the inputs (D),
-    the parameters, the roots of W and their groups (see the module's picture)."""
-
-    def __init__(self, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                 inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
-        out_edges = [get_gradient_edge(o) for o in outputs]
-        self.children = _graph([e.node for e in out_edges])
-        parents: dict[Node, list[Node]] = defaultdict(list)
-        for node, kids in self.children.items():
-            for kid in kids:
-                parents[kid].append(node)
-        input_nodes = [n for n in (get_gradient_edge(x).node for x in inputs) if n in self.children]
-        self.on_input_path = _reach(input_nodes, lambda n: parents.get(n, []))  # D
-        param_of = {get_gradient_edge(p).node: p for p in params if p.requires_grad}
-        self.param_of = {n: p for n, p in param_of.items() if n in self.children}
-        self._below: dict[Node, frozenset[Node]] = {}  # weight-only node -> parameter nodes below it
-        self.roots = self._roots()
-        self.output_roots = [  # outputs that do not depend on the inputs: W runs them whole
-            (edge, grad) for edge, grad in zip(out_edges, grads)
-            if edge.node not in self.on_input_path and self.params_below(edge.node)
-        ]
-        self._group_of: dict[Node, Node] = {}
-        for reached in list(self.roots.values()) + [self.params_below(e.node) for e, _ in self.output_roots]:
-            first = next(iter(reached))
-            for p in reached:
-                self._group_of[self.find(p)] = self.find(first)
-
-    def params_below(self, node: Node) -> frozenset[Node]:
-        if node not in self._below:
-            found = {node} if node in self.param_of else set()
-            for kid in _children(node):  # no descendant of a weight-only node is in D
-                found |= self.params_below(kid)
-            self._below[node] = frozenset(found)
-        return self._below[node]
-
-    def _roots(self) -> dict[Node, frozenset[Node]]:
-        """D nodes with a weight-only child, and the parameters each reaches through them."""
-        roots: dict[Node, frozenset[Node]] = {}
-        for node in self.on_input_path:
-            reached: frozenset[Node] = frozenset()
-            for kid in self.children[node]:
-                if kid not in self.on_input_path:
-                    reached |= self.params_below(kid)
-            if reached:
-                roots[node] = reached
-        return roots
-
-    def find(self, n: Node) -> Node:
-        """The group of a parameter node (union-find: roots sharing a parameter are one W call)."""
-        while self._group_of.setdefault(n, n) is not n:
-            n = self._group_of[n]
-        return n
-
-    def separable(self) -> bool:
-        """Whether no group's W would walk back into D (else a gradient would count twice)."""
-        for node, reached in self.roots.items():
-            in_d = self.on_input_path
-            strictly_below = _reach([k for k in self.children[node] if k in in_d],
-                                    lambda n: [k for k in self.children[n] if k in in_d])
-            group = self.find(next(iter(reached)))
-            for d in strictly_below:
-                kids_params = set().union(*(self.params_below(k) for k in self.children[d] if k not in in_d))
-                if any(self.find(p) is group for p in kids_params):
-                    return False
-        return True
-
-    def weight_gradients(self, kept: dict[Node, tuple[Any, ...]]) -> WeightGradients:
-        """W: one backward call per group, from its roots' kept gradients and its whole outputs."""
-        calls: dict[Node, tuple[list[GradientEdge], list[torch.Tensor], set[Node]]] = {}
-        for node, reached in self.roots.items():
-            edges, gs, ps = calls.setdefault(self.find(next(iter(reached))), ([], [], set()))
-            for i, g in enumerate(kept.get(node, ())):
-                if g is not None:
-                    edges.append(GradientEdge(node, i))
-                    gs.append(g)
-            ps |= reached
-        for edge, grad in self.output_roots:
-            edges, gs, ps = calls.setdefault(self.find(next(iter(self.params_below(edge.node)))), ([], [], set()))
-            edges.append(edge)
-            gs.append(grad)
-            ps |= self.params_below(edge.node)
-        return WeightGradients([
-            (edges, gs, [self.param_of[p] for p in ps]) for edges, gs, ps in calls.values() if edges
-        ])

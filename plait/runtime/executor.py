@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from plait.capture.split import StageModule
 from plait.errors import LossError
 from plait.runtime.activation_meter import ActivationMeter, SavedBytes, SavedShapes, hooks_in_use
-from plait.runtime.backward_split import WeightGradients, backward_input
+from plait.runtime.backward_split import SplitPlans, WeightGradients, backward_input
 from plait.runtime.batched_wgrad import defer_linear_weight_grads
 from plait.runtime.layer_checkpoint import layer_checkpointed
 
@@ -62,6 +62,7 @@ class StageExecutor:
         self._layered = (layer_checkpointed(stage.module, layer_pieces)
                          if recompute and layer_pieces is not None else None)
         self._weights: dict[int, WeightGradients] = {}
+        self._splits = SplitPlans()  # the B/W analysis of the stage's graph, by its shape
         self.finish = finish
         self.loss_fn = loss_fn
         self._inputs: dict[int, list[torch.Tensor]] = {}
@@ -179,7 +180,8 @@ class StageExecutor:
         params: list[torch.Tensor] = [p for p in self.stage.module.parameters() if p.requires_grad]
         if self.weight_batch is not None:
             params += self.weight_batch.anchors
-        input_grads, self._weights[microbatch_index] = backward_input(outputs, out_grads, inputs, params)
+        input_grads, self._weights[microbatch_index] = backward_input(outputs, out_grads, inputs, params,
+                                                                           self._splits)
         return input_grads
 
     def backward_weight(self, microbatch_index: int) -> None:

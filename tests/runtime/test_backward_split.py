@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from plait.runtime.backward_split import backward_input
+from plait.runtime.backward_split import SplitPlans, backward_input
 
 
 class Chain(nn.Module):  # the common case: every layer's weight hangs off the input path
@@ -97,3 +97,61 @@ def test_micro_batches_accumulate_like_backward():
         w.run()
     for p, q in zip(net.parameters(), ref_net.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+class Swapped(nn.Module):  # one graph shape, two wirings: which linear is near the input depends on a flag
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.swap = False
+
+    def forward(self, x):
+        first, second = (self.b, self.a) if self.swap else (self.a, self.b)
+        return [second(torch.tanh(first(x)))]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make", [Chain, Reused, Branches])
+def test_analysis_kept_per_graph_gives_the_same_gradients(make):
+    """The stage's analysis is done once for micro-batches that record the same graph, and the
+    reused analysis gives exactly the gradients of ordinary backward passes."""
+    torch.manual_seed(0)
+    net = make()
+    ref_net = copy.deepcopy(net)
+    xs = torch.randn(3, 4, 6)
+    plans, pending, ref_dx, dx = SplitPlans(), [], [], []
+    for x in xs:
+        outputs = net(leaf := x.clone().requires_grad_(True))
+        grads = [torch.ones_like(o) * (1 + i) for i, o in enumerate(outputs)]
+        ref_dx.append(_reference(ref_net, x, grads)[0])
+        (d,), weights = backward_input(outputs, grads, [leaf], list(net.parameters()), plans)
+        dx.append(d)
+        pending.append(weights)
+    assert len(plans) == 1
+    for w in pending:
+        w.run()
+    for got, want in zip(dx, ref_dx):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    for p, q in zip(net.parameters(), ref_net.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_a_graph_wired_otherwise_is_analysed_anew():
+    """Same nodes, same shapes, the parameters swapped along the path: a reused analysis would send
+    each weight's gradient to the other one; the second wiring gets its own analysis."""
+    torch.manual_seed(0)
+    net = Swapped()
+    ref_net = copy.deepcopy(net)
+    plans = SplitPlans()
+    for swap in (False, True, False, True):
+        net.swap = ref_net.swap = swap
+        x, g = torch.randn(4, 6), torch.randn(4, 6)
+        ref_dx, _ = _reference(ref_net, x, [g])
+        (dx,), weights = backward_input(net(leaf := x.clone().requires_grad_(True)), [g], [leaf],
+                                        list(net.parameters()), plans)
+        weights.run()
+        torch.testing.assert_close(dx, ref_dx, rtol=1e-6, atol=1e-7)
+        for p, q in zip(net.parameters(), ref_net.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert len(plans) == 2
