@@ -270,10 +270,17 @@ class _ReceivesAhead:
         self.window = window
         self.offered = 0  # receives offered for posting so far, in program order
         self.held: int | None = None  # the receive that could not be posted, until it is taken
+        # Posting starts at this rank's first receive, or right after its first send if that comes
+        # sooner: a rank that opens with compute (the first stage's forwards) sends its first
+        # activation before it spends time posting receives it needs only later.
+        sends = [i + 1 for i, a in enumerate(actions) if a.op in (Op.SEND_F, Op.SEND_B)]
+        self.start = min(self.receives[:1] + sends[:1], default=len(actions))
 
     def post_due(self, position: int, post: Callable[[Action], bool]) -> None:
         """Offer `post` the receives due before the action at `position`, in program order; after
         one it cannot post (it returns False), offer none until that receive has been taken."""
+        if position < self.start:
+            return
         done = bisect.bisect_left(self.receives, position)  # receives already taken
         if self.held is not None and self.held < done:
             self.held = None

@@ -86,6 +86,14 @@ def test_receives_ahead_are_offered_in_program_order_within_the_window() -> None
     ]
 
 
+def test_a_rank_that_opens_with_compute_posts_after_its_first_send() -> None:
+    # the first stage: its first activation goes out before it posts the gradients' receives
+    # (posting them first delayed 0F0, and with it the whole pipeline, by ~0.2 ms a step)
+    assert offered("0F0 0SF0 0F1 0SF1 0RB0 0B0 0RB1 0B1", 2, set()) == ["2 0F1: 0RB0 0RB1"]
+    # the last stage opens with a receive: posting starts there
+    assert offered("1RF0 1F0 1B0 1SB0 1RF1 1F1 1B1 1SB1", 2, set()) == ["0 1RF0: 1RF0 1RF1"]
+
+
 def test_receives_ahead_stop_behind_one_that_cannot_be_posted() -> None:
     # first step: 1RF0's shapes are unknown, so it is taken unposted at its action, and no
     # later receive is posted before that (under NCCL, which ignores tags, a posted 1RF1
