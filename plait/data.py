@@ -42,6 +42,8 @@ def as_call(x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 def num_rows(x: Any) -> int:
     """Rows (samples) in `x`: the common size of dim 0 of its tensors."""
+    if isinstance(x, torch.Tensor) and x.dim() > 0:  # the common case, without walking a tree
+        return int(x.shape[0])
     sizes = {t.shape[0] for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor) and t.dim() > 0}
     if len(sizes) != 1:
         raise ConfigError(
@@ -60,11 +62,15 @@ def take(x: Any, index: torch.Tensor) -> Any:
 
 def to_device(x: Any, device: torch.device) -> Any:
     """`x` with every tensor on `device` (no copy when it is there already)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
     return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, x)
 
 
 def slice_rows(x: Any, start: int, stop: int) -> Any:
     """Rows start:stop of every tensor in `x`, without copying."""
+    if isinstance(x, torch.Tensor):
+        return x[start:stop] if x.dim() > 0 else x
     return pytree.tree_map(
         lambda t: t[start:stop] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, x
     )

@@ -207,7 +207,8 @@ def in_mode(net: nn.Module, train: bool) -> Iterator[None]:
         yield
     finally:
         for module, training in modes:
-            module.training = training
+            if module.training is not training:  # nn.Module's __setattr__ is slow: only where it changed
+                module.training = training
 
 
 def _first_line(error: BaseException) -> str:
