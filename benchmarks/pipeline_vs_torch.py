@@ -8,9 +8,12 @@ gradients) is inside the timed step for both. The peer is used the simplest fair
 Sequential split by hand into two `PipelineStage`s driven by `Schedule1F1B` / `ScheduleGPipe`.
 
 Each round runs, for every schedule: the one-process reference steps (rank 0 alone, the other
-rank waiting), a plait step and a peer step, plait first on even rounds and the peer first on odd
-ones. Every timed step starts after a barrier, and its time is the slowest rank's (all_reduce
-MAX); CPU time is summed over the ranks. Medians over the rounds are reported against two targets:
+rank waiting), plait's steps and the peer's, plait first on even rounds and the peer first on odd
+ones. Each timing starts after a barrier and runs `--steps-per-round` steps back to back, as a
+training loop runs them; a step's time is theirs over their number, on the slowest rank
+(all_reduce MAX); CPU time is summed over the ranks. (One step per barrier timed the barrier's
+wake-up too: a rank blocked in gloo's barrier can find its core halted and wait up to a scheduler
+tick to run again, and in a pipeline the other rank waits for it, where one process does not.) Medians over the rounds are reported against two targets:
 
     peer / plait                                              (target >= 1.4)
     ideal = T1 / p * (m + p - 1) / m                          (GPipe bubble, Huang et al. 2019)
@@ -37,6 +40,7 @@ the plan's micro-batch rows), over the world, stretched by the plan's bubble:
 
     python benchmarks/pipeline_vs_torch.py [--rounds 40] [--schedules 1f1b,gpipe] [--batch 64]
                                            [--microbatches 8] [--width 512] [--layers 8] [--planned]
+                                           [--steps-per-round 5]
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class Setting:
     warmup: int
     batch_weight_grads: bool = False  # plait's Config(batch_weight_grads=...)
     planned: bool = False  # also time plait with Config(): the planner's own layout
+    steps_per_round: int = 5  # steps timed back to back, after one barrier
 
 
 # -- the model and the data ----------------------------------------------------------------------
@@ -247,14 +252,16 @@ class ReferenceRunner:
 Timing = tuple[float, float]  # (wall seconds of the slowest rank, CPU seconds summed over ranks)
 
 
-def timed(step: Callable[[], None], only_rank: int | None = None) -> Timing:
-    """Time one step after a barrier; with `only_rank` that rank runs it and the others wait."""
+def timed(step: Callable[[], None], only_rank: int | None = None, steps: int = 1) -> Timing:
+    """Time `steps` steps back to back after a barrier, per step; with `only_rank` that rank runs
+    them and the others wait."""
     dist.barrier()
     wall, cpu = time.perf_counter(), time.process_time()  # process time counts gloo's threads too
     if only_rank is None or dist.get_rank() == only_rank:
-        step()
-    wall_t = torch.tensor([time.perf_counter() - wall], dtype=torch.float64)
-    cpu_t = torch.tensor([time.process_time() - cpu], dtype=torch.float64)
+        for _ in range(steps):
+            step()
+    wall_t = torch.tensor([(time.perf_counter() - wall) / steps], dtype=torch.float64)
+    cpu_t = torch.tensor([(time.process_time() - cpu) / steps], dtype=torch.float64)
     dist.all_reduce(wall_t, op=dist.ReduceOp.MAX)
     dist.all_reduce(cpu_t, op=dist.ReduceOp.SUM)
     return float(wall_t), float(cpu_t)
@@ -311,8 +318,8 @@ def measure_planned(setting: Setting, rank: int) -> tuple[str, float, bool, list
     mine: list[float] = []
     ones: list[float] = []
     for _ in range(setting.rounds):
-        ones.append(timed(functools.partial(one.step, x, y), only_rank=0)[0])
-        mine.append(timed(functools.partial(planned.step, x, y))[0])
+        ones.append(timed(functools.partial(one.step, x, y), only_rank=0, steps=setting.steps_per_round)[0])
+        mine.append(timed(functools.partial(planned.step, x, y), steps=setting.steps_per_round)[0])
     if rank == 0:
         print(f"check planned: after {CHECK_STEPS} steps max |param - one-process param| = {worst:.1e}: "
               f"{'ok' if equal else 'MISMATCH'} (rtol 1e-5, atol 1e-6)", flush=True)
@@ -354,9 +361,11 @@ def measure(setting: Setting, rank: int) -> dict[str, dict[str, list[Timing]]]:
     for r in range(setting.rounds):
         for schedule, pair in runners.items():
             for name, ref in references.items():
-                times[schedule][name].append(timed(functools.partial(ref.step, x, y), only_rank=0))
+                times[schedule][name].append(timed(functools.partial(ref.step, x, y), only_rank=0,
+                                                   steps=setting.steps_per_round))
             for name in (["plait", "peer"] if r % 2 == 0 else ["peer", "plait"]):
-                times[schedule][name].append(timed(functools.partial(pair[name].step, x, y)))
+                times[schedule][name].append(timed(functools.partial(pair[name].step, x, y),
+                                                   steps=setting.steps_per_round))
     return times
 
 
@@ -366,7 +375,7 @@ def report(setting: Setting, times: dict[str, dict[str, list[Timing]]], correct:
     bubble = (m + p - 1) / (p * m)  # a stage's share of the work, stretched by the bubble
     print(f"\n{setting.layers} x (Linear({setting.width}, {setting.width}) + ReLU), batch "
           f"{setting.batch} in {m} micro-batches, {p} stages x 1 thread, SGD step included, "
-          f"medians of {setting.rounds} rounds, ms (slowest rank)")
+          f"medians of {setting.rounds} rounds of {setting.steps_per_round} steps, ms a step (slowest rank)")
     columns = ["schedule", "plait", "peer", "peer/plait", "paired", "T1", "ideal", "plait/ideal",
                "Tm", "ideal_m", "plait/ideal_m"]
     print(" ".join(f"{c:>13s}" if i else f"{c:9s}" for i, c in enumerate(columns)))
@@ -438,6 +447,8 @@ def parse_args(argv: list[str] | None = None) -> Setting:
                         help="also time plait with Config(): the layout its planner chooses")
     parser.add_argument("--layers", type=int, default=8,
                         help="Linear+ReLU blocks, split evenly over the 2 stages (default: 8)")
+    parser.add_argument("--steps-per-round", type=int, default=5,
+                        help="steps timed back to back after each barrier (default: 5)")
     parser.add_argument("--warmup", type=int, default=WARMUP_STEPS,
                         help=f"untimed steps per pipeline first (default: {WARMUP_STEPS})")
     args = parser.parse_args(argv)
@@ -449,10 +460,11 @@ def parse_args(argv: list[str] | None = None) -> Setting:
     if args.batch % args.microbatches:
         parser.error(f"--batch {args.batch} is not a multiple of --microbatches "
                      f"{args.microbatches}; the peer needs equal micro-batches")
-    if args.layers < NUM_STAGES or args.rounds < 2:
-        parser.error(f"need --layers >= {NUM_STAGES} and --rounds >= 2, got {args.layers}, {args.rounds}")
+    if args.layers < NUM_STAGES or args.rounds < 2 or args.steps_per_round < 1:
+        parser.error(f"need --layers >= {NUM_STAGES}, --rounds >= 2 and --steps-per-round >= 1, got "
+                     f"{args.layers}, {args.rounds}, {args.steps_per_round}")
     return Setting(args.rounds, schedules, args.batch, args.microbatches, args.width,
-                   args.layers, args.warmup, args.batch_weight_grads, args.planned)
+                   args.layers, args.warmup, args.batch_weight_grads, args.planned, args.steps_per_round)
 
 
 def main(argv: list[str] | None = None) -> int:

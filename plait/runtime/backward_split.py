@@ -40,6 +40,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 __all__ = ["WeightGradients", "SplitPlans", "backward_input"]
 
+_ACCUMULATE = torch._C._functions.AccumulateGrad  # the node of a leaf that requires grad
 _PLANS_KEPT = 16  # analyses a stage keeps: one per shape of its graph (micro-batch shapes, train/eval)
 
 
@@ -97,7 +98,7 @@ class _Walk:
         # a leaf's node is its AccumulateGrad, which names it (`variable`): no view per leaf to find it
         leaves = {id(t): t for t in (*inputs, *params) if t.grad_fn is None}
         variable = {id(node.variable): i for i, node in enumerate(nodes)
-                    if hasattr(node, "variable") and id(node.variable) in leaves}
+                    if type(node) is _ACCUMULATE and id(node.variable) in leaves}
 
         def place(t: torch.Tensor) -> int | None:
             if t.grad_fn is None:
