@@ -40,7 +40,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 __all__ = ["WeightGradients", "SplitPlans", "backward_input"]
 
-_ACCUMULATE = torch._C._functions.AccumulateGrad  # the node of a leaf that requires grad
+_ACCUMULATE: type = getattr(torch._C._functions, "AccumulateGrad")  # the node of a leaf that requires grad
 _PLANS_KEPT = 16  # analyses a stage keeps: one per shape of its graph (micro-batch shapes, train/eval)
 
 
@@ -97,8 +97,8 @@ class _Walk:
         self.children = tuple(tuple(index[c] for c, _ in nxt if c is not None) for nxt in nexts)
         # a leaf's node is its AccumulateGrad, which names it (`variable`): no view per leaf to find it
         leaves = {id(t): t for t in (*inputs, *params) if t.grad_fn is None}
-        variable = {id(node.variable): i for i, node in enumerate(nodes)
-                    if type(node) is _ACCUMULATE and id(node.variable) in leaves}
+        variable = {id(v): i for i, node in enumerate(nodes) if type(node) is _ACCUMULATE
+                    for v in (getattr(node, "variable"),) if id(v) in leaves}
 
         def place(t: torch.Tensor) -> int | None:
             if t.grad_fn is None:
@@ -244,6 +244,9 @@ def backward_input(
     `plans`, the stage's analyses kept from its earlier micro-batches.
     """
     grads = [torch.ones_like(o) if g is None else g for o, g in zip(outputs, grad_outputs)]
+    if not inputs:  # no input gradient to send (the first stage): W is the whole backward, in one call
+        weights = [p for p in params if p.requires_grad]
+        return [], WeightGradients([([get_gradient_edge(o) for o in outputs], grads, weights)] if weights else [])
     walk = _Walk(outputs, inputs, params)
     split = plans.plan(walk) if plans is not None else _Plan(walk)
     if not split.separable:  # whole backward now; W does nothing

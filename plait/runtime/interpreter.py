@@ -37,7 +37,7 @@ from plait.runtime.trace import NULL_TRACER, NullTracer, Tracer
 from plait.runtime.wire import Wire
 from plait.schedule import Action, Op, Program, format_grid
 
-__all__ = ["MicroBatch", "Interpreter"]
+__all__ = ["MicroBatch", "Interpreter", "forwards_done_after"]
 
 _STREAM = {Op.FORWARD: "compute", Op.BACKWARD: "compute", Op.WEIGHT: "compute",
            Op.RECV_F: "recv", Op.RECV_B: "recv", Op.SEND_F: "send", Op.SEND_B: "send"}
@@ -83,20 +83,24 @@ class Interpreter:
         train: bool,
         keep_outputs: bool = False,
         after_forwards: Callable[[], None] | None = None,
+        forwards_done_at_weights: bool = False,
     ) -> None:
         """Run this rank's part of `program` over `microbatches`: the one loop every schedule runs in.
 
         `after_forwards` is called once, right after this rank's last forward (before the first
         action if it has none): what the forwards decide (the losses, the non-finite flags) can
-        start travelling while the backward passes run.
+        start travelling while the backward passes run. With `forwards_done_at_weights`, it is
+        called before the first W after that forward instead, where there is one: the input
+        gradients computed and sent before it are what the previous stage waits for, the weight
+        gradients are what nobody waits for, so the call's cost lands on the latter.
         """
         actions = program.get(self.rank, [])
         self.runs += 1
         run = _Run(microbatches, train, keep_outputs, split=any(a.op is Op.WEIGHT for a in actions))
         ahead = _ReceivesAhead(actions, window=self.num_chunks + 1)
         step = self.runs
-        last_forward = max((i for i, a in enumerate(actions) if a.op is Op.FORWARD), default=-1)
-        if after_forwards is not None and last_forward < 0:
+        called_after = forwards_done_after(actions, forwards_done_at_weights)
+        if after_forwards is not None and called_after < 0:
             after_forwards()
 
         def post(receive: Action) -> bool:
@@ -110,7 +114,7 @@ class Interpreter:
                 with self.tracer.span(_STREAM[action.op], str(action), step=step, stage=action.stage_index,
                                       op=action.op.value, mb=action.microbatch_index):
                     self._execute(action, run)
-                if position == last_forward and after_forwards is not None:
+                if position == called_after and after_forwards is not None:
                     after_forwards()
             except PlaitError:  # the user's mistake (a loss that is not a scalar...): as it is
                 raise
@@ -236,6 +240,16 @@ class Interpreter:
             f"{failures.describe()}\n"
             f"where each rank stood in the schedule (marked):\n{grid}"
         )
+
+
+def forwards_done_after(actions: Sequence[Action], at_weights: bool = False) -> int:
+    """The position of the action after which a rank's forwards are done (-1: before the first):
+    its last forward, or with `at_weights` the action before the first W after it, where there is
+    one (see `Interpreter.run`)."""
+    last = max((i for i, a in enumerate(actions) if a.op is Op.FORWARD), default=-1)
+    if at_weights and last >= 0:
+        return next((i - 1 for i in range(last + 1, len(actions)) if actions[i].op is Op.WEIGHT), last)
+    return last
 
 
 @dataclass

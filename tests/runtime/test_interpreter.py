@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import plait
-from plait.runtime.interpreter import _ReceivesAhead
+from plait.runtime.interpreter import _ReceivesAhead, forwards_done_after
 from plait.schedule import Action, generate, parse_action
 from tests.harness import run_ranks
 from tests.models import mlp
@@ -106,3 +106,20 @@ def test_receives_ahead_stop_behind_one_that_cannot_be_posted() -> None:
     assert offered(RANK_1, 1, {"1RF0", "1RF1", "1RB0", "1RB1"}) == [
         "0 1RF0: 1RF0", "1 1F0: 1RF1", "4 1F1: 1RB0", "7 1B0: 1RB1",
     ]
+
+
+def test_forwards_are_done_after_the_last_forward_or_before_the_first_weights_after_it() -> None:
+    def after(program: str, at_weights: bool) -> str:
+        actions = [parse_action(t) for t in program.split()]
+        i = forwards_done_after(actions, at_weights)
+        return "start" if i < 0 else str(actions[i])
+
+    last_stage = "1RF0 1F0 1B0 1SB0 1RF1 1F1 1B1 1SB1 1W0 1W1"  # ZB-H1, 2 stages, 2 micro-batches
+    assert after(last_stage, False) == "1F1"
+    # the input gradient its previous stage waits for goes out first; the sums ride before W
+    assert after(last_stage, True) == "1SB1"
+    first_stage = "0F0 0SF0 0F1 0SF1 0RB0 0B0 0W0 0RB1 0B1 0W1"
+    assert after(first_stage, True) == "0B0"
+    one_f_one_b = "1RF0 1F0 1B0 1SB0 1RF1 1F1 1B1 1SB1"  # no W: the last forward either way
+    assert after(one_f_one_b, True) == after(one_f_one_b, False) == "1F1"
+    assert after("0RB0 0B0 0W0", True) == "start"  # no forward in this program
