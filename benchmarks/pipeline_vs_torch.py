@@ -13,7 +13,8 @@ ones. Each timing starts after a barrier and runs `--steps-per-round` steps back
 training loop runs them; a step's time is theirs over their number, on the slowest rank
 (all_reduce MAX); CPU time is summed over the ranks. (One step per barrier timed the barrier's
 wake-up too: a rank blocked in gloo's barrier can find its core halted and wait up to a scheduler
-tick to run again, and in a pipeline the other rank waits for it, where one process does not.) Medians over the rounds are reported against two targets:
+tick to run again, and in a pipeline the other rank waits for it, where one process does not.)
+Medians over the rounds are reported against two targets:
 
     peer / plait                                              (target >= 1.4)
     ideal = T1 / p * (m + p - 1) / m                          (GPipe bubble, Huang et al. 2019)

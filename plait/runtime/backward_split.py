@@ -108,8 +108,8 @@ class _Walk:
         self.input_nodes = tuple(sorted({i for i in map(place, inputs) if i is not None}))
         self.param_of = tuple((i, j) for j, p in enumerate(params) if p.requires_grad
                               for i in (place(p),) if i is not None)  # (node, parameter position)
-        self.key = (self.children, self.input_nodes, self.param_of,
-                    tuple((index[e.node], e.output_nr) for e in self.out_edges))
+        self.output_places = tuple((index[e.node], e.output_nr) for e in self.out_edges)  # (node, its output)
+        self.key = (self.children, self.input_nodes, self.param_of, self.output_places)
 
 
 def _reach(starts: Iterable[int], step: Callable[[int], Iterable[int]]) -> set[int]:
@@ -142,7 +142,7 @@ class _Plan:
             reached = frozenset().union(*(self._params_below(k) for k in children[node] if k not in in_d))
             if reached:
                 roots[node] = reached
-        outs = [(j, node) for j, (node, _) in enumerate(walk.key[3])
+        outs = [(j, node) for j, (node, _) in enumerate(walk.output_places)
                 if node not in in_d and self._params_below(node)]  # outputs not depending on the inputs: run whole
         self._group_of: dict[int, int] = {}
         for reached in [*roots.values(), *(self._params_below(node) for _, node in outs)]:
