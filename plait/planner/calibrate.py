@@ -2,11 +2,12 @@
 
 One message of n bytes costs alpha + n / beta (`plait.plan.network.Link`). Rank a sends n
 bytes to rank b, which sends them back; half the round trip, median of `repeats`, for sizes
-from 1 KiB to 32 MiB (past the gradient buckets' 25 MiB). beta is the bytes of the sizes of 1 MiB
-and more over their time (less its latency), where the bytes cost more than the latency; alpha
-the median, over the smaller sizes, of what their times leave beyond n / beta (one line fitted
-through all would let the large sizes' noise set alpha and the small sizes' set beta, and the
-caches bend the line between them). The sizes below 1 MiB, which set alpha, are timed as a
+from 1 KiB to 32 MiB (past the gradient buckets' 25 MiB). beta is the slope of the sizes of 1 MiB
+and more (the least-squares line through them alone), where the bytes cost more than the latency;
+alpha the median, over the smaller sizes, of what their times leave beyond n / beta (one line
+fitted through all would let the large sizes' noise set alpha and the small sizes' set beta, and
+the caches bend the line between them; taking the small sizes' alpha off the large sizes' times
+would let a latency only small messages meet inflate beta). The sizes below 1 MiB, which set alpha, are timed as a
 step meets them -- right after both ranks computed -- and averaged over four times the repeats:
 on CPU ranks a message or collective now and then waits a scheduler tick for a thread pushed off
 its core, a tail that a step's sum of them pays and a median leaves out (2 gloo ranks, 1-256 KiB:
@@ -57,8 +58,9 @@ CHAIN_BUSY_S = 5e-3  # compute before each: a CPU rank's layer between its tp co
 
 def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
     """alpha + n / beta through the measurements. With two or more sizes of at least LARGE bytes
-    and some smaller: beta = their bytes over their time less alpha (a ratio of sums, which the
-    largest sizes weigh most), alpha the median, over the smaller sizes, of t - n / beta (>= 0).
+    and some smaller: 1 / beta = the slope of the least-squares line through the large sizes
+    alone (their bytes' cost; a latency the small sizes meet, e.g. a rank's wake-up after compute,
+    does not enter it), alpha the median, over the smaller sizes, of t - n / beta (>= 0).
     Otherwise the least-squares line through all of them (latency clamped at >= 0)."""
     n = len(sizes)
     if n < 2 or len(seconds) != n:
@@ -66,20 +68,25 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
     large = [(x, y) for x, y in zip(sizes, seconds) if x >= LARGE]
     small = [(x, y) for x, y in zip(sizes, seconds) if x < LARGE]
     if len(large) >= 2 and small:
-        nbytes, taken = sum(x for x, _ in large), sum(y for _, y in large)
-        latency = 0.0
-        for _ in range(2):  # the bytes' time less the latency, then the latency of that bandwidth
-            slope = max(taken - len(large) * latency, 0.0) / nbytes
-            latency = max(statistics.median(y - x * slope for x, y in small), 0.0)
+        slope = _slope(large)
+        if slope <= 0:  # the large sizes' noise hides their slope: their bytes over their time
+            slope = sum(y for _, y in large) / sum(x for x, _ in large)
         if slope > 0:
+            latency = max(statistics.median(y - x * slope for x, y in small), 0.0)
             return Link(latency, 1.0 / slope)
     mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
-    sxx = sum((x - mean_x) ** 2 for x in sizes)
-    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds))
-    slope = sxy / sxx if sxx > 0 else 0.0
+    slope = _slope(list(zip(sizes, seconds)))
     if slope <= 0:  # no measurable cost per byte: latency-bound, bandwidth beyond measuring
         return Link(max(mean_y, 0.0), 1e15)
     return Link(max(mean_y - slope * mean_x, 0.0), 1.0 / slope)
+
+
+def _slope(points: Sequence[tuple[float, float]]) -> float:
+    """The least-squares slope of y on x through `points` (0 where every x is the same)."""
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx if sxx > 0 else 0.0
 
 
 def measure_link(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = SIZES,
@@ -255,7 +262,7 @@ def calibrate(cache_dir: str | os.PathLike[str] | None = None, repeats: int = 5)
     world = dist.get_world_size()
     per_node = local_world_size(world)
     hosts = all_gather_text(socket.gethostname())
-    key = f"v6-{dist.get_backend()}-{world}-{per_node}-{'-'.join(sorted(set(hosts)))}"
+    key = f"v7-{dist.get_backend()}-{world}-{per_node}-{'-'.join(sorted(set(hosts)))}"
     path = Path(cache_dir) / f"network-{key}.json" if cache_dir is not None else None
     stored = None
     if path is not None and dist.get_rank() == 0 and path.exists():

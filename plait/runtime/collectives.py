@@ -35,21 +35,33 @@ def make_group(ranks: Sequence[int]) -> Any:
 
 
 def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, group: Any,
-                      chunk_bytes: int = 64 * 2**20) -> None:
-    """`tensors` (the same shapes on every rank of `group`) from rank `src` to the others, in place:
-    flat buffers of one dtype of at most `chunk_bytes` each (one large tensor is a chunk alone)."""
+                      chunk_bytes: int = 64 * 2**20, alone_bytes: int = 4 * 2**20) -> None:
+    """`tensors` (the same shapes on every rank of `group`) from rank `src` to the others, in place.
+
+    A contiguous tensor of at least `alone_bytes` goes where it lies, one broadcast of its own;
+    the others go in flat buffers of one dtype of at most `chunk_bytes` each. Copying a large
+    tensor into a buffer and back costs the sender and every receiver a fresh allocation and two
+    passes over its bytes (ZeRO's 67 MB per owner on 2 gloo ranks: 41-48 ms a broadcast in a
+    step, 20 ms in place)."""
     me = dist.get_rank()
     chunks: list[list[torch.Tensor]] = []
     for dtype in dict.fromkeys(t.dtype for t in tensors):
         size = 0
         for t in (t for t in tensors if t.dtype == dtype):
-            if not chunks or chunks[-1][0].dtype != dtype or size + t.nbytes > chunk_bytes:
+            if t.nbytes >= alone_bytes and t.is_contiguous():
+                chunks.append([t])  # in place: no buffer
+                continue
+            if not chunks or len(chunks[-1]) == 1 and chunks[-1][0].nbytes >= alone_bytes \
+                    or chunks[-1][0].dtype != dtype or size + t.nbytes > chunk_bytes:
                 chunks.append([])
                 size = 0
             chunks[-1].append(t)
             size += t.nbytes
     with torch.no_grad():
         for chunk in chunks:
+            if len(chunk) == 1 and chunk[0].is_contiguous():
+                dist.broadcast(chunk[0].detach(), src, group=group)
+                continue
             flat = torch.cat([t.detach().reshape(-1) for t in chunk]) if me == src else \
                 torch.empty(sum(t.numel() for t in chunk), dtype=chunk[0].dtype, device=chunk[0].device)
             dist.broadcast(flat, src, group=group)

@@ -7,7 +7,7 @@ share is broadcast to the others (Rajbhandari et al. 2020, ZeRO-1)::
     gradients all-reduced (as without ZeRO)       replica 0: [p0 p1 | p2 p3 p4]   owns p0, p1
     each replica drops the others' gradients      replica 1: [p0 p1 | p2 p3 p4]   owns p2, p3, p4
     optimizer.step(): torch steps only parameters with a gradient and makes their state then
-    owners broadcast their updated parameters, one flat buffer per owner
+    owners broadcast their updated parameters: large ones in place, the rest in one flat buffer
 
 Parameters are shared out whole (greedily, largest first, to the replica with the fewest bytes,
 ties to the lowest), so a checkpoint stays keyed by name and loads into any layout: each
@@ -74,4 +74,4 @@ class ShardedOptimizerState:
     def broadcast(self) -> None:
         """After the optimizer step: every owner's updated parameters to the other replicas."""
         for src, share in self._shares:
-            broadcast_tensors(share, src, self.group, chunk_bytes=2**62)  # one flat buffer per owner
+            broadcast_tensors(share, src, self.group, chunk_bytes=2**62)  # large ones in place, the rest one buffer

@@ -256,3 +256,28 @@ def test_ranks_with_and_without_a_cached_profile_all_measure_and_none_waits():
     # Had rank 0 returned its cached profile, rank 1 would wait for it in the first round's
     # all-reduce until the harness timed out.
     assert run_ranks(2, profile_with_one_rank_cached, timeout=80) == [False, False]
+
+
+class _FixedStep:
+    """An optimizer whose step takes 2 ms whatever it steps: what a stage's step pays once."""
+
+    def __init__(self, params):
+        self.params = list(params)
+
+    def step(self):
+        import time
+
+        time.sleep(2e-3)
+
+
+@pytest.mark.timeout(60)
+def test_layers_optimizer_steps_are_scaled_to_one_step_over_them_all(monkeypatch):
+    layers = [[nn.Parameter(torch.zeros(256))] for _ in range(4)] + [[]]
+    alone = [profiling._optimizer_time(ps, _FixedStep, 3) for ps in layers]
+    assert sum(alone) > 4 * 1.9e-3  # four steps of 2 ms, timed layer by layer
+    scaled = profiling._optimizer_times(layers, _FixedStep, 3)
+    assert scaled[4] == 0 and 1.5e-3 < sum(scaled) < 0.75 * sum(alone)  # one step for the four
+    assert scaled[0] == pytest.approx(scaled[1], rel=0.5)  # their shares kept
+    # past WHOLE_STEP_BYTES only the first layers are stepped together; one alone: no scale
+    monkeypatch.setattr(profiling, "WHOLE_STEP_BYTES", 256 * 4)
+    assert sum(profiling._optimizer_times(layers, _FixedStep, 3)) > 4 * 1.9e-3
