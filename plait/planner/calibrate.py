@@ -33,7 +33,7 @@ import socket
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -93,24 +93,48 @@ def measure_link(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = SIZES,
                  repeats: int = 5) -> Link:
     """The link between `rank_a` and `rank_b`, fitted from ping-pongs; every rank returns it."""
     me = dist.get_rank()
-    times: list[float] = []
-    for size in sizes:
+    if me not in (rank_a, rank_b):
+        return _fitted_on(rank_a, sizes, [0.0] * len(sizes), latencies=1)
+
+    def ping_pong(buffer: torch.Tensor) -> float:
+        start = time.perf_counter()
+        if me == rank_a:
+            dist.send(buffer, rank_b)
+            dist.recv(buffer, rank_b)
+        else:
+            dist.recv(buffer, rank_a)
+            dist.send(buffer, rank_a)
+        return (time.perf_counter() - start) / 2
+
+    small: dict[int, float] = {}
+    for size in (s for s in sizes if s < LARGE):
         buffer = torch.zeros(size, dtype=torch.uint8)
         samples = []
         for k in range(_rounds(size, repeats)):  # the first sets the connection up
-            if size < LARGE and me in (rank_a, rank_b):  # a hand-over as a pipeline meets it: after compute
-                _compute(BUSY_S)
-            if me == rank_a:
-                start = time.perf_counter()
-                dist.send(buffer, rank_b)
-                dist.recv(buffer, rank_b)
-                if k:
-                    samples.append((time.perf_counter() - start) / 2)
-            elif me == rank_b:
-                dist.recv(buffer, rank_a)
-                dist.send(buffer, rank_a)
-        times.append(_typical(size, samples) if samples else 0.0)
+            _compute(BUSY_S)  # a hand-over as a pipeline meets it: after compute
+            taken = ping_pong(buffer)
+            if k:
+                samples.append(taken)
+        small[size] = _typical(size, samples)
+    large = _round_robin([s for s in sizes if s >= LARGE], repeats,
+                         lambda size: torch.zeros(size, dtype=torch.uint8), ping_pong)
+    times = [small[s] if s < LARGE else large[s] for s in sizes]
     return _fitted_on(rank_a, sizes, times, latencies=1)
+
+
+def _round_robin(sizes: Sequence[int], repeats: int, make: Callable[[int], torch.Tensor],
+                 timed: Callable[[torch.Tensor], float]) -> dict[int, float]:
+    """Each size's median over `repeats` timings (after one to set up), the sizes taken in turn
+    in every round: a slow spell of a shared host then slows every size alike rather than bending
+    the line through them (the bandwidth is its slope)."""
+    buffers = {size: make(size) for size in sizes}
+    samples: dict[int, list[float]] = {size: [] for size in sizes}
+    for k in range(repeats + 1):
+        for size in sizes:
+            taken = timed(buffers[size])
+            if k:
+                samples[size].append(taken)
+    return {size: statistics.median(samples[size]) for size in sizes}
 
 
 def measure_all_reduce(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = REDUCE_SIZES,
@@ -121,19 +145,18 @@ def measure_all_reduce(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = 
     me = dist.get_rank()
     times: list[float] = []
     if me in (rank_a, rank_b):
-        for size in sizes:
-            buffer = torch.zeros(size // 4, dtype=torch.float32)
-            if size < LARGE:  # as a tensor-parallel step meets it: between its layers' compute
-                times.append(_in_chain(buffer, group, repeats))
-                continue
-            samples = []
-            for k in range(repeats + 1):  # the first sets the group's connections up
-                dist.barrier(group)
-                start = time.perf_counter()
-                finish(dist.all_reduce(buffer, group=group, async_op=True))  # waited for as the runtime waits
-                if k:
-                    samples.append(time.perf_counter() - start)
-            times.append(statistics.median(samples))
+
+        def reduced(buffer: torch.Tensor) -> float:
+            dist.barrier(group)
+            start = time.perf_counter()
+            finish(dist.all_reduce(buffer, group=group, async_op=True))  # waited for as the runtime waits
+            return time.perf_counter() - start
+
+        # below LARGE as a tensor-parallel step meets them: between its layers' compute
+        small = {s: _in_chain(torch.zeros(s // 4, dtype=torch.float32), group, repeats) for s in sizes if s < LARGE}
+        large = _round_robin([s for s in sizes if s >= LARGE], repeats,
+                             lambda size: torch.zeros(size // 4, dtype=torch.float32), reduced)
+        times = [small[s] if s < LARGE else large[s] for s in sizes]
     link = _fitted_on(rank_a, sizes, times, latencies=2)  # intercept 2 alpha, slope 1 / beta
     if group is not dist.group.WORLD:
         dist.destroy_process_group(group)
