@@ -1,17 +1,21 @@
 """Gradient buckets: which gradients are all-reduced together, in which order (pure).
 
-The runtime (`plait.runtime.grad_sync`) fills its buckets by this rule, and the cost model
-prices the all-reduce of the last one, which can only start when the backward pass has ended.
+The runtime (`plait.runtime.grad_sync`) fills its buckets by this rule and issues a collective for
+each gradient of ALONE_BYTES or more and one for the rest of each bucket; the cost model prices
+each collective's latency and the last bucket's all-reduce, which can only start when the
+backward pass has ended.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["FIRST_BUCKET_BYTES", "DEFAULT_BUCKET_BYTES", "assign_buckets", "reduces_to_owners"]
+__all__ = ["FIRST_BUCKET_BYTES", "DEFAULT_BUCKET_BYTES", "ALONE_BYTES", "assign_buckets", "reduces_to_owners",
+           "bucket_summary"]
 
 FIRST_BUCKET_BYTES = 2**20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # Config.bucket_cap_mb's default, as DistributedDataParallel's
+ALONE_BYTES = 4 * 2**20  # a gradient this large is reduced where autograd put it, not copied into a bucket
 
 
 def reduces_to_owners(backend: str) -> bool:
@@ -41,3 +45,19 @@ def assign_buckets(sizes: Sequence[float], dtypes: Sequence[Any], cap: float) ->
         limit = min(cap, FIRST_BUCKET_BYTES) if len(buckets) == 1 else cap
         closed = size >= limit
     return buckets
+
+
+def bucket_summary(grad_bytes: Sequence[float], cap: float) -> tuple[float, int]:
+    """(bytes of the last bucket, collectives in all) for layers with `grad_bytes` (forward order),
+    filled in backward order by `assign_buckets`, a layer's gradients counted as one tensor: per
+    bucket, one collective for each layer of ALONE_BYTES or more (reduced where it lies) and one
+    for the others together, if any (a large layer's small tensors, e.g. its bias, are not seen)."""
+    sizes = [float(b) for b in reversed(grad_bytes) if b > 0]
+    buckets = assign_buckets(sizes, [None] * len(sizes), cap)
+    if not buckets:
+        return 0.0, 0
+    collectives = 0
+    for bucket in buckets:
+        large = sum(1 for i in bucket if sizes[i] >= ALONE_BYTES)
+        collectives += large + (large < len(bucket))
+    return sum(sizes[i] for i in buckets[-1]), collectives

@@ -13,7 +13,8 @@ One step of a layout (pp stages x dp replicas, m micro-batches of `rows` rows ea
                (`plait.plan.buckets`): all-reduced (zero 0 and 1; ring 2(p-1)/p x bytes /
                bandwidth, Thakur et al. 2005) or, ZeRO-2, reduced to their owners (as the
                runtime does it: p reduces of bytes/p, each over a binary tree, `by_owner`:
-               log2(p) x bytes / bandwidth in all); on the link the backend's
+               log2(p) x bytes / bandwidth in all), plus a latency for each collective
+               the runtime issues (`bucket_summary`); on the link the backend's
                all-reduce was measured at. The buckets start when the rank's last gradient
                pass starts, so they overlap that pass only, and the last bucket -- the first
                layers' gradients -- cannot start before the pass has ended
@@ -42,12 +43,12 @@ import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from plait.errors import ConfigError
-from plait.plan.buckets import DEFAULT_BUCKET_BYTES, assign_buckets
+from plait.plan.buckets import DEFAULT_BUCKET_BYTES, bucket_summary
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.layer_times import (
     flush_times, hold, latency_count, latency_terms, layer_times, pipeline_lower_bound, recomputed_memory,
@@ -60,7 +61,7 @@ from plait.plan.setting import Setting, microbatch_rows, peak_activations
 from plait.schedule.steptime import compile_schedule, time_step
 
 __all__ = ["Setting", "Cluster", "StageCost", "Prediction", "microbatch_rows", "handover_busy", "handover_term",
-           "last_bucket", "peak_activations", "partition_problem", "pipeline_lower_bound", "predict"]
+           "summed_in", "peak_activations", "partition_problem", "pipeline_lower_bound", "predict"]
 
 CLOSING_BYTES = 64.0  # the step's loss and metric sums (and non-finite flags): a few float64s
 
@@ -317,11 +318,12 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         if key not in seen:
             replicas = [setting.rank_of(r, d) for d in range(dp)]
             link = cluster.network.reduce_link(replicas)
-            tail = gradient_sum(last_bucket([x for part in layers for x in part], cluster.bucket_bytes), dp, link)
+            last, count = bucket_summary([x for part in layers for x in part], cluster.bucket_bytes)
+            tail = gradient_sum(last, dp, link)
             # ZeRO: each owner broadcasts its updated share (1/dp of the trainable bytes) to the others:
             # copies, no sums, at the point-to-point link's rate (2 gloo ranks: two 16 MiB broadcasts
             # took 10-11 ms, a send and a receive of 16 MiB each way 12-13, a 32 MiB all-reduce 23)
-            seen[key] = (gradient_sum(grads, dp, link), tail,
+            seen[key] = (summed_in(count, grads, dp, link, gradient_sum), tail,
                          by_owner(grads, dp, cluster.network.link(replicas)) if zero else 0.0,
                          _state(params, grads, setting, cluster))
         total, tail, shared, state = seen[key]
@@ -367,12 +369,13 @@ def _prefix(values: Sequence[float]) -> list[float]:
     return [0.0, *itertools.accumulate(float(x) for x in values)]
 
 
-def last_bucket(grad_bytes: Sequence[float], cap: float) -> float:
-    """Bytes of the last gradient bucket of layers with `grad_bytes` (forward order), filled in
-    backward order by the runtime's rule, a layer's gradients counted as one tensor."""
-    sizes = [b for b in reversed(grad_bytes) if b > 0]
-    buckets = assign_buckets(sizes, [None] * len(sizes), cap)
-    return float(sum(sizes[i] for i in buckets[-1])) if buckets else 0.0
+def summed_in(collectives: int, nbytes: float, num_devices: int, link: Link,
+              gradient_sum: Callable[[float, int, Link], float] = all_reduce) -> float:
+    """Seconds to sum `nbytes` of gradients over `num_devices` in `collectives` collectives (the
+    runtime's, `bucket_summary`): the bytes once, and each collective's latency (a byte's sum)."""
+    if nbytes <= 0:
+        return 0.0
+    return gradient_sum(nbytes, num_devices, link) + max(collectives - 1, 0) * gradient_sum(1.0, num_devices, link)
 
 
 def _unbounded(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int) -> PartitionProblem:

@@ -38,7 +38,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from plait.errors import PartitionError
-from plait.plan.cost import CLOSING_BYTES, Cluster, handover_term, last_bucket, partition_problem
+from plait.plan.buckets import bucket_summary
+from plait.plan.cost import CLOSING_BYTES, Cluster, handover_term, partition_problem, summed_in
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.layer_times import layer_times
 from plait.plan.network import all_reduce
@@ -203,10 +204,11 @@ def _price(costs: LayerCosts, layout: WidthLayout, setting: Setting, cluster: Cl
         link = cluster.network.reduce_link(range(first, first + w))
         first += w
         grads = costs.grad_bytes[a:b]
-        total = all_reduce(float(sum(grads)), w, link)
+        last, count = bucket_summary(grads, cluster.bucket_bytes)
+        total = summed_in(count, float(sum(grads)), w, link)
         if w > 1 and cluster.overlap_gradients:  # the buckets start with the stage's last gradient pass (B)
             backward = layer_times(costs, replace(setting, dp=w), global_batch // m // w)[1]
-            tail = all_reduce(last_bucket(grads, cluster.bucket_bytes), w, link)
+            tail = all_reduce(last, w, link)
             reach.append(max(pipeline, pipeline - sum(backward[a:b]) + total, pipeline + tail))
         else:
             reach.append(pipeline + total)

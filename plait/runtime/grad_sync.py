@@ -26,12 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.plan.buckets import assign_buckets, reduces_to_owners
+from plait.plan.buckets import ALONE_BYTES, assign_buckets, reduces_to_owners
 from plait.runtime.waiting import finish
 
 __all__ = ["GradientBuckets", "ALONE_BYTES"]
 
-ALONE_BYTES = 4 * 2**20  # a gradient this large is reduced where autograd put it, not copied into a bucket
 
 
 class GradientBuckets:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from plait.plan.buckets import FIRST_BUCKET_BYTES, assign_buckets, reduces_to_owners
+from plait.plan.buckets import ALONE_BYTES, FIRST_BUCKET_BYTES, assign_buckets, bucket_summary, reduces_to_owners
 
 MB = 2**20
 F32 = torch.float32
@@ -43,3 +43,18 @@ def test_every_tensor_is_in_exactly_one_bucket_in_order(cap):
 def test_zero2_buckets_go_to_their_owners_except_on_gloo() -> None:
     # one rule for the runtime's GradientBuckets and the cost model's Cluster.owner_reduces
     assert reduces_to_owners("nccl") and not reduces_to_owners("gloo")
+
+
+def test_the_collectives_the_runtime_issues_for_a_stages_gradients():
+    # 4 x (Linear 1024->4096, GELU, Linear 4096->1024) in forward order: 16 MiB of gradients per
+    # Linear, none for GELU. Backward order: the first bucket closes at 1 MiB ([16 MiB]), the
+    # others at 25 MiB ([16, 16] three times, then [16]): 5 buckets of 8 layers of ALONE_BYTES or
+    # more, each reduced where it lies: 8 collectives.
+    layers = [16 * MB, 0, 16 * MB] * 4
+    assert 16 * MB >= ALONE_BYTES
+    assert bucket_summary(layers, 25 * MB) == (16 * MB, 8)
+    # small layers share their bucket's buffer: one bucket, one collective, all of their bytes in it
+    assert bucket_summary([2048] * 10, 25 * MB) == (20480, 1)
+    # a small layer beside a large one in a bucket: the large one alone, the small one in the buffer
+    assert bucket_summary([8 * MB, 2048], 25 * MB) == (8 * MB + 2048, 2)
+    assert bucket_summary([0, 0], 25 * MB) == (0.0, 0)

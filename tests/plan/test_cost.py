@@ -146,6 +146,19 @@ def test_the_last_bucket_starts_when_the_backward_ends(first_layer, last_layer, 
     assert pred.step_time_s == pytest.approx(step + pred.closing_s)
 
 
+def test_the_gradient_sum_pays_a_latency_for_each_collective_the_runtime_issues() -> None:
+    # layers of 8 MiB, 8 MiB and 1 KiB of gradients: buckets [1 KiB, 8 MiB] and [8 MiB] in backward
+    # order, the large ones reduced alone and the small one in its bucket's buffer: 3 collectives.
+    # 2 replicas, a link of 1 s latency and no cost per byte: each all-reduce 2 (p - 1) alpha = 2 s,
+    # three of them 6 s (one all-reduce of the sum: 2 s)
+    import dataclasses
+
+    costs = dataclasses.replace(layer_costs(3), grad_bytes=(8.0 * 2**20, 8.0 * 2**20, 1024.0))
+    slow = Network(Link(1.0, 1e30), Link(1.0, 1e30), 1)
+    pred = predict(costs, Setting(1, 2, 1), Cluster(slow, math.inf, overlap_gradients=False), 2, (3,))
+    assert pred.allreduce_s == (pytest.approx(6.0),)
+
+
 def test_every_rank_meets_at_the_loss_all_reduce_before_its_optimizer_step() -> None:
     # 2 stages, 1 micro-batch of 1 row, F 1 and B 2 per layer, hand-overs 0.5 s of latency:
     # F0 0-1, F1 1.5-2.5, B1 2.5-4.5, B0 5-7. Rank 1 steps its optimizer in 3 s, rank 0 in none.
