@@ -204,7 +204,7 @@ def _price(costs: LayerCosts, layout: WidthLayout, setting: Setting, cluster: Cl
         link = cluster.network.reduce_link(range(first, first + w))
         first += w
         grads = costs.grad_bytes[a:b]
-        last, count = bucket_summary(grads, cluster.bucket_bytes)
+        last, count = bucket_summary(grads, cluster.bucket_bytes) if w > 1 else (0.0, 0)  # one replica: no sum
         total = summed_in(count, float(sum(grads)), w, link)
         if w > 1 and cluster.overlap_gradients:  # the buckets start with the stage's last gradient pass (B)
             backward = layer_times(costs, replace(setting, dp=w), global_batch // m // w)[1]

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.plan.buckets import ALONE_BYTES
 from plait.tensor_parts import whole_of, whole_shape
 from plait.runtime.waiting import finish
 
@@ -35,28 +36,33 @@ def make_group(ranks: Sequence[int]) -> Any:
 
 
 def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, group: Any,
-                      chunk_bytes: int = 64 * 2**20, alone_bytes: int = 4 * 2**20) -> None:
+                      chunk_bytes: int = 64 * 2**20, alone_bytes: int = ALONE_BYTES) -> None:
     """`tensors` (the same shapes on every rank of `group`) from rank `src` to the others, in place.
 
-    A contiguous tensor of at least `alone_bytes` goes where it lies, one broadcast of its own;
-    the others go in flat buffers of one dtype of at most `chunk_bytes` each. Copying a large
-    tensor into a buffer and back costs the sender and every receiver a fresh allocation and two
-    passes over its bytes (ZeRO's 67 MB per owner on 2 gloo ranks: 41-48 ms a broadcast in a
-    step, 20 ms in place)."""
+    A contiguous tensor of at least `alone_bytes` goes where it lies, one broadcast of its own (the
+    gradient buckets' rule); the others go in flat buffers of one dtype of at most `chunk_bytes`
+    each. Copying a large tensor into a buffer and back costs the sender and every receiver a
+    fresh allocation and two passes over its bytes (ZeRO's 67 MB per owner on 2 gloo ranks: 41-48
+    ms a broadcast in a step, 20 ms in place)."""
     me = dist.get_rank()
+
+    def alone(t: torch.Tensor) -> bool:
+        return t.nbytes >= alone_bytes and t.is_contiguous()
+
     chunks: list[list[torch.Tensor]] = []
     for dtype in dict.fromkeys(t.dtype for t in tensors):
+        same = [t for t in tensors if t.dtype == dtype]
+        chunks += [[t] for t in same if alone(t)]
+        chunk: list[torch.Tensor] = []
         size = 0
-        for t in (t for t in tensors if t.dtype == dtype):
-            if t.nbytes >= alone_bytes and t.is_contiguous():
-                chunks.append([t])  # in place: no buffer
-                continue
-            if not chunks or len(chunks[-1]) == 1 and chunks[-1][0].nbytes >= alone_bytes \
-                    or chunks[-1][0].dtype != dtype or size + t.nbytes > chunk_bytes:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(t)
+        for t in (t for t in same if not alone(t)):
+            if chunk and size + t.nbytes > chunk_bytes:
+                chunks.append(chunk)
+                chunk, size = [], 0
+            chunk.append(t)
             size += t.nbytes
+        if chunk:
+            chunks.append(chunk)
     with torch.no_grad():
         for chunk in chunks:
             if len(chunk) == 1 and chunk[0].is_contiguous():
