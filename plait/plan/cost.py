@@ -40,28 +40,31 @@ slowed by concurrent communication, allocator fragmentation and framework worksp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from plait.errors import ConfigError
 from plait.plan.buckets import DEFAULT_BUCKET_BYTES, bucket_summary
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.layer_times import (
-    flush_times, hold, latency_count, latency_terms, layer_times, pipeline_lower_bound, recomputed_memory,
+    fill_share, flush_times, hold, latency_count, latency_terms, layer_times, pipeline_lower_bound, recomputed_memory,
 )
 from plait.plan.memory import StateBytes, state_bytes, state_totals
-from plait.plan.network import Link, Network, all_reduce, broadcast, point_to_point
-from plait.plan.partition import PartitionProblem
+from plait.plan.network import Link, Network, all_reduce, broadcast, messages_time, point_to_point
+from plait.plan.partition import PartitionProblem, cuts_allowed
 from plait.plan.recompute_pieces import piece_terms
 from plait.plan.setting import Setting, microbatch_rows, peak_activations
 from plait.schedule.steptime import compile_schedule, time_step
 
 __all__ = ["Setting", "Cluster", "StageCost", "Prediction", "microbatch_rows", "handover_busy", "handover_term",
-           "summed_in", "peak_activations", "partition_problem", "pipeline_lower_bound", "predict"]
+           "summed_in", "peak_activations", "partition_problem", "pipeline_lower_bound", "step_lower_bound",
+           "predict"]
 
 CLOSING_BYTES = 64.0  # the step's loss and metric sums (and non-finite flags): a few float64s
 
@@ -174,10 +177,30 @@ def _boundary_links(setting: Setting, network: Network) -> list[Link]:
 def _cut_times(costs: LayerCosts, setting: Setting, network: Network, rows: int) -> list[float]:
     """Hand-over time of a cut after each layer, for the partition: it does not know which
     boundary a cut becomes, so every cut is priced on the slowest boundary link."""
-    links = _boundary_links(setting, network) or [network.intra]
-    slowest = min(links, key=lambda link: (link.bandwidth, -link.latency_s))
+    slowest = _slowest_boundary(setting, network)
     return [point_to_point(costs.output_row_bytes[k] * rows, slowest)
             for k in range(costs.num_layers - 1)]
+
+
+def _slowest_boundary(setting: Setting, network: Network) -> Link:
+    links = _boundary_links(setting, network) or [network.intra]
+    return min(links, key=lambda link: (link.bandwidth, -link.latency_s))
+
+
+@functools.lru_cache(maxsize=64)
+def _cut_bytes(output_row_bytes: tuple[float, ...], uncuttable: tuple[tuple[int, int], ...]
+               ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.intp]]:
+    """Prefix sums of the allowed cuts' bytes per row (after layer k: its output), fewest first, and of how many are messages
+    (more than 0 bytes): the cheapest k cuts' bytes and message count in two lookups."""
+    allowed = cuts_allowed(len(output_row_bytes), uncuttable)
+    sizes = np.sort(np.asarray([b for b, ok in zip(output_row_bytes[:-1], allowed) if ok], dtype=np.float64))
+    return (np.concatenate(([0.0], np.cumsum(sizes))),
+            np.concatenate(([0], np.cumsum(sizes > 0))).astype(np.intp))
+
+
+@functools.lru_cache(maxsize=64)
+def _closing(network: Network, world_size: int) -> float:
+    return all_reduce(CLOSING_BYTES, world_size, network.reduce_link(range(world_size)))
 
 
 def handover_busy(num_chunks: int, handover_cpu_s: float) -> list[float]:
@@ -193,7 +216,7 @@ def handover_term(setting: Setting, handover_cpu_s: float) -> float:
     if not handover_cpu_s or setting.num_chunks < 2:
         return 0.0
     busy = [2 * x for x in handover_busy(setting.num_chunks, handover_cpu_s)]
-    share = 1 / setting.num_virtual_stages if setting.schedule == "interleaved" else 1.0
+    share = fill_share(setting)
     count = latency_count(setting)
     return share * sum(busy) + count * max(busy)
 
@@ -205,16 +228,19 @@ def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, glo
     exactly simulate's step for uniform stages, and for GPipe whenever B/F is the same on
     every stage). ZB-H1 (W split off), m >= p: fill F + B - W per stage plus 2W on the last,
     the paper's m(F+B+W) + (p-1)(F+B-W) for uniform stages; m < p: t = F + B and one W more,
-    (m + p - 1)(F + B) + W. Interleaved (v chunks per rank): the chunks' fill and cuts count
-    1/v and the bottleneck m v - 1 times, Megatron's (m + (p-1)/v) t for uniform chunks; each
-    chunk must fit in 1/v of the device, a sufficient condition for the rank. Batched weight
+    (m + p - 1)(F + B) + W. Interleaved (v chunks per rank), m >= p: the chunks' fill counts
+    1/v and the bottleneck m v - 1 times, Megatron's (m + (p-1)/v) t for uniform chunks; m < p:
+    a plain pipeline of its p v chunks (`layer_times._modes`). Every cut counts whole: a
+    micro-batch crosses all p v - 1 of them in turn (simulate's step for uniform chunks, both
+    ways, within 17% for hand-overs up to a tenth of a chunk's time; Megatron's 1/v of them was
+    up to 64% off). Each chunk must fit in 1/v of the device, a sufficient condition for the rank. Batched weight
     gradients: t = F + B + W(m rows)/m, and W(m rows)/m more on the last stage (`_terms`); every
     micro-batch held (`DEFERRED_HOLD`).
     """
     rows = microbatch_rows(global_batch, setting.dp, setting.num_microbatches)
     time, fill, last_fill, count = latency_terms(costs, setting, rows)
     v = setting.num_virtual_stages
-    cuts = [2 * c / v for c in _cut_times(costs, setting, cluster.network, rows)]
+    cuts = [2 * c for c in _cut_times(costs, setting, cluster.network, rows)]
     state = state_totals(costs.param_bytes, costs.grad_bytes, cluster.optimizer_state_factor, setting.dp, setting.zero)
     act = [a * rows for a in costs.activation_row_bytes]
     entry = [costs.input_row_bytes * rows] + [o * rows for o in costs.output_row_bytes[:-1]]
@@ -231,6 +257,24 @@ def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, glo
         memory_limit=cluster.memory_bytes / v, uncuttable=costs.uncuttable, names=costs.names,
         piece_once=piece_once, piece_entry=piece_entry,
     )
+
+
+def step_lower_bound(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int) -> float:
+    """A bound no layout of `setting` beats in `predict`'s closed form, for the search's branch
+    and bound: `pipeline_lower_bound` with the cheapest num_chunks - 1 cuts (every layout pays
+    that many), the hand-overs' CPU time, the closing all-reduce, and the optimizer step of the
+    average rank (the slowest steps at least that). The gradient sum and the ZeRO broadcasts,
+    which may hide behind the pipeline or not, are left out."""
+    rows = microbatch_rows(global_batch, setting.dp, setting.num_microbatches)
+    nbytes, messages = _cut_bytes(costs.output_row_bytes, costs.uncuttable)
+    cheapest = min(setting.num_chunks - 1, len(nbytes) - 1)
+    cut_floor = 2 * messages_time(int(messages[cheapest]), float(nbytes[cheapest]) * rows,
+                                  _slowest_boundary(setting, cluster.network))
+    closing = _closing(cluster.network, setting.pp * setting.dp)
+    stepped = sum(costs.optimizer_s) / setting.pp / (setting.dp if setting.zero else 1)
+    bound = (pipeline_lower_bound(costs, setting, global_batch) + cut_floor
+             + handover_term(setting, cluster.network.handover_cpu_s) + closing + stepped)
+    return bound * (1 - 1e-9)  # sums in another order than predict's: a little below, never above
 
 
 def _stages(costs: LayerCosts, setting: Setting, cluster: Cluster, rows: int,

@@ -13,8 +13,8 @@ from functools import lru_cache
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.setting import Setting, microbatch_rows
 
-__all__ = ["DEFERRED_HOLD", "layer_times", "flush_times", "latency_terms", "latency_count", "recomputed_memory", "hold",
-           "pipeline_lower_bound"]
+__all__ = ["DEFERRED_HOLD", "layer_times", "flush_times", "latency_terms", "latency_count", "fill_share",
+           "recomputed_memory", "hold", "pipeline_lower_bound"]
 
 # batch_weight_grads keeps each linear's input and output gradient of every micro-batch until the
 # step's end: the inputs are among the activations, the output gradients counted as as many again.
@@ -63,14 +63,24 @@ def flush_times(costs: LayerCosts, setting: Setting, rows: int) -> list[float]:
 
 def _modes(setting: Setting) -> tuple[str, str]:
     """How `setting` runs a layer's backward (`_times`), and which closed form times it (`_terms`).
-    Batched weight gradients: no W per micro-batch, so ZB-H1 times as 1F1B."""
+    Batched weight gradients: no W per micro-batch, so ZB-H1 times as 1F1B. Interleaved with
+    fewer micro-batches than ranks times as a plain pipeline of all its chunks: a micro-batch
+    passes every chunk in turn before the next can fill it, (p v + m - 1) chunk times for
+    uniform chunks against Megatron's (m v + p - 1) once m >= p (the schedule's simulation
+    gives the larger of the two)."""
+    interleaved = setting.schedule == "interleaved" and setting.num_microbatches >= setting.pp
     if setting.batch_weight_grads:
         mode = "deferred-recompute" if setting.recompute else "deferred"
-        return mode, "interleaved" if setting.schedule == "interleaved" else "plain"
+        return mode, "interleaved" if interleaved else "plain"
     mode = "recompute" if setting.recompute else ("split" if setting.schedule == "zbh1" else "whole")
     if mode == "split":
         return mode, "zbh1" if setting.num_microbatches >= setting.pp else "zbh1-few"
-    return mode, "interleaved" if setting.schedule == "interleaved" else "plain"
+    return mode, "interleaved" if interleaved else "plain"
+
+
+def fill_share(setting: Setting) -> float:
+    """The share of each chunk's time its fill counts: 1/v where the closed form is Megatron's."""
+    return 1 / setting.num_virtual_stages if _modes(setting)[1] == "interleaved" else 1.0
 
 
 def layer_times(costs: LayerCosts, setting: Setting, rows: int) -> tuple[list[float], list[float], list[float]]:

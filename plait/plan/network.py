@@ -24,6 +24,7 @@ __all__ = [
     "Link",
     "Network",
     "point_to_point",
+    "messages_time",
     "all_reduce",
     "all_gather",
     "reduce_scatter",
@@ -113,6 +114,11 @@ class Network:
 def point_to_point(nbytes: float, link: Link) -> float:
     """One message of `nbytes` (0 bytes: no message, no time)."""
     return 0.0 if nbytes <= 0 else link.latency_s + nbytes / link.bandwidth
+
+
+def messages_time(count: int, nbytes: float, link: Link) -> float:
+    """`count` messages of `nbytes` in all, one after another: `point_to_point` of each, summed."""
+    return count * link.latency_s + nbytes / link.bandwidth
 
 
 def all_reduce(nbytes: float, num_devices: int, link: Link) -> float:

@@ -24,11 +24,12 @@ from typing import Any
 from plait.config import SEARCH_ORDER
 from plait.errors import ConfigError
 from plait.plan.cost import (
-    Cluster, Prediction, Setting, partition_problem, pipeline_lower_bound, predict,
+    Cluster, Prediction, Setting, partition_problem, predict, step_lower_bound,
 )
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.memory import ZERO_LEVELS, check_zero
-from plait.plan.partition import PartitionResult, solve_partition
+from plait.plan.partition import Infeasible
+from plait.plan.solved import SolvedPartitions
 
 __all__ = ["SearchSpace", "Candidate", "search", "format_table"]
 
@@ -145,26 +146,26 @@ def _settings(costs: LayerCosts, world_size: int, global_batch: int, space: Sear
     return out
 
 
-# Partitions found, by setting (at zero 0) and memory per layer: a layout, or (why not, least memory).
-Solved = dict[tuple[Setting, tuple[float, ...]], PartitionResult | tuple[str, float]]
+def _loosest(setting: Setting, space: SearchSpace) -> Setting:
+    """The sibling of `setting` whose partition needs the least memory with the same objective:
+    1F1B's held micro-batches for GPipe's (one closed form), ZeRO's highest level searched."""
+    schedule = "1f1b" if setting.schedule == "gpipe" and "1f1b" in space.schedules else setting.schedule
+    return replace(setting, schedule=schedule, zero=max(space.zero_levels(setting.dp)))
 
 
 def _evaluate(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int,
-              solved: Solved) -> Candidate:
-    """`setting`'s optimal layout, priced. ZeRO changes only the memory of the partition, and
-    levels 1 and 2 need the same: `solved` keeps each partition by its setting and memory."""
+              solved: SolvedPartitions, space: SearchSpace) -> Candidate:
+    """`setting`'s optimal layout, priced. Settings that differ only in memory (ZeRO levels,
+    GPipe and 1F1B) share their partition where the loosest one's layout fits (`plait.plan.solved`)."""
     problem = partition_problem(costs, setting, cluster, global_batch)
-    key = (replace(setting, zero=0), tuple(problem.fixed))
-    if key not in solved:
-        found = solve_partition(problem)
-        # Interleaved chunks each get 1/v of the device: their rank needs v times a chunk's.
-        solved[key] = found if isinstance(found, PartitionResult) else (
-            found.reason, found.least_memory * setting.num_virtual_stages)
-    result = solved[key]
-    if isinstance(result, tuple):
-        return Candidate(setting, False, result[0], needed_memory_bytes=result[1], layer_names=costs.names)
-    pred = predict(costs, setting, cluster, global_batch, result.layers_per_stage, simulate=False)
-    return Candidate(setting, True, "", result.layers_per_stage, pred, pred.step_time_s,
+    loosest = _loosest(setting, space)
+    found = solved.solve(problem, partition_problem(costs, loosest, cluster, global_batch)
+                         if loosest != setting else None)
+    if isinstance(found, Infeasible):  # interleaved chunks each get 1/v of the device: v times a chunk's
+        return Candidate(setting, False, found.reason, needed_memory_bytes=found.least_memory
+                         * setting.num_virtual_stages, layer_names=costs.names)
+    pred = predict(costs, setting, cluster, global_batch, found.layers_per_stage, simulate=False)
+    return Candidate(setting, True, "", found.layers_per_stage, pred, pred.step_time_s,
                      layer_names=costs.names)
 
 
@@ -184,14 +185,14 @@ def search(costs: LayerCosts, world_size: int, global_batch: int, cluster: Clust
             f"{space.num_microbatches}, schedules {space.schedules}, zero {space.zero}; zero 1 "
             "and 2 need dp > 1); widen the search space"
         )
-    bounds = sorted((pipeline_lower_bound(costs, s, global_batch), i) for i, s in enumerate(settings))
+    bounds = sorted((step_lower_bound(costs, s, cluster, global_batch), i) for i, s in enumerate(settings))
     feasible: list[Candidate] = []
     infeasible: list[Candidate] = []
-    solved: Solved = {}
+    solved = SolvedPartitions()
     for bound, i in bounds:
         if len(feasible) >= space.keep and bound >= feasible[space.keep - 1].closed_form_s:
             break  # sorted by bound: nothing left can enter the table
-        candidate = _evaluate(costs, settings[i], cluster, global_batch, solved)
+        candidate = _evaluate(costs, settings[i], cluster, global_batch, solved, space)
         (feasible if candidate.feasible else infeasible).append(candidate)
         feasible.sort(key=lambda c: _rank(c.closed_form_s, c))
     if space.zero is None and feasible:  # ZeRO where memory needs it: the lowest level that fits

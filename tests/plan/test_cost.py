@@ -11,7 +11,7 @@ import pytest
 from plait.errors import ConfigError, PartitionError
 from plait.plan.cost import (
     Cluster, Setting, handover_busy, handover_term, microbatch_rows, partition_problem, peak_activations,
-    pipeline_lower_bound, predict,
+    pipeline_lower_bound, predict, step_lower_bound,
 )
 from plait.plan.network import Link, Network
 from plait.plan.partition import optimal_partition
@@ -39,11 +39,12 @@ def test_peak_activations_are_the_programs(schedule: str, p: int, m: int) -> Non
 @pytest.mark.parametrize("schedule, p, m", [
     ("gpipe", 3, 1), ("gpipe", 4, 6), ("1f1b", 2, 5), ("1f1b", 4, 4), ("1f1b", 3, 7),
     ("zbh1", 3, 3), ("zbh1", 4, 9), ("zbh1", 4, 2), ("zbh1", 6, 1), ("interleaved", 2, 4),
-    ("interleaved", 3, 6),
+    ("interleaved", 3, 6), ("interleaved", 2, 3), ("interleaved", 4, 2), ("interleaved", 8, 1),
 ])
 def test_closed_form_is_simulates_step_for_uniform_stages(schedule: str, p: int, m: int) -> None:
     # one layer per stage, every layer alike, free hand-overs: the closed form the partition
-    # minimises is exactly the simulated step (interleaved: m a multiple of p)
+    # minimises is exactly the simulated step (interleaved with m < p: a plain pipeline of its
+    # p v chunks, 2x Megatron's (m + (p-1)/v) t at p = 8, m = 1)
     v = 2 if schedule == "interleaved" else 1
     costs = layer_costs(p * v, forward=2.0, backward=3.0, weight=1.0)
     setting = Setting(p, 1, m, schedule, v)
@@ -56,6 +57,22 @@ def test_closed_form_is_simulates_step_for_uniform_stages(schedule: str, p: int,
                    num_virtual_stages=v)
     assert best.objective == pytest.approx(sim.step_time)
     assert predict(costs, setting, cluster, m, best.layers_per_stage).pipeline_s == pytest.approx(sim.step_time)
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_interleaved_pays_every_hand_over_whole(m: int) -> None:
+    # p = 4 ranks, v = 2 chunks each, hand-overs of 0.5 s each way beside chunks of 3 s: a
+    # micro-batch crosses all 7 cuts in turn, in the fill and in the steady state alike, so
+    # the closed form counts 2 x 0.5 per cut, not 1/v of it (34.0, 40.0, 64.0 simulated;
+    # Megatron's 1/v gives 3.5 s less)
+    costs = layer_costs(8, forward=1.0, backward=2.0, output=5e5)
+    net = Network(Link(0.0, 1e6), Link(0.0, 1e6), 1)  # 0.5 MB per row -> 0.5 s per hand-over
+    setting = Setting(4, 1, m, "interleaved", 2)
+    cluster = Cluster(net, math.inf)
+    sim = simulate("interleaved", 4, m, 2.0, 4.0, t_comm=0.5, num_virtual_stages=2)  # a rank's F, B
+    assert predict(costs, setting, cluster, m, (1,) * 8).pipeline_s == pytest.approx(sim.step_time)
+    closed = predict(costs, setting, cluster, m, (1,) * 8, simulate=False)
+    assert closed.pipeline_s == pytest.approx(sim.step_time)
 
 
 def test_gpipe_closed_form_counts_hand_overs_both_ways() -> None:
@@ -200,6 +217,33 @@ def test_lower_bound_never_exceeds_a_layout() -> None:
                           batch_weight_grads=rng.random() < 0.4)
         best = optimal_partition(partition_problem(costs, setting, Cluster(FREE, math.inf), 12))
         assert pipeline_lower_bound(costs, setting, 12) <= best.objective + 1e-9
+
+
+def test_the_search_bound_never_exceeds_a_layouts_closed_form() -> None:
+    # hand-overs, a busy CPU, replicas, ZeRO and uncuttable regions: the bound the search
+    # prunes with stays below the closed form of the best layout and of any other one
+    import random
+
+    rng = random.Random(1)
+    net = Network(Link(0.5, 20.0), Link(2.0, 5.0), 2, handover_cpu_s=0.25)
+    for _ in range(200):
+        costs = random_costs(rng, rng.randint(3, 8))
+        if rng.random() < 0.3:
+            costs = replace(costs, uncuttable=((0, 1),))
+        p = rng.randint(1, (costs.num_layers - 1) // 2 if costs.num_layers >= 5 else 1)
+        name = rng.choice(["gpipe", "1f1b", "zbh1", "interleaved"] if p > 1 else ["1f1b"])
+        v = 2 if name == "interleaved" else 1
+        dp = rng.choice([1, 2, 3])
+        setting = Setting(p, dp, rng.randint(1, 6), name, v, rng.random() < 0.3,
+                          zero=rng.choice([0, 1, 2]) if dp > 1 else 0,
+                          batch_weight_grads=rng.random() < 0.3)
+        cluster = Cluster(net, math.inf)
+        bound = step_lower_bound(costs, setting, cluster, 12)
+        best = optimal_partition(partition_problem(costs, setting, cluster, 12))
+        closed = predict(costs, setting, cluster, 12, best.layers_per_stage, simulate=False)
+        assert bound <= closed.step_time_s
+        if p * dp > 1:  # the closing all-reduce at least
+            assert bound > pipeline_lower_bound(costs, setting, 12)
 
 
 def test_rows_and_settings() -> None:
