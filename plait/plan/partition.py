@@ -384,7 +384,7 @@ class _Tables:
         bounded = self.time <= t_max
         for s in range(p.num_chunks):
             fill = self.fill + self.last_fill if s == p.num_chunks - 1 else self.fill
-            cand = np.where(self.fits[s] & bounded, best[:, None] + fill + self.cut, inf)
+            cand = np.where(self.fits[s] & bounded, best[:, None] + (fill + self.cut), inf)
             arg = cand.argmin(axis=0)
             best = cand[arg, columns]
             choices.append(arg)

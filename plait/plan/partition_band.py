@@ -20,7 +20,7 @@ A stage's pass is one (window x band) block of numpy operations: row k, column i
 [i - k, i), rows ordered by start; the ranges' own terms are built once per program.
 
 Each pair (j, i) is priced with the same float operations, from the same prefix sums, as the
-dense tables, and ties go to the smallest start as there: within the band both give the same
+dense tables (a start's best + (fill + cut)), and ties go to the smallest start as there: within the band both give the same
 values and the same layout. A 7,500-layer model of identical blocks on 2,500 stages has a band
 a few cuts wide and a window of a few layers.
 
@@ -182,6 +182,7 @@ class BandedTables:
         inf = math.inf
         terms = _Terms(self, t_max, memory_limit, score, window)
         whole = terms.block(window, 1, 0, n, set(p.held)) if window * (n + 1) <= _WHOLE else None
+        combined: dict[tuple[float, bool], Floats] = {}  # a whole program's own terms, per held and last
         prev, cur = np.full(n + 1 + window, inf), np.full(n + 1 + window, inf)  # two rows, in turn
         prev[window] = 0.0
         columns = np.arange(n + 1)
@@ -194,23 +195,17 @@ class BandedTables:
             choice = None  # layers of the stage ending at i: it starts at i - k
             k_hi = min(window, hi - bands[s - 1][0])  # the most layers from a start in the band
             rows = window if whole is not None else max(1, _BLOCK // width)
-            names = (("fill_last" if last else "fill", "cut") if score == "sum"
-                     else ("max",) if score == "max" else (f"memory{held}",)) + (f"bad{held}",)
+            if whole is not None and (held, last) not in combined:
+                combined[held, last] = _own(whole, score, held, last)
             while k_hi >= 1:  # blocks of rows k_hi .. k_lo: starts ascending
                 k_lo = max(1, k_hi - rows + 1)
                 if whole is not None:
-                    own = [whole[name][window - k_hi:, lo: hi + 1] for name in names]
+                    own = combined[held, last][window - k_hi:, lo: hi + 1]
                 else:
-                    block = terms.block(k_hi, k_lo, lo, hi, {held})
-                    own = [block[name] for name in names]
+                    own = _own(terms.block(k_hi, k_lo, lo, hi, {held}), score, held, last)
                 start = np.ndarray((k_hi - k_lo + 1, width), np.float64, prev,
                                    8 * (window + lo - k_hi), (8, 8))  # prev at each range's start
-                if score == "sum":
-                    value = start + own[0]
-                    value += own[1]
-                else:
-                    value = np.maximum(start, own[0])
-                np.copyto(value, inf, where=own[-1])
+                value = start + own if score == "sum" else np.maximum(start, own)
                 row = _first_minimum(value)
                 lowest = value[row, columns[:width]]
                 if best is None or choice is None:
@@ -383,6 +378,17 @@ class BandedTables:
                 found = self._sweep(math.inf, math.inf, "memory")
             self._least = (math.inf, []) if found is None else found
         return self._least
+
+
+def _own(terms: dict[str, npt.NDArray[Any]], score: str, held: float, last: bool) -> Floats:
+    """A stage's own term per range for `score`, inf where the range may not be used: fill + cut
+    ("sum"; the last stage's fill), its time ("max") or its memory ("memory")."""
+    if score == "sum":
+        own = terms["fill_last" if last else "fill"] + terms["cut"]
+    else:
+        own = np.array(terms["max" if score == "max" else f"memory{held}"], dtype=np.float64)
+    np.copyto(own, math.inf, where=terms[f"bad{held}"])
+    return own
 
 
 class _Terms:
