@@ -53,17 +53,24 @@ _BLOCK = 1 << 20  # cells of one (rows x band) block of a stage's pass: bounds i
 _WHOLE = 1 << 22  # up to this many (window x ends) cells a program's terms are built once
 
 
-def _first_minimum(value: Floats) -> Ints:
-    """Per column, the first row holding its minimum (numpy's argmin, faster for a few rows)."""
-    if value.shape[0] > 3:
-        return np.asarray(value.argmin(axis=0), dtype=np.intp)
+def _first_minimum(value: Floats) -> tuple[Ints, Floats]:
+    """Per column, the first row holding its minimum, and the minimum (numpy's argmin along
+    rows copies the block column by column: for wide blocks the minimum, then the first row
+    equal to it, is faster)."""
+    rows, width = value.shape
+    if rows > 3 and width < 128:
+        row = np.asarray(value.argmin(axis=0), dtype=np.intp)
+        return row, value[row, np.arange(width)]
     least = value.min(axis=0)
-    row = np.zeros(value.shape[1], dtype=np.intp)
+    if rows > 3:  # the highest weight (rows - r) among the rows equal to the minimum: the first
+        weight = np.arange(rows, 0, -1, dtype=np.int16 if rows < 2**15 else np.int32)[:, None]
+        return np.asarray(rows - ((value == least) * weight).max(axis=0), dtype=np.intp), least
+    row = np.zeros(width, dtype=np.intp)
     seen = value[0] == least
-    for r in range(1, value.shape[0]):
+    for r in range(1, rows):
         row += ~seen
         seen |= value[r] == least
-    return row
+    return row, least
 
 
 def _prefix(values: Sequence[float], n: int) -> Floats:
@@ -185,7 +192,6 @@ class BandedTables:
         combined: dict[tuple[float, bool], Floats] = {}  # a whole program's own terms, per held and last
         prev, cur = np.full(n + 1 + window, inf), np.full(n + 1 + window, inf)  # two rows, in turn
         prev[window] = 0.0
-        columns = np.arange(n + 1)
         choices: Choices = []
         for s in range(1, stages + 1):
             lo, hi = bands[s]
@@ -206,8 +212,7 @@ class BandedTables:
                 start = np.ndarray((k_hi - k_lo + 1, width), np.float64, prev,
                                    8 * (window + lo - k_hi), (8, 8))  # prev at each range's start
                 value = start + own if score == "sum" else np.maximum(start, own)
-                row = _first_minimum(value)
-                lowest = value[row, columns[:width]]
+                row, lowest = _first_minimum(value)
                 if best is None or choice is None:
                     best, choice = lowest, np.asarray(k_hi - row, dtype=np.intp)
                 else:  # a later block holds later starts: equal values keep the earlier
