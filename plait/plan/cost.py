@@ -231,9 +231,8 @@ def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, glo
     (m + p - 1)(F + B) + W. Interleaved (v chunks per rank), m >= p: the chunks' fill counts
     1/v and the bottleneck m v - 1 times, Megatron's (m + (p-1)/v) t for uniform chunks; m < p:
     a plain pipeline of its p v chunks (`layer_times._modes`). Every cut counts whole: a
-    micro-batch crosses all p v - 1 of them in turn (simulate's step for uniform chunks, both
-    ways, within 17% for hand-overs up to a tenth of a chunk's time; Megatron's 1/v of them was
-    up to 64% off). Each chunk must fit in 1/v of the device, a sufficient condition for the rank. Batched weight
+    micro-batch crosses all p v - 1 of them in turn (within 17% of simulate's step for uniform
+    chunks and hand-overs up to a fifth of a chunk; exact without hand-overs). Each chunk must fit in 1/v of the device, a sufficient condition for the rank. Batched weight
     gradients: t = F + B + W(m rows)/m, and W(m rows)/m more on the last stage (`_terms`); every
     micro-batch held (`DEFERRED_HOLD`).
     """
