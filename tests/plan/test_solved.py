@@ -27,6 +27,19 @@ def problem(rng: random.Random, n: int, stages: int, limit: float) -> PartitionP
     )
 
 
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[PartitionProblem]:
+    """The problems `SolvedPartitions` hands to `solve_partition`, in order."""
+    seen: list[PartitionProblem] = []
+
+    def counted(p: PartitionProblem):  # type: ignore[no-untyped-def]
+        seen.append(p)
+        return solve_partition(p)
+
+    monkeypatch.setattr(solved_module, "solve_partition", counted)
+    return seen
+
+
 def test_looser_means_every_memory_term_as_small_and_a_limit_as_large() -> None:
     base = problem(random.Random(0), 6, 3, 60.0)
     smaller = replace(base, fixed=[x / 2 for x in base.fixed])
@@ -57,14 +70,7 @@ def test_a_looser_optimum_is_reused_only_where_it_fits_and_gives_the_same_t(seed
         assert math.isfinite(narrow.objective(got.layers_per_stage))
 
 
-def test_the_loosest_is_solved_once_for_a_family(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[PartitionProblem] = []
-
-    def counted(p: PartitionProblem):  # type: ignore[no-untyped-def]
-        calls.append(p)
-        return solve_partition(p)
-
-    monkeypatch.setattr(solved_module, "solve_partition", counted)
+def test_the_loosest_is_solved_once_for_a_family(calls: list[PartitionProblem]) -> None:
     base = problem(random.Random(3), 8, 3, math.inf)
     wide = replace(base, fixed=[0.0] * 8)
     shared = SolvedPartitions()
@@ -79,20 +85,14 @@ def test_the_loosest_is_solved_once_for_a_family(monkeypatch: pytest.MonkeyPatch
     assert calls[-1] is tight and found == solve_partition(tight)
 
 
-def test_the_search_solves_gpipe_and_1f1b_and_the_zero_levels_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[PartitionProblem] = []
-
-    def counted(p: PartitionProblem):  # type: ignore[no-untyped-def]
-        calls.append(p)
-        return solve_partition(p)
-
-    monkeypatch.setattr(solved_module, "solve_partition", counted)
+def test_the_search_solves_gpipe_and_1f1b_and_the_zero_levels_once(calls: list[PartitionProblem]) -> None:
     costs = layer_costs(6, forward=1.0, backward=2.0, params=10.0, activation=5.0)
     net = Network(Link(0.0, 1e30), Link(0.0, 1e30), 8)
     space = SearchSpace(pp=(2,), num_microbatches=(4,), schedules=("gpipe", "1f1b"), recompute=(False,),
                         batch_weight_grads=(False,), zero=(0, 1, 2), keep=20, simulate_top=0)
     found = search(costs, 4, 8, Cluster(net, math.inf), space)
-    assert len(found) == 1 or {c.setting.schedule for c in found} == {"gpipe", "1f1b"}
+    assert sorted((c.setting.schedule, c.setting.zero) for c in found) == [
+        (schedule, zero) for schedule in ("1f1b", "gpipe") for zero in (0, 1, 2)]
     assert len(calls) == 1  # six settings (2 schedules x 3 levels), one partition
     # where memory binds GPipe but not 1F1B's loosest layout, GPipe is solved itself, and each
     # setting's T is its own direct solve's
