@@ -389,7 +389,7 @@ def _own(terms: dict[str, npt.NDArray[Any]], score: str, held: float, last: bool
     """A stage's own term per range for `score`, inf where the range may not be used: fill + cut
     ("sum"; the last stage's fill), its time ("max") or its memory ("memory")."""
     if score == "sum":
-        own = terms["fill_last" if last else "fill"] + terms["cut"]
+        own: Floats = np.add(terms["fill_last" if last else "fill"], terms["cut"], dtype=np.float64)
     else:
         own = np.array(terms["max" if score == "max" else f"memory{held}"], dtype=np.float64)
     np.copyto(own, math.inf, where=terms[f"bad{held}"])
