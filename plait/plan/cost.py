@@ -190,8 +190,9 @@ def _slowest_boundary(setting: Setting, network: Network) -> Link:
 @functools.lru_cache(maxsize=64)
 def _cut_bytes(output_row_bytes: tuple[float, ...], uncuttable: tuple[tuple[int, int], ...]
                ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.intp]]:
-    """Prefix sums of the allowed cuts' bytes per row (after layer k: its output), fewest first, and of how many are messages
-    (more than 0 bytes): the cheapest k cuts' bytes and message count in two lookups."""
+    """Prefix sums of the allowed cuts' bytes per row (after layer k: its output), fewest first,
+    and of how many are messages (more than 0 bytes): the cheapest k cuts' bytes and message
+    count in two lookups."""
     allowed = cuts_allowed(len(output_row_bytes), uncuttable)
     sizes = np.sort(np.asarray([b for b, ok in zip(output_row_bytes[:-1], allowed) if ok], dtype=np.float64))
     return (np.concatenate(([0.0], np.cumsum(sizes))),
@@ -232,8 +233,9 @@ def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, glo
     1/v and the bottleneck m v - 1 times, Megatron's (m + (p-1)/v) t for uniform chunks; m < p:
     a plain pipeline of its p v chunks (`layer_times._modes`). Every cut counts whole: a
     micro-batch crosses all p v - 1 of them in turn (within 17% of simulate's step for uniform
-    chunks and hand-overs up to a fifth of a chunk; exact without hand-overs). Each chunk must fit in 1/v of the device, a sufficient condition for the rank. Batched weight
-    gradients: t = F + B + W(m rows)/m, and W(m rows)/m more on the last stage (`_terms`); every
+    chunks and hand-overs up to a fifth of a chunk; exact without hand-overs). Each chunk must
+    fit in 1/v of the device, a sufficient condition for the rank. Batched weight gradients:
+    t = F + B + W(m rows)/m, and W(m rows)/m more on the last stage (`_terms`); every
     micro-batch held (`DEFERRED_HOLD`).
     """
     rows = microbatch_rows(global_batch, setting.dp, setting.num_microbatches)

@@ -113,7 +113,7 @@ class Network:
 
 def point_to_point(nbytes: float, link: Link) -> float:
     """One message of `nbytes` (0 bytes: no message, no time)."""
-    return 0.0 if nbytes <= 0 else link.latency_s + nbytes / link.bandwidth
+    return 0.0 if nbytes <= 0 else messages_time(1, nbytes, link)
 
 
 def messages_time(count: int, nbytes: float, link: Link) -> float:

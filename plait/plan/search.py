@@ -159,7 +159,7 @@ def _evaluate(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batc
     GPipe and 1F1B) share their partition where the loosest one's layout fits (`plait.plan.solved`)."""
     problem = partition_problem(costs, setting, cluster, global_batch)
     loosest = _loosest(setting, space)
-    found = solved.solve(problem, partition_problem(costs, loosest, cluster, global_batch)
+    found = solved.solve(problem, (lambda: partition_problem(costs, loosest, cluster, global_batch))
                          if loosest != setting else None)
     if isinstance(found, Infeasible):  # interleaved chunks each get 1/v of the device: v times a chunk's
         return Candidate(setting, False, found.reason, needed_memory_bytes=found.least_memory

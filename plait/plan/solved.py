@@ -5,7 +5,7 @@ ZeRO levels change only the state bytes; at 7,500 layers each partition is secon
 problem's optimum under a looser memory bound (every layout that fits the tighter problem fits
 it, the same objective terms) is the tighter problem's optimum too whenever it fits there: its
 objective is the least over a superset. So the search solves a setting's loosest sibling
-(`SolvedPartitions.solve`'s `looser`) and solves the setting itself only where that layout does
+(`SolvedPartitions.solve`'s `loosest`) and solves the setting itself only where that layout does
 not fit. The layout reused is optimal with the same T to the last bit; among layouts of equal T
 it may be another than a direct solve would pick.
 """
@@ -13,7 +13,7 @@ it may be another than a direct solve would pick.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -63,9 +63,10 @@ class SolvedPartitions:
     def __init__(self) -> None:
         self._found: dict[tuple[Any, ...], list[tuple[PartitionProblem, Found]]] = {}
 
-    def solve(self, problem: PartitionProblem, loosest: PartitionProblem | None = None) -> Found:
+    def solve(self, problem: PartitionProblem,
+              loosest: Callable[[], PartitionProblem] | None = None) -> Found:
         """`solve_partition(problem)`, or the layout of a looser problem solved before (or of
-        `loosest`, solved now) where it fits `problem`."""
+        `loosest()`, built and solved only when neither is found) where it fits `problem`."""
         known = self._found.setdefault(_objective(problem), [])
         mine = _memory(problem)
         for other, found in known:
@@ -75,9 +76,10 @@ class SolvedPartitions:
             if self._reusable(other, found, problem):
                 known.append((problem, found))
                 return found
-        if loosest is not None and _memory(loosest) != mine and looser(loosest, problem):
-            found = self.solve(loosest)
-            if self._reusable(loosest, found, problem):
+        wide = loosest() if loosest is not None else None
+        if wide is not None and _memory(wide) != mine and looser(wide, problem):
+            found = self.solve(wide)
+            if self._reusable(wide, found, problem):
                 known.append((problem, found))
                 return found
         found = solve_partition(problem)
