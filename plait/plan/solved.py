@@ -46,7 +46,12 @@ def looser(wide: PartitionProblem, narrow: PartitionProblem) -> bool:
     objective, a memory limit as large, and every memory term as small, term by term and
     nonnegative (each stage's memory grows with each of them). Recomputing piece by piece is
     a lesser of two forms: only where `narrow` has it must `wide` have it too."""
-    if _objective(wide) != _objective(narrow) or wide.memory_limit < narrow.memory_limit:
+    return _objective(wide) == _objective(narrow) and _fits_within(wide, narrow)
+
+
+def _fits_within(wide: PartitionProblem, narrow: PartitionProblem) -> bool:
+    """`looser`'s memory half, for problems already known to share their objective."""
+    if wide.memory_limit < narrow.memory_limit:
         return False
     if len(narrow.piece_once) and not len(wide.piece_once):
         return False
@@ -61,7 +66,8 @@ class SolvedPartitions:
     one's layout fits the others."""
 
     def __init__(self) -> None:
-        self._found: dict[tuple[Any, ...], list[tuple[PartitionProblem, Found]]] = {}
+        # per objective: each problem solved or matched, its memory key, and its layout
+        self._found: dict[tuple[Any, ...], list[tuple[PartitionProblem, tuple[Any, ...], Found]]] = {}
 
     def solve(self, problem: PartitionProblem,
               loosest: Callable[[], PartitionProblem] | None = None) -> Found:
@@ -69,24 +75,25 @@ class SolvedPartitions:
         `loosest()`, built and solved only when neither is found) where it fits `problem`."""
         known = self._found.setdefault(_objective(problem), [])
         mine = _memory(problem)
-        for other, found in known:
-            if _memory(other) == mine:
+        for _, memory, found in known:
+            if memory == mine:
                 return found
-        for other, found in known:
+        for other, _, found in known:
             if self._reusable(other, found, problem):
-                known.append((problem, found))
+                known.append((problem, mine, found))
                 return found
         wide = loosest() if loosest is not None else None
         if wide is not None and _memory(wide) != mine and looser(wide, problem):
             found = self.solve(wide)
             if self._reusable(wide, found, problem):
-                known.append((problem, found))
+                known.append((problem, mine, found))
                 return found
         found = solve_partition(problem)
-        known.append((problem, found))
+        known.append((problem, mine, found))
         return found
 
     @staticmethod
     def _reusable(other: PartitionProblem, found: Found, problem: PartitionProblem) -> bool:
-        return (isinstance(found, PartitionResult) and looser(other, problem)
+        """`other`'s layout for `problem`, which shares its objective: looser and fitting."""
+        return (isinstance(found, PartitionResult) and _fits_within(other, problem)
                 and math.isfinite(problem.objective(found.layers_per_stage)))
