@@ -39,6 +39,9 @@ the plan's micro-batch rows), over the world, stretched by the plan's bubble:
 
     ideal_p = Tp / world * (m + (pp - 1) / v) / m      (world = pp x dp x tp; target plait / ideal_p <= 1.25)
 
+The verdict is on the ratio of the medians; the median of each round's own ratio (plait's step
+over the ideal_p of the Tp timed just before it) is printed beside it, as a check on drift.
+
     python benchmarks/pipeline_vs_torch.py [--rounds 40] [--schedules 1f1b,gpipe] [--batch 64]
                                            [--microbatches 8] [--width 512] [--layers 8] [--planned]
                                            [--steps-per-round 5]
@@ -332,8 +335,10 @@ def report_planned(plan: str, bubble: float, equal: bool, mine: list[float], one
     t, tp = statistics.median(mine) * 1e3, statistics.median(ones) * 1e3
     ideal = tp * bubble
     ok = t / ideal <= TARGET_IDEAL and equal
+    paired = statistics.median(m / (o * bubble) for m, o in zip(mine, ones))
     print(f"\nConfig() planned: {plan}\n  plait {t:.2f} ms (IQR {_iqr(mine):.1f}), one process through the "
-          f"same micro-batches Tp {tp:.2f} ms, ideal_p {ideal:.2f} ms, plait/ideal_p {t / ideal:.2f}")
+          f"same micro-batches Tp {tp:.2f} ms (IQR {_iqr(ones):.1f}), ideal_p {ideal:.2f} ms, plait/ideal_p "
+          f"{t / ideal:.2f} (paired: median of the rounds' own ratios {paired:.2f})")
     print(f"planned: {'PASS' if ok else 'FAIL'} (plait/ideal_p {t / ideal:.2f}, target <= {TARGET_IDEAL}; "
           f"parameters {'match' if equal else 'DO NOT match'})", flush=True)
     return ok

@@ -18,6 +18,9 @@ Multiplication Background User's Guide", 2023, chapters 2-3):
                   the Maximum Achievable Matmul FLOPS of Bekman's ML Engineering book), that
                   figure over this model's own quantization x k_fill at that shape -- so the
                   roofline gives the measured figure back at the measured shape
+    ceiling       such a benchmark reports the best rate over the shapes it scanned, so no GEMM
+                  is timed faster than `measured_flops` (the shape terms alone would put a
+                  large GEMM that quantizes better than the measured shape above it)
     epilogue      the output tile is stored after the main loop over K, not beside it (CUTLASS's
                   multistage kernels run their epilogue once the K loop ends), so writing C adds
                   to the time where reading A and B overlaps the FLOPs; it shows where C is large
@@ -89,9 +92,11 @@ def gemm_s(m: int, n: int, k: int, gpu: Gpu, batch: int = 1) -> float:
     """Seconds for `batch` GEMMs of (m x k) @ (k x n) on `gpu` (see the module)."""
     if min(m, n, k, batch) <= 0:
         return 0.0
-    compute = 2.0 * m * n * k * batch / (gpu.rate * quantization(m, n, batch, gpu.sms) * k / (k + PIPELINE_K))
+    flops = 2.0 * m * n * k * batch
+    compute = flops / (gpu.rate * quantization(m, n, batch, gpu.sms) * k / (k + PIPELINE_K))
     reads = (m * k + k * n) * batch * gpu.dtype_bytes / gpu.bandwidth
-    return max(compute, reads) + m * n * batch * gpu.dtype_bytes / gpu.bandwidth
+    roofline = max(compute, reads) + m * n * batch * gpu.dtype_bytes / gpu.bandwidth
+    return max(roofline, flops / gpu.measured_flops) if gpu.measured_flops > 0 else roofline
 
 
 def memory_s(nbytes: float, gpu: Gpu) -> float:

@@ -87,3 +87,20 @@ def test_a_measured_rate_replaces_the_peak_and_is_given_back_at_its_shape() -> N
         (gemm_s(4100, 4096, 4096, A100) - store) * 312e12 / measured.rate)
     # a measurement above what the shape terms allow never lifts the rate above the peak
     assert Gpu(312e12, 108, 2039e9, measured_flops=400e12, measured_shape=(4096, 4096, 4096)).rate == 312e12
+
+
+def test_no_gemm_runs_faster_than_the_best_measured_rate() -> None:
+    # the A100 preset's best matmul (271.2 TFLOP/s at 1024 x 10240 x 5120) is a scan's maximum;
+    # the 1T row's QKV GEMM on tp=8 (2048 x 9600 x 25600) quantizes better than the measured shape,
+    # and the shape terms alone would time it at ~282 TFLOP/s
+    measured = Gpu(312e12, 108, 2039e9, measured_flops=271.2e12, measured_shape=(1024, 10240, 5120),
+                   stream_bandwidth=1800e9)
+    m, n, k = 2048, 9600, 25600
+    uncapped = Gpu(measured.rate, 108, 2039e9, stream_bandwidth=1800e9)  # the same terms, no ceiling
+    assert 2 * m * n * k / gemm_s(m, n, k, uncapped) > 280e12
+    assert 2 * m * n * k / gemm_s(m, n, k, measured) == pytest.approx(271.2e12)
+    for shape in [(8192, 8192, 8192), (4096, 12288, 6144), (2048, 25600, 12800), (256 * 12, 128 * 9, 8192)]:
+        assert 2 * shape[0] * shape[1] * shape[2] / gemm_s(*shape, measured) <= 271.2e12 * (1 + 1e-12), shape
+    # at the measured shape the measured rate comes back, below it the shape's own terms rule
+    assert 2 * 1024 * 10240 * 5120 / gemm_s(1024, 10240, 5120, measured) == pytest.approx(271.2e12)
+    assert gemm_s(1000, 1000, 100, measured) == gemm_s(1000, 1000, 100, uncapped)
