@@ -21,8 +21,8 @@ A stage's pass is one (window x band) block of numpy operations: row k, column i
 
 Each pair (j, i) is priced with the same float operations, from the same prefix sums, as the
 dense tables (a start's best + (fill + cut)), and ties go to the smallest start as there: within
-the band both give the same values and the same layout. A 7,500-layer model of identical blocks on 2,500 stages has a band
-a few cuts wide and a window of a few layers.
+the band both give the same values and the same layout. A 7,500-layer model of identical blocks
+on 2,500 stages has a band a few cuts wide and a window of a few layers.
 
 The band is narrowed by memory as by time: a range's memory is at least its floor (no entry
 bytes, the fewest held micro-batches), a prefix difference. The min-max program is confined to

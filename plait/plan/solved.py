@@ -85,7 +85,7 @@ class SolvedPartitions:
         wide = loosest() if loosest is not None else None
         if wide is not None and _memory(wide) != mine and looser(wide, problem):
             found = self.solve(wide)
-            if self._reusable(wide, found, problem):
+            if _fits(found, problem):  # `looser` has compared the memory terms
                 known.append((problem, mine, found))
                 return found
         found = solve_partition(problem)
@@ -95,5 +95,9 @@ class SolvedPartitions:
     @staticmethod
     def _reusable(other: PartitionProblem, found: Found, problem: PartitionProblem) -> bool:
         """`other`'s layout for `problem`, which shares its objective: looser and fitting."""
-        return (isinstance(found, PartitionResult) and _fits_within(other, problem)
-                and math.isfinite(problem.objective(found.layers_per_stage)))
+        return _fits_within(other, problem) and _fits(found, problem)
+
+
+def _fits(found: Found, problem: PartitionProblem) -> bool:
+    """Whether `found` is a layout and fits `problem`'s memory (a finite objective)."""
+    return isinstance(found, PartitionResult) and math.isfinite(problem.objective(found.layers_per_stage))
