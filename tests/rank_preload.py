@@ -1,0 +1,33 @@
+"""What the fork server behind `tests.harness.run_ranks` imports once for every rank it starts.
+
+torch, plait and the Hugging Face model classes the tests build; a rank then imports only its
+test's module. Optional packages missing here are imported (and reported) by the test itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch  # noqa: F401
+import torch.distributed  # noqa: F401
+import torch.export  # noqa: F401
+
+import plait  # noqa: F401
+import plait.model  # noqa: F401
+import tests.architectures  # noqa: F401
+import tests.harness  # noqa: F401
+
+# transformers imports each model family on first use: the ones the tests build
+HF_CLASSES = ("GPT2LMHeadModel", "LlamaForCausalLM", "BertForMaskedLM", "BertForSequenceClassification",
+              "ViTForImageClassification", "GPTNeoForCausalLM", "OPTForCausalLM", "MistralForCausalLM",
+              "Qwen2ForCausalLM", "GemmaForCausalLM", "PhiForCausalLM", "MixtralForCausalLM",
+              "RobertaForMaskedLM", "DistilBertForMaskedLM", "AlbertForMaskedLM",
+              "T5ForConditionalGeneration", "BartForConditionalGeneration")
+
+try:
+    transformers = importlib.import_module("transformers")
+except ImportError:  # pragma: no cover - the dev extra has it
+    transformers = None
+if transformers is not None:
+    for name in HF_CLASSES:
+        getattr(transformers, name, None)
