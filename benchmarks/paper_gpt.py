@@ -43,7 +43,8 @@ class Gpt(nn.Module):
         super().__init__()
         import transformers
         config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=hidden, n_layer=layers,
-                                         n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                         n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         bos_token_id=0, eos_token_id=0)  # within the vocabulary
         self.net = transformers.GPT2LMHeadModel(config)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
