@@ -18,7 +18,7 @@ from torch import nn
 VOCAB, SEQ, ROWS = 64, 8, 16
 IMAGE = 8  # ViT: (B, 3, 8, 8) images in 4x4 patches
 
-__all__ = ["Arch", "ARCHITECTURES", "make", "VOCAB", "SEQ", "ROWS"]
+__all__ = ["Arch", "ARCHITECTURES", "MODEL_CLASSES", "make", "VOCAB", "SEQ", "ROWS"]
 
 
 @dataclass
@@ -101,6 +101,7 @@ _MASKED = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM", "distilbe
            "albert": "AlbertForMaskedLM"}
 _SEQ2SEQ = {"t5": "T5ForConditionalGeneration", "bart": "BartForConditionalGeneration"}
 ARCHITECTURES = [*_CAUSAL, *_MASKED, *_SEQ2SEQ, "vit"]
+MODEL_CLASSES = (*_CAUSAL.values(), *_MASKED.values(), *_SEQ2SEQ.values(), "ViTForImageClassification")
 
 
 def make(name: str) -> Arch:

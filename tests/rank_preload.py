@@ -6,28 +6,19 @@ test's module. Optional packages missing here are imported (and reported) by the
 
 from __future__ import annotations
 
-import importlib
-
 import torch  # noqa: F401
 import torch.distributed  # noqa: F401
 import torch.export  # noqa: F401
 
 import plait  # noqa: F401
 import plait.model  # noqa: F401
-import tests.architectures  # noqa: F401
 import tests.harness  # noqa: F401
-
-# transformers imports each model family on first use: the ones the tests build
-HF_CLASSES = ("GPT2LMHeadModel", "LlamaForCausalLM", "BertForMaskedLM", "BertForSequenceClassification",
-              "ViTForImageClassification", "GPTNeoForCausalLM", "OPTForCausalLM", "MistralForCausalLM",
-              "Qwen2ForCausalLM", "GemmaForCausalLM", "PhiForCausalLM", "MixtralForCausalLM",
-              "RobertaForMaskedLM", "DistilBertForMaskedLM", "AlbertForMaskedLM",
-              "T5ForConditionalGeneration", "BartForConditionalGeneration")
+from tests.architectures import MODEL_CLASSES
 
 try:
-    transformers = importlib.import_module("transformers")
+    import transformers
 except ImportError:  # pragma: no cover - the dev extra has it
     transformers = None
-if transformers is not None:
-    for name in HF_CLASSES:
+if transformers is not None:  # it imports each model family on first use: the ones the tests build
+    for name in (*MODEL_CLASSES, "BertForSequenceClassification"):  # the last: tests/test_real_models.py
         getattr(transformers, name, None)
