@@ -19,14 +19,16 @@ One step of a layout (pp stages x dp replicas, m micro-batches of `rows` rows ea
                pass starts, so they overlap that pass only, and the last bucket -- the first
                layers' gradients -- cannot start before the pass has ended
     closing    every rank's loss and metric sums, one small all-reduce over all ranks after
-               its gradients: the step's one point where every rank meets
+               its gradients: the step's one point where every rank meets. Not in a pipeline
+               of one rank per stage (dp = 1): there the sums ride on the stages' own messages
+               (`plait.runtime.riding_sums`), and each rank goes on to its optimizer step alone
     optimizer  the rank's optimizer step, after the closing all-reduce; with ZeRO (1 or 2)
                each replica steps 1/dp of its stage's parameters, then the owners broadcast
                them (`by_owner` of the trainable parameters' bytes), not overlapped
 
 step = max over ranks of max(pipeline end, last gradient pass start + gradient sum, pipeline
 end + the last bucket's) (pipeline end + gradient sum where the cluster does not overlap them), + closing all-reduce, + the slowest rank's optimizer step (and
-ZeRO's broadcasts). Memory of a rank = parameters + gradients + optimizer state
+ZeRO's broadcasts); with dp = 1, max over ranks of the rank's pipeline end + its optimizer step. Memory of a rank = parameters + gradients + optimizer state
 (`plait.plan.memory`: ZeRO's shares) + the activations of the micro-batches the schedule makes
 it hold at once (its peak); recomputation keeps only each held micro-batch's stage input, plus
 one micro-batch's activations while it is recomputed -- or, recomputed layer by layer
@@ -81,6 +83,8 @@ class Cluster:
     owner_reduces: ZeRO-2 reduces each bucket to its owners (False: all-reduces it, as the runtime
     does on gloo; `plait.plan.buckets.reduces_to_owners`). recompute_by_layer: a recomputed stage
     may recompute layer by layer where that needs less memory (False: `Config(recompute_by_layer=False)`).
+    ride_sums: in a pipeline of one rank per stage (dp = 1) the step's loss sums ride on the
+    stages' messages, no all-reduce (False: lanes of tp ranks, whose sums take the all-reduce).
     """
 
     network: Network
@@ -90,6 +94,7 @@ class Cluster:
     overlap_gradients: bool = True
     owner_reduces: bool = True
     recompute_by_layer: bool = True
+    ride_sums: bool = True
 
     def __post_init__(self) -> None:
         if not self.memory_bytes > 0:
@@ -199,6 +204,12 @@ def _cut_bytes(output_row_bytes: tuple[float, ...], uncuttable: tuple[tuple[int,
             np.concatenate(([0], np.cumsum(sizes > 0))).astype(np.intp))
 
 
+def riding(setting: Setting, cluster: Cluster) -> bool:
+    """Whether the step's loss sums ride on the pipeline's messages instead of an all-reduce:
+    one rank per stage (`plait.runtime.step.rides`)."""
+    return cluster.ride_sums and setting.dp == 1 and setting.pp > 1
+
+
 @functools.lru_cache(maxsize=64)
 def _closing(network: Network, world_size: int) -> float:
     return all_reduce(CLOSING_BYTES, world_size, network.reduce_link(range(world_size)))
@@ -271,8 +282,11 @@ def step_lower_bound(costs: LayerCosts, setting: Setting, cluster: Cluster, glob
     cheapest = min(setting.num_chunks - 1, len(nbytes) - 1)
     cut_floor = 2 * messages_time(int(messages[cheapest]), float(nbytes[cheapest]) * rows,
                                   _slowest_boundary(setting, cluster.network))
-    closing = _closing(cluster.network, setting.pp * setting.dp)
-    stepped = sum(costs.optimizer_s) / setting.pp / (setting.dp if setting.zero else 1)
+    if riding(setting, cluster):  # no meeting, and the rank that ends last may step little
+        closing, stepped = 0.0, 0.0
+    else:
+        closing = _closing(cluster.network, setting.pp * setting.dp)
+        stepped = sum(costs.optimizer_s) / setting.pp / (setting.dp if setting.zero else 1)
     bound = (pipeline_lower_bound(costs, setting, global_batch) + cut_floor
              + handover_term(setting, cluster.network.handover_cpu_s) + closing + stepped)
     return bound * (1 - 1e-9)  # sums in another order than predict's: a little below, never above
@@ -388,11 +402,15 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
             reach.append(max(ends[r], grad_starts[r] + summed[r], ends[r] + tail))
         else:
             reach.append(ends[r] + summed[r])
-    world = range(setting.pp * dp)
-    closing = all_reduce(CLOSING_BYTES, len(world), cluster.network.reduce_link(world))
+    if riding(setting, cluster):  # each rank steps its optimizer when its own part is done
+        closing, step = 0.0, max(r + o + g for r, o, g in zip(reach, optimizer, gather))
+    else:
+        world = range(setting.pp * dp)
+        closing = all_reduce(CLOSING_BYTES, len(world), cluster.network.reduce_link(world))
+        step = max(reach) + closing + max(o + g for o, g in zip(optimizer, gather))
     return Prediction(
         tuple(stages), pipeline, tuple(summed), closing, tuple(optimizer), tuple(memory),
-        max(reach) + closing + max(o + g for o, g in zip(optimizer, gather)), method, rows,
+        step, method, rows,
         gather_s=tuple(gather), parameter_bytes=tuple(s.parameters for s in states),
         gradient_bytes=tuple(s.gradients for s in states), optimizer_bytes=tuple(s.optimizer for s in states),
         activation_bytes=tuple(acts), recompute_by_layer=tuple(sorted(by_layer)),

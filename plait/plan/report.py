@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,8 @@ class PlanReport:
     def prediction(self) -> Prediction:
         """The chosen layout's prediction, priced again from the profile (planned runs only)."""
         assert self.costs is not None and self.cluster is not None
-        return predict(self.costs, self.setting(), self.cluster, self.global_batch,
+        cluster = replace(self.cluster, ride_sums=int(self.chosen.get("tp", 1) or 1) == 1)  # tp lanes: all-reduced
+        return predict(self.costs, self.setting(), cluster, self.global_batch,
                        self.chosen["layers_per_stage"], simulate=True)
 
     def to_dict(self) -> dict[str, Any]:

@@ -159,7 +159,7 @@ def search_tp(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int
             continue  # nothing splits: only the same work on fewer lanes
         link = cluster.network.reduce_link(list(range(tp)))
         lane_costs = at_tp(costs, shares[tp], link) if tp > 1 else costs
-        lane_cluster = replace(cluster, network=_lanes(cluster.network, tp))
+        lane_cluster = replace(cluster, network=_lanes(cluster.network, tp), ride_sums=cluster.ride_sums and tp == 1)
         try:
             lanes = search(lane_costs, world_size // tp, global_batch, lane_cluster, space)
         except ConfigError as err:

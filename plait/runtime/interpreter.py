@@ -12,6 +12,10 @@ them: a backend that ignores tags (NCCL) matches a rank pair's messages in posti
 the lowering orders every rank's receives as its peer sends (the validator checks it) and
 receives are posted ahead strictly in program order.
 
+In a pipeline of one rank per stage, the step's sums ride on the activations of each stage's last
+forward and come back on the gradients of its last backward (`RidingSums`, riding_sums.py): an
+extra leaf of those messages, under a key of its own.
+
 Between stages of different tp widths a `Crossing` (crossing.py) moves the values tile by tile
 in place of the one lane-to-lane message, and the receiving stage all-gathers them; between
 stages of different dp widths a `RowCrossing` (row_crossing.py) moves them by row blocks.
@@ -33,6 +37,7 @@ from plait.runtime.crossing import Crossing
 from plait.runtime.row_crossing import RowCrossing
 from plait.runtime.executor import StageExecutor, grad_leaves
 from plait.runtime.report import gather_failures, report_wait
+from plait.runtime.riding_sums import RidingSums
 from plait.runtime.trace import NULL_TRACER, NullTracer, Tracer
 from plait.runtime.wire import Wire
 from plait.schedule import Action, Op, Program, format_grid
@@ -84,6 +89,7 @@ class Interpreter:
         keep_outputs: bool = False,
         after_forwards: Callable[[], None] | None = None,
         forwards_done_at_weights: bool = False,
+        sums: RidingSums | None = None,
     ) -> None:
         """Run this rank's part of `program` over `microbatches`: the one loop every schedule runs in.
 
@@ -92,11 +98,12 @@ class Interpreter:
         start travelling while the backward passes run. With `forwards_done_at_weights`, it is
         called before the first W after that forward instead, where there is one: the input
         gradients computed and sent before it are what the previous stage waits for, the weight
-        gradients are what nobody waits for, so the call's cost lands on the latter.
+        gradients are what nobody waits for, so the call's cost lands on the latter. `sums`: the
+        step's sums riding on the messages (training, one rank per stage).
         """
         actions = program.get(self.rank, [])
         self.runs += 1
-        run = _Run(microbatches, train, keep_outputs, split=any(a.op is Op.WEIGHT for a in actions))
+        run = _Run(microbatches, train, keep_outputs, split=any(a.op is Op.WEIGHT for a in actions), sums=sums)
         ahead = _ReceivesAhead(actions, window=self.num_chunks + 1)
         step = self.runs
         called_after = forwards_done_after(actions, forwards_done_at_weights)
@@ -106,7 +113,7 @@ class Interpreter:
         def post(receive: Action) -> bool:
             with self.tracer.span("recv", f"post {receive}", step=step, stage=receive.stage_index,
                                   op="P" + receive.op.value, mb=receive.microbatch_index):
-                return self._post(receive, microbatches, train)
+                return self._post(receive, run)
 
         for position, action in enumerate(actions):
             try:
@@ -126,12 +133,15 @@ class Interpreter:
         """One action: a receive, a compute (F, B, W) or a send, on the run's buffers."""
         s, k, op = action.stage_index, action.microbatch_index, action.op
         mb = run.microbatches[k]
+        sums = run.sums
         if op is Op.RECV_F:
-            key, tag, crossing = ("F", s - 1, run.train, mb.key), self._tag(k, s - 1, 0), self.crossings.get(s - 1)
+            key, tag, crossing = _key(s - 1, k, run), self._tag(k, s - 1, 0), self.crossings.get(s - 1)
             if crossing is not None:
                 run.inbox[(s, k)] = crossing.recv_forward(self.wire, key, tag)
             else:
                 run.inbox[(s, k)], _ = self.wire.recv(self.stage_to_rank[s - 1], key, tag)
+                if sums is not None and sums.rides_forward(s - 1, k):
+                    sums.incoming_forward(s, run.inbox[(s, k)].pop())
         elif op is Op.FORWARD:
             received = run.inbox.pop((s, k), None)
             if received is None:  # producer on this rank: handed over locally
@@ -141,13 +151,16 @@ class Interpreter:
             out = ex.forward(k, received, inputs, mb.target, mb.scale, run.train, run.keep_outputs)
             if not ex.stage.is_last:
                 run.outbox[(s, k)] = out
+            if sums is not None:
+                sums.forward_done(s, k)
         elif op is Op.SEND_F:
             values = run.outbox.pop((s, k))
-            key, tag, crossing = ("F", s, run.train, mb.key), self._tag(k, s, 0), self.crossings.get(s)
+            key, tag, crossing = _key(s, k, run), self._tag(k, s, 0), self.crossings.get(s)
             if crossing is not None:
                 crossing.send_forward(values, self.wire, key, tag, mb.rows)
             else:
-                self.wire.send(values, self.stage_to_rank[s + 1], key, tag)
+                riding = [sums.outgoing_forward(s)] if sums is not None and sums.rides_forward(s, k) else []
+                self.wire.send(values + riding, self.stage_to_rank[s + 1], key, tag)
             if run.train:
                 run.sent_like[(s, k)] = grad_leaves(values)
         elif op is Op.RECV_B:
@@ -156,7 +169,13 @@ class Interpreter:
                 run.grads_in[(s, k)] = crossing.recv_backward(like, self.wire, self._tag(k, s + 1, 1),
                                                               ("F", s, run.train, mb.key))
             else:
-                run.grads_in[(s, k)] = self.wire.recv_tensors(like, self.stage_to_rank[s + 1], self._tag(k, s + 1, 1))
+                total = sums is not None and sums.rides_backward(s + 1, k)
+                dtype, shape = sums.spec if sums is not None else (torch.float64, ())
+                got = self.wire.recv_tensors(like + ([torch.empty(shape, dtype=dtype)] if total else []),
+                                             self.stage_to_rank[s + 1], self._tag(k, s + 1, 1))
+                if sums is not None and total:
+                    sums.incoming_backward(got.pop())
+                run.grads_in[(s, k)] = got
         elif op is Op.BACKWARD:
             grads = run.grads_in.pop((s, k), None)
             if grads is None:
@@ -171,7 +190,8 @@ class Interpreter:
                 crossing.send_backward(run.grads_out.pop((s, k)), self.wire, self._tag(k, s, 1),
                                        ("F", s - 1, run.train, mb.key))
             else:
-                self.wire.send_tensors(run.grads_out.pop((s, k)), self.stage_to_rank[s - 1], self._tag(k, s, 1))
+                riding = [sums.outgoing_backward()] if sums is not None and sums.rides_backward(s, k) else []
+                self.wire.send_tensors(run.grads_out.pop((s, k)) + riding, self.stage_to_rank[s - 1], self._tag(k, s, 1))
         else:  # pragma: no cover - the validator rejects unknown actions
             raise AssertionError(f"unknown action {action}")
 
@@ -194,19 +214,19 @@ class Interpreter:
         except Exception as e:  # noqa: BLE001
             raise self._failure(program, num_actions, None, e) from e
 
-    def _post(self, action: Action, microbatches: Sequence[MicroBatch], train: bool) -> bool:
+    def _post(self, action: Action, run: "_Run") -> bool:
         """Post one receive ahead, if its message's shapes are known (from the second step on);
         False if they are not."""
         s, k = action.stage_index, action.microbatch_index
-        key = microbatches[k].key
         if action.op is Op.RECV_F:
             crossing = self.crossings.get(s - 1)
             if crossing is not None:
-                return crossing.post_forward(self.wire, ("F", s - 1, train, key), self._tag(k, s - 1, 0))
-            return self.wire.post_recv(self.stage_to_rank[s - 1], ("F", s - 1, train, key), self._tag(k, s - 1, 0))
+                return crossing.post_forward(self.wire, _key(s - 1, k, run), self._tag(k, s - 1, 0))
+            return self.wire.post_recv(self.stage_to_rank[s - 1], _key(s - 1, k, run), self._tag(k, s - 1, 0))
         if s in self.crossings:
-            return self.crossings[s].post_backward(self.wire, ("F", s, train, key), self._tag(k, s + 1, 1))
-        return self.wire.post_recv_grads(self.stage_to_rank[s + 1], ("F", s, train, key), self._tag(k, s + 1, 1))
+            return self.crossings[s].post_backward(self.wire, _key(s, k, run), self._tag(k, s + 1, 1))
+        extra = [run.sums.spec] if run.sums is not None and run.sums.rides_backward(s + 1, k) else []
+        return self.wire.post_recv_grads(self.stage_to_rank[s + 1], _key(s, k, run), self._tag(k, s + 1, 1), extra)
 
     def _tag(self, microbatch_index: int, sender: int, backward: int) -> int:
         """Message tag of micro-batch k sent by stage `sender`, forward (0) or backward (1)."""
@@ -265,6 +285,16 @@ class _Run:
     grads_in: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     grads_out: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     sent_like: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # what SF sent, for RB shapes
+    sums: RidingSums | None = None
+
+
+def _key(sender: int, microbatch_index: int, run: _Run) -> Hashable:
+    """The wire key of the activations stage `sender` sends for a micro-batch: its input shapes,
+    and whether the step's sums ride on them (a message of another description)."""
+    key = ("F", sender, run.train, run.microbatches[microbatch_index].key)
+    if run.sums is not None and run.sums.rides_forward(sender, microbatch_index):
+        return key + ("sums",)
+    return key
 
 
 class _ReceivesAhead:

@@ -2,9 +2,9 @@
 
 A forward hook on each of this rank's stage modules takes the extremes of each output; once the
 forwards are done, a stage whose outputs held a NaN or an infinity is flagged, and the last stage
-also flags a non-finite loss. The flags (one per stage, then the loss) ride in the step's
-all-reduce of the loss, so every rank learns the same first stage and stops, or skips the
-optimizer step, together.
+also flags a non-finite loss. The flags (one per stage, then the loss) travel with the step's loss
+sums (an all-reduce, or on the pipeline's messages: `plait.runtime.riding_sums`), so every rank
+learns the same first stage and stops, or skips the optimizer step, together.
 """
 
 from __future__ import annotations
@@ -36,35 +36,43 @@ class NonFiniteWatch:
 
     def __init__(self, pipe: Pipeline):
         self.num_chunks = pipe.plan.num_chunks
-        self.flags = [0.0] * (self.num_chunks + 1)
         self.active = False
+        self._open = [True] * self.num_chunks  # stages whose forwards of this step may still come
         self._extremes: list[list[torch.Tensor]] = [[] for _ in range(self.num_chunks)]
         self._handles = [ex.stage.module.register_forward_hook(partial(self._check, s))
                          for s, ex in pipe.executors.items()]
 
     def _check(self, stage_index: int, module: Any, args: Any, output: Any) -> None:
-        if not self.active:
+        if not self.active or not self._open[stage_index]:
             return
         for t in pytree.tree_leaves(output):
             if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel():
                 self._extremes[stage_index].extend(extremes(t.detach()))
 
     def start(self) -> None:
-        self.flags = [0.0] * (self.num_chunks + 1)
         for kept in self._extremes:
             kept.clear()
+        self._open = [True] * self.num_chunks
         self.active = True
+
+    def stage_flag(self, stage_index: int) -> float:
+        """1.0 if an output of stage `stage_index` in this step was not finite, else 0.0; called
+        once its forwards are done (a recomputed forward in a backward is not checked again)."""
+        kept = self._extremes[stage_index]
+        flag = 0.0 if _all_finite(kept) else 1.0
+        kept.clear()
+        self._open[stage_index] = False
+        return flag
+
+    @staticmethod
+    def loss_flag(losses: dict[int, float]) -> float:
+        """1.0 if a micro-batch's loss (`losses` of the last stage) was not finite, else 0.0."""
+        return 1.0 if any(not math.isfinite(v) for v in losses.values()) else 0.0
 
     def finish(self, losses: dict[int, float]) -> list[float]:
         """This rank's flags for the step: stage outputs, then the loss (`losses` of the last stage)."""
         self.active = False
-        for s, kept in enumerate(self._extremes):
-            if not _all_finite(kept):
-                self.flags[s] = 1.0
-            kept.clear()
-        if any(not math.isfinite(v) for v in losses.values()):
-            self.flags[-1] = 1.0
-        return list(self.flags)
+        return [self.stage_flag(s) for s in range(self.num_chunks)] + [self.loss_flag(losses)]
 
     def remove(self) -> None:
         for h in self._handles:

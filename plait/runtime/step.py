@@ -6,6 +6,8 @@ A step, in order (every rank of the job runs the same sequence):
     -> run the schedule's program for this rank (the interpreter); after its last forward, this
        rank's loss/metric sums (last stage only) and non-finite flags start their sum over the
        job, which travels while the backward passes run and the gradient buckets are all-reduced
+       (in a training step of one rank per stage, they ride on the pipeline's own messages
+       instead: `plait.runtime.riding_sums`)
     -> finish the gradient all-reduces and the tied-parameter sums
     -> the non-finite verdict (stop / skip / ignore), then the optimizer step
 
@@ -32,8 +34,9 @@ from plait.runtime.interpreter import MicroBatch
 from plait.runtime.nonfinite import NonFiniteWatch, verdict
 from plait.runtime.pipeline import Pipeline
 from plait.runtime.report import failure_error
+from plait.runtime.riding_sums import RidingSums, carriers
 
-__all__ = ["OptimizerArg", "StepResult", "StepRunner", "held_bytes", "make_optimizer", "num_stats"]
+__all__ = ["OptimizerArg", "StepResult", "StepRunner", "held_bytes", "make_optimizer", "num_stats", "rides"]
 
 # The user's optimizer: an instance (over the whole net), or a callable made over this rank's parameters.
 OptimizerArg = torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None
@@ -94,6 +97,8 @@ class StepRunner:
         self.pipe, self.net, self.metrics, self.device, self.train = pipe, net, list(metrics), device, train
         config = pipe.config
         self.watch = NonFiniteWatch(pipe) if train and config.on_nonfinite != "ignore" else None
+        self.rides = train and rides(pipe)  # the step's sums ride on the pipeline's messages
+        self._carriers: dict[int, tuple[dict[int, int], dict[int, int]]] = {}  # micro-batches -> carriers
         self.memory: dict[str, int | None] = {}  # the last training step's readings, bytes (`memory_stats`)
         if train:
             mine = {id(p) for p in pipe.local_parameters}
@@ -210,9 +215,11 @@ class StepRunner:
                 self.watch.start()
             started = _Sums(self, mbs, keep_outputs)
             if mbs:
-                pipe.interpreter.run(pipe.program(len(mbs), train), mbs, train,
-                                     keep_outputs=keep_outputs or bool(self.metrics), after_forwards=started.start,
-                                     forwards_done_at_weights=pipe.plan.num_stages > 1)
+                program = pipe.program(len(mbs), train)
+                riding = started.riding(program) if self.rides else None
+                pipe.interpreter.run(program, mbs, train, keep_outputs=keep_outputs or bool(self.metrics),
+                                     after_forwards=None if riding else started.start,
+                                     forwards_done_at_weights=pipe.plan.num_stages > 1, sums=riding)
             else:
                 started.start()
             if train:  # every backward has run: the gradients are whole, the activations freed
@@ -303,6 +310,15 @@ class StepRunner:
         return stats, outputs
 
 
+def rides(pipe: Pipeline) -> bool:
+    """Whether a training step's sums can ride on the pipeline's messages (`RidingSums`): one rank
+    per stage, each stage's neighbours on other ranks, nothing crossing between widths."""
+    plan, ranks = pipe.plan, pipe.interpreter.stage_to_rank
+    return (plan.num_stages > 1 and plan.world_size == plan.num_stages and not pipe.interpreter.crossings
+            and all(plan.dp_of(s) == 1 and plan.tp_of(s) == 1 for s in range(plan.num_chunks))
+            and all(a != b for a, b in zip(ranks, ranks[1:])))
+
+
 class _Sums:
     """A step's loss and metric sums and non-finite flags, summed over the job.
 
@@ -331,6 +347,34 @@ class _Sums:
         flags = [] if runner.watch is None else runner.watch.finish(
             pipe.last_executor.losses if pipe.is_last else {})
         self.total = start_sum_floats(self.stats + flags)
+
+    def riding(self, program: Any) -> RidingSums:
+        """The sums of this step riding on the messages of `program` (in place of `start`)."""
+        runner = self.runner
+        carried = runner._carriers.get(len(self.mbs))
+        if carried is None:
+            carried = runner._carriers[len(self.mbs)] = carriers(program)
+        num_chunks = runner.pipe.plan.num_chunks
+        self.stats = [0.0] * num_stats(runner.metrics)  # a stage before the last adds none
+        length = len(self.stats) + (0 if runner.watch is None else num_chunks + 1)
+        sums = RidingSums(carried, num_chunks, length, self.own, runner.device)
+        self.total = sums.result
+        return sums
+
+    def own(self, stage_index: int) -> list[float]:
+        """What stage `stage_index` of this rank adds to the step's sums, once its forwards are
+        done: its non-finite flag; the last stage also the loss and metric sums and the loss's flag."""
+        runner = self.runner
+        pipe, watch, n = runner.pipe, runner.watch, len(self.stats)
+        vector = [0.0] * (n + (0 if watch is None else pipe.plan.num_chunks + 1))
+        if watch is not None:
+            vector[n + stage_index] = watch.stage_flag(stage_index)
+        if stage_index == pipe.plan.num_chunks - 1:
+            self.stats, self.outputs = runner._local_stats(self.mbs, self.keep_outputs)
+            vector[:n] = self.stats
+            if watch is not None:
+                vector[-1] = watch.loss_flag(pipe.last_executor.losses)
+        return vector
 
 
 class _Where:

@@ -13,6 +13,9 @@ A tensor travels in its memory order (`order`: its dimensions from the largest s
 smallest) and is rebuilt with the same strides, so a stage that receives a transposed activation
 can `view` it after transposing it back, as in one process. Gradients travel contiguous.
 
+A message's small tensors (its number leaves among them) travel in one shared buffer, each a
+view of it on arrival (`plait.runtime.packing`): one isend instead of one per leaf.
+
 Sends are `isend` and never block the schedule (blocking sends deadlock 1F1B on gloo); a send's
 buffers are kept until `drain` waits for them. Every wait has a timeout.
 
@@ -29,12 +32,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from datetime import timedelta
 from typing import Any, Hashable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+
+from plait.runtime.packing import Layout, Spec, layout, pack, receive_buffers, unpack
 
 __all__ = ["Wire", "WireTimeout", "Description", "describe", "dim_order", "inverse_order"]
 
@@ -65,6 +71,16 @@ class Description:
     @property
     def tensor_positions(self) -> list[int]:
         return [i for i, k in enumerate(self.kinds) if k == _TENSOR]
+
+    @cached_property
+    def specs(self) -> list[Spec]:
+        """What travels: each tensor leaf in its memory order, then one float64 tensor of the
+        number leaves (if any)."""
+        out: list[Spec] = [(dtype, tuple(shape[d] for d in order))
+                           for kind, dtype, shape, order in zip(self.kinds, self.dtypes, self.shapes, self.orders)
+                           if kind == _TENSOR and dtype is not None]
+        count = sum(k in _NUMBERS for k in self.kinds)
+        return out + [(torch.float64, (count,))] if count else out
 
 
 def _leaf_kind(x: Any) -> int:
@@ -128,7 +144,16 @@ class Wire:
         self._pending: list[tuple[Any, Any]] = []  # (work, buffer kept alive)
         self._sent: dict[Hashable, Description] = {}
         self._received: dict[Hashable, Description] = {}
-        self._posted: dict[tuple[int, int], tuple[list[torch.Tensor], list[Any]]] = {}  # (peer, tag)
+        # (peer, tag) -> the receives posted ahead: buffers, works, and what unpacks them
+        self._posted: dict[tuple[int, int], tuple[list[torch.Tensor], list[Any], list[Spec], Layout]] = {}
+        self._layouts: dict[tuple[Spec, ...], Layout] = {}
+
+    def _layout(self, specs: Sequence[Spec]) -> Layout:
+        key = tuple(specs)
+        found = self._layouts.get(key)
+        if found is None:
+            found = self._layouts[key] = layout(key)
+        return found
 
     # -- sending -------------------------------------------------------------------------------
 
@@ -160,7 +185,7 @@ class Wire:
         self._isend(torch.frombuffer(bytearray(spec), dtype=torch.uint8).to(self.device), peer, tag)
 
     def _send_leaves(self, leaves: list[Any], desc: Description, peer: int, tag: int) -> None:
-        numbers = []
+        tensors, numbers = [], []
         for x, kind, shape, order in zip(leaves, desc.kinds, desc.shapes, desc.orders):
             if kind == _TENSOR:
                 if tuple(x.shape) != shape:
@@ -168,15 +193,18 @@ class Wire:
                         f"a tensor of shape {tuple(x.shape)} was sent where the agreed shape is "
                         f"{shape}; shapes must be a function of the input shapes"
                     )
-                self._isend(x.permute(order), peer, tag)  # contiguous, no copy, for a dense tensor
+                tensors.append(x.detach().permute(order))  # contiguous, no copy, for a dense tensor
             elif kind in _NUMBERS:
                 numbers.append(float(x))
         if numbers:
-            self._isend(torch.tensor(numbers, dtype=torch.float64, device=self.device), peer, tag)
+            tensors.append(torch.tensor(numbers, dtype=torch.float64, device=self.device))
+        for t in pack(tensors, self._layout(desc.specs)):
+            self._isend(t, peer, tag)
 
     def send_tensors(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
         """Send tensors whose shapes the peer already knows (gradients)."""
-        for t in tensors:
+        tensors = [t.detach().contiguous() for t in tensors]
+        for t in pack(tensors, self._layout([(t.dtype, tuple(t.shape)) for t in tensors])):
             self._isend(t, peer, tag)
         _handover()
 
@@ -210,48 +238,50 @@ class Wire:
         """Post now the receives of message `key`, if its description is known; False if not."""
         desc = self._received.get((peer, key))
         if desc is not None and (peer, tag) not in self._posted:
-            self._post(self._buffers(desc), peer, tag)
+            self._post(desc.specs, peer, tag)
         return desc is not None
 
-    def post_recv_grads(self, peer: int, key: Hashable, tag: int) -> bool:
-        """Post now the receives of the gradients `peer` returns for message `key` sent to it;
-        False if that message has not been sent yet (its shapes are unknown)."""
+    def post_recv_grads(self, peer: int, key: Hashable, tag: int, extra: Sequence[Spec] = ()) -> bool:
+        """Post now the receives of the gradients `peer` returns for message `key` sent to it
+        (followed by tensors of the `extra` specs, where the sender appends some); False if that
+        message has not been sent yet (its shapes are unknown)."""
         desc = self._sent.get((peer, key))
         if desc is not None and (peer, tag) not in self._posted:
-            self._post([torch.empty(shape, dtype=dtype, device=self.device)
-                        for kind, dtype, shape, grad in
+            self._post([(dtype, shape) for kind, dtype, shape, grad in
                         zip(desc.kinds, desc.dtypes, desc.shapes, desc.requires_grad)
-                        if kind == _TENSOR and grad], peer, tag)
+                        if kind == _TENSOR and grad and dtype is not None] + list(extra), peer, tag)
         return desc is not None
 
-    def post_tensors(self, buffers: list[torch.Tensor], peer: int, tag: int) -> None:
-        """Post now the receives of tensors shaped as `buffers` (a message whose shapes the caller
+    def post_tensors(self, like: list[torch.Tensor], peer: int, tag: int) -> None:
+        """Post now the receives of tensors shaped as `like` (a message whose shapes the caller
         knows; `recv_tensors` takes them), unless (peer, tag) is posted already."""
         if (peer, tag) not in self._posted:
-            self._post(buffers, peer, tag)
+            self._post([(t.dtype, tuple(t.shape)) for t in like], peer, tag)
 
-    def _post(self, buffers: list[torch.Tensor], peer: int, tag: int) -> None:
+    def _post(self, specs: list[Spec], peer: int, tag: int) -> None:
+        plan = self._layout(specs)
+        buffers = receive_buffers(specs, plan, self.device)
         works = [dist.irecv(b, peer, group=self.group, tag=tag) for b in buffers]
-        self._posted[(peer, tag)] = (buffers, works)
+        self._posted[(peer, tag)] = (buffers, works, specs, plan)
 
     def _take(self, peer: int, tag: int) -> list[torch.Tensor] | None:
-        """The filled buffers of the receives posted ahead for (peer, tag), or None."""
+        """The tensors of the receives posted ahead for (peer, tag) once they arrive, or None."""
         posted = self._posted.pop((peer, tag), None)
         if posted is None:
             return None
-        for work in posted[1]:
+        buffers, works, specs, plan = posted
+        for work in works:
             self._wait(work)
-        return posted[0]
+        return unpack(buffers, specs, plan)
 
-    def _buffers(self, desc: Description) -> list[torch.Tensor]:
-        """One buffer per tensor leaf, then one float64 buffer of the numbers (if any)."""
-        buffers = [torch.empty([shape[d] for d in order], dtype=dtype, device=self.device)
-                   for kind, dtype, shape, order in zip(desc.kinds, desc.dtypes, desc.shapes, desc.orders)
-                   if kind == _TENSOR]
-        count = sum(k in _NUMBERS for k in desc.kinds)
-        if count:
-            buffers.append(self._empty(count, torch.float64))
-        return buffers
+    def _receive(self, specs: list[Spec], peer: int, tag: int) -> list[torch.Tensor]:
+        """Tensors of these specs from `peer`: posted ahead, or posted now and waited for."""
+        got = self._take(peer, tag)
+        if got is None:
+            self._post(specs, peer, tag)
+            got = self._take(peer, tag)
+            assert got is not None
+        return got
 
     def recv(self, peer: int, key: Hashable, tag: int) -> tuple[list[Any], Description]:
         """Receive one message from `peer`; tensors that required grad there require grad here."""
@@ -259,10 +289,7 @@ class Wire:
         if desc is None:
             desc = self._recv_description(peer, tag)
             self._received[(peer, key)] = desc
-        buffers = self._take(peer, tag)
-        if buffers is None:
-            buffers = [self._recv(b, peer, tag) for b in self._buffers(desc)]
-        filled = iter(buffers)
+        filled = iter(self._receive(desc.specs, peer, tag))
         leaves: list[Any] = []
         for kind, grad, order in zip(desc.kinds, desc.requires_grad, desc.orders):
             if kind == _TENSOR:
@@ -301,12 +328,9 @@ class Wire:
 
     def recv_tensors(self, like: list[torch.Tensor], peer: int, tag: int) -> list[torch.Tensor]:
         """Receive tensors shaped like `like` (gradients of what this rank sent)."""
-        posted = self._take(peer, tag)
-        if posted is not None:
-            return posted
         # Contiguous whatever the strides of `like` (a transposed activation's gradient):
         # the backend receives into contiguous memory only.
-        return [self._recv(torch.empty(t.shape, dtype=t.dtype, device=self.device), peer, tag) for t in like]
+        return self._receive([(t.dtype, tuple(t.shape)) for t in like], peer, tag)
 
 
 _CAST = {_FLOAT: float, _INT: int, _BOOL: bool}

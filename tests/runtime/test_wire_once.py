@@ -2,8 +2,8 @@
 
 Every point-to-point message the wire posts goes through torch.distributed.isend / irecv; each
 rank wraps both and records the dtype and size of every tensor posted. A description is three
-messages (int64 header, int64 body, uint8 pytree spec); data is one message per tensor leaf and
-one float64 message holding the Python-number leaves.
+messages (int64 header, int64 body, uint8 pytree spec); data is the tensor leaves and one float64
+tensor holding the Python-number leaves, the small ones packed into one uint8 message.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def exchange(rank: int, world: int) -> list[list[tuple[torch.dtype, int]]]:
 @pytest.mark.timeout(90)
 def test_a_description_travels_once_per_key_then_raw_tensors_only():
     sent, received = run_ranks(2, exchange, timeout=80)
-    a_data = [(torch.float32, 4 * 3 * 4), (torch.float64, 2 * 8)]  # the (4, 3) tensor; the 2 numbers
-    b_data = [(torch.int64, 5 * 8)]
+    a_data = [(torch.uint8, 4 * 3 * 4 + 2 * 8)]  # the (4, 3) tensor and the 2 numbers, packed in one message
+    b_data = [(torch.int64, 5 * 8)]  # a lone tensor: as it is
     for side, calls in (("sent", sent), ("received", received)):
         dtypes = [[dtype for dtype, _ in call] for call in calls]
         assert dtypes[0] == DESCRIPTION + [d for d, _ in a_data], (side, dtypes)  # key "a": described
@@ -100,10 +100,16 @@ def train_and_count(rank: int, world: int) -> list[list[tuple[torch.dtype, int]]
 @pytest.mark.timeout(120)
 def test_a_pipeline_describes_its_activations_in_the_first_step_only():
     # Stage 0 sends each micro-batch's (5, 16) activation; stage 1 returns its gradient. Both
-    # micro-batches have the same input shapes, so one key: described once, in step 1.
+    # micro-batches have the same input shapes, but the last one's activations also carry the
+    # step's sums (loss, then the flags of stage 0, stage 1 and the loss: 4 float64), and its
+    # gradient brings their total back: two keys, each described once, in step 1; the riding
+    # sums are packed with the tensor they ride on, never a message of their own.
     first, second = run_ranks(2, train_and_count, timeout=110)
     activation = (torch.float32, 5 * 16 * 4)
+    carrying = (torch.uint8, 5 * 16 * 4 + 4 * 8)
     assert [dtype for dtype, _ in first[0][:3]] == DESCRIPTION, first[0]
-    assert first[0][3:] == [activation, activation], first[0]
-    assert first[1] == first[2] == [activation, activation], first  # raw tensors only from step 2 on
-    assert second == [[activation, activation]] * 3, second  # gradients: never described
+    assert first[0][3] == activation, first[0]
+    assert [dtype for dtype, _ in first[0][4:7]] == DESCRIPTION, first[0]
+    assert first[0][7:] == [carrying], first[0]
+    assert first[1] == first[2] == [activation, carrying], first  # raw tensors only from step 2 on
+    assert second == [[activation, carrying]] * 3, second  # gradients: never described
