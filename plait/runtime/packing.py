@@ -1,8 +1,8 @@
 """`Layout`: which tensors of a message travel in one shared buffer, and where each lies in it.
 
 Every isend and irecv costs more than its bytes: gloo wakes a thread on each side for it, and on
-a CPU rank that thread takes its time from the compute (a 40-byte message of its own cost a
-two-rank pipeline step 0.3-1.4 ms, docs/benchmarks.md). So a message's small tensors travel
+a CPU rank that thread takes its time from the compute (a 40-byte message of its own each way
+cost a two-rank pipeline step 0.2-0.9 ms, docs/benchmarks.md). So a message's small tensors travel
 together in one byte buffer, each at an aligned offset, and are copied out of it on arrival:
 
     tensors   a (64 KiB)   b (40 B)   c (8 MiB)          sent: c alone, then [a|pad|b]
