@@ -169,12 +169,11 @@ class Interpreter:
                 run.grads_in[(s, k)] = crossing.recv_backward(like, self.wire, self._tag(k, s + 1, 1),
                                                               ("F", s, run.train, mb.key))
             else:
-                total = sums is not None and sums.rides_backward(s + 1, k)
-                dtype, shape = sums.spec if sums is not None else (torch.float64, ())
-                got = self.wire.recv_tensors(like + ([torch.empty(shape, dtype=dtype)] if total else []),
+                carrier = sums if sums is not None and sums.rides_backward(s + 1, k) else None
+                got = self.wire.recv_tensors(like + ([carrier.like()] if carrier else []),
                                              self.stage_to_rank[s + 1], self._tag(k, s + 1, 1))
-                if sums is not None and total:
-                    sums.incoming_backward(got.pop())
+                if carrier is not None:
+                    carrier.incoming_backward(got.pop())
                 run.grads_in[(s, k)] = got
         elif op is Op.BACKWARD:
             grads = run.grads_in.pop((s, k), None)

@@ -60,6 +60,10 @@ class RidingSums:
         """The (dtype, shape) of the vector, as the wire lays it out."""
         return torch.float64, (self.length,)
 
+    def like(self) -> torch.Tensor:
+        """An empty tensor shaped as the vector (what a receive of it is laid out by)."""
+        return torch.empty(self.length, dtype=torch.float64)
+
     def rides_forward(self, stage_index: int, microbatch_index: int) -> bool:
         """Whether the activations stage `stage_index` sends for this micro-batch carry the vector."""
         return self.last_forward.get(stage_index) == microbatch_index and stage_index < self.num_chunks - 1

@@ -195,3 +195,37 @@ def test_an_overflow_in_the_third_of_four_interleaved_stages_is_named_on_both_ra
         _, want_state = _reference(initial, data[:1], exp_net)
         for k in want_state:
             torch.testing.assert_close(state[k], want_state[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def fit_with_accuracy(rank, world, data):
+    torch.manual_seed(0)
+    net = mlp()
+    initial = copy.deepcopy(net.state_dict())
+    config = plait.Config(layers_per_proc=(5, 6), num_microbatches=2, schedule="1f1b", on_nonfinite="ignore")
+    model = plait.Model(net, config, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                        loss=nn.CrossEntropyLoss(), metrics=["accuracy"])
+    x, y = torch.cat([x for x, _ in data]), torch.cat([y for _, y in data])
+    history = model.fit(x, y, epochs=1, batch_size=8, shuffle=False, verbose=0)
+    return history.history, model._train.rides, initial
+
+
+@pytest.mark.timeout(150)
+def test_the_metric_sums_ride_too_without_the_non_finite_flags():
+    # on_nonfinite="ignore": the vector holds the loss and accuracy sums alone.
+    data = _batches()
+    for history, rode, initial in run_ranks(2, fit_with_accuracy, data, timeout=140):
+        assert rode
+        net = mlp()
+        net.load_state_dict(initial)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        loss_sum, correct = 0.0, 0
+        for x, y in data:
+            opt.zero_grad()
+            out = net(x)
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            opt.step()
+            loss_sum += loss.item() * len(y)
+            correct += int((out.argmax(-1) == y).sum())
+        assert history["loss"] == [pytest.approx(loss_sum / 24, rel=1e-6)]
+        assert history["accuracy"] == [pytest.approx(correct / 24)]
