@@ -13,8 +13,8 @@ A tensor travels in its memory order (`order`: its dimensions from the largest s
 smallest) and is rebuilt with the same strides, so a stage that receives a transposed activation
 can `view` it after transposing it back, as in one process. Gradients travel contiguous.
 
-A message's small tensors (its number leaves among them) travel in one shared buffer, each a
-view of it on arrival (`plait.runtime.packing`): one isend instead of one per leaf.
+A message's small tensors (its number leaves among them) travel in one shared buffer, each copied
+out of it on arrival (`plait.runtime.packing`): one isend instead of one per leaf.
 
 Sends are `isend` and never block the schedule (blocking sends deadlock 1F1B on gloo); a send's
 buffers are kept until `drain` waits for them. Every wait has a timeout.
