@@ -167,7 +167,7 @@ class Interpreter:
             like, crossing = run.sent_like.pop((s, k)), self.crossings.get(s)
             if crossing is not None:
                 run.grads_in[(s, k)] = crossing.recv_backward(like, self.wire, self._tag(k, s + 1, 1),
-                                                              ("F", s, run.train, mb.key))
+                                                              _key(s, k, run))
             else:
                 carrier = sums if sums is not None and sums.rides_backward(s + 1, k) else None
                 got = self.wire.recv_tensors(like + ([carrier.like()] if carrier else []),
@@ -187,7 +187,7 @@ class Interpreter:
             crossing = self.crossings.get(s - 1)
             if crossing is not None:
                 crossing.send_backward(run.grads_out.pop((s, k)), self.wire, self._tag(k, s, 1),
-                                       ("F", s - 1, run.train, mb.key))
+                                       _key(s - 1, k, run))
             else:
                 riding = [sums.outgoing_backward()] if sums is not None and sums.rides_backward(s, k) else []
                 self.wire.send_tensors(run.grads_out.pop((s, k)) + riding, self.stage_to_rank[s - 1], self._tag(k, s, 1))

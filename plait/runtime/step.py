@@ -339,6 +339,7 @@ class _Sums:
         self.stats: list[float] = []
         self.outputs: list[Any] | None = None
         self.total: Callable[[], list[float]] = list
+        self.length = 0  # of the riding vector: the stats, then the flags (`riding`)
 
     def start(self) -> None:
         runner = self.runner
@@ -356,8 +357,8 @@ class _Sums:
             carried = runner._carriers[len(self.mbs)] = carriers(program)
         num_chunks = runner.pipe.plan.num_chunks
         self.stats = [0.0] * num_stats(runner.metrics)  # a stage before the last adds none
-        length = len(self.stats) + (0 if runner.watch is None else num_chunks + 1)
-        sums = RidingSums(carried, num_chunks, length, self.own, runner.device)
+        self.length = len(self.stats) + (0 if runner.watch is None else num_chunks + 1)
+        sums = RidingSums(carried, num_chunks, self.length, self.own, runner.device)
         self.total = sums.result
         return sums
 
@@ -366,7 +367,7 @@ class _Sums:
         done: its non-finite flag; the last stage also the loss and metric sums and the loss's flag."""
         runner = self.runner
         pipe, watch, n = runner.pipe, runner.watch, len(self.stats)
-        vector = [0.0] * (n + (0 if watch is None else pipe.plan.num_chunks + 1))
+        vector = [0.0] * self.length
         if watch is not None:
             vector[n + stage_index] = watch.stage_flag(stage_index)
         if stage_index == pipe.plan.num_chunks - 1:
