@@ -73,11 +73,16 @@ class Device:
 
 
 def _gpu_node(intra_gbs: float, inter_gbs: float, per_node: int = 8, reduce_gbs: float = 0.0) -> Network:
-    """NVLink-class links inside a node (10 us), a network between nodes (30 us); GB/s. `reduce_gbs`:
-    an all-reduce benchmark's bus bandwidth inside a node (nccl-tests' busbw, which is the ring
-    formula's bandwidth), where one was measured; else the all-reduce runs at the link's."""
-    reduce = Link(10e-6, reduce_gbs * 1e9) if reduce_gbs else None
-    return Network(Link(10e-6, intra_gbs * 1e9), Link(30e-6, inter_gbs * 1e9), per_node, reduce_intra=reduce)
+    """NVLink-class links inside a node, a network between nodes; GB/s. Latencies from NCCL's
+    tuning model (src/graph/tuning.cc, ring algorithm, Simple protocol, which NCCL runs for large
+    messages): a collective's base 8.4 us once per call, 3.4 us a ring step on NVLink, 9.6 us a
+    step over the network; a point-to-point message pays one step. `reduce_gbs`: an all-reduce
+    benchmark's bus bandwidth inside a node (nccl-tests' busbw, which is the ring formula's
+    bandwidth), where one was measured; else the all-reduce runs at the link's."""
+    base, nvlink, net = 8.4e-6, 3.4e-6, 9.6e-6
+    reduce = Link(nvlink, reduce_gbs * 1e9, base) if reduce_gbs else None
+    return Network(Link(nvlink, intra_gbs * 1e9, base), Link(net, inter_gbs * 1e9, base), per_node,
+                   reduce_intra=reduce)
 
 
 DEVICES: dict[str, Device] = {

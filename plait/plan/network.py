@@ -2,13 +2,14 @@
 
 Collective costs for V bytes per device on p devices over links of bandwidth B and latency
 alpha (Thakur et al. 2005, MPICH's ring and tree algorithms), with one alpha per message step
-of the ring or tree:
+of the ring or tree, and a collective's own fixed cost `base` once per call (NCCL's tuning
+model, src/graph/tuning.cc: latency = baseLat + steps x hwLat):
 
     point to point      alpha + V/B
-    ring all-reduce     2(p-1) alpha + 2(p-1)V/(pB)
-    all-gather          (p-1) alpha + (p-1)V/B
-    reduce-scatter      (p-1) alpha + (p-1)V/(pB)
-    broadcast / reduce  ceil(log2 p) (alpha + V/B)
+    ring all-reduce     base + 2(p-1) alpha + 2(p-1)V/(pB)
+    all-gather          base + (p-1) alpha + (p-1)V/B
+    reduce-scatter      base + (p-1) alpha + (p-1)V/(pB)
+    broadcast / reduce  base + ceil(log2 p) (alpha + V/B)
 """
 
 from __future__ import annotations
@@ -34,14 +35,18 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Link:
-    """One kind of connection: `latency_s` (alpha) per message, `bandwidth` (B) in bytes/s."""
+    """One kind of connection: `latency_s` (alpha) per message, `bandwidth` (B) in bytes/s, and
+    `base_s`, a collective's fixed cost once per call (0 where none was measured or sourced)."""
 
     latency_s: float
     bandwidth: float
+    base_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
             raise ConfigError(f"link latency must be a finite time >= 0 s, got {self.latency_s!r}")
+        if not (math.isfinite(self.base_s) and self.base_s >= 0):
+            raise ConfigError(f"a link's base latency per collective must be a finite time >= 0 s, got {self.base_s!r}")
         if not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
             raise ConfigError(
                 f"link bandwidth must be a finite number of bytes/s > 0, got {self.bandwidth!r}; "
@@ -49,7 +54,8 @@ class Link:
             )
 
     def to_dict(self) -> dict[str, float]:
-        return {"latency_s": self.latency_s, "bandwidth": self.bandwidth}
+        data = {"latency_s": self.latency_s, "bandwidth": self.bandwidth}
+        return {**data, "base_s": self.base_s} if self.base_s else data
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,7 @@ def all_reduce(nbytes: float, num_devices: int, link: Link) -> float:
     p = num_devices
     if p <= 1 or nbytes <= 0:
         return 0.0
-    return 2 * (p - 1) * link.latency_s + 2 * (p - 1) * nbytes / (p * link.bandwidth)
+    return link.base_s + 2 * (p - 1) * link.latency_s + 2 * (p - 1) * nbytes / (p * link.bandwidth)
 
 
 def all_gather(nbytes: float, num_devices: int, link: Link) -> float:
@@ -134,7 +140,7 @@ def all_gather(nbytes: float, num_devices: int, link: Link) -> float:
     p = num_devices
     if p <= 1 or nbytes <= 0:
         return 0.0
-    return (p - 1) * link.latency_s + (p - 1) * nbytes / link.bandwidth
+    return link.base_s + (p - 1) * link.latency_s + (p - 1) * nbytes / link.bandwidth
 
 
 def reduce_scatter(nbytes: float, num_devices: int, link: Link) -> float:
@@ -142,7 +148,7 @@ def reduce_scatter(nbytes: float, num_devices: int, link: Link) -> float:
     p = num_devices
     if p <= 1 or nbytes <= 0:
         return 0.0
-    return (p - 1) * link.latency_s + (p - 1) * nbytes / (p * link.bandwidth)
+    return link.base_s + (p - 1) * link.latency_s + (p - 1) * nbytes / (p * link.bandwidth)
 
 
 def broadcast(nbytes: float, num_devices: int, link: Link) -> float:
@@ -150,4 +156,4 @@ def broadcast(nbytes: float, num_devices: int, link: Link) -> float:
     q = num_devices
     if q <= 1 or nbytes <= 0:
         return 0.0
-    return math.ceil(math.log2(q)) * (link.latency_s + nbytes / link.bandwidth)
+    return link.base_s + math.ceil(math.log2(q)) * (link.latency_s + nbytes / link.bandwidth)

@@ -45,6 +45,22 @@ def test_formulas_on_round_numbers() -> None:
     assert broadcast(8, 5, link) == 3 * 9  # ceil(log2 5) hops
 
 
+def test_a_collectives_base_latency_is_paid_once_a_call() -> None:
+    # NCCL's model: base + steps x alpha; a point-to-point message pays alpha alone
+    link = Link(1.0, 1.0, base_s=5.0)
+    assert all_reduce(8, 4, link) == 5 + 18.0
+    assert all_gather(8, 4, link) == 5 + 27.0
+    assert reduce_scatter(8, 4, link) == 5 + 9.0
+    assert broadcast(8, 4, link) == 5 + 18.0
+    assert point_to_point(8, link) == 9.0
+    assert all_reduce(8, 1, link) == 0.0 and all_reduce(0, 4, link) == 0.0  # no call, no base
+    net = Network(link, Link(2.0, 1.0), devices_per_node=2)
+    assert Network.from_dict(json.loads(json.dumps(net.to_dict()))) == net
+    assert "base_s" not in Link(1.0, 1.0).to_dict()  # a calibrated link's JSON as before
+    with pytest.raises(ConfigError, match="base latency per collective.*-1"):
+        Link(1.0, 1.0, base_s=-1.0)
+
+
 @pytest.mark.parametrize("collective", [all_reduce, all_gather, reduce_scatter, broadcast])
 def test_nothing_to_move_costs_nothing(collective) -> None:
     link = Link(1.0, 1.0)
