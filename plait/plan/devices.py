@@ -4,7 +4,8 @@ A GPU preset holds its data sheet's numbers (tensor-core peak, SMs, memory and i
 links), each named beside it with its source (docs/planner.md lists them); its operators are
 timed by `plait.plan.roofline`, with no efficiency factor; where a GEMM benchmark measured the
 device's best matmul rate (Bekman, "Machine Learning Engineering", Maximum Achievable Matmul FLOPS
-table, bf16, v2 run), the roofline's GEMMs run at that rate rather than the data sheet's peak. The CPU preset keeps a sustained share
+table, bf16, v2 run; for the V100 a published fp16 run; for the H200 this project's), the
+roofline's GEMMs run at that rate rather than the data sheet's peak. The CPU preset keeps a sustained share
 of peak (`efficiency`), which `plait.planner.calibrate` replaces with measured times. Memory is
 the device's total; the planner keeps a share free (`usable_memory`).
 """
@@ -88,8 +89,11 @@ def _gpu_node(intra_gbs: float, inter_gbs: float, per_node: int = 8, reduce_gbs:
 DEVICES: dict[str, Device] = {
     # V100 SXM2 16GB (NVIDIA Tesla V100 whitepaper, 2017): 125 TFLOP/s fp16 tensor cores, 80 SMs,
     # 900 GB/s HBM2, six NVLink2 links of 25 GB/s each way = 150 GB/s. Alpa's cluster (Zheng et
-    # al. 2022): AWS p3.16xlarge, 8 per node on NVLink, 25 Gbit/s between nodes.
-    "v100-16gb": Device("v100-16gb", 125e12, 1.0, 16 * GIB, 900e9, _gpu_node(150, 25 / 8), 100e-6, sms=80),
+    # al. 2022): AWS p3.16xlarge, 8 per node on NVLink, 25 Gbit/s between nodes. Measured best
+    # fp16 matmul on a Tesla V100-SXM2-16GB: 97.36 TFLOP/s at 8192^3 (torch 2.7, square sizes
+    # 1024-10240; zzc0721/torch-performance-test-data, issue 140).
+    "v100-16gb": Device("v100-16gb", 125e12, 1.0, 16 * GIB, 900e9, _gpu_node(150, 25 / 8), 100e-6, sms=80,
+                        gemm_flops=97.36e12, gemm_shape=(8192, 8192, 8192)),
     # A100 SXM (NVIDIA A100 whitepaper, 2020): 312 TFLOP/s bf16, 108 SMs; 40GB: 1555 GB/s, 80GB:
     # 2039 GB/s (A100 80GB data sheet). DGX A100 (its user guide): NVSwitch, 600 GB/s per GPU both
     # ways = 300 GB/s each way; 8 x 200 Gbit/s HDR InfiniBand per node = 25 GB/s per GPU.
