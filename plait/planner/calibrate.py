@@ -15,7 +15,7 @@ a ping-pong's one way 0.5-1.1 ms mean after compute, 0.13-0.24 ms median between
 KiB all-reduce 0.8-1.9 ms mean after compute, 0.4 ms median idle). An all-reduce is timed on
 the same pair, waited for as the runtime waits (`plait.runtime.waiting`) -- below 1 MiB as what
 it adds to a chain of equal compute on both ranks, as a tensor-parallel step meets it
-(`_in_chain`) -- and fitted to the ring formula 2(p-1) alpha + 2(p-1) n / (p beta) (Thakur et
+(`_in_chain`, twice `repeats` blocks of each kind) -- and fitted to the ring formula 2(p-1) alpha + 2(p-1) n / (p beta) (Thakur et
 al. 2005): a library's collective has costs of its own that a ping-pong does not show
 (docs/benchmarks.md has a measured case). On CPU ranks (gloo) a hand-over also takes time from the ranks themselves:
 `measure_handover` times, while both ranks compute as pipeline stages do, the sender's send and
@@ -52,6 +52,8 @@ REDUCE_SIZES = (2**12, 2**16, 2**18) + tuple(s for s in SIZES if s >= LARGE)  # 
 HANDOVER_BYTES = 64 * 1024
 BUSY_S = 1e-3  # compute around each timed hand-over, as a stage computes around its sends
 IN_STEP_REPEATS = 4  # times `repeats` ping-pongs of each small size: their mean has a long tail
+CHAIN_REPEATS = 2  # times `repeats` blocks of each kind in a small all-reduce's chain: with five, five
+# calibrations in one job fitted an all-reduce's fixed cost at 0.72-2.28 ms; with ten, 1.63-1.86 (2 gloo ranks)
 CHAIN = 6  # links of compute and all-reduce in each timed block (`_in_chain`)
 CHAIN_BUSY_S = 5e-3  # compute before each: a CPU rank's layer between its tp collectives (GPT-2 256 wide: ~5 ms)
 
@@ -153,7 +155,8 @@ def measure_all_reduce(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = 
             return time.perf_counter() - start
 
         # below LARGE as a tensor-parallel step meets them: between its layers' compute
-        small = {s: _in_chain(torch.zeros(s // 4, dtype=torch.float32), group, repeats) for s in sizes if s < LARGE}
+        small = {s: _in_chain(torch.zeros(s // 4, dtype=torch.float32), group, CHAIN_REPEATS * repeats)
+                 for s in sizes if s < LARGE}
         large = _round_robin([s for s in sizes if s >= LARGE], repeats,
                              lambda size: torch.zeros(size // 4, dtype=torch.float32), reduced)
         times = [small[s] if s < LARGE else large[s] for s in sizes]
