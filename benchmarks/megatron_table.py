@@ -12,8 +12,8 @@ Then the planner chooses freely; its choice must be predicted no slower than Meg
 as plait runs them. Beside them, not the target: t and p alone, plait choosing the micro-batches.
 Last, Alpa's GPT-39B on 64 V100-16GB (8 per node): feasible or not, and its predicted throughput;
 and, beside the one run of Alpa's whose figures are published in text (its benchmark README), the
-v100-16gb preset's prediction at that run's layout (not a target: the V100 preset has no measured
-matmul rate, and Alpa's kernels are XLA's).
+v100-16gb preset's prediction at that run's layout (not a target: Alpa's kernels are XLA's, not
+Megatron-LM's).
 
     python benchmarks/megatron_table.py [--rows 4]   (the 5th row, 1T on 3072 GPUs, plans longer)
 """
