@@ -339,7 +339,7 @@ def report_planned(plan: str, bubble: float, equal: bool, mine: list[float], one
     print(f"\nConfig() planned: {plan}\n  plait {t:.2f} ms (IQR {_iqr(mine):.1f}), one process through the "
           f"same micro-batches Tp {tp:.2f} ms (IQR {_iqr(ones):.1f}), ideal_p {ideal:.2f} ms, plait/ideal_p "
           f"{t / ideal:.2f} (paired: median of the rounds' own ratios {paired:.2f})")
-    print(f"planned: {'PASS' if ok else 'FAIL'} (plait/ideal_p {t / ideal:.2f}, target <= {TARGET_IDEAL}; "
+    print(f"planned: {'PASS' if ok else 'FAIL'} (plait/ideal_p {t / ideal:.3f}, target <= {TARGET_IDEAL}; "
           f"parameters {'match' if equal else 'DO NOT match'})", flush=True)
     return ok
 
