@@ -53,6 +53,10 @@ class Link:
                 "for example 3.125e9 for 25 Gbit/s"
             )
 
+    def collective_s(self, steps: int) -> float:
+        """A collective's latency over `steps` message steps: its base once, alpha a step."""
+        return self.base_s + steps * self.latency_s
+
     def to_dict(self) -> dict[str, float]:
         data = {"latency_s": self.latency_s, "bandwidth": self.bandwidth}
         return {**data, "base_s": self.base_s} if self.base_s else data
@@ -132,7 +136,7 @@ def all_reduce(nbytes: float, num_devices: int, link: Link) -> float:
     p = num_devices
     if p <= 1 or nbytes <= 0:
         return 0.0
-    return link.base_s + 2 * (p - 1) * link.latency_s + 2 * (p - 1) * nbytes / (p * link.bandwidth)
+    return link.collective_s(2 * (p - 1)) + 2 * (p - 1) * nbytes / (p * link.bandwidth)
 
 
 def all_gather(nbytes: float, num_devices: int, link: Link) -> float:
@@ -140,7 +144,7 @@ def all_gather(nbytes: float, num_devices: int, link: Link) -> float:
     p = num_devices
     if p <= 1 or nbytes <= 0:
         return 0.0
-    return link.base_s + (p - 1) * link.latency_s + (p - 1) * nbytes / link.bandwidth
+    return link.collective_s(p - 1) + (p - 1) * nbytes / link.bandwidth
 
 
 def reduce_scatter(nbytes: float, num_devices: int, link: Link) -> float:
@@ -148,7 +152,7 @@ def reduce_scatter(nbytes: float, num_devices: int, link: Link) -> float:
     p = num_devices
     if p <= 1 or nbytes <= 0:
         return 0.0
-    return link.base_s + (p - 1) * link.latency_s + (p - 1) * nbytes / (p * link.bandwidth)
+    return link.collective_s(p - 1) + (p - 1) * nbytes / (p * link.bandwidth)
 
 
 def broadcast(nbytes: float, num_devices: int, link: Link) -> float:
@@ -156,4 +160,5 @@ def broadcast(nbytes: float, num_devices: int, link: Link) -> float:
     q = num_devices
     if q <= 1 or nbytes <= 0:
         return 0.0
-    return link.base_s + math.ceil(math.log2(q)) * (link.latency_s + nbytes / link.bandwidth)
+    hops = math.ceil(math.log2(q))
+    return link.collective_s(hops) + hops * nbytes / link.bandwidth

@@ -101,7 +101,7 @@ def at_tp(costs: LayerCosts, shares: TpShares, link: Link) -> LayerCosts:
         return costs
     part = [1 - a + a / tp for a in shares.split_share]
     reduce_row, gather_row = 2 * (tp - 1) / (tp * link.bandwidth), (tp - 1) / (tp * link.bandwidth)
-    reduce_fixed = link.base_s + 2 * (tp - 1) * link.latency_s
+    reduce_fixed = link.collective_s(2 * (tp - 1))  # the ring all-reduce's latency (`all_reduce`)
     kept = [1 - min(s, p) / p * (1 - 1 / tp) if p > 0 else 1.0 for s, p in zip(shares.split_bytes, costs.param_bytes)]
 
     def scaled(values: tuple[float, ...], by: list[float]) -> tuple[float, ...]:

@@ -15,8 +15,8 @@ a ping-pong's one way 0.5-1.1 ms mean after compute, 0.13-0.24 ms median between
 KiB all-reduce 0.8-1.9 ms mean after compute, 0.4 ms median idle). An all-reduce is timed on
 the same pair, waited for as the runtime waits (`plait.runtime.waiting`) -- below 1 MiB as what
 it adds to a chain of equal compute on both ranks, as a tensor-parallel step meets it
-(`_in_chain`, twice `repeats` blocks of each kind) -- and fitted to the ring formula 2(p-1) alpha + 2(p-1) n / (p beta) (Thakur et
-al. 2005): a library's collective has costs of its own that a ping-pong does not show
+(`_in_chain`, twice `repeats` blocks of each kind) -- and fitted to the ring formula 2(p-1) alpha
++ 2(p-1) n / (p beta) (Thakur et al. 2005): a library's collective has costs of its own that a ping-pong does not show
 (docs/benchmarks.md has a measured case). On CPU ranks (gloo) a hand-over also takes time from the ranks themselves:
 `measure_handover` times, while both ranks compute as pipeline stages do, the sender's send and
 yield to the transport thread and the receiver's posting of its receive. Every rank of the group calls `measure_link` and
