@@ -15,7 +15,11 @@ On a GPU preset each layer's time is its operators' roofline (`plait.plan.roofli
 their shape, element-wise operators by their bytes), on a CPU FLOPs / (peak x efficiency); both
 plus a fixed per-layer overhead. The embedding is a gather, timed by the bytes it moves. The head holds its own V x h matrix: an untied head, or the
 copy of a tied one that plait keeps on the last stage (counted twice when both share a stage).
-The optimizer step moves `OPTIMIZER_TRAFFIC` bytes per parameter through memory.
+The optimizer step moves `OPTIMIZER_TRAFFIC` bytes per parameter through memory. Each micro-batch's
+weight gradients are added into the accumulated ones (Megatron-LM's DDP hook `main_grad.add_(grad)`,
+autograd's `grad += new`): both read, one written, 3 x dtype_bytes per parameter, at the memory
+bandwidth (a fixed part of each W: `benchmarks/overhead_gpu.py` measured such an add at 0.93-1.04
+of a copy's bandwidth on an H200, at one rank's share of a Megatron block).
 """
 
 from __future__ import annotations
@@ -184,11 +188,12 @@ def gpt_costs(spec: GptSpec, dev: Device, optimizer: str = "adam") -> LayerCosts
     head_act = 2 * s * h * d + s * vocab * (d + 4)  # normed input, logits, fp32 softmax
     params = [(vocab + s) * h] + [12 * h * h + 13 * h] * spec.layers + [vocab * h + 2 * h]
     traffic = OPTIMIZER_TRAFFIC[optimizer] / dev.bandwidth
+    accumulate = 3 * d / dev.bandwidth  # a micro-batch's gradient added into the accumulated one
     return LayerCosts(
         names=tuple(names),
         forward_fixed_s=(overhead,) * n, forward_row_s=tuple(forward_row),
         backward_fixed_s=(overhead,) * n, backward_row_s=tuple(backward_row),
-        weight_fixed_s=(overhead,) * n, weight_row_s=tuple(weight_row),
+        weight_fixed_s=tuple(overhead + p * accumulate for p in params), weight_row_s=tuple(weight_row),
         activation_row_bytes=(float(s * h),) + (block_act,) * spec.layers + (head_act,),
         output_row_bytes=(float(s * h * d),) * (n - 1) + (float(s * vocab * d),),
         param_bytes=tuple(float(p * d) for p in params),

@@ -7,7 +7,9 @@ device's best matmul rate (Bekman, "Machine Learning Engineering", Maximum Achie
 table, bf16, v2 run; for the V100 a published fp16 run; for the H200 this project's), the
 roofline's GEMMs run at that rate rather than the data sheet's peak. The CPU preset keeps a sustained share
 of peak (`efficiency`), which `plait.planner.calibrate` replaces with measured times. Memory is
-the device's total; the planner keeps a share free (`usable_memory`).
+the device's total; the planner keeps a share free (`usable_memory`). A GPU's fixed time per layer
+and pass (`LAYER_PASS_S`) is the kernels a block launches per pass times the gap a kernel costs
+the GPU when the host is ahead, both measured on an H200 (`benchmarks/overhead_gpu.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ from plait.plan.roofline import Gpu, gemm_s
 __all__ = ["Device", "DEVICES", "device"]
 
 GIB = 2**30
+# A GPU's fixed time per layer and pass: 67 kernels in a transformer block's forward and backward
+# (21 + 46, eager PyTorch, by its profiler), a third of them a pass (F, B, W), at 1.76 us each on
+# the GPU (a trivial kernel launched back to back behind a sleeping one, so the host's dispatch is
+# hidden as behind a large model's kernels); measured on one H200 by benchmarks/overhead_gpu.py and
+# taken for the other GPUs, whose gaps were not measured.
+LAYER_PASS_S = 67 / 3 * 1.76e-6
 
 
 @dataclass(frozen=True)
@@ -92,7 +100,7 @@ DEVICES: dict[str, Device] = {
     # al. 2022): AWS p3.16xlarge, 8 per node on NVLink, 25 Gbit/s between nodes. Measured best
     # fp16 matmul on a Tesla V100-SXM2-16GB: 97.36 TFLOP/s at 8192^3 (torch 2.7, square sizes
     # 1024-10240; zzc0721/torch-performance-test-data, issue 140).
-    "v100-16gb": Device("v100-16gb", 125e12, 1.0, 16 * GIB, 900e9, _gpu_node(150, 25 / 8), 100e-6, sms=80,
+    "v100-16gb": Device("v100-16gb", 125e12, 1.0, 16 * GIB, 900e9, _gpu_node(150, 25 / 8), LAYER_PASS_S, sms=80,
                         gemm_flops=97.36e12, gemm_shape=(8192, 8192, 8192)),
     # A100 SXM (NVIDIA A100 whitepaper, 2020): 312 TFLOP/s bf16, 108 SMs; 40GB: 1555 GB/s, 80GB:
     # 2039 GB/s (A100 80GB data sheet). DGX A100 (its user guide): NVSwitch, 600 GB/s per GPU both
@@ -101,27 +109,28 @@ DEVICES: dict[str, Device] = {
     # Measured all-reduce on 8 A100-SXM4-80GB over NVSwitch: ~200 GB/s busbw (nccl-tests issue 149).
     # Measured HBM read bandwidth of an A100 80GB SXM: 1.80 TB/s, 88% of the data sheet's in Nsight
     # Compute (NVIDIA developer forums, "Trouble to reach peak bandwidth of A100").
-    "a100-40gb": Device("a100-40gb", 312e12, 1.0, 40 * GIB, 1555e9, _gpu_node(300, 25, reduce_gbs=200), 50e-6,
+    "a100-40gb": Device("a100-40gb", 312e12, 1.0, 40 * GIB, 1555e9, _gpu_node(300, 25, reduce_gbs=200), LAYER_PASS_S,
                         sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120)),
-    "a100-80gb": Device("a100-80gb", 312e12, 1.0, 80 * GIB, 2039e9, _gpu_node(300, 25, reduce_gbs=200), 50e-6,
+    "a100-80gb": Device("a100-80gb", 312e12, 1.0, 80 * GIB, 2039e9, _gpu_node(300, 25, reduce_gbs=200), LAYER_PASS_S,
                         sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120), stream_bandwidth=1800e9),
     # H100 SXM 80GB (NVIDIA H100 data sheet): 989 TFLOP/s dense bf16, 132 SMs, 3.35 TB/s HBM3;
     # NVLink4 900 GB/s both ways = 450 each way; 400 Gbit/s NDR per GPU (DGX H100) = 50 GB/s.
     # Measured best bf16 matmul (MAMF table): 794.5 TFLOP/s at 2048 x 2048 x 13312 (H100 SXM).
     # NCCL's ring on NVLink4: ~370 GB/s busbw, the line rate less ~20% protocol (nccl-tests issue 212).
-    "h100-80gb": Device("h100-80gb", 989e12, 1.0, 80 * GIB, 3350e9, _gpu_node(450, 50, reduce_gbs=370), 30e-6,
+    "h100-80gb": Device("h100-80gb", 989e12, 1.0, 80 * GIB, 3350e9, _gpu_node(450, 50, reduce_gbs=370), LAYER_PASS_S,
                         sms=132, gemm_flops=794.5e12, gemm_shape=(2048, 2048, 13312)),
     # H200 SXM 141GB (NVIDIA H200 data sheet): the H100's 989 TFLOP/s dense bf16, 132 SMs and
     # NVLink4, 4.8 TB/s HBM3e; 143771 MiB as nvidia-smi reports it; DGX H200: 400 Gbit/s NDR per GPU.
     # Measured on one H200 by benchmarks/roofline_gpu.py (docs/benchmarks.md): best bf16 matmul
     # 779.9 TFLOP/s at 8192^3, copy 4.15 TB/s (read + written).
-    "h200-141gb": Device("h200-141gb", 989e12, 1.0, 143771 * 2**20, 4800e9, _gpu_node(450, 50, reduce_gbs=370), 30e-6,
-                         sms=132, gemm_flops=779.9e12, gemm_shape=(8192, 8192, 8192), stream_bandwidth=4150e9),
+    "h200-141gb": Device("h200-141gb", 989e12, 1.0, 143771 * 2**20, 4800e9, _gpu_node(450, 50, reduce_gbs=370),
+                         LAYER_PASS_S, sms=132, gemm_flops=779.9e12, gemm_shape=(8192, 8192, 8192),
+                         stream_bandwidth=4150e9),
     # MI250X, one GCD (AMD Instinct MI250X data sheet; what a process sees): 191.5 TFLOP/s fp16/bf16
     # matrix, 110 CUs, 64 GB HBM2e at 1.6 TB/s; 8 GCDs per node (Frontier), Infinity Fabric
     # ~50 GB/s between GCDs, 4 x 25 GB/s Slingshot per node = 12.5 GB/s per GCD.
     # Measured best bf16 matmul on one GCD (MAMF table, v1 run): 147.0 TFLOP/s at 1024 x 19968 x 14080.
-    "mi250x": Device("mi250x", 191.5e12, 1.0, 64 * GIB, 1600e9, _gpu_node(50, 12.5), 50e-6, sms=110,
+    "mi250x": Device("mi250x", 191.5e12, 1.0, 64 * GIB, 1600e9, _gpu_node(50, 12.5), LAYER_PASS_S, sms=110,
                      gemm_flops=147.0e12, gemm_shape=(1024, 19968, 14080)),
     # A CPU process of a few cores in fp32: ~100 GFLOP/s peak (4 cores x AVX2 FMA at ~3 GHz),
     # half of it sustained (an assumption: `plait.planner.calibrate` measures the real numbers),

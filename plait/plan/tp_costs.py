@@ -6,7 +6,9 @@ of the layer's work done on split values, and the bytes each collective it inser
 On one of `tp` ranks a layer then costs (a the split share, 1 - a + a / tp its part):
 
     compute      forward, B and W          x (1 - a + a/tp)        fixed and per-row parts alike (a
-                 small batch's matmul is bound by reading its weights, which split too)
+                 small batch's matmul is bound by reading its weights, which split too); W's
+                 fixed part as the parameters split (mostly the add of each micro-batch's
+                 gradient into the accumulated one)
     forward      + all-reduce of each row-parallel output / vocab lookup   2(tp-1)/tp V/B + 2(tp-1) alpha
                  + all-gather of each split value leaving the layers       (tp-1)/tp V/B + (tp-1) alpha
     backward     + all-reduce of each column-parallel input's gradient     (Megatron's f and g)
@@ -115,7 +117,7 @@ def at_tp(costs: LayerCosts, shares: TpShares, link: Link) -> LayerCosts:
             costs.forward_row_s, part, shares.forward_reduce_row_bytes, shares.gather_row_bytes)),
         backward_fixed_s=tuple(f * k + c * reduce_fixed for f, k, c in zip(
             costs.backward_fixed_s, part, shares.backward_collectives)),
-        weight_fixed_s=scaled(costs.weight_fixed_s, part),
+        weight_fixed_s=scaled(costs.weight_fixed_s, kept),  # mostly the gradient's accumulation
         backward_row_s=tuple(r * k + a * reduce_row for r, k, a in zip(
             costs.backward_row_s, part, shares.backward_reduce_row_bytes)),
         weight_row_s=scaled(costs.weight_row_s, part),

@@ -35,6 +35,25 @@ def test_flops_are_megatrons() -> None:
     assert costs.forward_fixed_s == (dev.kernel_overhead_s,) * (l + 2)
 
 
+def test_each_micro_batchs_weight_gradient_is_added_into_the_accumulated_one() -> None:
+    # W's fixed part: the kernels' gaps plus the add of each micro-batch's gradients (both read,
+    # one written) at the memory bandwidth; it splits over tp as the parameters do
+    from plait.plan.network import Link
+    from plait.plan.tp_costs import at_tp
+    spec = GptSpec(layers=2, hidden=1024, heads=16, seq=512, vocab=1000)
+    dev = device("a100-80gb")
+    costs = gpt_costs(spec, dev)
+    params = [p / dev.dtype_bytes for p in costs.param_bytes]
+    assert params[1] == 12 * 1024**2 + 13 * 1024
+    for p, fixed in zip(params, costs.weight_fixed_s):
+        assert fixed == pytest.approx(dev.kernel_overhead_s + 3 * 2 * p / 1.8e12)
+    split = at_tp(costs, gpt_tp_shares(spec, dev, 8), Link(0.0, 1e30))
+    for layer in range(len(params)):  # the embedding by vocabulary rows (positions whole), blocks, head
+        kept = split.param_bytes[layer] / costs.param_bytes[layer]
+        assert split.weight_fixed_s[layer] == pytest.approx(costs.weight_fixed_s[layer] * kept)
+    assert split.param_bytes[1] < costs.param_bytes[1] / 7
+
+
 def test_megatrons_iteration_flops_give_its_training_time_estimate() -> None:
     # SC'21: GPT-3 175B on 300B tokens with 1024 GPUs at 140 TFLOP/s takes about 34 days (their
     # 8TP/(nX)); equation 3 per token is ~8 x parameters, so it gives the same days

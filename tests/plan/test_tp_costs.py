@@ -25,11 +25,12 @@ def shares(n: int, tp: int, share: float = 1.0, split: float = 100.0, fwd: float
 
 def test_split_work_and_memory_divide_by_tp_and_the_whole_part_stays() -> None:
     costs = layer_costs(2, forward=4.0, backward=8.0, weight=2.0, activation=10.0, params=100.0, optimizer=1.0,
-                        fixed=0.5)
+                        fixed=0.5, weight_fixed=0.5)
     half = at_tp(costs, shares(2, 2, share=0.5, split=60.0), FAST)
     assert half.forward_row_s == (3.0, 3.0)  # 4 x (0.5 + 0.5 / 2)
     assert half.backward_row_s == (6.0, 6.0) and half.weight_row_s == (1.5, 1.5)
     assert half.forward_fixed_s == (0.375, 0.375)  # a small batch's time is its weights': they split too
+    assert half.weight_fixed_s == (0.35, 0.35)  # W's fixed part (the gradient's accumulation) as the parameters
     assert half.activation_row_bytes == (7.5, 7.5)
     assert half.param_bytes == (70.0, 70.0) and half.grad_bytes == (70.0, 70.0)  # 40 whole + 60 / 2
     assert half.optimizer_s == (0.7, 0.7)
