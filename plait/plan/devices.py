@@ -8,8 +8,8 @@ table, bf16, v2 run; for the V100 a published fp16 run; for the H200 this projec
 roofline's GEMMs run at that rate rather than the data sheet's peak. The CPU preset keeps a sustained share
 of peak (`efficiency`), which `plait.planner.calibrate` replaces with measured times. Memory is
 the device's total; the planner keeps a share free (`usable_memory`). A GPU's fixed time per layer
-and pass (`LAYER_PASS_S`) is the kernels a block launches per pass times the gap a kernel costs
-the GPU when the host is ahead, both measured on an H200 (`benchmarks/overhead_gpu.py`).
+and pass is the kernels a block launches per pass times the gap a kernel costs the GPU when the
+host is ahead, both measured (`benchmarks/overhead_gpu.py`) on an H200 and an H100.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ __all__ = ["Device", "DEVICES", "device"]
 
 GIB = 2**30
 # A GPU's fixed time per layer and pass: 67 kernels in a transformer block's forward and backward
-# (21 + 46, eager PyTorch, by its profiler), a third of them a pass (F, B, W), at 1.76 us each on
-# the GPU (a trivial kernel launched back to back behind a sleeping one, so the host's dispatch is
-# hidden as behind a large model's kernels); measured on one H200 by benchmarks/overhead_gpu.py and
-# taken for the other GPUs, whose gaps were not measured.
-LAYER_PASS_S = 67 / 3 * 1.76e-6
+# (21 + 46, eager PyTorch, by its profiler), a third of them a pass (F, B, W), each costing the GPU
+# the gap of a trivial kernel launched back to back behind a sleeping one (so the host's dispatch
+# is hidden, as behind a large model's kernels): 1.76 us on an H200, 2.12 us on an H100 80GB HBM3
+# (benchmarks/overhead_gpu.py); the GPUs not measured take the slower of the two.
+KERNELS_PER_PASS = 67 / 3
+H200_PASS_S, H100_PASS_S = KERNELS_PER_PASS * 1.76e-6, KERNELS_PER_PASS * 2.12e-6
+LAYER_PASS_S = H100_PASS_S
 
 
 @dataclass(frozen=True)
@@ -117,15 +119,17 @@ DEVICES: dict[str, Device] = {
     # NVLink4 900 GB/s both ways = 450 each way; 400 Gbit/s NDR per GPU (DGX H100) = 50 GB/s.
     # Measured best bf16 matmul (MAMF table): 794.5 TFLOP/s at 2048 x 2048 x 13312 (H100 SXM).
     # NCCL's ring on NVLink4: ~370 GB/s busbw, the line rate less ~20% protocol (nccl-tests issue 212).
-    "h100-80gb": Device("h100-80gb", 989e12, 1.0, 80 * GIB, 3350e9, _gpu_node(450, 50, reduce_gbs=370), LAYER_PASS_S,
-                        sms=132, gemm_flops=794.5e12, gemm_shape=(2048, 2048, 13312)),
+    # Measured on one H100 80GB HBM3 by benchmarks/roofline_gpu.py: copy 2.95 TB/s (read + written);
+    # its best matmul there, 785.5 TFLOP/s at 8192^3, is below the MAMF table's, which is kept.
+    "h100-80gb": Device("h100-80gb", 989e12, 1.0, 80 * GIB, 3350e9, _gpu_node(450, 50, reduce_gbs=370), H100_PASS_S,
+                        sms=132, gemm_flops=794.5e12, gemm_shape=(2048, 2048, 13312), stream_bandwidth=2950e9),
     # H200 SXM 141GB (NVIDIA H200 data sheet): the H100's 989 TFLOP/s dense bf16, 132 SMs and
     # NVLink4, 4.8 TB/s HBM3e; 143771 MiB as nvidia-smi reports it; DGX H200: 400 Gbit/s NDR per GPU.
     # Measured on one H200 by benchmarks/roofline_gpu.py (docs/benchmarks.md): best bf16 matmul
-    # 779.9 TFLOP/s at 8192^3, copy 4.15 TB/s (read + written).
+    # 785.7 TFLOP/s at 8192^3, copy 4.17 TB/s (read + written), the best of its runs.
     "h200-141gb": Device("h200-141gb", 989e12, 1.0, 143771 * 2**20, 4800e9, _gpu_node(450, 50, reduce_gbs=370),
-                         LAYER_PASS_S, sms=132, gemm_flops=779.9e12, gemm_shape=(8192, 8192, 8192),
-                         stream_bandwidth=4150e9),
+                         H200_PASS_S, sms=132, gemm_flops=785.7e12, gemm_shape=(8192, 8192, 8192),
+                         stream_bandwidth=4170e9),
     # MI250X, one GCD (AMD Instinct MI250X data sheet; what a process sees): 191.5 TFLOP/s fp16/bf16
     # matrix, 110 CUs, 64 GB HBM2e at 1.6 TB/s; 8 GCDs per node (Frontier), Infinity Fabric
     # ~50 GB/s between GCDs, 4 x 25 GB/s Slingshot per node = 12.5 GB/s per GCD.
