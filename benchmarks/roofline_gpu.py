@@ -13,7 +13,9 @@ measured / predicted; the block's GEMMs timed alone against `gemm_s`; and the re
 and softmax) as block minus GEMMs against the roofline's bytes at the bandwidth.
 
 Also measured, as the device's own constants (not fitted to the block): the best bf16 matmul rate
-over a few large shapes (Bekman's MAMF method, shortened), and the achieved copy bandwidth.
+over a few large shapes (Bekman's MAMF method, shortened), the achieved copy bandwidth, and a layer
+norm's forward and backward throughput (PyTorch's kernel, at the shape of the A100 preset's figure
+and at a Megatron row's).
 
     python benchmarks/roofline_gpu.py [--peak-tflops 989] [--bandwidth-tbs 4.8] [--rows 4]
 """
@@ -100,6 +102,20 @@ def best_matmul(dev: torch.device, dtype: torch.dtype, sizes: list[tuple[int, in
     return best
 
 
+def norm_throughput(rows: int, hidden: int, dev: torch.device, dtype: torch.dtype, reps: int,
+                    sync: Callable[[], None]) -> tuple[float, float]:
+    """A layer norm's forward and backward bytes/s over (rows, hidden): the forward's input read and
+    output written, the backward's input and output gradient read and input gradient written (the
+    counts of `plait.plan.roofline.norm_s`)."""
+    norm = nn.LayerNorm(hidden).to(dev, dtype)
+    x = torch.randn(rows, hidden, device=dev, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+    forward = timed(lambda: norm(x), reps, sync)
+    both = timed(lambda: norm(x).backward(grad), reps, sync)
+    nbytes = x.numel() * x.element_size()
+    return 2 * nbytes / forward, 3 * nbytes / max(both - forward, 1e-9)
+
+
 def block_gemms(s: int, b: int, h: int, a: int, t: int) -> list[tuple[int, int, int, int]]:
     """The block's forward GEMMs (M, N, K, batch) on one of t ranks, as the roofline prices them."""
     n, d = a // t, h // a
@@ -136,6 +152,7 @@ def operators(row: str, seq: int, b: int, h: int, a: int, t: int, gpu: Gpu, dev:
     norm = nn.LayerNorm(h).to(dev, dtype)
     cases = [
         ("layer norm", wrap(lambda: norm(x)), 2 * seq * b * h * e),
+        ("softmax", wrap(lambda: scores.softmax(-1)), 2 * b * n * seq * seq * e),
         ("scale-mask-softmax", wrap(lambda: (scores * 0.1).masked_fill(causal, -1e4).softmax(-1)), 2 * b * n * seq * seq * e),
         ("dropout(probs)", wrap(lambda: nn.functional.dropout(scores, 0.1)), b * n * seq * seq * (2 * e + 1)),
         ("softmax+dropout", wrap(lambda: nn.functional.dropout((scores * 0.1).masked_fill(causal, -1e4).softmax(-1), 0.1)),
@@ -149,6 +166,42 @@ def operators(row: str, seq: int, b: int, h: int, a: int, t: int, gpu: Gpu, dev:
         print(f"   {name:>18}: {took * 1e3:8.3f} {pred * 1e3:8.3f} {took / pred:6.3f}  ({nbytes / took / 1e12:.2f} TB/s)")
 
 
+def block_row(row: str, seq: int, mbs: int, h: int, a: int, t: int, with_mamf: Gpu, dev: torch.device,
+              dtype: torch.dtype, reps: int, sync: Callable[[], None], cuda: bool) -> None:
+    """One row's block shard, compiled, timed forward and forward plus backward against the roofline,
+    with its GEMMs alone and the rest."""
+    block = BlockShard(h, a, t).to(dev, dtype)
+    x = torch.randn(seq, mbs, h, device=dev, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+    run = torch.compile(block) if cuda else block
+
+    def forward() -> None:
+        run(x)
+
+    def forward_backward() -> None:
+        run(x).backward(grad)
+
+    fwd, both = timed(forward, reps, sync), timed(forward_backward, reps, sync)
+    gemm_measured = gemm_pred = 0.0
+    for m, n, k, batch in block_gemms(seq, mbs, h, a, t):
+        left = torch.randn(batch, m, k, device=dev, dtype=dtype)
+        right = torch.randn(batch, k, n, device=dev, dtype=dtype)
+        gemm_measured += timed(lambda: torch.bmm(left, right), reps, sync)
+        gemm_pred += gemm_s(m, n, k, with_mamf, batch)
+    times = block_times(seq, h, a, with_mamf, t)
+    pred_fwd = times.forward_s * mbs
+    pred_both = (times.forward_s + times.backward_s + times.weight_s) * mbs
+    # the roofline's non-GEMM forward: its block forward less its GEMMs priced per sequence
+    per_seq = block_gemms(seq, 1, h, a, t)
+    rest_pred = pred_fwd - mbs * sum(gemm_s(m, n, k, with_mamf, batch) for m, n, k, batch in per_seq)
+    rest = fwd - gemm_measured
+    print(f"{row:>7} {t:>2} {mbs:>3} | {fwd * 1e3:8.3f} {pred_fwd * 1e3:8.3f} {fwd / pred_fwd:6.3f} | "
+          f"{both * 1e3:8.3f} {pred_both * 1e3:8.3f} {both / pred_both:6.3f} | {gemm_measured * 1e3:8.3f} "
+          f"{gemm_pred * 1e3:8.3f} {gemm_measured / gemm_pred:6.3f} | {rest * 1e3:8.3f} {rest_pred * 1e3:8.3f} "
+          f"{rest / rest_pred:6.3f}")
+    del block, x, grad, run
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="data sheet's dense bf16 peak (H100/H200 SXM)")
@@ -156,6 +209,9 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=len(ROWS), help="the table's first ROWS rows")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--detail", default="", help="comma-separated rows (e.g. 1.7B,39.1B) to time operator by operator")
+    parser.add_argument("--detail-only", action="store_true", help="time the --detail rows' operators, not the blocks")
+    parser.add_argument("--eager", action="store_true",
+                        help="--detail's element-wise operators as PyTorch's own kernels (not compiled)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU in fp32 (checks the script)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
@@ -177,49 +233,26 @@ def main() -> int:
     big = torch.empty(2**30 if cuda else 2**22, dtype=torch.uint8, device=dev)
     copy_bw = 2 * big.numel() / timed(lambda: big.clone(), args.reps, sync)
     del big
+    norms = {shape_: norm_throughput(*shape_, dev, dtype, args.reps, sync)
+             for shape_ in ([(16384, 1024), (4096, 12288)] if cuda else [(512, 64)])}
+    norm_bw = next(iter(norms.values()))  # at 16384 x 1024, the shape of the A100 preset's measurement
     data_sheet = Gpu(args.peak_tflops * 1e12, sms, args.bandwidth_tbs * 1e12, dtype_bytes=2)
-    with_mamf = Gpu(args.peak_tflops * 1e12, sms, args.bandwidth_tbs * 1e12, 2, measured, shape, copy_bw)
+    with_mamf = Gpu(args.peak_tflops * 1e12, sms, args.bandwidth_tbs * 1e12, 2, measured, shape, copy_bw, norm_bw)
     print(f"best matmul: {measured / 1e12:.1f} TFLOP/s at {shape} ({measured / data_sheet.peak_flops:.3f} of peak); "
           f"copy: {copy_bw / 1e12:.2f} TB/s ({copy_bw / data_sheet.memory_bandwidth:.3f} of the data sheet)")
-    print("Roofline on the data sheet's peak with the best matmul and the copy bandwidth above;"
+    print("layer norm (PyTorch's kernel): " + "; ".join(
+        f"{r} x {c}: forward {f / 1e12:.2f} TB/s, backward {b / 1e12:.2f} TB/s" for (r, c), (f, b) in norms.items()))
+    print("Roofline on the data sheet's peak with the best matmul, the copy bandwidth and the first layer norm above;"
           " ratio = measured / predicted")
     print(f"{'row':>7} {'t':>2} {'mbs':>3} | {'fwd ms':>8} {'pred':>8} {'ratio':>6} | {'f+b ms':>8} {'pred':>8} "
           f"{'ratio':>6} | {'GEMMs ms':>8} {'pred':>8} {'ratio':>6} | {'rest ms':>8} {'pred':>8} {'ratio':>6}")
     for row, hidden, heads, t, mbs in ROWS[: args.rows]:
         h, a = hidden // scale, max(heads // scale, t)
         torch.manual_seed(0)
-        block = BlockShard(h, a, t).to(dev, dtype)
-        x = torch.randn(seq, mbs, h, device=dev, dtype=dtype, requires_grad=True)
-        grad = torch.randn_like(x)
-        run = torch.compile(block) if cuda else block
-
-        def forward() -> None:
-            run(x)
-
-        def forward_backward() -> None:
-            run(x).backward(grad)
-
-        fwd, both = timed(forward, args.reps, sync), timed(forward_backward, args.reps, sync)
-        gemm_measured = gemm_pred = 0.0
-        for m, n, k, batch in block_gemms(seq, mbs, h, a, t):
-            left = torch.randn(batch, m, k, device=dev, dtype=dtype)
-            right = torch.randn(batch, k, n, device=dev, dtype=dtype)
-            gemm_measured += timed(lambda: torch.bmm(left, right), args.reps, sync)
-            gemm_pred += gemm_s(m, n, k, with_mamf, batch)
-        times = block_times(seq, h, a, with_mamf, t)
-        pred_fwd = times.forward_s * mbs
-        pred_both = (times.forward_s + times.backward_s + times.weight_s) * mbs
-        # the roofline's non-GEMM forward: its block forward less its GEMMs priced per sequence
-        per_seq = block_gemms(seq, 1, h, a, t)
-        rest_pred = pred_fwd - mbs * sum(gemm_s(m, n, k, with_mamf, batch) for m, n, k, batch in per_seq)
-        rest = fwd - gemm_measured
-        print(f"{row:>7} {t:>2} {mbs:>3} | {fwd * 1e3:8.3f} {pred_fwd * 1e3:8.3f} {fwd / pred_fwd:6.3f} | "
-              f"{both * 1e3:8.3f} {pred_both * 1e3:8.3f} {both / pred_both:6.3f} | {gemm_measured * 1e3:8.3f} "
-              f"{gemm_pred * 1e3:8.3f} {gemm_measured / gemm_pred:6.3f} | {rest * 1e3:8.3f} {rest_pred * 1e3:8.3f} "
-              f"{rest / rest_pred:6.3f}")
-        del block, x, grad, run
+        if not args.detail_only:
+            block_row(row, seq, mbs, h, a, t, with_mamf, dev, dtype, args.reps, sync, cuda)
         if row in args.detail.split(","):
-            operators(row, seq, mbs, h, a, t, with_mamf, dev, dtype, args.reps, sync, cuda)
+            operators(row, seq, mbs, h, a, t, with_mamf, dev, dtype, args.reps, sync, cuda and not args.eager)
         if cuda:
             torch.cuda.empty_cache()
     print(f"(memory_s of 1 GiB at the data sheet: {memory_s(2**30, data_sheet) * 1e3:.3f} ms)")

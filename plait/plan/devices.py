@@ -31,6 +31,7 @@ GIB = 2**30
 KERNELS_PER_PASS = 67 / 3
 H200_PASS_S, H100_PASS_S = KERNELS_PER_PASS * 1.76e-6, KERNELS_PER_PASS * 2.12e-6
 LAYER_PASS_S = H100_PASS_S
+A100_NORM = (895.8e9, 572.2e9)  # a layer norm's forward, backward bytes/s on an A100 (below)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Device:
     gemm_flops: float = 0.0  # a GEMM benchmark's best measured FLOP/s (0: none; the roofline uses peak)
     gemm_shape: tuple[int, int, int] = (0, 0, 0)  # the (M, N, K) it was measured at
     stream_bandwidth: float = 0.0  # a copy benchmark's best measured bytes/s (0: none; the data sheet's)
+    norm_bandwidth: tuple[float, float] = (0.0, 0.0)  # a layer norm kernel's forward, backward bytes/s (0: none)
 
     def __post_init__(self) -> None:
         if not (0 < self.efficiency <= 1):
@@ -62,7 +64,7 @@ class Device:
         if not self.sms:
             return None
         return Gpu(self.peak_flops, self.sms, self.memory_bandwidth, self.dtype_bytes, self.gemm_flops, self.gemm_shape,
-                   self.stream_bandwidth)
+                   self.stream_bandwidth, self.norm_bandwidth)
 
     @property
     def bandwidth(self) -> float:
@@ -111,10 +113,13 @@ DEVICES: dict[str, Device] = {
     # Measured all-reduce on 8 A100-SXM4-80GB over NVSwitch: ~200 GB/s busbw (nccl-tests issue 149).
     # Measured HBM read bandwidth of an A100 80GB SXM: 1.80 TB/s, 88% of the data sheet's in Nsight
     # Compute (NVIDIA developer forums, "Trouble to reach peak bandwidth of A100").
+    # Measured layer norm on a GA100, apex's affine kernel (which Megatron-LM's fused layer norm
+    # copies), fp16, 16384 x 1024: forward 895.8 GB/s, backward 572.2 GB/s (apex pull request 1037).
     "a100-40gb": Device("a100-40gb", 312e12, 1.0, 40 * GIB, 1555e9, _gpu_node(300, 25, reduce_gbs=200), LAYER_PASS_S,
-                        sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120)),
+                        sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120), norm_bandwidth=A100_NORM),
     "a100-80gb": Device("a100-80gb", 312e12, 1.0, 80 * GIB, 2039e9, _gpu_node(300, 25, reduce_gbs=200), LAYER_PASS_S,
-                        sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120), stream_bandwidth=1800e9),
+                        sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120), stream_bandwidth=1800e9,
+                        norm_bandwidth=A100_NORM),
     # H100 SXM 80GB (NVIDIA H100 data sheet): 989 TFLOP/s dense bf16, 132 SMs, 3.35 TB/s HBM3;
     # NVLink4 900 GB/s both ways = 450 each way; 400 Gbit/s NDR per GPU (DGX H100) = 50 GB/s.
     # Measured best bf16 matmul (MAMF table): 794.5 TFLOP/s at 2048 x 2048 x 13312 (H100 SXM).

@@ -29,9 +29,13 @@ Multiplication Background User's Guide", 2023, chapters 2-3):
                   (`stream_bandwidth`: no kernel reaches the data sheet's HBM figure)
 
 Element-wise operators (layer norms, the softmax, GeLU, dropouts, residual adds, fused as
-Megatron-LM fuses them) move their bytes at the memory bandwidth. No efficiency is fitted: the
-device's peak, SM count and bandwidth are its data sheet's; a measured GEMM rate or copy bandwidth
-is a benchmark's, never fitted to the training throughput being predicted.
+Megatron-LM fuses them) move their bytes at the memory bandwidth; a layer norm at its kernel's
+measured throughput where one was measured on the device (`norm_bandwidth`: forward over its input
+read and output written, backward over its input and output gradient read and input gradient
+written; a layer norm kernel reads its rows twice, for their statistics and to normalize them, and
+reduces them in warps, short of a copy's bandwidth). No efficiency is fitted: the device's peak, SM
+count and bandwidth are its data sheet's; a measured GEMM rate, copy bandwidth or layer norm
+throughput is a benchmark's, never fitted to the training throughput being predicted.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Gpu", "gemm_s", "memory_s", "BlockTimes", "block_times", "head_times"]
+__all__ = ["Gpu", "gemm_s", "memory_s", "norm_s", "BlockTimes", "block_times", "head_times"]
 
 TILES = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128), (64, 64))
 PIPELINE_K = 3 * 32
@@ -58,6 +62,7 @@ class Gpu:
     measured_flops: float = 0.0
     measured_shape: tuple[int, int, int] = (0, 0, 0)
     stream_bandwidth: float = 0.0
+    norm_bandwidth: tuple[float, float] = (0.0, 0.0)  # a layer norm's forward, backward bytes/s (0: bandwidth)
 
     @property
     def bandwidth(self) -> float:
@@ -104,6 +109,18 @@ def memory_s(nbytes: float, gpu: Gpu) -> float:
     return nbytes / gpu.bandwidth
 
 
+def norm_s(values: float, gpu: Gpu) -> tuple[float, float]:
+    """Forward and backward seconds of a layer norm over `values` elements: the forward reads them
+    and writes its output, the backward reads them and the output's gradient and writes theirs; at
+    the kernel's measured throughput where one was measured, else twice their bytes each way at the
+    memory bandwidth (as the other element-wise operators)."""
+    nbytes = values * gpu.dtype_bytes
+    forward_bw, backward_bw = gpu.norm_bandwidth
+    forward = 2 * nbytes / forward_bw if forward_bw > 0 else memory_s(2 * nbytes, gpu)
+    backward = 3 * nbytes / backward_bw if backward_bw > 0 else memory_s(4 * nbytes, gpu)
+    return forward, backward
+
+
 @dataclass(frozen=True)
 class BlockTimes:
     """One sequence's forward, input-gradient (B) and weight-gradient (W) seconds on one rank."""
@@ -130,12 +147,14 @@ def block_times(seq: int, hidden: int, heads: int, gpu: Gpu, tp: int = 1) -> Blo
     values = gemm_s(s, head_dim, s, gpu, local_heads)  # softmax(...) v
     # backward of each: two GEMMs of the same size (the gradients of both operands)
     attention_b = 2 * scores + 2 * values
-    # element-wise bytes read + written, forward: 2 layer norms, 2 fused bias-dropout-adds (+ a
-    # 1-byte mask), the fused bias-GeLU, the fused scale-mask-softmax, the attention dropout
-    elementwise = (4 * s * h * d + 2 * (3 * d + 1) * s * h + 2 * 4 * s * h * d / tp
+    # element-wise bytes read + written, forward: 2 fused bias-dropout-adds (+ a 1-byte mask), the
+    # fused bias-GeLU, the fused scale-mask-softmax, the attention dropout; the backward twice them;
+    # and 2 layer norms (`norm_s`)
+    elementwise = (2 * (3 * d + 1) * s * h + 2 * 4 * s * h * d / tp
                    + 2 * local_heads * s * s * d + local_heads * s * s * (2 * d + 1))
-    forward = sum(x.forward_s for x in lin) + scores + values + memory_s(elementwise, gpu)
-    backward = sum(x.backward_s for x in lin) + attention_b + memory_s(2 * elementwise, gpu)
+    norm_f, norm_b = norm_s(s * h, gpu)
+    forward = sum(x.forward_s for x in lin) + scores + values + memory_s(elementwise, gpu) + 2 * norm_f
+    backward = sum(x.backward_s for x in lin) + attention_b + memory_s(2 * elementwise, gpu) + 2 * norm_b
     return BlockTimes(forward, backward, sum(x.weight_s for x in lin))
 
 
@@ -144,6 +163,6 @@ def head_times(seq: int, hidden: int, vocab: int, gpu: Gpu, tp: int = 1) -> Bloc
     the softmax cross-entropy over its logits (fp32), one sequence."""
     s, h, v, d = seq, hidden, vocab // tp, gpu.dtype_bytes
     proj = _linear(s, v, h, gpu)
-    norm = memory_s(2 * s * h * d, gpu)
+    norm_f, norm_b = norm_s(s * h, gpu)
     loss = memory_s(2 * s * v * (d + 4), gpu)  # logits read, fp32 probabilities written, and back
-    return BlockTimes(proj.forward_s + norm + loss, proj.backward_s + 2 * norm + loss, proj.weight_s)
+    return BlockTimes(proj.forward_s + norm_f + loss, proj.backward_s + norm_b + loss, proj.weight_s)

@@ -1,12 +1,12 @@
 """Tests for plait.plan.roofline: tile and wave quantization as NVIDIA's guide counts it, the
 pipeline fill over K, the epilogue's store, memory-bound GEMMs and element-wise bytes, a measured
-copy bandwidth, a block's times by tp."""
+copy bandwidth and layer norm throughput, a block's times by tp."""
 
 from __future__ import annotations
 
 import pytest
 
-from plait.plan.roofline import PIPELINE_K, Gpu, block_times, gemm_s, head_times, memory_s, quantization
+from plait.plan.roofline import PIPELINE_K, Gpu, block_times, gemm_s, head_times, memory_s, norm_s, quantization
 
 A100 = Gpu(312e12, 108, 2039e9)
 
@@ -35,6 +35,24 @@ def test_a_measured_copy_bandwidth_replaces_the_data_sheet() -> None:
     assert memory_s(1800e9, streamed) == pytest.approx(1.0)
     m, n, k = 1, 8192, 8192  # memory-bound: every byte at the measured bandwidth
     assert gemm_s(m, n, k, streamed) == pytest.approx(gemm_s(m, n, k, A100) * 2039 / 1800)
+
+
+def test_a_measured_layer_norm_replaces_its_bytes_at_the_bandwidth() -> None:
+    # unmeasured: 2 bytes an element each way forward, twice that backward, at the bandwidth;
+    # measured: the forward's input and output at its throughput, the backward's three tensors at its
+    s, h = 2048, 6144
+    values = s * h
+    assert norm_s(values, A100) == pytest.approx((4 * values / 2039e9, 8 * values / 2039e9))
+    normed = Gpu(312e12, 108, 2039e9, norm_bandwidth=(900e9, 600e9))
+    forward, backward = norm_s(values, normed)
+    assert (forward, backward) == pytest.approx((4 * values / 900e9, 6 * values / 600e9))
+    # a block has two layer norms, the head one; nothing else moves
+    plain, slow = block_times(s, h, 48, A100, 8), block_times(s, h, 48, normed, 8)
+    assert slow.forward_s - plain.forward_s == pytest.approx(2 * (forward - 4 * values / 2039e9))
+    assert slow.backward_s - plain.backward_s == pytest.approx(2 * (backward - 8 * values / 2039e9))
+    assert slow.weight_s == plain.weight_s
+    head_plain, head_slow = head_times(s, h, 51200, A100, 8), head_times(s, h, 51200, normed, 8)
+    assert head_slow.forward_s - head_plain.forward_s == pytest.approx(forward - 4 * values / 2039e9)
 
 
 def test_one_tile_more_than_a_wave_costs_a_second_wave() -> None:
