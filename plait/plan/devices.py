@@ -31,7 +31,6 @@ GIB = 2**30
 KERNELS_PER_PASS = 67 / 3
 H200_PASS_S, H100_PASS_S = KERNELS_PER_PASS * 1.76e-6, KERNELS_PER_PASS * 2.12e-6
 LAYER_PASS_S = H100_PASS_S
-A100_NORM = (895.8e9, 572.2e9)  # a layer norm's forward, backward bytes/s on an A100 (below)
 
 
 @dataclass(frozen=True)
@@ -113,13 +112,13 @@ DEVICES: dict[str, Device] = {
     # Measured all-reduce on 8 A100-SXM4-80GB over NVSwitch: ~200 GB/s busbw (nccl-tests issue 149).
     # Measured HBM read bandwidth of an A100 80GB SXM: 1.80 TB/s, 88% of the data sheet's in Nsight
     # Compute (NVIDIA developer forums, "Trouble to reach peak bandwidth of A100").
-    # Measured layer norm on a GA100, apex's affine kernel (which Megatron-LM's fused layer norm
-    # copies), fp16, 16384 x 1024: forward 895.8 GB/s, backward 572.2 GB/s (apex pull request 1037).
+    # (A layer norm was measured on a GA100 only at 16384 x 1024, apex's kernel, 895.8 / 572.2 GB/s
+    # forward / backward, apex pull request 1037; on an H200 PyTorch's ran 1.8-2x faster at a Megatron
+    # row's 4096 x 12288 than at that shape, so it is not taken for Megatron's sizes.)
     "a100-40gb": Device("a100-40gb", 312e12, 1.0, 40 * GIB, 1555e9, _gpu_node(300, 25, reduce_gbs=200), LAYER_PASS_S,
-                        sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120), norm_bandwidth=A100_NORM),
+                        sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120)),
     "a100-80gb": Device("a100-80gb", 312e12, 1.0, 80 * GIB, 2039e9, _gpu_node(300, 25, reduce_gbs=200), LAYER_PASS_S,
-                        sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120), stream_bandwidth=1800e9,
-                        norm_bandwidth=A100_NORM),
+                        sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120), stream_bandwidth=1800e9),
     # H100 SXM 80GB (NVIDIA H100 data sheet): 989 TFLOP/s dense bf16, 132 SMs, 3.35 TB/s HBM3;
     # NVLink4 900 GB/s both ways = 450 each way; 400 Gbit/s NDR per GPU (DGX H100) = 50 GB/s.
     # Measured best bf16 matmul (MAMF table): 794.5 TFLOP/s at 2048 x 2048 x 13312 (H100 SXM).
@@ -131,10 +130,11 @@ DEVICES: dict[str, Device] = {
     # H200 SXM 141GB (NVIDIA H200 data sheet): the H100's 989 TFLOP/s dense bf16, 132 SMs and
     # NVLink4, 4.8 TB/s HBM3e; 143771 MiB as nvidia-smi reports it; DGX H200: 400 Gbit/s NDR per GPU.
     # Measured on one H200 by benchmarks/roofline_gpu.py (docs/benchmarks.md): best bf16 matmul
-    # 785.7 TFLOP/s at 8192^3, copy 4.17 TB/s (read + written), the best of its runs.
+    # 785.7 TFLOP/s at 8192^3, copy 4.17 TB/s (read + written), the best of its runs; PyTorch's layer
+    # norm at 4096 x 12288 (a Megatron row's tokens x hidden): 1.81 TB/s forward, 1.06 backward.
     "h200-141gb": Device("h200-141gb", 989e12, 1.0, 143771 * 2**20, 4800e9, _gpu_node(450, 50, reduce_gbs=370),
                          H200_PASS_S, sms=132, gemm_flops=785.7e12, gemm_shape=(8192, 8192, 8192),
-                         stream_bandwidth=4170e9),
+                         stream_bandwidth=4170e9, norm_bandwidth=(1.81e12, 1.06e12)),
     # MI250X, one GCD (AMD Instinct MI250X data sheet; what a process sees): 191.5 TFLOP/s fp16/bf16
     # matrix, 110 CUs, 64 GB HBM2e at 1.6 TB/s; 8 GCDs per node (Frontier), Infinity Fabric
     # ~50 GB/s between GCDs, 4 x 25 GB/s Slingshot per node = 12.5 GB/s per GCD.
