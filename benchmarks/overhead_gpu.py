@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from roofline_gpu import ROWS, BlockShard, timed  # noqa: E402
+from roofline_gpu import ROWS, BlockShard, device_of, timed  # noqa: E402
 
 try:
     import plait  # noqa: F401
@@ -88,10 +88,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--smoke", action="store_true", help="on the CPU in fp32 (checks the script)")
     args = parser.parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    dev = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    cuda, dev, dtype, sync = device_of(args.smoke)
     if cuda:
         print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
 

@@ -91,6 +91,14 @@ def timed(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> floa
     return statistics.median(times)
 
 
+def device_of(smoke: bool) -> tuple[bool, torch.device, torch.dtype, Callable[[], None]]:
+    """Where a GPU benchmark runs: CUDA in bf16 where there is a device and not `smoke`, else the
+    CPU in fp32; and how to wait for it."""
+    cuda = torch.cuda.is_available() and not smoke
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    return cuda, torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32, sync
+
+
 def best_matmul(dev: torch.device, dtype: torch.dtype, sizes: list[tuple[int, int, int]], reps: int,
                 sync: Callable[[], None]) -> tuple[float, tuple[int, int, int]]:
     """The best FLOP/s over `sizes` (M, N, K) and where it was reached."""
@@ -214,10 +222,7 @@ def main() -> int:
                         help="--detail's element-wise operators as PyTorch's own kernels (not compiled)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU in fp32 (checks the script)")
     args = parser.parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    dev = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    cuda, dev, dtype, sync = device_of(args.smoke)
     scale = 1 if cuda else 32  # --smoke: hidden, sequence and heads cut down
     seq = SEQ // scale
     if cuda:
