@@ -88,13 +88,14 @@ def _gpu_node(intra_gbs: float, inter_gbs: float, per_node: int = 8, reduce_gbs:
     """NVLink-class links inside a node, a network between nodes; GB/s. Latencies from NCCL's
     tuning model (src/graph/tuning.cc, ring algorithm, Simple protocol, which NCCL runs for large
     messages): a collective's base 8.4 us once per call, 3.4 us a ring step on NVLink, 9.6 us a
-    step over the network; a point-to-point message pays one step. `reduce_gbs`: an all-reduce
+    step over the network; a point-to-point message pays one step; NCCL also runs trees, and an
+    all-reduce takes the faster of its ring and a tree. `reduce_gbs`: an all-reduce
     benchmark's bus bandwidth inside a node (nccl-tests' busbw, which is the ring formula's
     bandwidth), where one was measured; else the all-reduce runs at the link's."""
     base, nvlink, net = 8.4e-6, 3.4e-6, 9.6e-6
-    reduce = Link(nvlink, reduce_gbs * 1e9, base) if reduce_gbs else None
-    return Network(Link(nvlink, intra_gbs * 1e9, base), Link(net, inter_gbs * 1e9, base), per_node,
-                   reduce_intra=reduce)
+    reduce = Link(nvlink, reduce_gbs * 1e9, base, tree=True) if reduce_gbs else None
+    return Network(Link(nvlink, intra_gbs * 1e9, base, tree=True), Link(net, inter_gbs * 1e9, base, tree=True),
+                   per_node, reduce_intra=reduce)
 
 
 DEVICES: dict[str, Device] = {

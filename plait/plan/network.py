@@ -7,9 +7,14 @@ model, src/graph/tuning.cc: latency = baseLat + steps x hwLat):
 
     point to point      alpha + V/B
     ring all-reduce     base + 2(p-1) alpha + 2(p-1)V/(pB)
+    tree all-reduce     base + 2 ceil(log2 p) (alpha + V/B)   (a reduce, then a broadcast)
     all-gather          base + (p-1) alpha + (p-1)V/B
     reduce-scatter      base + (p-1) alpha + (p-1)V/(pB)
     broadcast / reduce  base + ceil(log2 p) (alpha + V/B)
+
+An all-reduce runs as a ring, or, on a link whose library also runs trees and takes the faster
+(`Link.tree`: NCCL, which chooses among its algorithms by the same kind of model; gloo's
+all-reduce is a ring), as the faster of the two: the tree where many ranks sum a few bytes.
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Link:
-    """One kind of connection: `latency_s` (alpha) per message, `bandwidth` (B) in bytes/s, and
-    `base_s`, a collective's fixed cost once per call (0 where none was measured or sourced)."""
+    """One kind of connection: `latency_s` (alpha) per message, `bandwidth` (B) in bytes/s,
+    `base_s`, a collective's fixed cost once per call (0 where none was measured or sourced), and
+    `tree`: the library runs an all-reduce as a tree where that is faster than a ring (NCCL)."""
 
     latency_s: float
     bandwidth: float
     base_s: float = 0.0
+    tree: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
@@ -57,9 +64,13 @@ class Link:
         """A collective's latency over `steps` message steps: its base once, alpha a step."""
         return self.base_s + steps * self.latency_s
 
-    def to_dict(self) -> dict[str, float]:
-        data = {"latency_s": self.latency_s, "bandwidth": self.bandwidth}
-        return {**data, "base_s": self.base_s} if self.base_s else data
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"latency_s": self.latency_s, "bandwidth": self.bandwidth}
+        if self.base_s:
+            data["base_s"] = self.base_s
+        if self.tree:
+            data["tree"] = True
+        return data
 
 
 @dataclass(frozen=True)
@@ -132,11 +143,16 @@ def messages_time(count: int, nbytes: float, link: Link) -> float:
 
 
 def all_reduce(nbytes: float, num_devices: int, link: Link) -> float:
-    """Ring all-reduce of `nbytes` per device: 2(p-1) steps of V/p bytes each."""
+    """All-reduce of `nbytes` per device: a ring, 2(p-1) steps of V/p bytes each; on a link that
+    also runs trees, the faster of it and a tree, 2 ceil(log2 p) steps of V bytes."""
     p = num_devices
     if p <= 1 or nbytes <= 0:
         return 0.0
-    return link.collective_s(2 * (p - 1)) + 2 * (p - 1) * nbytes / (p * link.bandwidth)
+    ring = link.collective_s(2 * (p - 1)) + 2 * (p - 1) * nbytes / (p * link.bandwidth)
+    if not link.tree:
+        return ring
+    hops = 2 * math.ceil(math.log2(p))
+    return min(ring, link.collective_s(hops) + hops * nbytes / link.bandwidth)
 
 
 def all_gather(nbytes: float, num_devices: int, link: Link) -> float:

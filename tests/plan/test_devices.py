@@ -28,7 +28,7 @@ def test_the_presets_and_their_numbers() -> None:
     assert all(DEVICES[name].name == name for name in DEVICES)
     v100 = device("v100-16gb")
     assert (v100.peak_flops, v100.sms, v100.memory_bytes, v100.dtype_bytes) == (125e12, 80, 16 * GIB, 2)
-    assert v100.network.devices_per_node == 8 and v100.network.intra == Link(3.4e-6, 150e9, 8.4e-6)  # 6 NVLink2 links x 25 GB/s
+    assert v100.network.devices_per_node == 8 and v100.network.intra == Link(3.4e-6, 150e9, 8.4e-6, tree=True)  # 6 NVLink2 links x 25 GB/s
     a100 = device("a100-80gb")  # DGX A100: NVSwitch 300 GB/s each way, one 200 Gbit/s HDR per GPU
     assert (a100.peak_flops, a100.sms, a100.memory_bandwidth) == (312e12, 108, 2039e9)
     assert (a100.network.intra.bandwidth, a100.network.inter.bandwidth) == (300e9, 25e9)

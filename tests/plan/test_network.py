@@ -78,6 +78,21 @@ def test_link_and_reduce_link_of_groups_of_ranks() -> None:
     assert net.reduce_link([0, 2]) is inter  # none measured between nodes: the point-to-point link
 
 
+def test_a_library_that_runs_trees_takes_the_faster_of_tree_and_ring() -> None:
+    # NCCL's closing all-reduce of a few bytes over 3,072 ranks: a ring pays 2(p-1) steps, a tree
+    # 2 ceil(log2 p); a large all-reduce on few ranks stays a ring, and gloo's (no trees) always is
+    ring_only, nccl = Link(9.6e-6, 25e9, 8.4e-6), Link(9.6e-6, 25e9, 8.4e-6, tree=True)
+    small, p = 64.0, 3072
+    assert all_reduce(small, p, ring_only) == pytest.approx(8.4e-6 + 2 * 3071 * 9.6e-6 + 2 * 3071 * small / (p * 25e9))
+    assert all_reduce(small, p, nccl) == pytest.approx(8.4e-6 + 24 * (9.6e-6 + small / 25e9))
+    assert all_reduce(small, p, nccl) < all_reduce(small, p, ring_only) / 100
+    large = 4e9
+    assert all_reduce(large, 8, nccl) == all_reduce(large, 8, ring_only)
+    assert all_reduce(large, 2, nccl) == all_reduce(large, 2, ring_only)  # the same two steps either way
+    data = Network(nccl, nccl, 8).to_dict()
+    assert data["intra"]["tree"] is True and Network.from_dict(json.loads(json.dumps(data))).intra == nccl
+
+
 def test_to_dict_writes_measured_links_only_when_there_are_some() -> None:
     plain = Network(Link(1.0, 2.0), Link(3.0, 4.0), 8)
     assert plain.to_dict() == {"intra": {"latency_s": 1.0, "bandwidth": 2.0},
