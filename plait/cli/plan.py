@@ -61,7 +61,8 @@ def add_plan_command(commands: Any) -> None:
     plan.add_argument("--batch", type=int, default=None, metavar="B",
                       help="global batch in rows (default: the --sample-shape rows; required with --gpt)")
     plan.add_argument("--device", default=None, metavar="NAME",
-                      help="device preset: v100-16gb, a100-40gb, a100-80gb, h100-80gb, h200-141gb, mi250x, cpu "
+                      help="device preset: v100-16gb, a100-40gb, a100-80gb, h100-80gb, h200-141gb, mi250x, cpu, "
+                           "or FILE.json describing one (a preset's Device.to_dict(), edited) "
                            "(default: v100-16gb with --gpt; with --model, this machine: its times "
                            "are always measured here, a preset only sets memory and network)")
     plan.add_argument("--memory-gb", type=float, default=None, metavar="GB",

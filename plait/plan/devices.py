@@ -14,7 +14,10 @@ host is ahead, both measured (`benchmarks/overhead_gpu.py`) on an H200 and an H1
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
 
 from plait.errors import ConfigError
 from plait.plan.network import Link, Network
@@ -78,6 +81,28 @@ class Device:
             n = 8192
             return 2.0 * n**3 / gemm_s(n, n, n, gpu)
         return self.peak_flops * self.efficiency
+
+    def to_dict(self) -> dict[str, Any]:
+        """The device as JSON-ready data (`from_dict` reads it back; `device("FILE.json")` loads it)."""
+        data: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["network"] = self.network.to_dict()
+        data["gemm_shape"], data["norm_bandwidth"] = list(self.gemm_shape), list(self.norm_bandwidth)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Device":
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ConfigError(f"not a device description: unknown keys {unknown}; its keys are {names}")
+        values = dict(data)
+        try:
+            values["network"] = Network.from_dict(data["network"])
+            values.update({key: tuple(data[key]) for key in ("gemm_shape", "norm_bandwidth") if key in data})
+            return cls(**values)
+        except (KeyError, TypeError) as err:
+            raise ConfigError(f"device description {data.get('name', '?')!r} is incomplete or malformed "
+                              f"({err}); write a preset's as a start: device('a100-80gb').to_dict()") from None
 
     def usable_memory(self, fraction: float = 0.9) -> float:
         """Bytes left for the model: 10% kept for the runtime context, workspace, fragmentation."""
@@ -151,10 +176,25 @@ DEVICES: dict[str, Device] = {
 
 
 def device(name: str) -> Device:
-    """The preset called `name` (ValueError listing the presets when unknown)."""
+    """The preset called `name`, or the device a JSON file `name` (ending in .json) describes, as
+    `Device.to_dict` writes one: a cluster of your own, or a preset with your measured figures
+    (ConfigError listing the presets when unknown)."""
+    if name.lower().endswith(".json"):
+        path = Path(name)
+        if not path.is_file():
+            raise ConfigError(f"device file {name!r} not found; write one from a preset, e.g. "
+                              f"json.dump(device('a100-80gb').to_dict(), open({name!r}, 'w')), and edit it")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"device file {name!r} is not JSON: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"device file {name!r} holds {type(data).__name__}, not a device's object")
+        return Device.from_dict(data)
     try:
         return DEVICES[name.lower()]
     except KeyError:
         raise ConfigError(
-            f"unknown device {name!r}; presets: {', '.join(sorted(DEVICES))}"
+            f"unknown device {name!r}; presets: {', '.join(sorted(DEVICES))}, or a FILE.json "
+            "describing one (Device.to_dict)"
         ) from None

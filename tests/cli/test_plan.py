@@ -47,6 +47,18 @@ def test_gpt_39b_on_64_v100_needs_tensor_parallelism(capsys):
     assert {c["tp"] for c in split["alternatives"]} >= {4}
 
 
+def test_a_device_file_plans_as_the_device_it_describes(capsys, tmp_path):
+    from plait.plan.devices import device
+    path = tmp_path / "a100.json"
+    path.write_text(json.dumps(device("a100-80gb").to_dict()))
+    argv = ("--gpt", "layers=24,hidden=2304,heads=24,seq=2048,vocab=51200", "--batch", "512", "--devices", "32")
+    preset, mine = run_json(capsys, *argv, "--device", "a100-80gb"), run_json(capsys, *argv, "--device", str(path))
+    for key in ("pp", "dp", "tp", "num_microbatches", "predicted_step_time_s", "tflops_per_device"):
+        assert mine[key] == preset[key]
+    assert main(["plan", *argv, "--device", str(tmp_path / "none.json")]) == 1
+    assert "device file" in capsys.readouterr().err
+
+
 def test_gpt_350m_on_one_v100_fits(capsys):
     data = run_json(capsys, "--gpt", "layers=24,hidden=1024,heads=16", "--batch", "1024",
                     "--devices", "1", "--device", "v100-16gb")

@@ -77,4 +77,34 @@ def test_a_device_that_cannot_be_is_named(changes: dict, message: str) -> None:
 def test_an_unknown_device_lists_the_presets() -> None:
     with pytest.raises(ConfigError) as info:
         device("rtx-4090")
-    assert str(info.value) == "unknown device 'rtx-4090'; presets: a100-40gb, a100-80gb, cpu, h100-80gb, h200-141gb, mi250x, v100-16gb"
+    assert str(info.value) == ("unknown device 'rtx-4090'; presets: a100-40gb, a100-80gb, cpu, h100-80gb, h200-141gb, "
+                               "mi250x, v100-16gb, or a FILE.json describing one (Device.to_dict)")
+
+
+def test_a_device_described_in_a_file_is_the_device(tmp_path) -> None:
+    # every preset round-trips through JSON; a file of one, edited, is that device with the edit
+    import dataclasses
+    import json
+    for dev in DEVICES.values():
+        assert Device.from_dict(json.loads(json.dumps(dev.to_dict()))) == dev
+    data = device("a100-80gb").to_dict()
+    data.update(name="my-a100", memory_bytes=40 * GIB)
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(data))
+    assert device(str(path)) == dataclasses.replace(device("a100-80gb"), name="my-a100", memory_bytes=40 * GIB)
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, "device file '{path}' not found; write one from a preset"),
+    ("{", "device file '{path}' is not JSON"),
+    ("[1, 2]", "device file '{path}' holds list, not a device's object"),
+    ('{"name": "x", "flops": 1}', "not a device description: unknown keys ['flops']; its keys are ['name', "),
+    ('{"name": "x", "peak_flops": 1e12}', "device description 'x' is incomplete or malformed ('network')"),
+])
+def test_a_device_file_that_cannot_be_read_is_named(tmp_path, text, message) -> None:
+    path = tmp_path / "dev.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        device(str(path))
+    assert str(info.value).startswith(message.format(path=path))
