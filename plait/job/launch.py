@@ -12,7 +12,7 @@ import socket
 import uuid
 from typing import TYPE_CHECKING, Iterator
 
-from plait.job.ranks import threads_per_rank
+from plait.job.ranks import is_loopback, threads_per_rank
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -145,12 +145,15 @@ def _register_loopback_rendezvous() -> None:
 def _child_env(spec: LaunchSpec) -> Iterator[None]:
     """Set the ranks' environment (unless the user did), and restore ours afterwards.
 
-    OMP_NUM_THREADS shares the cores among the local ranks; on one node, GLOO_SOCKET_IFNAME and
-    NCCL_SOCKET_IFNAME make the ranks' own sockets listen on the loopback interface too.
+    OMP_NUM_THREADS shares the cores among the local ranks (every node's, where node 0's address is
+    a loopback one: all the nodes are then on this machine, and more threads than cores slow small
+    matmuls tenfold and more); on one node, GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME make the
+    ranks' own sockets listen on the loopback interface too.
     """
     from plait.job.process_group import loopback_interface_env
 
-    wanted = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(threads_per_rank(spec.nproc))}
+    here = spec.nproc * (spec.nnodes if spec.master_addr is not None and is_loopback(spec.master_addr) else 1)
+    wanted = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(threads_per_rank(here))}
     if spec.nnodes == 1:
         wanted.update(loopback_interface_env())
     os.environ.update(wanted)

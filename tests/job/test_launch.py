@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import os
 import textwrap
 from pathlib import Path
 
@@ -59,6 +60,25 @@ def test_launch_spec_rejects_bad_values(kwargs: dict[str, int], message: str) ->
     fields = {"target": "t.py", "target_args": (), "nproc": 2, **kwargs}
     with pytest.raises(ValueError, match=message):
         launch.LaunchSpec(**fields)  # type: ignore[arg-type]
+
+
+def test_nodes_on_this_machine_share_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a loopback master: every node is on this machine, so its cores are shared among all their
+    # ranks; a remote master: this node's ranks have its cores to themselves; a user's setting stays
+    from plait.job import ranks
+    monkeypatch.setattr(ranks, "usable_cores", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    def threads(**where: object) -> str:
+        with launch._child_env(launch.LaunchSpec("t.py", (), 1, nnodes=2, master_port=29500, **where)):
+            return os.environ["OMP_NUM_THREADS"]
+
+    assert threads(master_addr="127.0.0.1") == "4"
+    assert threads(master_addr="localhost", node_rank=1) == "4"
+    assert threads(master_addr="10.0.0.1") == "8"
+    assert "OMP_NUM_THREADS" not in os.environ  # restored afterwards
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads(master_addr="127.0.0.1") == "3"
 
 
 @pytest.mark.timeout(100)
