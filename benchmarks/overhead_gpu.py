@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from roofline_gpu import ROWS, BlockShard, device_of, timed  # noqa: E402
+from roofline_gpu import ROWS, BlockShard, copy_bandwidth, device_of, timed  # noqa: E402
 
 try:
     import plait  # noqa: F401
@@ -37,15 +37,28 @@ import torch  # noqa: E402
 SLEEP_CYCLES = 2_000_000_000  # ~1 s at a 2 GHz clock: longer than the host takes to queue a timing
 
 
-def host_ahead_s(fn, reps: int, cuda: bool) -> tuple[float, float, float]:
+def sleep_s(cuda: bool) -> float:
+    """Seconds the GPU's sleep kernel of `host_ahead_s` lasts (the host stayed ahead of the GPU
+    where it queued a timing's calls within it); 0 on the CPU."""
+    if not cuda:
+        return 0.0
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    first.record()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    last.record()
+    last.synchronize()
+    return first.elapsed_time(last) / 1e3
+
+
+def host_ahead_s(fn, reps: int, cuda: bool) -> tuple[float, float]:
     """GPU seconds per call of `fn` queued behind a sleep kernel; the host's seconds per call while
-    queueing; the sleep's own seconds (the host stayed ahead where reps x host < sleep)."""
+    queueing."""
     if not cuda:
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
         took = (time.perf_counter() - t0) / reps
-        return took, took, 0.0
+        return took, took
     for _ in range(3):  # first launches load their kernels (lazily), which waits for the GPU
         fn()
     torch.cuda.synchronize()
@@ -58,15 +71,7 @@ def host_ahead_s(fn, reps: int, cuda: bool) -> tuple[float, float, float]:
     host = (time.perf_counter() - t0) / reps
     end.record()
     end.synchronize()
-    # the sleep's own length, bracketed apart, to check that the host queued within it
-    first = torch.cuda.Event(enable_timing=True)
-    first.record()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    last = torch.cuda.Event(enable_timing=True)
-    last.record()
-    last.synchronize()
-    sleep_s = first.elapsed_time(last) / 1e3
-    return start.elapsed_time(end) / 1e3 / reps, host, sleep_s
+    return start.elapsed_time(end) / 1e3 / reps, host
 
 
 def kernels(fn, cuda: bool) -> int:
@@ -94,10 +99,10 @@ def main() -> int:
 
     one = torch.zeros(1, device=dev)
     n = 10 * args.reps
-    gap, host, sleep_s = host_ahead_s(lambda: one.add_(1.0), n, cuda)
+    gap, host = host_ahead_s(lambda: one.add_(1.0), n, cuda)
     print(f"trivial kernel back to back, host ahead: {gap * 1e6:.2f} us a kernel on the GPU; "
           f"host {host * 1e6:.2f} us a launch; {n} launches queued in {host * n * 1e3:.1f} ms "
-          f"behind a {sleep_s * 1e3:.0f} ms sleep")
+          f"behind a {sleep_s(cuda) * 1e3:.0f} ms sleep")
 
     torch.manual_seed(0)
     hidden, heads, seq = 256, 4, 128
@@ -114,8 +119,8 @@ def main() -> int:
     k_f, k_fb = kernels(forward, cuda), kernels(forward_backward, cuda)
     # CUDA's launch queue holds about a thousand launches: beyond it the host waits for the GPU
     reps = max(1, min(args.reps, 900 // max(k_fb, 1)))
-    f_gpu, f_host, _ = host_ahead_s(forward, reps, cuda)
-    fb_gpu, fb_host, _ = host_ahead_s(forward_backward, reps, cuda)
+    f_gpu, f_host = host_ahead_s(forward, reps, cuda)
+    fb_gpu, fb_host = host_ahead_s(forward_backward, reps, cuda)
     print(f"block of hidden {hidden}, {heads} heads, {seq} tokens (eager, {dtype}): kernels forward {k_f}, "
           f"backward {k_fb - k_f}; {reps} passes queued")
     print(f"   GPU per pass with the host ahead: forward {f_gpu * 1e6:.1f} us, backward {(fb_gpu - f_gpu) * 1e6:.1f} us")
@@ -125,9 +130,7 @@ def main() -> int:
         print(f"   kernels x gap: forward {k_f * gap * 1e6:.1f} us, backward {(k_fb - k_f) * gap * 1e6:.1f} us; "
               f"over the three passes (F, B, W) {per_pass * 1e6:.1f} us a pass")
 
-    big = torch.empty(2**30 if cuda else 2**22, dtype=torch.uint8, device=dev)
-    copy_bw = 2 * big.numel() / timed(lambda: big.clone(), 10, sync)
-    del big
+    copy_bw = copy_bandwidth(dev, cuda, 10, sync)
     print(f"copy: {copy_bw / 1e12:.2f} TB/s (read + written)")
     for name, h, _, t, _ in ROWS:
         params = 12 * h * h // t if cuda else 12 * (h // 32) ** 2

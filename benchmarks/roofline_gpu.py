@@ -99,6 +99,12 @@ def device_of(smoke: bool) -> tuple[bool, torch.device, torch.dtype, Callable[[]
     return cuda, torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32, sync
 
 
+def copy_bandwidth(dev: torch.device, cuda: bool, reps: int, sync: Callable[[], None]) -> float:
+    """Bytes/s (read + written) a copy of 1 GiB (4 MiB on the CPU) reaches: the median of `reps`."""
+    big = torch.empty(2**30 if cuda else 2**22, dtype=torch.uint8, device=dev)
+    return 2 * big.numel() / timed(lambda: big.clone(), reps, sync)
+
+
 def best_matmul(dev: torch.device, dtype: torch.dtype, sizes: list[tuple[int, int, int]], reps: int,
                 sync: Callable[[], None]) -> tuple[float, tuple[int, int, int]]:
     """The best FLOP/s over `sizes` (M, N, K) and where it was reached."""
@@ -235,9 +241,7 @@ def main() -> int:
     square = [(n, n, n) for n in (4096, 8192, 16384)] if cuda else [(256, 256, 256)]
     sizes = square + ([(2048, 2048, 13312), (1024, 10240, 5120), (4096, 4096, 16384)] if cuda else [])
     measured, shape = best_matmul(dev, dtype, sizes, args.reps, sync)
-    big = torch.empty(2**30 if cuda else 2**22, dtype=torch.uint8, device=dev)
-    copy_bw = 2 * big.numel() / timed(lambda: big.clone(), args.reps, sync)
-    del big
+    copy_bw = copy_bandwidth(dev, cuda, args.reps, sync)
     norms = {shape_: norm_throughput(*shape_, dev, dtype, args.reps, sync)
              for shape_ in ([(16384, 1024), (4096, 12288)] if cuda else [(512, 64)])}
     norm_bw = list(norms.values())[-1]  # at a Megatron row's 4096 tokens x 12288
