@@ -150,9 +150,11 @@ DEVICES: dict[str, Device] = {
     # Measured best bf16 matmul (MAMF table): 794.5 TFLOP/s at 2048 x 2048 x 13312 (H100 SXM).
     # NCCL's ring on NVLink4: ~370 GB/s busbw, the line rate less ~20% protocol (nccl-tests issue 212).
     # Measured on one H100 80GB HBM3 by benchmarks/roofline_gpu.py: copy 2.95 TB/s (read + written);
-    # its best matmul there, 785.5 TFLOP/s at 8192^3, is below the MAMF table's, which is kept.
+    # its best matmul there, 785.5 TFLOP/s at 8192^3, is below the MAMF table's, which is kept;
+    # PyTorch's layer norm at 4096 x 12288: 1.37 TB/s forward, 0.74 backward, the best of four runs.
     "h100-80gb": Device("h100-80gb", 989e12, 1.0, 80 * GIB, 3350e9, _gpu_node(450, 50, reduce_gbs=370), H100_PASS_S,
-                        sms=132, gemm_flops=794.5e12, gemm_shape=(2048, 2048, 13312), stream_bandwidth=2950e9),
+                        sms=132, gemm_flops=794.5e12, gemm_shape=(2048, 2048, 13312), stream_bandwidth=2950e9,
+                        norm_bandwidth=(1.37e12, 0.74e12)),
     # H200 SXM 141GB (NVIDIA H200 data sheet): the H100's 989 TFLOP/s dense bf16, 132 SMs and
     # NVLink4, 4.8 TB/s HBM3e; 143771 MiB as nvidia-smi reports it; DGX H200: 400 Gbit/s NDR per GPU.
     # Measured on one H200 by benchmarks/roofline_gpu.py (docs/benchmarks.md): best bf16 matmul

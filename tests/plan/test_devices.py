@@ -48,6 +48,10 @@ def test_the_presets_and_their_numbers() -> None:
     # a measured copy bandwidth where one was measured; the data sheet's elsewhere
     assert (a100.bandwidth, device("h200-141gb").bandwidth, v100.bandwidth) == (1800e9, 4170e9, 900e9)
     assert a100.gpu.bandwidth == 1800e9 and a100.memory_bandwidth == 2039e9
+    # a layer norm kernel's measured throughput where one was measured (the H100 and H200); none elsewhere
+    assert (device("h100-80gb").gpu.norm_bandwidth, device("h200-141gb").gpu.norm_bandwidth) == (
+        (1.37e12, 0.74e12), (1.81e12, 1.06e12))
+    assert a100.gpu.norm_bandwidth == v100.gpu.norm_bandwidth == (0.0, 0.0)
     cpu = device("cpu")
     assert (cpu.dtype_bytes, cpu.flops, cpu.network.intra) == (4, 50e9, Link(50e-6, 2e9))
 
