@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from roofline_gpu import ROWS, BlockShard, copy_bandwidth, device_of, timed  # noqa: E402
+from roofline_gpu import ROWS, BlockShard, device_of  # noqa: E402
 
 try:
     import plait  # noqa: F401
@@ -34,7 +33,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
-SLEEP_CYCLES = 2_000_000_000  # ~1 s at a 2 GHz clock: longer than the host takes to queue a timing
+from plait.planner.gpu_probe import SLEEP_CYCLES, copy_bandwidth, host_ahead_s, timed  # noqa: E402
 
 
 def sleep_s(cuda: bool) -> float:
@@ -48,30 +47,6 @@ def sleep_s(cuda: bool) -> float:
     last.record()
     last.synchronize()
     return first.elapsed_time(last) / 1e3
-
-
-def host_ahead_s(fn, reps: int, cuda: bool) -> tuple[float, float]:
-    """GPU seconds per call of `fn` queued behind a sleep kernel; the host's seconds per call while
-    queueing."""
-    if not cuda:
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        took = (time.perf_counter() - t0) / reps
-        return took, took
-    for _ in range(3):  # first launches load their kernels (lazily), which waits for the GPU
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(SLEEP_CYCLES)
-    start.record()  # after the sleep: what follows was queued while it ran
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    host = (time.perf_counter() - t0) / reps
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps, host
 
 
 def kernels(fn, cuda: bool) -> int:
@@ -93,13 +68,13 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--smoke", action="store_true", help="on the CPU in fp32 (checks the script)")
     args = parser.parse_args()
-    cuda, dev, dtype, sync = device_of(args.smoke)
+    cuda, dev, dtype = device_of(args.smoke)
     if cuda:
         print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
 
     one = torch.zeros(1, device=dev)
     n = 10 * args.reps
-    gap, host = host_ahead_s(lambda: one.add_(1.0), n, cuda)
+    gap, host = host_ahead_s(lambda: one.add_(1.0), n, dev)
     print(f"trivial kernel back to back, host ahead: {gap * 1e6:.2f} us a kernel on the GPU; "
           f"host {host * 1e6:.2f} us a launch; {n} launches queued in {host * n * 1e3:.1f} ms "
           f"behind a {sleep_s(cuda) * 1e3:.0f} ms sleep")
@@ -119,8 +94,8 @@ def main() -> int:
     k_f, k_fb = kernels(forward, cuda), kernels(forward_backward, cuda)
     # CUDA's launch queue holds about a thousand launches: beyond it the host waits for the GPU
     reps = max(1, min(args.reps, 900 // max(k_fb, 1)))
-    f_gpu, f_host = host_ahead_s(forward, reps, cuda)
-    fb_gpu, fb_host = host_ahead_s(forward_backward, reps, cuda)
+    f_gpu, f_host = host_ahead_s(forward, reps, dev)
+    fb_gpu, fb_host = host_ahead_s(forward_backward, reps, dev)
     print(f"block of hidden {hidden}, {heads} heads, {seq} tokens (eager, {dtype}): kernels forward {k_f}, "
           f"backward {k_fb - k_f}; {reps} passes queued")
     print(f"   GPU per pass with the host ahead: forward {f_gpu * 1e6:.1f} us, backward {(fb_gpu - f_gpu) * 1e6:.1f} us")
@@ -130,13 +105,13 @@ def main() -> int:
         print(f"   kernels x gap: forward {k_f * gap * 1e6:.1f} us, backward {(k_fb - k_f) * gap * 1e6:.1f} us; "
               f"over the three passes (F, B, W) {per_pass * 1e6:.1f} us a pass")
 
-    copy_bw = copy_bandwidth(dev, cuda, 10, sync)
+    copy_bw = copy_bandwidth(dev, 2**30 if cuda else 2**22, 10)
     print(f"copy: {copy_bw / 1e12:.2f} TB/s (read + written)")
     for name, h, _, t, _ in ROWS:
         params = 12 * h * h // t if cuda else 12 * (h // 32) ** 2
         main_grad = torch.zeros(params, device=dev, dtype=torch.float16)
         new = torch.randn(params, device=dev, dtype=torch.float16)
-        took = timed(lambda: main_grad.add_(new), 10, sync)
+        took = timed(lambda: main_grad.add_(new), 10, dev)
         print(f"   {name:>7} t={t}: {params / 1e6:7.1f} M parameters a block a rank, main_grad.add_(grad) "
               f"{took * 1e3:7.3f} ms = {6 * params / took / 1e12:.2f} TB/s ({6 * params / took / copy_bw:.2f} of the copy)")
         del main_grad, new

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from pathlib import Path
-from typing import Callable
 
 try:
     import plait  # noqa: F401
@@ -37,6 +35,7 @@ import torch
 from torch import nn
 
 from plait.plan.roofline import Gpu, block_times, gemm_s, memory_s
+from plait.planner.gpu_probe import best_matmul, copy_bandwidth, norm_throughput, timed
 
 # name, hidden, heads, t, the run script's micro-batch size (examples/sc21/run_table_1.sh)
 ROWS = [("1.7B", 2304, 24, 1, 16), ("18.4B", 6144, 48, 8, 8), ("39.1B", 8192, 64, 8, 4),
@@ -68,66 +67,19 @@ class BlockShard(nn.Module):
         return x + nn.functional.dropout(self.fc2(nn.functional.gelu(self.fc1(self.ln2(x)))), self.p)
 
 
-def timed(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
-    """Median seconds of `reps` calls after 3 warm-ups."""
-    for _ in range(3):
-        fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
-def device_of(smoke: bool) -> tuple[bool, torch.device, torch.dtype, Callable[[], None]]:
+def device_of(smoke: bool) -> tuple[bool, torch.device, torch.dtype]:
     """Where a GPU benchmark runs: CUDA in bf16 where there is a device and not `smoke`, else the
-    CPU in fp32; and how to wait for it."""
+    CPU in fp32."""
     cuda = torch.cuda.is_available() and not smoke
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    return cuda, torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32, sync
+    return cuda, torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
 
 
-def copy_bandwidth(dev: torch.device, cuda: bool, reps: int, sync: Callable[[], None]) -> float:
-    """Bytes/s (read + written) a copy of 1 GiB (4 MiB on the CPU) reaches: the median of `reps`."""
-    big = torch.empty(2**30 if cuda else 2**22, dtype=torch.uint8, device=dev)
-    return 2 * big.numel() / timed(lambda: big.clone(), reps, sync)
 
 
-def best_matmul(dev: torch.device, dtype: torch.dtype, sizes: list[tuple[int, int, int]], reps: int,
-                sync: Callable[[], None]) -> tuple[float, tuple[int, int, int]]:
-    """The best FLOP/s over `sizes` (M, N, K) and where it was reached."""
-    best = (0.0, (0, 0, 0))
-    for m, n, k in sizes:
-        a, b = torch.randn(m, k, device=dev, dtype=dtype), torch.randn(k, n, device=dev, dtype=dtype)
-        rate = 2.0 * m * n * k / timed(lambda: a @ b, reps, sync)
-        best = max(best, (rate, (m, n, k)))
-    return best
 
 
-def norm_throughput(rows: int, hidden: int, dev: torch.device, dtype: torch.dtype, reps: int,
-                    sync: Callable[[], None]) -> tuple[float, float]:
-    """A layer norm's forward and backward bytes/s over (rows, hidden): the forward's input read and
-    output written, the backward's input and output gradient read and input gradient written (the
-    counts of `plait.plan.roofline.norm_s`)."""
-    norm = nn.LayerNorm(hidden).to(dev, dtype)
-    x = torch.randn(rows, hidden, device=dev, dtype=dtype, requires_grad=True)
-    grad = torch.randn_like(x)
-    forward = timed(lambda: norm(x), reps, sync)
-    both = timed(lambda: norm(x).backward(grad), reps, sync)
-    nbytes = x.numel() * x.element_size()
-    return 2 * nbytes / forward, 3 * nbytes / max(both - forward, 1e-9)
 
 
 def block_gemms(s: int, b: int, h: int, a: int, t: int) -> list[tuple[int, int, int, int]]:
@@ -138,7 +90,7 @@ def block_gemms(s: int, b: int, h: int, a: int, t: int) -> list[tuple[int, int, 
 
 
 def operators(row: str, seq: int, b: int, h: int, a: int, t: int, gpu: Gpu, dev: torch.device,
-              dtype: torch.dtype, reps: int, sync: Callable[[], None], compile_: bool) -> None:
+              dtype: torch.dtype, reps: int, compile_: bool) -> None:
     """Each of the block's GEMMs (forward, input- and weight-gradient shapes) and fused element-wise
     operators timed alone against the roofline's time for it; the element-wise ones also as the
     bandwidth they reached."""
@@ -151,7 +103,7 @@ def operators(row: str, seq: int, b: int, h: int, a: int, t: int, gpu: Gpu, dev:
         for kind, mm, nn2, kk in shapes:
             left = torch.randn(batch, mm, kk, device=dev, dtype=dtype)
             right = torch.randn(batch, kk, nn2, device=dev, dtype=dtype)
-            took = timed(lambda: torch.bmm(left, right), reps, sync)
+            took = timed(lambda: torch.bmm(left, right), reps, dev)
             pred = gemm_s(mm, nn2, kk, gpu, batch)
             rate = 2.0 * mm * nn2 * kk * batch / took / 1e12
             print(f"   {name:>8} {kind:>5} {mm}x{nn2}x{kk} x{batch}: {took * 1e3:8.3f} {pred * 1e3:8.3f} {took / pred:6.3f}"
@@ -175,13 +127,13 @@ def operators(row: str, seq: int, b: int, h: int, a: int, t: int, gpu: Gpu, dev:
         ("bias-dropout-add", wrap(lambda: x + nn.functional.dropout(x + bias_h, 0.1)), seq * b * h * (3 * e + 1)),
     ]
     for name, fn, nbytes in cases:
-        took = timed(fn, reps, sync)
+        took = timed(fn, reps, dev)
         pred = memory_s(nbytes, gpu)
         print(f"   {name:>18}: {took * 1e3:8.3f} {pred * 1e3:8.3f} {took / pred:6.3f}  ({nbytes / took / 1e12:.2f} TB/s)")
 
 
 def block_row(row: str, seq: int, mbs: int, h: int, a: int, t: int, with_mamf: Gpu, dev: torch.device,
-              dtype: torch.dtype, reps: int, sync: Callable[[], None], cuda: bool) -> None:
+              dtype: torch.dtype, reps: int, cuda: bool) -> None:
     """One row's block shard, compiled, timed forward and forward plus backward against the roofline,
     with its GEMMs alone and the rest."""
     block = BlockShard(h, a, t).to(dev, dtype)
@@ -195,12 +147,12 @@ def block_row(row: str, seq: int, mbs: int, h: int, a: int, t: int, with_mamf: G
     def forward_backward() -> None:
         run(x).backward(grad)
 
-    fwd, both = timed(forward, reps, sync), timed(forward_backward, reps, sync)
+    fwd, both = timed(forward, reps, dev), timed(forward_backward, reps, dev)
     gemm_measured = gemm_pred = 0.0
     for m, n, k, batch in block_gemms(seq, mbs, h, a, t):
         left = torch.randn(batch, m, k, device=dev, dtype=dtype)
         right = torch.randn(batch, k, n, device=dev, dtype=dtype)
-        gemm_measured += timed(lambda: torch.bmm(left, right), reps, sync)
+        gemm_measured += timed(lambda: torch.bmm(left, right), reps, dev)
         gemm_pred += gemm_s(m, n, k, with_mamf, batch)
     times = block_times(seq, h, a, with_mamf, t)
     pred_fwd = times.forward_s * mbs
@@ -228,7 +180,7 @@ def main() -> int:
                         help="--detail's element-wise operators as PyTorch's own kernels (not compiled)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU in fp32 (checks the script)")
     args = parser.parse_args()
-    cuda, dev, dtype, sync = device_of(args.smoke)
+    cuda, dev, dtype = device_of(args.smoke)
     scale = 1 if cuda else 32  # --smoke: hidden, sequence and heads cut down
     seq = SEQ // scale
     if cuda:
@@ -240,9 +192,9 @@ def main() -> int:
         sms, name = 8, "cpu"
     square = [(n, n, n) for n in (4096, 8192, 16384)] if cuda else [(256, 256, 256)]
     sizes = square + ([(2048, 2048, 13312), (1024, 10240, 5120), (4096, 4096, 16384)] if cuda else [])
-    measured, shape = best_matmul(dev, dtype, sizes, args.reps, sync)
-    copy_bw = copy_bandwidth(dev, cuda, args.reps, sync)
-    norms = {shape_: norm_throughput(*shape_, dev, dtype, args.reps, sync)
+    measured, shape = best_matmul(dev, dtype, tuple(sizes), args.reps)
+    copy_bw = copy_bandwidth(dev, 2**30 if cuda else 2**22, args.reps)
+    norms = {shape_: norm_throughput(*shape_, dev, dtype, args.reps)
              for shape_ in ([(16384, 1024), (4096, 12288)] if cuda else [(512, 64)])}
     norm_bw = list(norms.values())[-1]  # at a Megatron row's 4096 tokens x 12288
     data_sheet = Gpu(args.peak_tflops * 1e12, sms, args.bandwidth_tbs * 1e12, dtype_bytes=2)
@@ -259,9 +211,9 @@ def main() -> int:
         h, a = hidden // scale, max(heads // scale, t)
         torch.manual_seed(0)
         if not args.detail_only:
-            block_row(row, seq, mbs, h, a, t, with_mamf, dev, dtype, args.reps, sync, cuda)
+            block_row(row, seq, mbs, h, a, t, with_mamf, dev, dtype, args.reps, cuda)
         if row in args.detail.split(","):
-            operators(row, seq, mbs, h, a, t, with_mamf, dev, dtype, args.reps, sync, cuda and not args.eager)
+            operators(row, seq, mbs, h, a, t, with_mamf, dev, dtype, args.reps, cuda and not args.eager)
         if cuda:
             torch.cuda.empty_cache()
     print(f"(memory_s of 1 GiB at the data sheet: {memory_s(2**30, data_sheet) * 1e3:.3f} ms)")

@@ -1,4 +1,4 @@
-"""The `plait` command: `run` a script on N ranks, the `demo`, `timeline`/`simulate` charts, `export`."""
+"""The `plait` command: `run` a script on N ranks, the `demo`, `timeline`/`simulate` charts, `export`, `plan`, `device`."""
 
 from __future__ import annotations
 
@@ -170,10 +170,16 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device(args: argparse.Namespace) -> int:
+    from plait.cli.device import run_device
+
+    return run_device(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="plait", description="Train an unmodified PyTorch model as a pipeline over several processes.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,demo,timeline,simulate,export,plan}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,demo,timeline,simulate,export,plan,device}")
 
     run = commands.add_parser(
         "run", help="run a training script on N ranks",
@@ -196,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_command(commands)
     _add_export_command(commands)
+    from plait.cli.device import add_device_command
+
+    add_device_command(commands)
     return parser
 
 
@@ -212,11 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         except (PlaitError, ValueError, OSError, ImportError) as err:
             print(f"plait plan: error: {err}", file=sys.stderr)
             return 1
-    if args.command in ("timeline", "simulate", "export"):
+    if args.command in ("timeline", "simulate", "export", "device"):
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         try:
-            return {"timeline": _timeline, "simulate": _simulate, "export": _export}[args.command](args)
+            return {"timeline": _timeline, "simulate": _simulate, "export": _export, "device": _device}[args.command](args)
         except (PlaitError, ValueError, OSError, ImportError) as err:
             print(f"plait {args.command}: error: {err}", file=sys.stderr)
             return 1
