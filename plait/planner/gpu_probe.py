@@ -82,7 +82,7 @@ def timed(fn: Callable[[], object], reps: int, dev: torch.device) -> float:
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return float(statistics.median(times))
 
 
 def best_matmul(dev: torch.device, dtype: torch.dtype, shapes: tuple[tuple[int, int, int], ...],
