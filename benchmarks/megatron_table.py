@@ -16,6 +16,7 @@ v100-16gb preset's prediction at that run's layout (not a target: Alpa's kernels
 Megatron-LM's).
 
     python benchmarks/megatron_table.py [--rows 4]   (the 5th row, 1T on 3072 GPUs, plans longer)
+    python benchmarks/megatron_table.py --device a100.json   (an A100 measured by `plait device`)
 """
 
 from __future__ import annotations
@@ -72,7 +73,16 @@ def scripted_layout(name: str, t: int, p: int, gpus: int, batch: int) -> tuple[s
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=len(MEGATRON), help="the table's first ROWS rows")
+    parser.add_argument("--device", default="a100-80gb", metavar="NAME",
+                        help="the A100s' device: the preset (default) or a FILE.json, e.g. one of `plait device "
+                             "--like a100-80gb` on an A100 SXM 80GB")
+    parser.add_argument("--alpa-device", default="v100-16gb", metavar="NAME",
+                        help="the V100s' device for Alpa's rows: the preset (default) or a FILE.json")
     args = parser.parse_args()
+    for key in ("device", "alpa_device"):  # a file named relative to here; `plan` runs in the checkout
+        if Path(getattr(args, key)).is_file():
+            setattr(args, key, str(Path(getattr(args, key)).resolve()))
+    print(f"Megatron-LM's rows on {args.device}; Alpa's on {args.alpa_device}")
     print(f"{'model':>7} {'t':>2} {'p':>3} {'GPUs':>5} {'published':>9} {'predicted':>9} {'ratio':>6}  "
           f"{'Megatron-LM ran it (micro-batch, schedule, DDP)':<40} "
           f"{'own choice (pp dp tp m schedule recompute)':<44} {'own/given step':>14}  plan s  "
@@ -81,11 +91,11 @@ def main() -> int:
     for name, layers, hidden, heads, t, p, gpus, batch, published in rows:
         gpt = f"layers={layers},hidden={hidden},heads={heads},seq=2048,vocab=51200"
         layout, label = scripted_layout(name, t, p, gpus, batch)
-        given = plan(gpt, batch, gpus, "a100-80gb", "--layout", layout)
-        ours = plan(gpt, batch, gpus, "a100-80gb", "--layout", f"tp={t},pp={p},recompute=1")
-        own = plan(gpt, batch, gpus, "a100-80gb")
+        given = plan(gpt, batch, gpus, args.device, "--layout", layout)
+        ours = plan(gpt, batch, gpus, args.device, "--layout", f"tp={t},pp={p},recompute=1")
+        own = plan(gpt, batch, gpus, args.device)
         overlapped = RUN_SCRIPT[name][2]  # t and p alone, plait choosing m
-        loose = plan(gpt, batch, gpus, "a100-80gb", "--layout", f"tp={t},pp={p},recompute=1,overlap={int(overlapped)}")
+        loose = plan(gpt, batch, gpus, args.device, "--layout", f"tp={t},pp={p},recompute=1,overlap={int(overlapped)}")
         faster = own["predicted_step_time_s"] / ours["predicted_step_time_s"]
         if given["feasible"]:
             ratio = given["tflops_per_device"] / published
@@ -102,7 +112,7 @@ def main() -> int:
         print(f"{name:>7} {t:>2} {p:>3} {gpus:>5} {published:>9} {predicted}  {label:<40} "
               f"{choice:<44} {faster:>14.3f}  {seconds:>6.1f}  m={loose['num_microbatches']}: "
               f"{loose['tflops_per_device']:.1f}, ratio {loose['tflops_per_device'] / published:.3f}")
-    alpa = plan("layers=48,hidden=8192,heads=64,seq=1024,vocab=51200", 1024, 64, "v100-16gb")
+    alpa = plan("layers=48,hidden=8192,heads=64,seq=1024,vocab=51200", 1024, 64, args.alpa_device)
     if alpa["feasible"]:
         pflops = alpa["tflops_per_device"] * 64 / 1e3
         print(f"Alpa's GPT-39B on 64 V100-16GB: feasible, pp={alpa['pp']} dp={alpa['dp']} tp={alpa['tp']} "
@@ -112,7 +122,7 @@ def main() -> int:
         ok = False
         print(f"Alpa's GPT-39B on 64 V100-16GB: infeasible: {alpa['reason']}")
     gpt, batch, gpus, layout, step_s, tflops = ALPA_RUN
-    run = plan(gpt, batch, gpus, "v100-16gb", "--layout", layout)
+    run = plan(gpt, batch, gpus, args.alpa_device, "--layout", layout)
     print(f"Alpa's own run of a GPT 2.6B on 8 V100 (its benchmark README; {layout}): measured {step_s:.3f} s, "
           f"{tflops:.2f} TFLOP/s per GPU; predicted {run['predicted_step_time_s']:.3f} s, "
           f"{run['tflops_per_device']:.2f} (predicted / measured TFLOP/s {run['tflops_per_device'] / tflops:.2f}; "
