@@ -6,7 +6,8 @@ the preset `like` with them put in, for `plait plan --device FILE.json` (`plait 
 
     sms, memory_bytes      the device's own properties
     gemm_flops, gemm_shape the best matmul rate over `ProbeSizes.matmuls` and where it was reached
-                           (Bekman's Maximum Achievable Matmul FLOPS, over fewer shapes)
+                           (Bekman's Maximum Achievable Matmul FLOPS, over fewer shapes), in the
+                           preset's element type: bf16, fp16 where the GPU has no bf16 tensor cores
     stream_bandwidth       a copy's bytes read + written per second
     norm_bandwidth         PyTorch's layer norm at `ProbeSizes.norm`, forward and backward, over
                            the bytes `roofline.norm_s` counts
@@ -147,6 +148,16 @@ def kernel_gap(dev: torch.device, launches: int) -> float:
     return host_ahead_s(lambda: one.add_(1.0), launches, dev)[0]
 
 
+def _dtype(dtype_bytes: int, dev: torch.device) -> torch.dtype:
+    """The element type a preset of `dtype_bytes` trains in: 4 fp32; 2 bf16, or fp16 on a GPU
+    without bf16 tensor cores (a V100), where bf16 is emulated and not what training would use."""
+    if dtype_bytes == 4:
+        return torch.float32
+    if dev.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.float16
+    return torch.bfloat16
+
+
 def measure_device(like: Device, dev: torch.device | None = None, runs: int = 3, reps: int = 10,
                    sizes: ProbeSizes = ProbeSizes()) -> Device:
     """`like` with this GPU's measured figures put in (see the module): the best of `runs`
@@ -162,7 +173,7 @@ def measure_device(like: Device, dev: torch.device | None = None, runs: int = 3,
                               "a machine with the GPU, or write a device file from a preset by hand: "
                               "json.dump(device('a100-80gb').to_dict(), open('mine.json', 'w'))")
         dev = torch.device("cuda", torch.cuda.current_device())
-    dtype = {2: torch.bfloat16, 4: torch.float32}[like.dtype_bytes]
+    dtype = _dtype(like.dtype_bytes, dev)
     gemm, copy, norm_f, norm_b, gap = (0.0, (0, 0, 0)), 0.0, 0.0, 0.0, float("inf")
     for _ in range(runs):
         gemm = max(gemm, best_matmul(dev, dtype, sizes.matmuls, reps))

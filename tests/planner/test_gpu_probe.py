@@ -68,3 +68,13 @@ def test_bad_requests_say_what_to_do_instead(monkeypatch):
         ProbeSizes(launches=1000)
     with pytest.raises(ConfigError, match="must be positive"):
         ProbeSizes(norm=(0, 64))
+
+
+def test_a_two_byte_preset_is_timed_in_bf16_or_in_fp16_where_the_gpu_has_no_bf16_tensor_cores(monkeypatch):
+    assert gpu_probe._dtype(2, CPU) == torch.bfloat16 and gpu_probe._dtype(4, CPU) == torch.float32
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: not including_emulation)
+    assert gpu_probe._dtype(2, cuda) == torch.bfloat16
+    # a V100: bf16 only emulated, so its matmuls would not be what it trains at
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert gpu_probe._dtype(2, cuda) == torch.float16 and gpu_probe._dtype(4, cuda) == torch.float32
