@@ -118,6 +118,12 @@ def main() -> int:
         print(f"Alpa's GPT-39B on 64 V100-16GB: feasible, pp={alpa['pp']} dp={alpa['dp']} tp={alpa['tp']} "
               f"m={alpa['num_microbatches']} {alpa['schedule']}, predicted {alpa['predicted_step_time_s']:.2f} s a "
               f"step = {pflops:.2f} PFLOP/s in all (Megatron's count; Alpa's Figure 7a reports its own in PFLOPS)")
+        mixed = alpa["mixed_widths"]
+        if mixed is not None:  # Alpa's inter-operator pass: one pipeline of stages of different tp widths
+            print(f"  its best pipeline of stages of different tp widths: tp {mixed['tp']}, layers "
+                  f"{mixed['layers_per_stage']}, m={mixed['num_microbatches']} {mixed['schedule']}: "
+                  f"{mixed['predicted_step_time_s']:.2f} s a step ({mixed['predicted_step_time_s'] / alpa['predicted_step_time_s']:.3f} "
+                  "of the uniform layout's, which the planner keeps: equal layers, as Alpa's DP found on a GPT)")
     else:
         ok = False
         print(f"Alpa's GPT-39B on 64 V100-16GB: infeasible: {alpa['reason']}")

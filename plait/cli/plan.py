@@ -266,16 +266,18 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return data, text
 
 
-MIXED_LIMIT = (16, 128)  # devices, layers: beyond, stages of different widths are not searched
+MIXED_LIMIT = (16, 128)  # devices, layers: beyond, stages of different dp widths are not searched
+# ... nor stages of different tp widths beyond Alpa's 64 GPUs (its GPT-39B's widths: about 11 s)
+TP_WIDTHS_LIMIT = (64, 128)
 
 
 def _mixed_widths(args: argparse.Namespace, spec: Any, dev: Any, cluster: Any) -> Any:
     """The best one-pipeline layout with stages of different tp widths (`plait.plan.width_search`),
-    for small worlds with no --layout; None otherwise or when none beats nothing."""
+    for worlds up to TP_WIDTHS_LIMIT devices with no --layout; None otherwise or when none is found."""
     from plait.plan.analytic import gpt_costs, gpt_tp_shares
     from plait.plan.width_search import search_widths, stage_widths
 
-    if args.layout is not None or args.devices > MIXED_LIMIT[0] or spec.layers + 2 > MIXED_LIMIT[1]:
+    if args.layout is not None or args.devices > TP_WIDTHS_LIMIT[0] or spec.layers + 2 > TP_WIDTHS_LIMIT[1]:
         return None
     widths = tuple(args.tp) if args.tp else stage_widths(args.devices, dev.network.devices_per_node)
     shares = {w: gpt_tp_shares(spec, dev, w) for w in widths if w > 1}
@@ -311,7 +313,8 @@ def _model_widths(args: argparse.Namespace, captured: Any, result: Any, cluster:
     from plait.planner.tp_shares import tp_shares
 
     costs = result.profile.costs
-    if captured is None or args.layout is not None or args.devices > MIXED_LIMIT[0] or costs.num_layers > MIXED_LIMIT[1]:
+    if captured is None or args.layout is not None or args.devices > TP_WIDTHS_LIMIT[0] \
+            or costs.num_layers > TP_WIDTHS_LIMIT[1]:
         return None
     widths = tuple(args.tp) if args.tp else stage_widths(args.devices, cluster.network.devices_per_node)
     shares = {}
