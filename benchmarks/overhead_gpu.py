@@ -33,7 +33,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
-from plait.planner.gpu_probe import SLEEP_CYCLES, copy_bandwidth, host_ahead_s, timed  # noqa: E402
+from plait.planner.gpu_probe import SLEEP_CYCLES, ProbeSizes, copy_bandwidth, host_ahead_s, timed  # noqa: E402
 
 
 def sleep_s(cuda: bool) -> float:
@@ -105,7 +105,7 @@ def main() -> int:
         print(f"   kernels x gap: forward {k_f * gap * 1e6:.1f} us, backward {(k_fb - k_f) * gap * 1e6:.1f} us; "
               f"over the three passes (F, B, W) {per_pass * 1e6:.1f} us a pass")
 
-    copy_bw = copy_bandwidth(dev, 2**30 if cuda else 2**22, 10)
+    copy_bw = copy_bandwidth(dev, ProbeSizes().copy_bytes if cuda else 2**22, 10)
     print(f"copy: {copy_bw / 1e12:.2f} TB/s (read + written)")
     for name, h, _, t, _ in ROWS:
         params = 12 * h * h // t if cuda else 12 * (h // 32) ** 2

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from plait.plan.roofline import Gpu, block_times, gemm_s, memory_s
-from plait.planner.gpu_probe import best_matmul, copy_bandwidth, norm_throughput, timed
+from plait.planner.gpu_probe import ProbeSizes, best_matmul, copy_bandwidth, norm_throughput, timed
 
 # name, hidden, heads, t, the run script's micro-batch size (examples/sc21/run_table_1.sh)
 ROWS = [("1.7B", 2304, 24, 1, 16), ("18.4B", 6144, 48, 8, 8), ("39.1B", 8192, 64, 8, 4),
@@ -67,19 +67,11 @@ class BlockShard(nn.Module):
         return x + nn.functional.dropout(self.fc2(nn.functional.gelu(self.fc1(self.ln2(x)))), self.p)
 
 
-
-
 def device_of(smoke: bool) -> tuple[bool, torch.device, torch.dtype]:
     """Where a GPU benchmark runs: CUDA in bf16 where there is a device and not `smoke`, else the
     CPU in fp32."""
     cuda = torch.cuda.is_available() and not smoke
     return cuda, torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
-
-
-
-
-
-
 
 
 def block_gemms(s: int, b: int, h: int, a: int, t: int) -> list[tuple[int, int, int, int]]:
@@ -190,10 +182,10 @@ def main() -> int:
         print(f"device: {name}, {sms} SMs, torch {torch.__version__}")
     else:
         sms, name = 8, "cpu"
-    square = [(n, n, n) for n in (4096, 8192, 16384)] if cuda else [(256, 256, 256)]
-    sizes = square + ([(2048, 2048, 13312), (1024, 10240, 5120), (4096, 4096, 16384)] if cuda else [])
-    measured, shape = best_matmul(dev, dtype, tuple(sizes), args.reps)
-    copy_bw = copy_bandwidth(dev, 2**30 if cuda else 2**22, args.reps)
+    probe = ProbeSizes()  # the shapes and copy `plait device` measures, cut down on the CPU
+    sizes = probe.matmuls if cuda else ((256, 256, 256),)
+    measured, shape = best_matmul(dev, dtype, sizes, args.reps)
+    copy_bw = copy_bandwidth(dev, probe.copy_bytes if cuda else 2**22, args.reps)
     norms = {shape_: norm_throughput(*shape_, dev, dtype, args.reps)
              for shape_ in ([(16384, 1024), (4096, 12288)] if cuda else [(512, 64)])}
     norm_bw = list(norms.values())[-1]  # at a Megatron row's 4096 tokens x 12288
