@@ -326,11 +326,11 @@ class _Run:
             t0 = time.perf_counter()
             torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
             t_input = time.perf_counter() - t0
-        if outs and (leaves or weights):
+        if outs and weights:  # W is the extra of both gradients over the input's alone
             t0 = time.perf_counter()
             torch.autograd.grad(outs, leaves + weights, grads, allow_unused=True)
             t_all = time.perf_counter() - t0
-        return {"f": mid - start, "b": t_input, "w": max(0.0, t_all - t_input)}
+        return {"f": mid - start, "b": t_input, "w": max(0.0, t_all - t_input) if weights else 0.0}
 
     def whole(self, held: int = HELD) -> tuple[float, float]:
         """Seconds per micro-batch of the forward, and of the backward (input and weight
