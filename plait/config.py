@@ -102,7 +102,8 @@ class Config:
         (the stages' ranks in order; world size = their sum). A stage output crosses as `crossing`
         says (`plait.plan.tiles`). Needs the cut (layers_per_proc or
         split_points) and one replica; not with interleaving, ZeRO, tp_plan, sequence parallelism,
-        a plan file, replan or checkpoints (refused by name). None: one tp for every stage (`tp`).
+        a plan file or replan (refused by name). Checkpoints and exports are by name, as for any
+        layout: they load into any other, and any other's into these. None: one tp for every stage.
     crossing: with tp_per_stage, how a value crosses between stages of different widths: "tiles"
         (once over the link, tile by tile; the receiving stage all-gathers it, Alpa's) or "whole"
         (every receiving rank gets all of it; nothing gathered). None: "tiles", or the planner's

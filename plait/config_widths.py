@@ -39,7 +39,7 @@ def _refused(config: Any) -> dict[str, bool]:
     """The fields stages of different widths do not run with, and whether each is set."""
     return {"zero": bool(config.zero), "num_virtual_stages": config.num_virtual_stages != 1,
             "tp_plan": config.tp_plan is not None, "sequence_parallel": config.sequence_parallel,
-            "checkpoint_dir": config.checkpoint_dir is not None, "replan": bool(config.replan),
+            "replan": bool(config.replan),
             "plan": config.plan is not None}
 
 

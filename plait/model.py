@@ -409,14 +409,12 @@ class Model:
         return str(self._save(root, None))
 
     def _save(self, root: str | os.PathLike[str], data: dict[str, Any] | None) -> Path:
-        self._refuse_stage_widths("saving a checkpoint")
         pipe = self._train.pipe if self._train is not None else None
         return self._checkpoints.save(root, self.step, pipe, self.optimizer, self.config, data)
 
     def export(self, directory: str | os.PathLike[str]) -> str:
         """Write the weights as Hugging Face sharded safetensors (`from_pretrained` reads them):
         each rank its own tensors, rank 0 the index once all are written. Call it on every rank."""
-        self._refuse_stage_widths("exporting the weights")
         pipe = self._train.pipe if self._train is not None else None
         try:  # a tensor split over tp ranks is written whole by the first of them
             wholes = whole_split_tensors(self.net, pipe.tp_parts, pipe.tp_group) if pipe and pipe.tp_parts else {}
@@ -443,7 +441,6 @@ class Model:
         set the parameters and buffers alone: after `build`, each rank reads only its stages'
         tensors; before it, every rank reads them all (the step stays as it is).
         """
-        self._refuse_stage_widths("loading a checkpoint or weights")
         if weights.holds_weights(path):  # never a plait checkpoint directory: those come first
             self._checkpoints.load_weights(path, self._train.pipe if self._train is not None else None)
         elif Path(path).is_file():
@@ -451,15 +448,6 @@ class Model:
         else:
             self._restore(self._checkpoints.find(path))
         return self.step
-
-    def _refuse_stage_widths(self, what: str) -> None:
-        """Checkpoints of stages of different widths are not written or read yet: say so, not do wrong."""
-        for name, same in (("tp_per_stage", "one tp"), ("dp_per_stage", "one dp")):
-            widths = getattr(self.config, name)
-            if widths is not None and self.world_size > 1:
-                raise ConfigError(f"{what} is not supported with {name}={list(widths)} (stages of different "
-                                  f"widths); use model.state_dict(), which gathers the whole model, or {same} "
-                                  "for every stage")
 
     def _restore(self, ckpt: checkpoint.Checkpoint) -> None:
         pipe = self._train.pipe if self._train is not None else None

@@ -267,9 +267,11 @@ def _state_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wh
             _close(got[key], want[key], f"{what} {key}", problems)
 
 
-def _save_and_resume(rank: int, world: int, root: str, first: dict[str, Any], second: dict[str, Any]) -> list[str]:
+def _save_and_resume(rank: int, world: int, root: str, first: dict[str, Any], second: dict[str, Any],
+                     into: dict[str, Any] | None = None) -> list[str]:
     """GPT-2 with Adam: 2 steps in layout `first`, saved (a checkpoint, and an export), the 3rd in
-    layout `second` from the checkpoint; the export read back whole, and into a tp=2 model."""
+    layout `second` from the checkpoint; the export read back whole, and into a model of layout
+    `into` (default tp=2)."""
     import transformers
 
     from plait.checkpoint.disk import export
@@ -279,7 +281,7 @@ def _save_and_resume(rank: int, world: int, root: str, first: dict[str, Any], se
     ref_opt = _adam(ref.parameters())
     problems: list[str] = []
     config = {"num_microbatches": MICROBATCHES, "schedule": "1f1b", "timeout_s": 60.0}
-    model = plait.Model(case.net, plait.Config(**config, **first), optimizer=_adam, loss=case.loss)
+    model = plait.Model(case.net, plait.Config(**{**config, **first}), optimizer=_adam, loss=case.loss)
     _steps(model, ref, ref_opt, case, range(2), problems)
     model.save(f"{root}/ckpt")
     model.export(f"{root}/export")
@@ -290,15 +292,17 @@ def _save_and_resume(rank: int, world: int, root: str, first: dict[str, Any], se
         export(f"{root}/ckpt", f"{root}/plain.safetensors")
         _state_close(_read(f"{root}/plain.safetensors"), after_two, "plait export", problems)
     fresh = make("gpt2")
-    resumed = plait.Model(fresh.net, plait.Config(**config, **second), optimizer=_adam, loss=fresh.loss)
+    resumed = plait.Model(fresh.net, plait.Config(**{**config, **second}), optimizer=_adam, loss=fresh.loss)
     if resumed.load(f"{root}/ckpt") != 2:
         problems.append("the checkpoint's step is not 2")
     _steps(resumed, ref, ref_opt, fresh, range(2, 3), problems)
     _state_close(resumed.state_dict(), ref.state_dict(), "resumed", problems)
-    whole_into_parts = plait.Model(make("gpt2").net, plait.Config(**config, tp=2), optimizer=_adam, loss=case.loss)
+    into = {"tp": 2} if into is None else into
+    whole_into_parts = plait.Model(make("gpt2").net, plait.Config(**{**config, **into}), optimizer=_adam,
+                                   loss=case.loss)
     whole_into_parts.build(_rows(case.x, 0, 2))
     whole_into_parts.load(f"{root}/export")  # each tp rank takes its part of the whole tensors
-    _state_close(whole_into_parts.state_dict(), after_two, "export loaded at tp=2", problems)
+    _state_close(whole_into_parts.state_dict(), after_two, f"export loaded at {into}", problems)
     return problems
 
 

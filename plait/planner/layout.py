@@ -159,6 +159,8 @@ def _fixed_tp(work: Workload, config: Config, world_size: int, resumed_plan: dic
     if world_size == 1 or not config.plans_everything or config.plan is not None or on_meta(work.net):
         return 1
     if resumed_plan is not None and resumed_plan.get("world_size") == world_size:
+        if resumed_plan.get("stage_tp"):  # stages of different widths: the resumed fields say which
+            return None
         return int(resumed_plan.get("tp", 1) or 1)
     return None
 
@@ -314,8 +316,15 @@ def _resumed_fields(plan: dict[str, Any], config: Config, world_size: int,
                 "recompute_by_layer": [int(s) for s in plan.get("recompute_by_layer", [])],
                 "zero": int(plan.get("zero", 0) or 0),
                 "batch_weight_grads": bool(plan.get("batch_weight_grads", False))}
+        widths = {field: [int(w) for w in plan.get(key) or ()] for field, key in
+                  (("tp_per_stage", "stage_tp"), ("dp_per_stage", "stage_dp"))}
     except (KeyError, TypeError, ValueError):
         return None
+    for field, found in widths.items():  # one pipeline of stages of different widths, as saved
+        if found:
+            full.update({field: found, "num_stages": None})
+    if widths["tp_per_stage"]:
+        full["crossing"] = str(plan.get("crossing", "tiles"))
     if config.zero and dp == 1:  # the config's ZeRO needs replicas this layout lacks: plan afresh
         return None
     if config.plans_everything:

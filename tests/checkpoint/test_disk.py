@@ -158,8 +158,13 @@ def test_same_layout_compares_the_stages_and_ranks_only(tmp_path: Path) -> None:
     plan = {"layers_per_stage": [2, 3], "dp": 1, "num_virtual_stages": 1, "world_size": 2, "schedule": "1f1b"}
     ckpt = disk.open_checkpoint(save(tmp_path, 1, [{"w": torch.ones(1)}], plan=plan))
     assert ckpt.same_layout(dict(plan, schedule="gpipe", num_microbatches=8))  # not a layout field
-    for key, value in (("layers_per_stage", [3, 2]), ("dp", 2), ("num_virtual_stages", 2), ("world_size", 4)):
+    for key, value in (("layers_per_stage", [3, 2]), ("dp", 2), ("num_virtual_stages", 2), ("world_size", 4),
+                       ("stage_tp", [2, 1]), ("stage_dp", [1, 2])):
         assert not ckpt.same_layout(dict(plan, **{key: value})), key
+    assert ckpt.same_layout(dict(plan, stage_tp=[], stage_dp=[]))  # a uniform plan's empty widths
+    widths = dict(plan, world_size=3, tp=2, stage_tp=[2, 1])
+    wide = disk.open_checkpoint(save(tmp_path / "widths", 1, [{"w": torch.ones(1)}] * 3, plan=widths))
+    assert wide.same_layout(widths) and not wide.same_layout(dict(widths, stage_tp=[1, 2]))
     unplanned = disk.open_checkpoint(save(tmp_path / "other", 1, [{"w": torch.ones(1)}]))
     assert not unplanned.same_layout(plan)  # saved with no plan: no layout to match
 

@@ -5,7 +5,9 @@ first steps are checked against the prediction, and a replan keeps training equa
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -273,3 +275,25 @@ def test_a_resume_on_the_same_world_keeps_the_checkpoints_cut_instead_of_replann
     assert _resumed_fields(saved, fixed, 8, names) is None  # another world: planned afresh
     assert _resumed_fields(saved, fixed, 4, names[:-1] + ("other",)) is None  # another model
     assert _resumed_fields({**saved, "layers_per_stage": "x"}, fixed, 4, names) is None  # damaged meta
+
+
+@pytest.mark.parametrize("key, field", [("stage_tp", "tp_per_stage"), ("stage_dp", "dp_per_stage")])
+def test_a_resumed_pipeline_of_stages_of_different_widths_keeps_its_widths(key, field):
+    """Config() had chosen stages of different widths and saved a checkpoint: the resume runs
+    that pipeline again (not a uniform one of its cut, which 3 ranks could not run)."""
+    from plait.planner.layout import _fixed_tp, _resumed_fields
+
+    names = tuple(f"l{i}" for i in range(9))
+    saved = {"world_size": 3, "layer_names": list(names), "layers_per_stage": [6, 3], "dp": 1, "tp": 1,
+             "num_virtual_stages": 1, "num_microbatches": 2, "schedule": "1f1b", "recompute": [0, 1],
+             key: [2, 1], "crossing": "whole"}
+    if key == "stage_tp":
+        saved["tp"] = 2
+    fields = _resumed_fields(saved, plait.Config(), 3, names)
+    assert fields is not None and fields[field] == [2, 1] and fields["num_stages"] is None
+    assert ("crossing" in fields) == (key == "stage_tp") and fields.get("crossing", "whole") == "whole"
+    assert _fixed_tp(SimpleNamespace(net=nn.Linear(2, 2)), plait.Config(), 3, saved) == (
+        None if key == "stage_tp" else 1)  # the widest stage's tp is not the resumed layout's
+    config = dataclasses.replace(plait.Config(), **{**fields, "layers_per_proc": tuple(fields["layers_per_proc"]),
+                                                   "recompute": tuple(fields["recompute"])})
+    assert getattr(config, field) == (2, 1) and config.lanes(3) == 2  # a config the runtime takes
