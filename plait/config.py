@@ -48,7 +48,7 @@ class Config:
         steps its share of the parameters, whole ones, then broadcasts them); 2 also shards the
         gradients (each bucket reduced to the owners of its parameters instead of all-reduced,
         and the others' gradients freed before the optimizer step); 0 replicates both. None
-        (default): the planner chooses, else 0. Needs dp > 1.
+        (default): the planner chooses, else 0. Needs dp > 1 (or a dp_per_stage of a stage > 1).
     init_fn: for a model built on the meta device, fn(module) initialising one module's own
         tensors in place (None: a Hugging Face model's `_init_weights`, else each module's
         `reset_parameters()`), called under an RNG seeded by (seed, module name) so values do not
@@ -113,7 +113,8 @@ class Config:
         the rows of every micro-batch), stage 1 on rank 2 (world size = their sum). Activations cross
         by row blocks and their gradients back (`plait.plan.row_blocks`); each micro-batch's rows
         must divide by every stage's dp. Needs the cut and tp=1; not with grad_reduction="sum" nor
-        what tp_per_stage refuses (refused by name). None: one dp for every stage (`dp`).
+        what tp_per_stage refuses but ZeRO (refused by name); with zero, each stage of replicas
+        shards its optimizer state (2: and gradients) over them. None: one dp for every stage.
     tp_plan: {module-name pattern: "colwise" | "rowwise" | "vocab" | "replicate"} fixing the
         strategy of the linears and embeddings it names (fnmatch patterns such as
         "*.mlp.c_fc"; the first matching pattern wins); the rest is found automatically.
@@ -211,7 +212,7 @@ class Config:
             return
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2):
             raise ConfigError(f"zero must be 0, 1, 2 or None, got {self.zero!r}")
-        if self.zero and self.dp == 1:
+        if self.zero and self.dp == 1 and max(self.dp_per_stage or (1,)) == 1:
             raise ConfigError(f"zero={self.zero} shards over a stage's replicas, but dp=1 has "
                               "one replica; set dp > 1 or zero=0")
 

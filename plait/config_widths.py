@@ -70,7 +70,7 @@ def check_dp_per_stage(config: Any) -> None:
         return
     refused = {"tp_per_stage": config.tp_per_stage is not None, "tp": config.tp not in (None, 1),
                "dp": config.dp not in (None, 1), "grad_reduction": config.grad_reduction != "mean",
-               **_refused(config)}
+               **_refused(config), "zero": bool(config.zero) and max(widths) == 1}  # ZeRO needs a stage's replicas
     bad = {name: getattr(config, name) for name, is_bad in refused.items() if is_bad}
     if bad:
         raise ConfigError(f"dp_per_stage={list(widths)} (stages of different data-parallel widths) does not run "

@@ -264,6 +264,7 @@ def test_tp_per_stage_gives_one_lane_per_stage_on_the_sum_of_the_widths() -> Non
         config.lanes(4)
     assert Config.from_json(config.to_json()) == config
     assert Config(split_points=["h.1"], tp_per_stage=(1, 2)).tp_per_stage == (1, 2)
+    assert Config(layers_per_proc=(3, 4), tp_per_stage=(2, 1), checkpoint_dir="c").checkpoint_dir == "c"
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -273,7 +274,8 @@ def test_tp_per_stage_gives_one_lane_per_stage_on_the_sum_of_the_widths() -> Non
     ({"tp_per_stage": "21", "layers_per_proc": (3, 4)}, "one positive tp per stage"),
     ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "dp": 2}, r"does not run with \{'dp': 2\}"),
     ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "tp": 2}, r"\{'tp': 2\}"),
-    ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "checkpoint_dir": "c"}, "checkpoint_dir"),
+    ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "replan": True}, "replan"),
+    ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "zero": 1}, r"\{'zero': 1\}"),
     ({"tp_per_stage": (2, 1, 2, 1), "layers_per_proc": (1, 1, 1, 1), "schedule": "interleaved",
       "num_virtual_stages": 2}, "num_virtual_stages"),
     ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "sequence_parallel": True}, "sequence_parallel"),

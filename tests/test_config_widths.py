@@ -24,9 +24,13 @@ def test_no_widths_leave_the_lanes_to_tp() -> None:
 
 def test_dp_per_stage_sets_tp_to_one_and_refuses_the_fields_it_does_not_run_with() -> None:
     assert plait.Config(layers_per_proc=(2, 2), dp_per_stage=(1, 2)).tp == 1
-    with pytest.raises(ConfigError, match=r"dp_per_stage=\[1, 2\] .* does not run with \{'tp': 2, 'zero': 1\}; "
-                                          r"leave those fields at their defaults"):
-        plait.Config(layers_per_proc=(2, 2), dp_per_stage=(1, 2), tp=2, zero=1, dp=None)
+    with pytest.raises(ConfigError, match=r"dp_per_stage=\[1, 2\] .* does not run with \{'tp': 2, 'num_virtual_stages': "
+                                          r"2\}; leave those fields at their defaults"):
+        plait.Config(layers_per_proc=(2, 2, 2, 2), dp_per_stage=(1, 2), tp=2, num_virtual_stages=2, dp=None)
+    # ZeRO shards a stage's state over its replicas: with a stage of two, not with none
+    assert plait.Config(layers_per_proc=(2, 2), dp_per_stage=(1, 2), zero=2).zero == 2
+    with pytest.raises(ConfigError, match=r"dp_per_stage=\[1, 1\] .* does not run with \{'zero': 1\}"):
+        plait.Config(layers_per_proc=(2, 2), dp_per_stage=(1, 1), zero=1)
     with pytest.raises(ConfigError, match=r"tp_per_stage=\[2, 1\] .* does not run with \{'dp': 2\}"):
         plait.Config(layers_per_proc=(2, 2), tp_per_stage=(2, 1), dp=2)
 

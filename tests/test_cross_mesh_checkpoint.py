@@ -18,7 +18,7 @@ from tests.test_tensor_parallel import _save_and_resume
 
 TP_2_1 = {"tp_per_stage": (2, 1), "layers_per_proc": (12, 11)}
 TP_1_2 = {"tp_per_stage": (1, 2), "layers_per_proc": (9, 14), "crossing": "whole"}
-DP_2_1 = {"dp_per_stage": (2, 1), "layers_per_proc": (12, 11)}  # 6-row steps: micro-batches of 2, 1 a replica
+DP_2_1 = {"dp_per_stage": (2, 1), "layers_per_proc": (12, 11), "zero": 1}  # 6-row steps: 1 row a replica; ZeRO-1
 DP_1_2 = {"dp_per_stage": (1, 2), "layers_per_proc": (9, 14), "num_microbatches": 2}  # 4 rows: 2 a micro-batch
 PP_3 = {"layers_per_proc": (8, 8, 7)}
 

@@ -2,8 +2,8 @@
 the batch) train exactly as one process: 3 ranks, stage 0 as 2 replicas (each running half the
 rows of every micro-batch) and stage 1 on one rank, and the reverse, on Hugging Face GPT-2 and
 Llama (tied word embedding and head: its gradient summed over every replica of both stages), with
-1F1B, GPipe and ZB-H1, SGD with momentum and Adam; and as Config() plans them, where the planner
-predicts them faster (a small model priced so that they must be).
+1F1B, GPipe and ZB-H1, SGD with momentum and Adam, and ZeRO-2 over the replicas; and as Config()
+plans them, where the planner predicts them faster (a small model priced so that they must be).
 
 Each rank trains plait and a deep copy in one process through the same steps and compares the
 loss of each step, every parameter and gradient it holds, the gathered `state_dict()` and
@@ -34,6 +34,7 @@ JOINING: list[Run] = [  # stage 0 as 2 replicas, stage 1 on one rank: the rows j
     ("gpt2", {"dp_per_stage": (2, 1), "layers_per_proc": (12, 11), **EVEN}, False),  # between blocks, 1F1B
     ("llama", {"dp_per_stage": (2, 1), "layers_per_proc": (10, 14), "schedule": "gpipe", **EVEN}, True),
     ("gpt2", {"dp_per_stage": (2, 1), "layers_per_proc": (9, 14), "schedule": "zbh1", **EVEN}, True),  # after the GELU
+    ("gpt2", {"dp_per_stage": (2, 1), "layers_per_proc": (12, 11), "zero": 2, **EVEN}, True),  # stage 0's state sharded
 ]
 SPLITTING: list[Run] = [  # stage 0 on one rank, stage 1 as 2 replicas: the rows split at the boundary
     ("gpt2", {"dp_per_stage": (1, 2), "layers_per_proc": (9, 14), "schedule": "gpipe", **EVEN}, True),
@@ -167,7 +168,7 @@ def test_what_stages_of_different_dp_refuse(small_models: list[dict[str, Any]]) 
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tp", 2), ("tp_per_stage", (2, 1)), ("zero", 1), ("num_virtual_stages", 2), ("sequence_parallel", True),
+    ("tp", 2), ("tp_per_stage", (2, 1)), ("num_virtual_stages", 2), ("sequence_parallel", True),
     ("tp_plan", {"*.fc": "colwise"}), ("replan", True), ("plan", "plan.json"),
     ("dp", 2), ("grad_reduction", "sum"),
 ])

@@ -34,34 +34,37 @@ def _optimizer(kind: str):
     return lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _model(name: str, stages: int, dp: int, zero: int, kind: str, net: Any = None) -> tuple[plait.Model, Any]:
+def _model(name: str, stages: int, dp: int, zero: int, kind: str, net: Any = None,
+           **fields: Any) -> tuple[plait.Model, Any]:
     net = net if net is not None else make(name)[0]
     loss = make(name)[3]
-    config = plait.Config(layers_per_proc=even_cut(LAYERS[name], stages), dp=dp, zero=zero,
-                          num_microbatches=2, timeout_s=30.0)
+    config = plait.Config(**{"layers_per_proc": even_cut(LAYERS[name], stages), "dp": dp, "zero": zero,
+                             "num_microbatches": 2, "timeout_s": 30.0, **fields})
     return plait.Model(net, config, optimizer=_optimizer(kind), loss=loss), net
 
 
-def _reference(name: str, kind: str, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(name: str, kind: str, steps: int, rows: int = ROWS) -> tuple[list[float], dict[str, torch.Tensor]]:
     net, x, y, loss_fn = make(name)
     opt = _optimizer(kind)(net.parameters())
     losses = []
-    for a in range(0, steps * ROWS, ROWS):
+    for a in range(0, steps * rows, rows):
         opt.zero_grad()
-        loss = loss_fn(net(x[a:a + ROWS]), y[a:a + ROWS])
+        loss = loss_fn(net(x[a:a + rows]), y[a:a + rows])
         loss.backward()
         opt.step()
         losses.append(float(loss))
     return losses, net.state_dict()
 
 
-def train_and_compare(rank: int, world: int, name: str, stages: int, kind: str, zero: int) -> dict[str, Any]:
+def train_and_compare(rank: int, world: int, name: str, stages: int, kind: str, zero: int, rows: int = ROWS,
+                      fields: dict[str, Any] | None = None) -> dict[str, Any]:
+    """3 steps of `rows` rows against one process; `fields`: more Config fields."""
     _, x, y, _ = make(name)
-    model, net = _model(name, stages, world // stages, zero, kind)
-    want_losses, want_state = _reference(name, kind, 3)
+    model, net = _model(name, stages, world // stages, zero, kind, **(fields or {}))
+    want_losses, want_state = _reference(name, kind, 3, rows)
     problems = []
-    for step, a in enumerate(range(0, 3 * ROWS, ROWS)):
-        got = model.train_on_batch(x[a:a + ROWS], y[a:a + ROWS])
+    for step, a in enumerate(range(0, 3 * rows, rows)):
+        got = model.train_on_batch(x[a:a + rows], y[a:a + rows])
         if abs(got - want_losses[step]) > 1e-5 * abs(want_losses[step]) + 1e-6:
             problems.append(f"loss of step {step}: {got} != {want_losses[step]}")
     state = model.state_dict()
@@ -79,7 +82,7 @@ def train_and_compare(rank: int, world: int, name: str, stages: int, kind: str, 
     pipe = model._train.pipe  # type: ignore[union-attr]
     return {"problems": problems, "state": sorted(names[id(p)] for p in model.optimizer.state),
             "grads": sorted(names[id(p)] for p in pipe.local_parameters if p.grad is not None),
-            "held": pipe.sync.held_bytes, "stage_bytes": sum(p.numel() * 4 for p in pipe.local_parameters),
+            "held": pipe.sync.held_bytes if pipe.sync else 0, "stage_bytes": sum(p.numel() * 4 for p in pipe.local_parameters),
             "local": sorted(names[id(p)] for p in model._train.pipe.local_parameters),  # type: ignore[union-attr]
             "tied": [n for n, _ in model.plan.tied_parameters], "zero": model.plan.zero}
 
@@ -120,6 +123,29 @@ def test_two_stages_two_replicas_with_tied_weights(zero: int) -> None:
         a, b = (set(report[position + 2 * r]["state"]) for r in range(2))
         assert (a & b) == (tied & set(report[position]["local"]))  # only tied weights on both
         assert a | b == set(report[position]["local"])
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("widths", [(2, 1), (1, 2)])
+@pytest.mark.timeout(300)
+def test_stages_of_different_dp_shard_over_their_own_replicas(widths: tuple[int, int], zero: int) -> None:
+    """dp_per_stage: the stage of two replicas shards its state (2: and gradients) over them; the
+    stage of one keeps all of its own; the GPT's tied embedding and head is stepped by every holder."""
+    report = run_ranks(3, train_and_compare, "gpt", 2, "adam", zero, 4, {"dp_per_stage": widths}, timeout=280)
+    for r in report:
+        assert not r["problems"], "\n".join(r["problems"])
+        assert r["zero"] == zero
+    pair, alone = ([0, 1], 2) if widths == (2, 1) else ([1, 2], 0)
+    tied = set(report[0]["tied"])
+    assert tied and report[pair[0]]["local"] == report[pair[1]]["local"]
+    a, b = (set(report[r]["state"]) for r in pair)
+    assert a - tied and b - tied and (a & b) == (tied & set(report[pair[0]]["local"]))  # each its own share
+    assert a | b == set(report[pair[0]]["local"])  # together: every parameter of the stage
+    assert set(report[alone]["state"]) == set(report[alone]["local"])  # one replica: all of its own
+    if zero == 2:  # the replicas end the step holding their share's gradients only
+        for r in pair:
+            assert set(report[r]["grads"]) == set(report[r]["state"])
+            assert report[r]["held"] < report[r]["stage_bytes"]
 
 
 def save_then_resume(rank: int, world: int, directory: str) -> dict[str, Any]:

@@ -108,12 +108,16 @@ class Plan:
             raise ConfigError(f"plan has tp={self.tp} and stage_tp={widths}; tp is the widest stage's, {max(widths)}")
 
     def _check_stage_dp(self) -> None:
-        """stage_dp: one positive replica count per stage, summing to the world size, at tp = dp = 1."""
+        """stage_dp: one positive replica count per stage, summing to the world size, at tp = dp = 1
+        (ZeRO: each stage of replicas shards its state over them; a stage of one keeps its own)."""
         widths = self._per_stage("stage_dp", "dp", "replicas")
-        if self.dp != 1 or self.tp != 1 or self.num_virtual_stages != 1 or self.zero:
+        if self.dp != 1 or self.tp != 1 or self.num_virtual_stages != 1:
             raise ConfigError(f"plan has stage_dp={widths} with dp={self.dp}, tp={self.tp}, num_virtual_stages="
-                              f"{self.num_virtual_stages}, zero={self.zero}; stages of different dp run one chunk "
-                              "per rank, unsplit: use dp=1, tp=1, no interleaving, zero=0")
+                              f"{self.num_virtual_stages}; stages of different dp run one chunk per rank, "
+                              "unsplit: use dp=1, tp=1, no interleaving")
+        if self.zero and max(widths) == 1:
+            raise ConfigError(f"plan has stage_dp={widths} with zero={self.zero}; ZeRO shards a stage's state over "
+                              "its replicas and no stage has two: use zero=0")
 
     def dp_of(self, stage_index: int) -> int:
         """The data-parallel replicas of one stage (`dp` unless stage_dp gives each stage's)."""

@@ -29,10 +29,10 @@ __all__ = ["resolve_plan", "recomputed_stages"]
 def _zero(config: Config, world_size: int) -> int:
     """Config.zero on the resolved layout: the user's level, or the planner's choice (a planned
     layout's config sets it, `plait.planner.layout`); None (not planned) is 0; 1 and 2 need more
-    than one replica."""
+    than one replica (of some stage, with dp_per_stage)."""
     if not config.zero or world_size == 1:
         return 0
-    if config.dp == 1:
+    if config.dp == 1 and max(config.dp_per_stage or (1,)) == 1:
         raise ConfigError(f"zero={config.zero} shards over a stage's replicas, but the layout "
                           f"has dp=1 on {world_size} ranks; set dp > 1 or zero=0")
     return config.zero

@@ -55,7 +55,8 @@ def mixed_widths_choice(captured: CapturedGraph, config: Config, world_size: int
     if config.tp is None and _allowed(config, world_size, {"tp_per_stage": (2, 1)}):
         tp = _tp_widths(captured, world_size, result, cluster, recompute, schedules, loss, target)
         found += [tp] if tp is not None else []
-    if config.tp in (None, 1) and _allowed(config, world_size, {"dp_per_stage": (2, 1)}):
+    unsharded = not config.zero  # dp widths are priced without ZeRO: a config asking for it is not searched
+    if config.tp in (None, 1) and unsharded and _allowed(config, world_size, {"dp_per_stage": (2, 1)}):
         space = SearchSpace(schedules=schedules, recompute=recompute)
         beat = min([result.best.step_time_s, *(f.step_time_s for f in found)])  # prunes what cannot win
         dp = search_dp_widths(result.profile.costs, world_size, result.global_batch, cluster, space, beat)

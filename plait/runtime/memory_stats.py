@@ -50,9 +50,10 @@ def memory_stats(pipe: Pipeline, net: nn.Module, readings: dict[str, int | None]
         measured["device_peak_bytes"] = readings["device_peak_bytes"]
     local = pipe.local_parameters
     plan = pipe.plan
+    dp = plan.dp_of(plan.position_of(pipe.rank)[0])  # stage_dp: a stage of one replica shards nothing
     state = state_bytes(float(sum(p.numel() * p.element_size() for p in local)),
                         float(sum(p.numel() * p.element_size() for p in local if p.requires_grad)),
-                        state_factor, plan.dp_of(plan.position_of(pipe.rank)[0]), plan.zero)
+                        state_factor, dp, plan.zero if dp > 1 else 0)
     predicted: dict[str, float | None] = {
         "parameters_bytes": state.parameters, "gradients_bytes": state.gradients,
         "gradients_at_step_bytes": state.step_gradients, "optimizer_bytes": state.optimizer,

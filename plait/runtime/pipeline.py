@@ -240,12 +240,14 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     if make_ties:
         position = plan.position_of(rank)[0]
         replicas = [plan.rank_of(position, r, t) for r in range(plan.dp_of(position))]
-        owner_rank = {i: replicas[r] for i, r in owners.items()} if plan.zero == 2 else None
+        sharded = {id(p): owners[id(p)] for p in local if id(p) in owners}  # this rank's stage's
+        owner_rank = {i: replicas[r] for i, r in sharded.items()} if plan.zero == 2 else None
         plan, ties, sync = _ties_and_buckets(captured, replace(parts, plan=plan), holders, tensors, local,
                                              owner_rank)
-        if owners:
+        if sharded:
             assert sync is not None
-            zero = ShardedOptimizerState([p for p in local if id(p) in owners], owners, replicas, rank, sync.group)
+            zero = ShardedOptimizerState([p for p in local if id(p) in sharded], sharded, replicas, rank,
+                                         sync.group)
     meter = ActivationMeter() if make_ties else None
     executors = {
         s: StageExecutor(stages[s], captured.finish, parts.loss, recompute=s in plan.recompute,
@@ -294,14 +296,17 @@ def _tp_group(plan: Plan, rank: int) -> Any:
 def _zero_owners(stages: Sequence[StageModule], plan: Plan, holders: dict[int, list[int]]) -> dict[int, int]:
     """With plan.zero: id(parameter) -> the replica that steps it, for the trainable parameters
     of every pipeline position that no other stage holds (a tied parameter is not sharded)."""
-    if not plan.zero or plan.dp == 1:
+    if not plan.zero:
         return {}
     positions: list[dict[int, nn.Parameter]] = [{} for _ in range(plan.pp)]
     for st in stages:
         for p in st.module.parameters():
-            if p.requires_grad and len(holders[id(p)]) == 1:
+            if p.requires_grad and len(holders[id(p)]) == 1 and plan.dp_of(st.stage_index % plan.pp) > 1:
                 positions[st.stage_index % plan.pp].setdefault(id(p), p)
-    return zero_owners([list(params.values()) for params in positions], plan.dp)
+    owners: dict[int, int] = {}
+    for position, params in enumerate(positions):  # stage_dp: each over its own replicas
+        owners.update(zero_owners([list(params.values())], plan.dp_of(position)))
+    return owners
 
 
 def _holders(stages: Sequence[StageModule]) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:

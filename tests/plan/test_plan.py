@@ -162,9 +162,13 @@ def test_stages_of_different_dp_print_their_replicas() -> None:
     ((2, 1), {"world_size": 4}, r"stage_dp=\[2, 1\], 3 ranks in all, on world_size=4"),
     ((2, 1), {"dp": 2}, "dp=2, tp=1"),
     ((2, 1), {"tp": 2}, "tp=2, num_virtual_stages=1"),
-    ((2, 1), {"zero": 1}, "zero=1; stages of different dp"),
+    ((1, 1), {"zero": 1, "world_size": 2}, r"stage_dp=\[1, 1\] with zero=1; ZeRO shards .* no stage has two"),
     ((2, 1), {"stage_tp": (2, 1)}, "stages differ in one width at a time"),
 ])
 def test_bad_stage_dp_is_named(stage_dp, fields, message) -> None:
     with pytest.raises(ConfigError, match=message):
         replicas(stage_dp, **fields)
+
+
+def test_stage_dp_shards_over_the_replicas_of_a_stage_that_has_them() -> None:
+    assert replicas((2, 1), zero=2).zero == 2
