@@ -200,7 +200,8 @@ def _planned(rank: int, world: int, root: str) -> dict[str, Any]:
     in place of the measured one, on every rank): the planner takes stages of dp (2, 1), which train
     as one process does (2 steps of 4 rows, SGD; loss, then every parameter and gradient held). Its
     checkpoint resumes in a fresh model: the same pipeline, taken from the checkpoint (no plan
-    report: nothing was planned), and 2 more steps as one process."""
+    report: nothing was planned), and 2 more steps as one process. Its saved report replays it
+    (Config(plan=...)), again as one process."""
     import plait.planner.autoplan as autoplan
     import plait.planner.layout as layout
     from plait.planner.profile import LayerProfile
@@ -218,13 +219,22 @@ def _planned(rank: int, world: int, root: str) -> dict[str, Any]:
     model = plait.Model(net, config, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=nn.MSELoss())
     problems = _two_steps(model, net, ref, ref_opt)
     model.save()
+    assert model.plan_report is not None
+    model.plan_report.save(f"{root}/plan-{rank}.json")
     again = _embedding_like()[0]
     resumed = plait.Model(again, config, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=nn.MSELoss())
     step = resumed.load(root)
     problems += [f"resumed: {p}" for p in _two_steps(resumed, again, ref, ref_opt)]
+    fresh, replayed_net = _embedding_like()[0], _embedding_like()[0]
+    replayed = plait.Model(replayed_net, plait.Config(timeout_s=60.0, plan=f"{root}/plan-{rank}.json"),
+                           optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=nn.MSELoss())
+    problems += [f"replayed: {p}" for p in _two_steps(replayed, replayed_net, fresh,
+                                                      torch.optim.SGD(fresh.parameters(), lr=0.1))]
+    assert replayed.plan_report is not None
     return {"problems": problems, "plan": str(model.plan), "dp_per_stage": model.plan.stage_dp,
             "layers": model.plan.layers_per_stage, "step": step,
-            "resumed": (resumed.plan.stage_dp, resumed.plan.layers_per_stage, resumed.plan_report is None)}
+            "resumed": (resumed.plan.stage_dp, resumed.plan.layers_per_stage, resumed.plan_report is None),
+            "replayed": (replayed.plan.stage_dp, replayed.plan.layers_per_stage, replayed.plan_report.source)}
 
 
 @pytest.mark.timeout(150)
@@ -233,3 +243,4 @@ def test_config_plans_stages_of_different_dp_widths_that_equal_one_process(small
         assert not result["problems"], f"rank {rank}:\n" + "\n".join(result["problems"])
         assert (result["dp_per_stage"], result["layers"]) == ((2, 1), (1, 3)), (rank, result["plan"])
         assert result["step"] == 2 and result["resumed"] == ((2, 1), (1, 3), True), (rank, result)
+        assert result["replayed"][:2] == ((2, 1), (1, 3)) and "plan file" in result["replayed"][2], (rank, result)

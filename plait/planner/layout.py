@@ -362,6 +362,7 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
                       "batch_weight_grads": bool(data.get("batch_weight_grads", False))}
             saved_names = tuple(str(n) for n in data["layer_names"])
             saved_world = int(data["world_size"])
+            widths = {"tp_per_stage": data.get("stage_tp"), "dp_per_stage": data.get("stage_dp")}
         else:  # the planner's JSON
             if data.get("feasible") is False:
                 raise ConfigError(f"{where}: the plan in the file is infeasible: {data.get('reason')}")
@@ -369,6 +370,13 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
             fields.pop("tp")  # a plan file gives the pp x dp layout; Config.tp gives tp
             saved_names = tuple(str(n) for s in data.get("stages", []) for n in s.get("layers", []))
             saved_world = fields["num_stages"] * fields["dp"]
+            widths = {"tp_per_stage": data.get("tp_per_stage"), "dp_per_stage": data.get("dp_per_stage")}
+        for field, found in widths.items():  # one pipeline of stages of different widths (Config's fields)
+            if found:
+                fields[field] = [int(w) for w in found]
+                saved_world = sum(fields[field])
+        if widths["tp_per_stage"]:
+            fields["crossing"] = str(data.get("crossing", "tiles"))
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{where}: malformed plan file ({type(e).__name__}: {e})") from None
     fields.pop("num_stages", None)
@@ -396,11 +404,13 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
 
 def _stage_table(chosen: dict[str, Any]) -> str:
     """The replayed candidate's stages, one a line (the profile behind it is not in the file)."""
-    lines = [f"pp={chosen['pp']} dp={chosen['dp']} {chosen['num_microbatches']} micro-batches "
+    widths = "".join(f" {k}={chosen[k]}" for k in ("tp_per_stage", "dp_per_stage") if chosen.get(k))
+    lines = [f"pp={chosen['pp']} dp={chosen['dp']}{widths} {chosen['num_microbatches']} micro-batches "
              f"{chosen['schedule']} recompute={chosen.get('recompute', False)} "
              f"zero={chosen.get('zero', 0) or 0}, predicted step "
              f"{chosen.get('predicted_step_time_s') or 0:.4f} s"]
     for s in chosen.get("stages", []):
+        memory = f"  memory {float(s['memory_bytes']) / 2**30:.2f} GiB" if "memory_bytes" in s else ""
         lines.append(f"  stage {s['stage']:>2}: {s['num_layers']} layers from {s['first_layer']}  "
-                     f"F+B+W {1e3 * float(s['time_s']):.3f} ms  memory {float(s['memory_bytes']) / 2**30:.2f} GiB")
+                     f"F+B+W {1e3 * float(s['time_s']):.3f} ms{memory}")
     return "\n".join(lines)

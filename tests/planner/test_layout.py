@@ -207,6 +207,38 @@ def test_plan_files_carry_zero_and_old_ones_read_as_zero_0(tmp_path):
     assert load_plan_file(str(saved), names, 2)[0]["zero"] == 1
 
 
+def test_plan_files_of_stages_of_different_widths_replay_them(tmp_path):
+    """A saved report of a pipeline of uneven widths (as `plait.planner.widths` writes its choice) and
+    such a Plan.to_json() give Config fields for that pipeline, on the ranks the widths add up to."""
+    names = tuple(str(i) for i in range(11))
+    chosen = {"pp": 2, "dp": 1, "tp": 1, "tp_per_stage": [2, 1], "crossing": "whole", "num_microbatches": 2,
+              "schedule": "gpipe", "num_virtual_stages": 1, "recompute": True, "zero": 0,
+              "batch_weight_grads": False, "layers_per_stage": [5, 6], "feasible": True,
+              "stages": [{"stage": s, "tp": w, "num_layers": n, "first_layer": 5 * s, "time_s": 0.1}
+                         for s, (w, n) in enumerate(((2, 5), (1, 6)))]}  # no memory per stage: not priced
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps(chosen))
+    fields, replayed = load_plan_file(str(report), names, 3)
+    assert (fields["tp_per_stage"], fields["crossing"], fields["layers_per_proc"]) == ([2, 1], "whole", [5, 6])
+    assert replayed is not None and "tp_per_stage=[2, 1]" in replayed.table
+    assert "stage  1: 6 layers from 5  F+B+W 100.000 ms" in replayed.table
+    with pytest.raises(plait.ConfigError, match="the plan is for 3 ranks but the world size is 2"):
+        load_plan_file(str(report), names, 2)
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps({**{k: v for k, v in chosen.items() if k not in ("tp_per_stage", "crossing")},
+                                "dp_per_stage": [1, 3]}))
+    fields = load_plan_file(str(rows), names, 4)[0]
+    assert fields["dp_per_stage"] == [1, 3] and "crossing" not in fields
+    saved = tmp_path / "saved_plan.json"  # Plan.to_json()
+    saved.write_text(plait.Plan(layer_names=names, layers_per_stage=(5, 6), num_microbatches=2, schedule="1f1b",
+                                world_size=3, capture_method="torch.export", stage_tp=(1, 2)).to_json())
+    fields = load_plan_file(str(saved), names, 3)[0]
+    assert (fields["tp_per_stage"], fields["crossing"], fields["dp"]) == ([1, 2], "tiles", 1)
+    config = dataclasses.replace(plait.Config(), **{**fields, "layers_per_proc": tuple(fields["layers_per_proc"]),
+                                                   "recompute": tuple(fields["recompute"])})
+    assert config.tp_per_stage == (1, 2) and config.lanes(3) == 2  # a config the runtime takes
+
+
 def test_config_zero_is_the_only_level_searched_and_none_searches_all():
     from plait.planner.layout import _space, _users_zero
 
