@@ -99,11 +99,13 @@ class Config:
         it (1, 2, 4 or 8 within a node) where it plans the whole layout by timing, else 1.
     tp_per_stage: one tp per pipeline stage, for stages of different widths (Alpa's cross-mesh
         resharding), e.g. (2, 1) with layers_per_proc=(a, b): stage 0 on ranks 0 1, stage 1 on rank 2
-        (the stages' ranks in order; world size = their sum). A stage output crosses as `crossing`
-        says (`plait.plan.tiles`). Needs the cut (layers_per_proc or
-        split_points) and one replica; not with interleaving, ZeRO, tp_plan, sequence parallelism,
-        a plan file or replan (refused by name). Checkpoints and exports are by name, as for any
-        layout: they load into any other, and any other's into these. None: one tp for every stage.
+        (the stages' ranks in order; world size = their sum x dp: with dp=2, a second copy of the
+        pipeline on ranks 3 4 | 5, each stage's gradients all-reduced over the copies, and ZeRO
+        sharding over them). A stage output crosses as `crossing` says (`plait.plan.tiles`). Needs
+        the cut (layers_per_proc or split_points); not with interleaving, tp_plan, sequence
+        parallelism, a plan file or replan (refused by name). Checkpoints and exports are by name,
+        as for any layout: they load into any other, and any other's into these. None: one tp for
+        every stage (`tp`).
     crossing: with tp_per_stage, how a value crosses between stages of different widths: "tiles"
         (once over the link, tile by tile; the receiving stage all-gathers it, Alpa's) or "whole"
         (every receiving rank gets all of it; nothing gathered). None: "tiles", or the planner's

@@ -54,11 +54,12 @@ def check_tp_per_stage(config: Any) -> None:
     widths = _widths(config, "tp_per_stage", "(2, 1)")
     if widths is None:
         return
-    refused = {"tp": config.tp not in (None, 1), "dp": config.dp not in (None, 1), **_refused(config)}
+    refused = {"tp": config.tp not in (None, 1), **_refused(config),
+               "zero": bool(config.zero) and config.dp in (None, 1)}  # ZeRO over the pipeline's replicas
     bad = {name: getattr(config, name) for name, is_bad in refused.items() if is_bad}
     if bad:
         raise ConfigError(f"tp_per_stage={list(widths)} (stages of different widths) does not run with {bad}; "
-                          "leave those fields at their defaults (one replica, dp=1), or give one tp for every stage")
+                          "leave those fields at their defaults (zero needs dp > 1), or give one tp for every stage")
     _check_cut(config, "tp_per_stage", widths)
 
 
@@ -81,13 +82,16 @@ def check_dp_per_stage(config: Any) -> None:
 
 
 def stage_lanes(config: Any, world_size: int) -> int | None:
-    """With stages of different widths: the stages (one lane each), once the world size is checked
-    against the widths' sum; None otherwise."""
+    """With stages of different widths: the stages (one lane each) x the pipeline's replicas
+    (tp_per_stage with dp), once the world size is checked against the widths' sum x dp; None
+    otherwise."""
     for name in ("tp_per_stage", "dp_per_stage"):
         widths: tuple[int, ...] | None = getattr(config, name)
         if widths is not None:
-            if world_size != sum(widths):
-                raise ConfigError(f"{name}={list(widths)} needs {sum(widths)} ranks (their sum) but the world "
-                                  f"size is {world_size}; launch {sum(widths)} ranks")
-            return len(widths)
+            dp = (config.dp or 1) if name == "tp_per_stage" else 1
+            if world_size != sum(widths) * dp:
+                what = f"their sum x dp={dp}" if dp > 1 else "their sum"
+                raise ConfigError(f"{name}={list(widths)} needs {sum(widths) * dp} ranks ({what}) but the world "
+                                  f"size is {world_size}; launch {sum(widths) * dp} ranks")
+            return len(widths) * dp
     return None

@@ -265,6 +265,11 @@ def test_tp_per_stage_gives_one_lane_per_stage_on_the_sum_of_the_widths() -> Non
     assert Config.from_json(config.to_json()) == config
     assert Config(split_points=["h.1"], tp_per_stage=(1, 2)).tp_per_stage == (1, 2)
     assert Config(layers_per_proc=(3, 4), tp_per_stage=(2, 1), checkpoint_dir="c").checkpoint_dir == "c"
+    copies = Config(layers_per_proc=(3, 4), tp_per_stage=(2, 1), dp=2, zero=1)  # two copies of the pipeline
+    assert copies.lanes(6) == 4 and copies.stages_for(copies.lanes(6)) == 2
+    with pytest.raises(ConfigError, match=r"tp_per_stage=\[2, 1\] needs 6 ranks \(their sum x dp=2\) but the world "
+                                          r"size is 3; launch 6 ranks"):
+        copies.lanes(3)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -272,7 +277,7 @@ def test_tp_per_stage_gives_one_lane_per_stage_on_the_sum_of_the_widths() -> Non
     ({"tp_per_stage": (2, 1, 1), "layers_per_proc": (3, 4)}, "gives 3 stages but the cut gives 2"),
     ({"tp_per_stage": (2, 0), "layers_per_proc": (3, 4)}, r"one positive tp per stage, e.g. \(2, 1\), got \(2, 0\)"),
     ({"tp_per_stage": "21", "layers_per_proc": (3, 4)}, "one positive tp per stage"),
-    ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "dp": 2}, r"does not run with \{'dp': 2\}"),
+    ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "zero": 1}, r"does not run with \{'zero': 1\}.*zero needs dp > 1"),
     ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "tp": 2}, r"\{'tp': 2\}"),
     ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "replan": True}, "replan"),
     ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "zero": 1}, r"\{'zero': 1\}"),

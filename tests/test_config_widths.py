@@ -31,8 +31,8 @@ def test_dp_per_stage_sets_tp_to_one_and_refuses_the_fields_it_does_not_run_with
     assert plait.Config(layers_per_proc=(2, 2), dp_per_stage=(1, 2), zero=2).zero == 2
     with pytest.raises(ConfigError, match=r"dp_per_stage=\[1, 1\] .* does not run with \{'zero': 1\}"):
         plait.Config(layers_per_proc=(2, 2), dp_per_stage=(1, 1), zero=1)
-    with pytest.raises(ConfigError, match=r"tp_per_stage=\[2, 1\] .* does not run with \{'dp': 2\}"):
-        plait.Config(layers_per_proc=(2, 2), tp_per_stage=(2, 1), dp=2)
+    with pytest.raises(ConfigError, match=r"tp_per_stage=\[2, 1\] .* does not run with \{'replan': True\}"):
+        plait.Config(layers_per_proc=(2, 2), tp_per_stage=(2, 1), dp=2, replan=True)
 
 
 @pytest.mark.parametrize("bad", [(), (2, 0), "21", (2, True), 2])

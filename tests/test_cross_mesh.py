@@ -77,3 +77,41 @@ def test_one_process_runs_every_layer_on_one_stage(field: str) -> None:
                         optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=nn.MSELoss())
     assert model.train_on_batch(torch.randn(4, 8), torch.randn(4, 4)) > 0
     assert model.plan.stage_tp == () == model.plan.stage_dp and model.plan.world_size == 1
+
+
+SIX: list[Run] = [  # two replicas of the whole pipeline: ranks 0 1 | 2 and 3 4 | 5 (or 0 | 1 2 and 3 | 4 5)
+    ("gpt2", {"tp_per_stage": (2, 1), "layers_per_proc": (12, 11), "dp": 2}, False),
+    ("llama", {"tp_per_stage": (1, 2), "layers_per_proc": (10, 14), "dp": 2, "schedule": "gpipe",
+               "crossing": "whole"}, True),
+    ("gpt2", {"tp_per_stage": (2, 1), "layers_per_proc": (12, 11), "dp": 2, "zero": 1}, True),
+    ("gpt2", {"tp_per_stage": (1, 2), "layers_per_proc": (9, 14), "dp": 2, "zero": 2, "schedule": "zbh1",
+              "batch_weight_grads": True}, True),
+]
+
+
+def _six_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    from tests.test_tensor_parallel import _save_and_resume
+
+    saved = {"tp_per_stage": (2, 1), "layers_per_proc": (12, 11), "dp": 2, "zero": 1}
+    return {"runs": [train_and_compare(name, config, adam, split_loss=False) for name, config, adam in SIX],
+            "resumed": _save_and_resume(rank, world, root, saved, {"layers_per_proc": (8, 8, 7), "dp": 2},
+                                        {"tp_per_stage": (1, 2), "layers_per_proc": (9, 14), "dp": 2})}
+
+
+@pytest.mark.timeout(400)
+def test_replicas_of_a_pipeline_of_stages_of_different_widths_equal_one_process(tmp_path: Any) -> None:
+    """dp=2 copies of a pipeline of tp widths (2, 1) or (1, 2) on 6 ranks: each stage's ranks
+    all-reduce their gradients with the other copy's, the tied embedding and head is summed over
+    all of its ranks, and ZeRO shards each stage's state over the two copies; a checkpoint of it
+    (ZeRO-1) resumes in 3 stages x dp=2, its export loads into the other widths."""
+    report = run_ranks(6, _six_ranks, str(tmp_path), timeout=380)
+    for rank, results in enumerate(report):
+        for (name, config, adam), (problems, split, plan) in zip(SIX, results["runs"]):
+            what = f"rank {rank} {name} {config} {'Adam' if adam else 'SGD'}"
+            assert not problems, f"{what}:\n" + "\n".join(problems)
+            widths = config["tp_per_stage"]
+            assert f"x 2 replica(s) x tp={list(widths)}" in plan and "on 6 rank(s)" in plan, what
+            assert ("ZeRO-" in plan) == ("zero" in config), what
+            alone = rank % 3 == (2 if widths == (2, 1) else 0)  # the rank of a tp=1 stage splits nothing
+            assert split == 0 if alone else split >= 4, (what, split)
+        assert not results["resumed"], f"rank {rank}:\n" + "\n".join(results["resumed"])

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import plait
-from plait.runtime.zero import share_out
+from plait.runtime.zero import share_out, zero_owners
+from plait.tensor_parts import TpShard
 from tests.harness import run_ranks
 from tests.models import LAYERS, even_cut, make
 
@@ -123,6 +124,19 @@ def test_two_stages_two_replicas_with_tied_weights(zero: int) -> None:
         a, b = (set(report[position + 2 * r]["state"]) for r in range(2))
         assert (a & b) == (tied & set(report[position]["local"]))  # only tied weights on both
         assert a | b == set(report[position]["local"])
+
+
+def test_owners_follow_whole_shapes_so_a_tp_cut_stage_agrees_with_the_others() -> None:
+    """A rank of a tp-cut stage holds half of a split weight; a rank of another stage holds it whole
+    (or on meta): both must give every parameter the same owner, or they gather from different ranks."""
+    def params(cut: bool) -> list[torch.nn.Parameter]:
+        split, norm, bias = (torch.nn.Parameter(torch.zeros(n)) for n in ((6 if cut else 12), 8, 5))
+        if cut:
+            split._plait_tp = TpShard((12,), 0, 1, 0, 2)  # type: ignore[attr-defined]
+        return [split, norm, bias]
+
+    owners = [list(zero_owners([ps], 2).values()) for ps in (params(True), params(False))]
+    assert owners[0] == owners[1] == [0, 1, 1]  # 12 bytes' worth first, then 8 and 5 on the other
 
 
 @pytest.mark.parametrize("zero", [1, 2])

@@ -84,24 +84,26 @@ class Plan:
         if not self.stage_to_rank:
             object.__setattr__(self, "stage_to_rank", tuple(self.rank_of(s, 0) for s in range(self.num_chunks)))
 
-    def _per_stage(self, field: str, unit: str, what: str) -> list[int]:
-        """`field` (stage_tp or stage_dp): one positive `unit` per stage, adding up to the world size."""
+    def _per_stage(self, field: str, unit: str, what: str, copies: int = 1) -> list[int]:
+        """`field` (stage_tp or stage_dp): one positive `unit` per stage, adding up to the world size
+        (`copies` times: stage_tp's replicas of the whole pipeline)."""
         widths = list(getattr(self, field))
         if len(widths) != self.num_chunks or any(not isinstance(w, int) or isinstance(w, bool) or w < 1
                                                  for w in widths):
             raise ConfigError(f"plan has {field}={widths} for {self.num_chunks} stages; give one positive {unit} per stage")
-        if sum(widths) != self.world_size:
-            raise ConfigError(f"plan has {field}={widths}, {sum(widths)} ranks in all, on world_size="
-                              f"{self.world_size}; the stages' {what} must add up to the world size")
+        if sum(widths) * copies != self.world_size:
+            times = f" x dp={copies}" if copies > 1 else ""
+            raise ConfigError(f"plan has {field}={widths}{times}, {sum(widths) * copies} ranks in all, on world_size="
+                              f"{self.world_size}; the stages' {what}{times} must add up to the world size")
         return widths
 
     def _check_stage_tp(self) -> None:
-        """stage_tp: one positive width per stage, summing to the world size, with one replica."""
-        widths = self._per_stage("stage_tp", "tp", "widths")
-        if self.dp != 1 or self.num_virtual_stages != 1 or self.zero:
-            raise ConfigError(f"plan has stage_tp={widths} with dp={self.dp}, num_virtual_stages="
-                              f"{self.num_virtual_stages}, zero={self.zero}; stages of different widths run "
-                              "one replica of one chunk per rank: use dp=1, no interleaving, zero=0")
+        """stage_tp: one positive width per stage, their sum x dp (replicas of the whole pipeline)
+        the world size."""
+        widths = self._per_stage("stage_tp", "tp", "widths", self.dp)
+        if self.num_virtual_stages != 1:
+            raise ConfigError(f"plan has stage_tp={widths} with num_virtual_stages={self.num_virtual_stages}; "
+                              "stages of different widths run one chunk per rank: no interleaving")
         if self.tp == 1:
             object.__setattr__(self, "tp", max(widths))
         if self.tp != max(widths):
@@ -161,12 +163,13 @@ class Plan:
         2 stages x 2 replicas x tp = 2: stage 0 of replica 0 on ranks 0 1, stage 1 on 2 3, ...
         With v chunks per rank (interleaved), rank r of a replica holds stages r, r + pp, ...
 
-        Stages of different widths (`stage_tp`, one replica) take the ranks in stage order: at
-        stage_tp = (2, 1) stage 0 runs on ranks 0 1, stage 1 on rank 2. So do stages of different
-        replica counts (`stage_dp`, tp = 1): at stage_dp = (2, 1) replica r of stage 0 is rank r.
+        Stages of different widths (`stage_tp`) take the ranks in stage order, a pipeline replica
+        after another: at stage_tp = (2, 1) stage 0 runs on ranks 0 1, stage 1 on rank 2; with dp = 2
+        replica 1's on ranks 3 4 and 5. So do stages of different replica counts (`stage_dp`,
+        tp = 1): at stage_dp = (2, 1) replica r of stage 0 is rank r.
         """
         if self.stage_tp:
-            return self._first_rank(stage_index) + tp_rank
+            return replica * sum(self.stage_tp) + self._first_rank(stage_index) + tp_rank
         if self.stage_dp:
             return self._first_rank(stage_index) + replica
         return (replica * self.pp + stage_index % self.pp) * self.tp + tp_rank
@@ -174,18 +177,19 @@ class Plan:
     def position_of(self, rank: int) -> tuple[int, int]:
         """(position in the pipeline, replica) of a rank; the position is its first stage."""
         if self.stage_tp or self.stage_dp:
-            stage = next((s for s in range(self.num_chunks) if rank < self._first_rank(s + 1)), None)
-            if stage is None or rank < 0:
+            if not 0 <= rank < self.world_size:
                 raise ConfigError(f"rank {rank} is not in the plan's {self.world_size} ranks "
                                   f"({self._widths_text().strip()})")
-            return stage, rank - self._first_rank(stage) if self.stage_dp else 0
+            replica, within = divmod(rank, sum(self.stage_tp)) if self.stage_tp else (0, rank)
+            stage = next(s for s in range(self.num_chunks) if within < self._first_rank(s + 1))
+            return stage, within - self._first_rank(stage) if self.stage_dp else replica
         lane = rank // self.tp
         return lane % self.pp, lane // self.pp
 
     def tp_rank_of(self, rank: int) -> int:
         """Which part of its stages' split tensors a rank holds."""
         if self.stage_tp:
-            return rank - self._first_rank(self.position_of(rank)[0])
+            return rank % sum(self.stage_tp) - self._first_rank(self.position_of(rank)[0])
         return 0 if self.stage_dp else rank % self.tp
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
@@ -265,7 +269,8 @@ class Plan:
             lines.append(f"  stage {s} ({where}{again}): {len(names)} layers: {shown}")
         if self.zero:
             what = "optimizer state" if self.zero == 1 else "optimizer state and gradients"
-            lines.append(f"  ZeRO-{self.zero}: each stage's {what} sharded over its {self.dp} replicas")
+            over = "its replicas, where it has several" if self.stage_dp else f"its {self.dp} replicas"
+            lines.append(f"  ZeRO-{self.zero}: each stage's {what} sharded over {over}")
         for s, layout in enumerate(self.tp_layouts):
             lines += _layout_lines(s, self.tp_of(s), layout)
         if self.kept_whole:

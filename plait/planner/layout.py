@@ -374,7 +374,7 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
         for field, found in widths.items():  # one pipeline of stages of different widths (Config's fields)
             if found:
                 fields[field] = [int(w) for w in found]
-                saved_world = sum(fields[field])
+                saved_world = sum(fields[field]) * (fields["dp"] if field == "tp_per_stage" else 1)
         if widths["tp_per_stage"]:
             fields["crossing"] = str(data.get("crossing", "tiles"))
     except (KeyError, TypeError, ValueError) as e:

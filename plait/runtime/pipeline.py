@@ -344,11 +344,11 @@ def _ties_and_buckets(captured: CapturedGraph, parts: _Parts, holders: dict[int,
         ties = TiedGradients([(p, ranks, silent) for p, ss in tied for ranks, silent in tie_groups(plan, ss)], rank)
     sync = None
     if any(plan.dp_of(s) > 1 for s in range(plan.pp)):
-        groups = [  # every rank makes every group, in the same order (stage_dp: stages of several replicas)
-            make_group([plan.rank_of(s, r, t) for r in range(plan.dp_of(s))]) if plan.dp_of(s) > 1 else None
-            for s in range(plan.pp) for t in range(plan.tp)
-        ]
-        group = groups[plan.position_of(rank)[0] * plan.tp + plan.tp_rank_of(rank)]
+        groups = {  # every rank makes every group, in the same order (stage_dp: stages of several replicas)
+            (s, t): make_group([plan.rank_of(s, r, t) for r in range(plan.dp_of(s))]) if plan.dp_of(s) > 1 else None
+            for s in range(plan.pp) for t in range(plan.tp_of(s))  # stage_tp: each stage's own width
+        }
+        group = groups[(plan.position_of(rank)[0], plan.tp_rank_of(rank))]
         tied_ids = {id(p) for p, _ in tied}
         bucketed = [p for p in local if id(p) not in tied_ids]
         if owner_rank is not None:  # a frozen parameter has no owner: its (zero) gradient goes to the first

@@ -1,6 +1,7 @@
 """Stages of different widths (`Plan.stage_tp`, `Plan.stage_dp`): each rank's groups, peers, crossings and tied sums.
 
-At stage_tp = (2, 1), 1F1B, stage 0 on ranks 0 1, stage 1 on rank 2::
+At stage_tp = (2, 1), 1F1B, stage 0 on ranks 0 1, stage 1 on rank 2 (with dp = 2 a second pipeline
+on ranks 3 4 | 5, alike; each stage's ranks all-reduce their gradients with the other replica's)::
 
     rank 0  F0 -tile 0-> rank 2            rank 2 <-tile 0- rank 0, <-tile 1- rank 1: whole, F0, B0
     rank 1  F0 -tile 1-> rank 2            rank 2 -tile 0-> rank 0, -tile 1-> rank 1 (gradients)
@@ -34,17 +35,21 @@ from plait.runtime.row_crossing import RowCrossing, batch_major
 __all__ = ["stage_ranks", "stage_group", "lane_ranks", "crossings", "tie_groups", "kept_whole"]
 
 
-def stage_ranks(plan: Plan, stage_index: int) -> list[int]:
-    """The ranks of one stage of replica 0, in tp order (with stage_dp: its replicas, in order)."""
+def stage_ranks(plan: Plan, stage_index: int, replica: int = 0) -> list[int]:
+    """The ranks of one stage of pipeline replica `replica`, in tp order (with stage_dp: the
+    stage's replicas, in order)."""
     if plan.stage_dp:
         return [plan.rank_of(stage_index, r) for r in range(plan.dp_of(stage_index))]
-    return [plan.rank_of(stage_index, 0, t) for t in range(plan.tp_of(stage_index))]
+    return [plan.rank_of(stage_index, replica, t) for t in range(plan.tp_of(stage_index))]
 
 
 def stage_group(plan: Plan, rank: int) -> Any:
-    """This rank's stage's tp group (None: its stage has one rank); every rank makes every group."""
-    groups = {s: make_group(stage_ranks(plan, s)) for s in range(plan.num_chunks) if plan.tp_of(s) > 1}
-    return groups.get(plan.position_of(rank)[0])
+    """This rank's stage's tp group (None: its stage has one rank); every rank makes every group,
+    replica by replica."""
+    groups = {(r, s): make_group(stage_ranks(plan, s, r)) for r in range(plan.dp) for s in range(plan.num_chunks)
+              if plan.tp_of(s) > 1}
+    stage, replica = plan.position_of(rank)
+    return groups.get((replica, stage))
 
 
 def lane_ranks(plan: Plan, rank: int) -> list[int]:
@@ -60,11 +65,12 @@ def crossings(plan: Plan, rank: int, group: Any,
               stages: Sequence[StageModule]) -> dict[int, Crossing | RowCrossing]:
     """The crossings of this rank's stages' boundaries with a stage of another width, by boundary."""
     out: dict[int, Crossing | RowCrossing] = {}
+    replica = plan.position_of(rank)[1]
     for s in plan.stages_of(rank):
         for boundary in (s - 1, s):
             if not 0 <= boundary < plan.num_chunks - 1:
                 continue
-            sides = stage_ranks(plan, boundary), stage_ranks(plan, boundary + 1)
+            sides = stage_ranks(plan, boundary, replica), stage_ranks(plan, boundary + 1, replica)
             if plan.dp_of(boundary) != plan.dp_of(boundary + 1):
                 out[boundary] = RowCrossing(boundary, *sides, rank, batch_major(stages[boundary].module))
             elif plan.tp_of(boundary) != plan.tp_of(boundary + 1):
@@ -79,7 +85,7 @@ def tie_groups(plan: Plan, holders: Sequence[int]) -> list[tuple[list[int], list
     if len(widths) == 1:
         return [(list(dict.fromkeys(plan.rank_of(s, r, t) for s in holders for r in range(plan.dp_of(s)))), [])
                 for t in range(widths.pop())]
-    ranks = [r for s in holders for r in stage_ranks(plan, s)]
+    ranks = [r for replica in range(plan.dp) for s in holders for r in stage_ranks(plan, s, replica)]
     return [(ranks, [r for r in ranks if plan.tp_rank_of(r) > 0])]
 
 

@@ -17,11 +17,13 @@ stages (summed by `TiedGradients`) is not sharded: every holder steps it, as wit
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 from torch import nn
 
 from plait.runtime.collectives import broadcast_tensors
+from plait.tensor_parts import whole_shape
 
 __all__ = ["ShardedOptimizerState", "share_out", "zero_owners"]
 
@@ -39,10 +41,11 @@ def share_out(sizes: Sequence[int], replicas: int) -> list[int]:
 
 def zero_owners(position_params: Sequence[Sequence[nn.Parameter]], replicas: int) -> dict[int, int]:
     """id(parameter) -> its owning replica, for the sharded parameters of every pipeline position
-    (each rank computes all of them, so a checkpoint's index agrees everywhere)."""
+    (each rank computes all of them, so a checkpoint's index agrees everywhere: sized by their
+    whole shapes, which a tp-cut stage and the ranks of another stage agree on)."""
     out: dict[int, int] = {}
     for params in position_params:
-        for p, r in zip(params, share_out([p.numel() * p.element_size() for p in params], replicas)):
+        for p, r in zip(params, share_out([math.prod(whole_shape(p)) * p.element_size() for p in params], replicas)):
             out[id(p)] = r
     return out
 

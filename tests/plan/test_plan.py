@@ -106,6 +106,20 @@ def test_stages_of_different_widths_take_the_ranks_in_stage_order(stage_tp, rank
     assert Plan.from_json(p.to_json()) == p
 
 
+def test_replicas_of_a_pipeline_of_different_widths_follow_one_another() -> None:
+    """dp=2 at stage_tp=(2, 1): replica 0 on ranks 0 1 | 2, replica 1 on ranks 3 4 | 5."""
+    p = widths((2, 1), dp=2, world_size=6, zero=1)
+    assert [[[p.rank_of(s, r, t) for t in range(p.tp_of(s))] for s in range(2)] for r in range(2)] == [
+        [[0, 1], [2]], [[3, 4], [5]]]
+    assert [(p.position_of(r), p.tp_rank_of(r)) for r in range(6)] == [
+        ((0, 0), 0), ((0, 0), 1), ((1, 0), 0), ((0, 1), 0), ((0, 1), 1), ((1, 1), 0)]
+    text = str(p)
+    assert "x 2 replica(s) x tp=[2, 1]" in text and "stage 0 (ranks 0-1, 3-4)" in text and "stage 1 (ranks 2, 5)" in text
+    assert "sharded over its 2 replicas" in text and Plan.from_json(p.to_json()) == p
+    with pytest.raises(ConfigError, match="rank 6 is not in the plan's 6 ranks"):
+        p.position_of(6)
+
+
 def test_stages_of_different_widths_print_their_ranks() -> None:
     text = str(widths())
     assert f"x tp=[2, 1] (per stage, crossing as tiles) on 3 rank(s)" in text
@@ -118,7 +132,8 @@ def test_stages_of_different_widths_print_their_ranks() -> None:
     ((2, 1, 1), {}, r"stage_tp=\[2, 1, 1\] for 2 stages"),
     ((2, 0), {}, r"stage_tp=\[2, 0\] for 2 stages; give one positive tp"),
     ((2, 1), {"world_size": 4}, r"stage_tp=\[2, 1\], 3 ranks in all, on world_size=4"),
-    ((2, 1), {"dp": 2, "world_size": 3}, "dp=2"),
+    ((2, 1), {"dp": 2, "world_size": 3}, r"stage_tp=\[2, 1\] x dp=2, 6 ranks in all, on world_size=3"),
+    ((2, 1, 2, 1), {"num_virtual_stages": 2, "layers_per_stage": (1, 1, 1, 1)}, "num_virtual_stages=2; .* no interl"),
     ((2, 1), {"tp": 4}, r"tp=4 and stage_tp=\[2, 1\]; tp is the widest stage's, 2"),
     ((2, 1), {"crossing": "gather"}, r"crossing='gather'; it must be one of \['tiles', 'whole'\]"),
 ])

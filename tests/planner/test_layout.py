@@ -234,6 +234,9 @@ def test_plan_files_of_stages_of_different_widths_replay_them(tmp_path):
                                 world_size=3, capture_method="torch.export", stage_tp=(1, 2)).to_json())
     fields = load_plan_file(str(saved), names, 3)[0]
     assert (fields["tp_per_stage"], fields["crossing"], fields["dp"]) == ([1, 2], "tiles", 1)
+    copies = tmp_path / "copies.json"  # two replicas of that pipeline
+    copies.write_text(dataclasses.replace(plait.Plan.from_json(saved.read_text()), dp=2, world_size=6).to_json())
+    assert load_plan_file(str(copies), names, 6)[0]["dp"] == 2
     config = dataclasses.replace(plait.Config(), **{**fields, "layers_per_proc": tuple(fields["layers_per_proc"]),
                                                    "recompute": tuple(fields["recompute"])})
     assert config.tp_per_stage == (1, 2) and config.lanes(3) == 2  # a config the runtime takes
