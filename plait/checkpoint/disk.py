@@ -158,7 +158,7 @@ class Checkpoint:
         keys = ("layers_per_stage", "dp", "num_virtual_stages", "world_size")
         return (isinstance(saved, dict) and all(saved.get(k) == plan.get(k) for k in keys)
                 and saved.get("tp", 1) == plan.get("tp", 1)
-                and all(list(saved.get(k) or ()) == list(plan.get(k) or ()) for k in ("stage_tp", "stage_dp")))
+                and all((saved.get(k) or []) == (plan.get(k) or []) for k in ("stage_tp", "stage_dp")))
 
     def shard_path(self, rank: int) -> Path:
         return self.path / str(self.meta["shards"][rank]["file"])

@@ -8,8 +8,9 @@ Prints the chosen layout (per stage: layers, time, memory) and the best alternat
 --json exactly one JSON object: pp, dp, tp, num_microbatches, schedule, zero, stages (each with
 its dp x tp mesh), predicted_step_time_s, peak_memory_bytes, feasible and, when infeasible,
 reason; a feasible one also has each rank's parameter_bytes, gradient_bytes, optimizer_bytes and
-activation_bytes, and with --gpt tflops_per_device; mixed_widths and mixed_dp: the best one pipeline
-of stages of different tp or dp widths (null where none is searched or found). `--layout tp=8,pp=2`
+activation_bytes, and with --gpt tflops_per_device; mixed_widths and mixed_dp: the best layout of
+stages of different tp widths (one pipeline, or dp copies of one) or dp widths (one pipeline)
+(null where none is searched or found). `--layout tp=8,pp=2`
 prices that layout only.
 """
 
@@ -254,7 +255,9 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             f"({cluster.memory_bytes / gib:.2f} GiB each), global batch {head['global_batch']}; "
             f"costs {costs_source}; planned in {elapsed:.2f} s{rate}\n" + format_table(found, args.top))
     if mixed is not None:
-        text += (f"\nstages of different tp widths (one pipeline; Config(layers_per_proc, tp_per_stage)): tp "
+        copies = f"{mixed.dp} copies of a pipeline; Config(layers_per_proc, tp_per_stage, dp={mixed.dp})" \
+            if mixed.dp > 1 else "one pipeline; Config(layers_per_proc, tp_per_stage)"
+        text += (f"\nstages of different tp widths ({copies}): tp "
                  f"{list(mixed.widths)}, layers {list(mixed.layers_per_stage)}, {mixed.num_microbatches} "
                  f"micro-batches, {mixed.schedule}{', recomputed' if mixed.recompute else ''}, crossing as "
                  f"{mixed.crossing}: {mixed.step_time_s:.4f} s a step")
@@ -267,13 +270,14 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 MIXED_LIMIT = (16, 128)  # devices, layers: beyond, stages of different dp widths are not searched
-# ... nor stages of different tp widths beyond Alpa's 64 GPUs (its GPT-39B's widths: about 11 s)
+# ... nor stages of different tp widths beyond Alpa's 64 GPUs (its GPT-39B: about 21 s with the copies)
 TP_WIDTHS_LIMIT = (64, 128)
 
 
 def _mixed_widths(args: argparse.Namespace, spec: Any, dev: Any, cluster: Any) -> Any:
-    """The best one-pipeline layout with stages of different tp widths (`plait.plan.width_search`),
-    for worlds up to TP_WIDTHS_LIMIT devices with no --layout; None otherwise or when none is found."""
+    """The best layout with stages of different tp widths (`plait.plan.width_search`), one pipeline or
+    copies of one, for worlds up to TP_WIDTHS_LIMIT devices with no --layout; None otherwise or when
+    none is found."""
     from plait.plan.analytic import gpt_costs, gpt_tp_shares
     from plait.plan.width_search import search_widths, stage_widths
 
@@ -282,7 +286,7 @@ def _mixed_widths(args: argparse.Namespace, spec: Any, dev: Any, cluster: Any) -
     widths = tuple(args.tp) if args.tp else stage_widths(args.devices, dev.network.devices_per_node)
     shares = {w: gpt_tp_shares(spec, dev, w) for w in widths if w > 1}
     return search_widths(gpt_costs(spec, dev, args.optimizer), shares, args.devices, args.batch, cluster, widths,
-                         args.microbatches, args.recompute)
+                         args.microbatches, args.recompute, replicas=_copies(args.devices))
 
 
 def _mixed_dp(args: argparse.Namespace, costs: Any, global_batch: int, cluster: Any) -> Any:
@@ -325,7 +329,12 @@ def _model_widths(args: argparse.Namespace, captured: Any, result: Any, cluster:
             except ConfigError:  # a graph this width cannot split: not priced
                 continue
     return search_widths(costs, shares, args.devices, result.global_batch, cluster, widths, args.microbatches,
-                         args.recompute)
+                         args.recompute, replicas=_copies(args.devices))
+
+
+def _copies(devices: int) -> list[int]:
+    """The copies of a pipeline of tp widths searched on `devices`: every dp leaving 2 or more a copy."""
+    return [dp for dp in range(1, devices // 2 + 1) if devices % dp == 0]
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -20,7 +20,9 @@ from typing import Any, Mapping, Sequence
 
 from plait.errors import PartitionError
 from plait.config_widths import CROSSINGS
-from plait.plan.cost import CLOSING_BYTES, Cluster, partition_problem
+from plait.plan.buckets import bucket_summary
+from plait.plan.cost import CLOSING_BYTES, Cluster, partition_problem, summed_in
+from plait.plan.layer_times import layer_times
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.network import Network, all_reduce
 from plait.plan.partition import cuts_allowed
@@ -50,11 +52,13 @@ class MixedWidths:
     stage_s: tuple[float, ...] = ()  # each stage's F + B + W of one micro-batch
     recompute: bool = False
     crossing: str = "tiles"  # how values cross between widths (Config.crossing)
+    dp: int = 1  # copies of the pipeline, each on world / dp devices (Config.dp)
+    allreduce_s: tuple[float, ...] = ()  # with dp > 1: each stage's gradient sum over the copies
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layers_per_stage": list(self.layers_per_stage), "tp": list(self.widths),
+        return {"layers_per_stage": list(self.layers_per_stage), "tp": list(self.widths), "dp": self.dp,
                 "num_microbatches": self.num_microbatches, "schedule": self.schedule, "recompute": self.recompute,
-                "crossing": self.crossing,
+                "crossing": self.crossing, "allreduce_s": list(self.allreduce_s),
                 "pipeline_s": self.pipeline_s, "predicted_step_time_s": self.step_time_s,
                 "stage_s": list(self.stage_s)}
 
@@ -63,40 +67,62 @@ def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size:
                   cluster: Cluster, degrees: Sequence[int],
                   microbatches: Sequence[int] | None = None,
                   recompute: Sequence[bool] = (False, True),
-                  schedules: Sequence[str] = ("1f1b", "gpipe")) -> MixedWidths | None:
-    """The fastest one-pipeline layout with stages of different widths among `degrees` (each
-    > 1 needs its shares), or None when fewer than two widths apply or no such layout fits."""
+                  schedules: Sequence[str] = ("1f1b", "gpipe"),
+                  replicas: Sequence[int] = (1,)) -> MixedWidths | None:
+    """The fastest layout of stages of different widths among `degrees` (each > 1 needs its
+    shares): one pipeline on every device, or `replicas` copies of one (each dp dividing the
+    world, on world / dp devices of at least 2); None when fewer than two widths apply or no such
+    layout fits. Among equal steps, fewer copies first."""
+    best: MixedWidths | None = None
+    for dp in sorted(set(replicas)):
+        if dp < 1 or world_size % dp or world_size // dp < 2 or global_batch < dp:
+            continue
+        found = _search(costs, shares, world_size, dp, global_batch, cluster, degrees, microbatches, recompute,
+                        schedules, best.step_time_s if best is not None else math.inf)
+        if found is not None and (best is None or found.step_time_s < best.step_time_s):
+            best = found
+    return best
+
+
+def _search(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int, dp: int, global_batch: int,
+            cluster: Cluster, degrees: Sequence[int], microbatches: Sequence[int] | None,
+            recompute: Sequence[bool], schedules: Sequence[str], beat: float) -> MixedWidths | None:
+    """`search_widths` for `dp` copies of a pipeline on world / dp devices each: the best layout
+    predicted faster than `beat`, or None."""
+    devices = world_size // dp
     lanes = {1: costs} if 1 in degrees else {}
     for w in degrees:
-        if w > 1 and w in shares and shares[w].splits and world_size >= w:
+        if w > 1 and w in shares and shares[w].splits and devices >= w:
             lanes[w] = at_tp(costs, shares[w], cluster.network.reduce_link(list(range(w))))
     if len(lanes) < 2:
         return None
     n = costs.num_layers
-    counts = microbatches or [2**k for k in range(global_batch.bit_length()) if 2**k <= global_batch]
+    per_copy = global_batch // dp
+    counts = microbatches or [2**k for k in range(per_copy.bit_length()) if 2**k <= per_copy]
     closing = all_reduce(CLOSING_BYTES, world_size, cluster.network.reduce_link(range(world_size)))
     cases = []
     for index, (m, schedule, again, crossing) in enumerate(
             (m, s, r, c) for m in counts for s in schedules for r in recompute for c in CROSSINGS):
-        # the cuts priced on the slowest link of a pipeline over all the devices
-        chain = Setting(max(1, min(world_size, n)), 1, m, schedule, recompute=again)
+        # the cuts priced on the slowest link of a pipeline over all of a copy's devices
+        chain = Setting(max(1, min(devices, n)), dp, m, schedule, recompute=again)
         cut_time = _uncut(costs, partition_problem(costs, chain, cluster, global_batch).cut_time)
         width_costs = {}
         for w, lane in lanes.items():
             p = partition_problem(lane, replace(chain, pp=1), cluster, global_batch)  # per-layer terms
             width_costs[w] = WidthCosts(p.time, p.fill, p.fixed, p.per_held, p.once, p.entry)
-        rows = microbatch_rows(global_batch, 1, m)
+        rows = microbatch_rows(global_batch, dp, m)
         cross = {pair: _uncut(costs, times) for pair, times in
-                 _crossings(costs, rows, list(lanes), cluster.network, world_size, crossing == "whole").items()}
-        floor = _floor(width_costs, lanes, m, world_size) + closing
-        cases.append((floor, index, m, schedule, again, crossing, width_costs, cut_time, cross))
+                 _crossings(costs, rows, list(lanes), cluster.network, devices, crossing == "whole").items()}
+        floor = _floor(width_costs, lanes, m, devices) + closing
+        cases.append((floor, index, m, schedule, again, crossing, width_costs, cut_time, cross, chain, rows))
     best: MixedWidths | None = None
     best_index = 0
-    for floor, index, m, schedule, again, crossing, width_costs, cut_time, cross in sorted(cases, key=lambda c: c[:2]):
-        if best is not None and floor > best.step_time_s * (1 + 1e-12):
+    for floor, index, m, schedule, again, crossing, width_costs, cut_time, cross, chain, rows in sorted(
+            cases, key=lambda c: c[:2]):
+        if floor > min(beat, best.step_time_s if best is not None else math.inf) * (1 + 1e-12):
             break  # no later case can beat (or tie) the best found
         try:
-            found = width_partition(width_costs, cut_time, world_size, m, schedule == "gpipe",
+            found = width_partition(width_costs, cut_time, devices, m, schedule == "gpipe",
                                     cluster.memory_bytes, cross=cross)
         except PartitionError:
             continue
@@ -107,13 +133,40 @@ def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size:
             bounds.append(bounds[-1] + size)
         stages = list(zip(found.widths, bounds, bounds[1:]))
         optimizer = max(sum(lanes[w].optimizer_s[a:b]) for w, a, b in stages)
-        step = found.objective + closing + optimizer
+        summed = _copies_sum(lanes, stages, dp, devices, found.objective, chain, rows, cluster)
+        step = max(found.objective, *(found.objective + extra for extra, _ in summed)) + closing + optimizer
         tie = 1e-15 * max(1.0, abs(step))
         if best is None or step < best.step_time_s - tie or (step <= best.step_time_s + tie and index < best_index):
             best_index = index  # among equal steps, the first in (m, schedule, recompute, crossing) order
             best = MixedWidths(found.layers_per_stage, found.widths, m, schedule, found.objective, step,
-                               tuple(float(sum(width_costs[w].time[a:b])) for w, a, b in stages), again, crossing)
-    return best if best is not None and math.isfinite(best.step_time_s) else None
+                               tuple(float(sum(width_costs[w].time[a:b])) for w, a, b in stages), again, crossing,
+                               dp, tuple(total for _, total in summed) if dp > 1 else ())
+    return best if best is not None and math.isfinite(best.step_time_s) and best.step_time_s < beat else None
+
+
+def _copies_sum(lanes: Mapping[int, LayerCosts], stages: Sequence[tuple[int, int, int]], dp: int, devices: int,
+                pipeline: float, setting: Setting, rows: int, cluster: Cluster) -> list[tuple[float, float]]:
+    """Per stage (width, first, end layer) of `dp` copies of a pipeline: (seconds its gradient sum
+    over the copies ends after the pipeline, the sum's seconds). The sum goes bucket by bucket
+    (`bucket_summary`) over the copies' ranks of that stage, `devices` apart; with
+    `overlap_gradients` it starts with the stage's last backward (B) of the step, as
+    `plait.plan.dp_widths` prices a stage of replicas."""
+    if dp == 1:
+        return [(0.0, 0.0)]
+    out, first = [], 0
+    for w, a, b in stages:
+        link = cluster.network.reduce_link([first + k * devices for k in range(dp)])
+        first += w
+        grads = lanes[w].grad_bytes[a:b]
+        last, count = bucket_summary(grads, cluster.bucket_bytes)
+        total = summed_in(count, float(sum(grads)), dp, link)
+        if cluster.overlap_gradients:
+            backward = sum(layer_times(lanes[w], setting, rows)[1][a:b])
+            extra = max(0.0, total - backward, all_reduce(last, dp, link))
+        else:
+            extra = total
+        out.append((extra, total))
+    return out
 
 
 def _floor(table: Mapping[int, WidthCosts], lanes: Mapping[int, LayerCosts], m: int, devices: int) -> float:

@@ -71,7 +71,8 @@ def mixed_widths_choice(captured: CapturedGraph, config: Config, world_size: int
 
 def _tp_widths(captured: CapturedGraph, world_size: int, result: PlanResult, cluster: Cluster,
                recompute: Sequence[bool], schedules: Sequence[str], loss: Any, target: Any) -> MixedWidths | None:
-    """The best pipeline of stages of different tp widths, each width priced on what it splits."""
+    """The best pipeline of stages of different tp widths, each width priced on what it splits, or
+    copies of one (dp > 1, each on world / dp ranks)."""
     widths = stage_widths(world_size, local_world_size(world_size))
     shares = {}
     for w in widths[1:]:
@@ -79,12 +80,13 @@ def _tp_widths(captured: CapturedGraph, world_size: int, result: PlanResult, clu
             shares[w] = tp_shares(captured, w, None, loss, target)
         except Exception as e:  # noqa: BLE001 - a graph the layout cannot read: that width is not priced
             log.debug("plait: tp=%d not priced for stages of different widths (%s)", w, e)
+    copies = [dp for dp in range(1, world_size // 2 + 1) if world_size % dp == 0]
     return search_widths(result.profile.costs, shares, world_size, result.global_batch, cluster, widths,
-                         recompute=recompute, schedules=schedules)
+                         recompute=recompute, schedules=schedules, replicas=copies)
 
 
 def _fields(found: MixedWidths) -> dict[str, Any]:
-    return {"layers_per_proc": list(found.layers_per_stage), "tp_per_stage": list(found.widths), "dp": 1,
+    return {"layers_per_proc": list(found.layers_per_stage), "tp_per_stage": list(found.widths), "dp": found.dp,
             "num_microbatches": found.num_microbatches, "schedule": found.schedule, "num_virtual_stages": 1,
             "recompute": found.recompute, "zero": 0, "batch_weight_grads": False, "crossing": found.crossing}
 
@@ -96,13 +98,14 @@ def _dp_fields(found: MixedDp) -> dict[str, Any]:
 
 
 def _report(found: MixedWidths, result: PlanResult, names: tuple[str, ...], cluster: Cluster) -> PlanReport:
-    line = (f"chosen: stages of different tp widths {list(found.widths)}, layers {list(found.layers_per_stage)}, "
+    copies = f" x dp={found.dp} copies of the pipeline" if found.dp > 1 else ""
+    line = (f"chosen: stages of different tp widths {list(found.widths)}{copies}, layers {list(found.layers_per_stage)}, "
             f"{found.num_microbatches} micro-batches, {found.schedule}{', recomputed' if found.recompute else ''}, "
             f"crossing as {found.crossing}: {found.step_time_s:.4f} s a step, "
             f"faster than the best uniform layout above ({result.best.step_time_s:.4f} s)")
     return _widths_report(found, {"tp_per_stage": list(found.widths), "crossing": found.crossing},
-                          [{"dp": 1, "tp": w} for w in found.widths],
-                          line, result, names, cluster)
+                          [{"dp": found.dp, "tp": w} for w in found.widths],
+                          line, result, names, cluster, found.dp)
 
 
 def _dp_report(found: MixedDp, result: PlanResult, names: tuple[str, ...], cluster: Cluster) -> PlanReport:
@@ -116,14 +119,15 @@ def _dp_report(found: MixedDp, result: PlanResult, names: tuple[str, ...], clust
 
 
 def _widths_report(found: MixedWidths | MixedDp, widths: dict[str, Any], meshes: list[dict[str, int]], line: str,
-                   result: PlanResult, names: tuple[str, ...], cluster: Cluster) -> PlanReport:
-    """The report of a pipeline of uneven stage widths: its stages, each on its own `meshes[s]`."""
+                   result: PlanResult, names: tuple[str, ...], cluster: Cluster, copies: int = 1) -> PlanReport:
+    """The report of a pipeline of uneven stage widths (`copies` of it): its stages, each on its own
+    `meshes[s]`."""
     stages, start = [], 0
     for s, (size, mesh, time_s) in enumerate(zip(found.layers_per_stage, meshes, found.stage_s)):
         stages.append({"stage": s, "tp": mesh["tp"], "layers": list(names[start:start + size]), "first_layer": start,
                        "num_layers": size, "time_s": time_s, "mesh": mesh})
         start += size
-    chosen = {"pp": len(meshes), "dp": 1, "tp": 1, **widths,
+    chosen = {"pp": len(meshes), "dp": copies, "tp": 1, **widths,
               "num_microbatches": found.num_microbatches, "schedule": found.schedule, "num_virtual_stages": 1,
               "recompute": found.recompute, "zero": 0, "batch_weight_grads": False,
               "layers_per_stage": list(found.layers_per_stage), "feasible": True,

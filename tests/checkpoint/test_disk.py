@@ -165,6 +165,9 @@ def test_same_layout_compares_the_stages_and_ranks_only(tmp_path: Path) -> None:
     widths = dict(plan, world_size=3, tp=2, stage_tp=[2, 1])
     wide = disk.open_checkpoint(save(tmp_path / "widths", 1, [{"w": torch.ones(1)}] * 3, plan=widths))
     assert wide.same_layout(widths) and not wide.same_layout(dict(widths, stage_tp=[1, 2]))
+    damaged = disk.open_checkpoint(save(tmp_path / "damaged", 1, [{"w": torch.ones(1)}] * 3,
+                                        plan=dict(widths, stage_tp=1.5)))
+    assert not damaged.same_layout(widths)  # a damaged entry is another layout, not an error
     unplanned = disk.open_checkpoint(save(tmp_path / "other", 1, [{"w": torch.ones(1)}]))
     assert not unplanned.same_layout(plan)  # saved with no plan: no layout to match
 

@@ -3,13 +3,14 @@ from the tp pass's per-layer costs, against uniform widths and by hand."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
-from plait.plan.cost import Cluster
+from plait.plan.cost import CLOSING_BYTES, Cluster
 from plait.plan.layer_costs import LayerCosts
-from plait.plan.network import Link, Network
+from plait.plan.network import Link, Network, all_reduce
 from plait.plan.tp_costs import TpShares
 from plait.plan.width_search import search_widths
 
@@ -117,3 +118,29 @@ def test_the_floors_prune_nothing_that_wins(seed: int, monkeypatch: pytest.Monke
     monkeypatch.setattr(width_search, "_floor", lambda *args: -math.inf)  # every case partitioned
     every = search_widths(costs, shares, 3, 8, cluster, (1, 2))
     assert pruned == every
+
+
+def _with_grads(grad: float) -> LayerCosts:
+    costs = _costs((4.0, 1.0, 1.0))
+    return dataclasses.replace(costs, param_bytes=(grad, 0.0, 0.0), grad_bytes=(grad, 0.0, 0.0))
+
+
+@pytest.mark.parametrize("grad", [1e3, 1e5])
+def test_copies_of_a_pipeline_add_their_gradient_sum(grad: float) -> None:
+    """6 devices, 8 rows of one row a micro-batch. One pipeline on all 6 is best uniform (tp=2 for
+    each of the 3 layers): none of mixed widths. Two copies on 3 devices each, 4 rows apiece:
+    layer 0 at tp=2 and the rest at 1, 6 + 6 + 3 x 6 = 30 s, then layer 0's gradient (half of
+    `grad` bytes a tp rank, one bucket) summed over the copies at 1 kB/s after its last backward:
+    0.5 s or 50 s, in full (one bucket: nothing of it runs before the last backward ends)."""
+    link = Link(0.0, 1e3)
+    cluster = Cluster(Network(link, link, 8), math.inf)
+    zeros = (0.0,) * 3
+    shares = {2: TpShares(2, (grad, 0.0, 0.0), (1.0, 0.0, 0.0), zeros, zeros, zeros, zeros, zeros)}  # layer 0 splits
+    found = search_widths(_with_grads(grad), shares, 6, 8, cluster, (1, 2), replicas=(1, 2, 3))
+    assert found is not None and found.dp == 2
+    assert (found.layers_per_stage, found.widths, found.num_microbatches) == ((1, 2), (2, 1), 4)
+    assert found.pipeline_s == pytest.approx(30.0)
+    assert found.allreduce_s == pytest.approx((all_reduce(grad / 2, 2, link), 0.0))
+    assert found.step_time_s == pytest.approx(30.0 + grad / 2 / 1e3 + all_reduce(CLOSING_BYTES, 6, link))
+    assert found.to_dict()["dp"] == 2 and found.to_dict()["allreduce_s"] == list(found.allreduce_s)
+    assert search_widths(_with_grads(grad), shares, 6, 8, cluster, (1, 2)) is None  # one pipeline: uniform wins

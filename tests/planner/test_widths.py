@@ -144,3 +144,34 @@ def test_the_training_loss_reaches_each_widths_pricing(monkeypatch) -> None:
     y = torch.randn(BATCH, 64)
     assert mixed_widths_choice(captured, plait.Config(), 3, result, cluster, nn.functional.mse_loss, y) is not None
     assert seen and all(loss is nn.functional.mse_loss and target is y for loss, target in seen)
+
+
+def test_copies_of_a_pipeline_of_widths_are_searched_and_run_as_config_fields(monkeypatch, tmp_path) -> None:
+    """On 6 ranks the tp-width search also prices 2 and 3 copies of a pipeline; a choice of 2 copies
+    of widths (2, 1) becomes Config(tp_per_stage=(2, 1), dp=2) on 6 ranks, and its saved report
+    replays it."""
+    import plait.planner.widths as widths
+    from plait.plan.width_search import MixedWidths
+    from plait.planner.layout import load_plan_file
+
+    captured, result, cluster = _setup(1e-3)
+    asked = []
+    copies = MixedWidths((3, 3), (2, 1), 2, "1f1b", 0.001, 0.001, (5e-4, 5e-4), dp=2, allreduce_s=(1e-5, 1e-5))
+
+    def priced(*args, replicas=(1,), **kwargs):
+        asked.append(tuple(replicas))
+        return copies
+
+    monkeypatch.setattr(widths, "search_widths", priced)
+    monkeypatch.setattr(widths, "search_dp_widths", lambda *args, **kwargs: None)
+    six = dataclasses.replace(result, world_size=6)
+    found = mixed_widths_choice(captured, plait.Config(), 6, six, cluster)
+    assert asked == [(1, 2, 3)] and found is not None
+    fields, report = found
+    assert (fields["tp_per_stage"], fields["dp"], fields["layers_per_proc"]) == ([2, 1], 2, [3, 3])
+    assert report.chosen["dp"] == 2 and "x dp=2 copies of the pipeline" in report.table
+    config = dataclasses.replace(plait.Config(), **{**fields, "layers_per_proc": tuple(fields["layers_per_proc"])})
+    assert config.lanes(6) == 4 and config.stages_for(config.lanes(6)) == 2  # a config 6 ranks run
+    report.save(tmp_path / "plan.json")
+    replayed = load_plan_file(str(tmp_path / "plan.json"), captured.layers.layer_names, 6)[0]
+    assert (replayed["tp_per_stage"], replayed["dp"]) == ([2, 1], 2)
