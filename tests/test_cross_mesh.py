@@ -89,13 +89,46 @@ SIX: list[Run] = [  # two replicas of the whole pipeline: ranks 0 1 | 2 and 3 4 
 ]
 
 
+def _planned_copies(rank: int, world: int) -> dict[str, Any]:
+    """Config() on 6 ranks, the layers priced by a profile in place of the measured one (on every
+    rank): a pair of linears that tp=2 splits and a LayerNorm it does not, 0.01 s a row each, the
+    linears' gradients 10 MB. Two copies of the pipeline (pair at tp=2 | LayerNorm) are predicted
+    fastest: each copy runs 4 of the 8 rows, the LayerNorm no rank computes twice, and each
+    gradient is summed over 2 ranks at half its size. It trains as one process does."""
+    import copy
+
+    import plait.planner.autoplan as autoplan
+    import plait.planner.layout as layout
+    from plait.plan.layer_costs import LayerCosts
+    from plait.planner.profile import LayerProfile
+    from tests.test_cross_mesh_dp import _two_steps
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 8), nn.LayerNorm(8))
+    row, zeros, grads = (1e-2, 1e-6, 1e-2, 1e-2), (0.0,) * 4, (1e7, 0.0, 1e7, 0.0)
+    costs = LayerCosts(("0", "1", "2", "3"), zeros, row, zeros, tuple(2 * r for r in row), zeros, zeros,
+                       (64.0,) * 4, (32.0,) * 4, grads, grads, zeros, input_row_bytes=32.0)
+
+    def priced(*args: Any, **kwargs: Any) -> LayerProfile:
+        return LayerProfile(costs, 8, 1, 1, 0.0, "test")
+
+    autoplan.profile_sample = layout.profile_sample = priced  # this rank's process only: the last run here
+    ref = copy.deepcopy(net)
+    model = plait.Model(net, plait.Config(timeout_s=60.0), optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                        loss=nn.MSELoss())
+    problems = _two_steps(model, net, ref, torch.optim.SGD(ref.parameters(), lr=0.1), rows=8, outputs=8)
+    return {"problems": problems, "plan": str(model.plan),
+            "layout": (model.plan.stage_tp, model.plan.dp, model.plan.layers_per_stage)}
+
+
 def _six_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     from tests.test_tensor_parallel import _save_and_resume
 
     saved = {"tp_per_stage": (2, 1), "layers_per_proc": (12, 11), "dp": 2, "zero": 1}
     return {"runs": [train_and_compare(name, config, adam, split_loss=False) for name, config, adam in SIX],
             "resumed": _save_and_resume(rank, world, root, saved, {"layers_per_proc": (8, 8, 7), "dp": 2},
-                                        {"tp_per_stage": (1, 2), "layers_per_proc": (9, 14), "dp": 2})}
+                                        {"tp_per_stage": (1, 2), "layers_per_proc": (9, 14), "dp": 2}),
+            "planned": _planned_copies(rank, world)}
 
 
 @pytest.mark.timeout(400)
@@ -103,7 +136,8 @@ def test_replicas_of_a_pipeline_of_stages_of_different_widths_equal_one_process(
     """dp=2 copies of a pipeline of tp widths (2, 1) or (1, 2) on 6 ranks: each stage's ranks
     all-reduce their gradients with the other copy's, the tied embedding and head is summed over
     all of its ranks, and ZeRO shards each stage's state over the two copies; a checkpoint of it
-    (ZeRO-1) resumes in 3 stages x dp=2, its export loads into the other widths."""
+    (ZeRO-1) resumes in 3 stages x dp=2, its export loads into the other widths; and as Config()
+    plans it where it is predicted fastest (`_planned_copies`)."""
     report = run_ranks(6, _six_ranks, str(tmp_path), timeout=380)
     for rank, results in enumerate(report):
         for (name, config, adam), (problems, split, plan) in zip(SIX, results["runs"]):
@@ -115,3 +149,6 @@ def test_replicas_of_a_pipeline_of_stages_of_different_widths_equal_one_process(
             alone = rank % 3 == (2 if widths == (2, 1) else 0)  # the rank of a tp=1 stage splits nothing
             assert split == 0 if alone else split >= 4, (what, split)
         assert not results["resumed"], f"rank {rank}:\n" + "\n".join(results["resumed"])
+        planned = results["planned"]
+        assert not planned["problems"], f"rank {rank}:\n" + "\n".join(planned["problems"])
+        assert planned["layout"] == ((2, 1), 2, (3, 1)), (rank, planned["plan"])

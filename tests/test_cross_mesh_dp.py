@@ -22,6 +22,7 @@ from torch import nn
 
 import plait
 from plait.errors import ConfigError
+from plait.tensor_parts import shard_of
 from tests.harness import run_ranks
 from tests.test_tensor_parallel import train_and_compare
 
@@ -79,13 +80,15 @@ class _SharedBias(nn.Module):
         return self.c(torch.relu(self.a(x))) + bias  # (B, 4)
 
 
-def _two_steps(model: plait.Model, net: nn.Module, ref: nn.Module, ref_opt: torch.optim.Optimizer) -> list[str]:
-    """Two steps of 4 rows (8 in, 4 out, MSE) on `model` (training `net`) and on `ref` (its deep copy):
-    what differs in the loss, then in every parameter and gradient this rank holds."""
+def _two_steps(model: plait.Model, net: nn.Module, ref: nn.Module, ref_opt: torch.optim.Optimizer,
+               rows: int = 4, outputs: int = 4) -> list[str]:
+    """Two steps of `rows` rows (8 in, `outputs` out, MSE) on `model` (training `net`) and on `ref`
+    (its deep copy): what differs in the loss, then in every parameter and gradient this rank holds
+    (its part of one split by tensor parallelism)."""
     g = torch.Generator().manual_seed(1)
     problems = []
     for step in range(2):
-        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+        x, y = torch.randn(rows, 8, generator=g), torch.randn(rows, outputs, generator=g)
         got = model.train_on_batch(x, y)
         ref_opt.zero_grad()
         want = nn.functional.mse_loss(ref(x), y)
@@ -98,6 +101,9 @@ def _two_steps(model: plait.Model, net: nn.Module, ref: nn.Module, ref_opt: torc
         if not p.is_meta:
             for what, mine, want_t in (("parameter", p.detach(), theirs[name].detach()),
                                        ("gradient", p.grad, theirs[name].grad)):
+                cut = shard_of(p)
+                if cut is not None and want_t is not None:
+                    want_t = cut.part(want_t)
                 if mine is not None and not torch.allclose(mine, want_t, rtol=1e-5, atol=1e-6):
                     problems.append(f"{what} {name}: {mine.flatten()[:4].tolist()} != {want_t.flatten()[:4].tolist()}")
     return problems
