@@ -279,14 +279,14 @@ def _mixed_widths(args: argparse.Namespace, spec: Any, dev: Any, cluster: Any) -
     copies of one, for worlds up to TP_WIDTHS_LIMIT devices with no --layout; None otherwise or when
     none is found."""
     from plait.plan.analytic import gpt_costs, gpt_tp_shares
-    from plait.plan.width_search import search_widths, stage_widths
+    from plait.plan.width_search import pipeline_copies, search_widths, stage_widths
 
     if args.layout is not None or args.devices > TP_WIDTHS_LIMIT[0] or spec.layers + 2 > TP_WIDTHS_LIMIT[1]:
         return None
     widths = tuple(args.tp) if args.tp else stage_widths(args.devices, dev.network.devices_per_node)
     shares = {w: gpt_tp_shares(spec, dev, w) for w in widths if w > 1}
     return search_widths(gpt_costs(spec, dev, args.optimizer), shares, args.devices, args.batch, cluster, widths,
-                         args.microbatches, args.recompute, replicas=_copies(args.devices))
+                         args.microbatches, args.recompute, replicas=pipeline_copies(args.devices))
 
 
 def _mixed_dp(args: argparse.Namespace, costs: Any, global_batch: int, cluster: Any) -> Any:
@@ -313,7 +313,7 @@ def _captured(net: Any, sample: Any, args: argparse.Namespace) -> Any:
 def _model_widths(args: argparse.Namespace, captured: Any, result: Any, cluster: Any) -> Any:
     """`_mixed_widths` for a captured model: each width's shares read off its graph
     (`plait.planner.tp_shares`), the layers' costs from the profile."""
-    from plait.plan.width_search import search_widths, stage_widths
+    from plait.plan.width_search import pipeline_copies, search_widths, stage_widths
     from plait.planner.tp_shares import tp_shares
 
     costs = result.profile.costs
@@ -329,12 +329,7 @@ def _model_widths(args: argparse.Namespace, captured: Any, result: Any, cluster:
             except ConfigError:  # a graph this width cannot split: not priced
                 continue
     return search_widths(costs, shares, args.devices, result.global_batch, cluster, widths, args.microbatches,
-                         args.recompute, replicas=_copies(args.devices))
-
-
-def _copies(devices: int) -> list[int]:
-    """The copies of a pipeline of tp widths searched on `devices`: every dp leaving 2 or more a copy."""
-    return [dp for dp in range(1, devices // 2 + 1) if devices % dp == 0]
+                         args.recompute, replicas=pipeline_copies(args.devices))
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -42,14 +42,15 @@ from plait.plan.buckets import bucket_summary
 from plait.plan.cost import CLOSING_BYTES, Cluster, handover_term, partition_problem, summed_in
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.layer_times import layer_times
-from plait.plan.network import all_reduce
+from plait.plan.network import Link, all_reduce
 from plait.plan.partition import cuts_allowed
 from plait.plan.row_blocks import row_crossing_time
 from plait.plan.search import SearchSpace
 from plait.plan.setting import Setting
 from plait.plan.submesh import WidthCosts, WidthLayout, pipeline_floor, width_partition
 
-__all__ = ["MixedDp", "dp_widths", "dp_width_costs", "row_cut_times", "price_dp_layout", "search_dp_widths"]
+__all__ = ["MixedDp", "dp_widths", "dp_width_costs", "row_cut_times", "price_dp_layout", "search_dp_widths",
+           "gradient_sum"]
 
 Crossings = dict[tuple[int, int], list[float]]  # [(a, b)][k]: a cut after layer k from width a to width b
 
@@ -199,24 +200,35 @@ def _price(costs: LayerCosts, layout: WidthLayout, setting: Setting, cluster: Cl
                 + sum(cut_time[(w, after[0])][b - 1] for (w, _, b), after in zip(stages, stages[1:]))
                 + (m - 1) * max(stage_s)
                 + handover_term(Setting(len(stages), 1, m, setting.schedule), cluster.network.handover_cpu_s))
-    reach, summed, first = [], [], 0
+    after, summed, first = [], [], 0
     for w, a, b in stages:
         link = cluster.network.reduce_link(range(first, first + w))
         first += w
-        grads = costs.grad_bytes[a:b]
-        last, count = bucket_summary(grads, cluster.bucket_bytes) if w > 1 else (0.0, 0)  # one replica: no sum
-        total = summed_in(count, float(sum(grads)), w, link)
-        if w > 1 and cluster.overlap_gradients:  # the buckets start with the stage's last gradient pass (B)
-            backward = layer_times(costs, replace(setting, dp=w), global_batch // m // w)[1]
-            tail = all_reduce(last, w, link)
-            reach.append(max(pipeline, pipeline - sum(backward[a:b]) + total, pipeline + tail))
-        else:
-            reach.append(pipeline + total)
+        past, total = gradient_sum(costs, a, b, w, link, replace(setting, dp=w), global_batch // m // w, cluster)
+        after.append(past)
         summed.append(total)
     closing = all_reduce(CLOSING_BYTES, world, cluster.network.reduce_link(range(world)))
     optimizer = max(sum(costs.optimizer_s[a:b]) for _, a, b in stages)
     return MixedDp(layout.layers_per_stage, layout.widths, m, setting.schedule, setting.recompute, pipeline,
-                   max(reach) + closing + optimizer, stage_s, tuple(summed))
+                   pipeline + max(after) + closing + optimizer, stage_s, tuple(summed))
+
+
+def gradient_sum(costs: LayerCosts, first: int, end: int, replicas: int, link: Link, setting: Setting, rows: int,
+                 cluster: Cluster) -> tuple[float, float]:
+    """(seconds past the pipeline's end, seconds in all) of summing the gradients of layers
+    first..end-1 (one stage) over `replicas` ranks on `link`: bucket by bucket (`bucket_summary`);
+    with `overlap_gradients`, from the stage's last gradient pass (B, at `setting` with `rows` a
+    micro-batch) on, so only what outlasts it, and the last bucket, follows the pipeline. One
+    replica sums nothing."""
+    if replicas == 1:
+        return 0.0, 0.0
+    grads = costs.grad_bytes[first:end]
+    last, count = bucket_summary(grads, cluster.bucket_bytes)
+    total = summed_in(count, float(sum(grads)), replicas, link)
+    if not cluster.overlap_gradients:
+        return total, total
+    backward = sum(layer_times(costs, setting, rows)[1][first:end])
+    return max(0.0, total - backward, all_reduce(last, replicas, link)), total
 
 
 def _stages(layout: WidthLayout) -> list[tuple[int, int, int]]:

@@ -20,9 +20,8 @@ from typing import Any, Mapping, Sequence
 
 from plait.errors import PartitionError
 from plait.config_widths import CROSSINGS
-from plait.plan.buckets import bucket_summary
-from plait.plan.cost import CLOSING_BYTES, Cluster, partition_problem, summed_in
-from plait.plan.layer_times import layer_times
+from plait.plan.cost import CLOSING_BYTES, Cluster, partition_problem
+from plait.plan.dp_widths import gradient_sum
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.network import Network, all_reduce
 from plait.plan.partition import cuts_allowed
@@ -31,12 +30,18 @@ from plait.plan.submesh import WidthCosts, pipeline_floor, width_partition
 from plait.plan.tiles import crossing_time
 from plait.plan.tp_costs import TpShares, at_tp
 
-__all__ = ["MixedWidths", "search_widths", "stage_widths"]
+__all__ = ["MixedWidths", "search_widths", "stage_widths", "pipeline_copies"]
 
 
 def stage_widths(world_size: int, devices_per_node: int) -> tuple[int, ...]:
     """The tp widths a stage may take: 1, 2, 4, 8 within a node and the world (need not divide it)."""
     return tuple(w for w in (1, 2, 4, 8) if w <= min(world_size, devices_per_node))
+
+
+def pipeline_copies(world_size: int) -> tuple[int, ...]:
+    """The copies (dp) of a pipeline of widths to search on `world_size` devices: every dp that
+    divides it and leaves a copy 2 or more."""
+    return tuple(dp for dp in range(1, world_size // 2 + 1) if world_size % dp == 0)
 
 
 @dataclass(frozen=True)
@@ -133,8 +138,8 @@ def _search(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int, 
             bounds.append(bounds[-1] + size)
         stages = list(zip(found.widths, bounds, bounds[1:]))
         optimizer = max(sum(lanes[w].optimizer_s[a:b]) for w, a, b in stages)
-        summed = _copies_sum(lanes, stages, dp, devices, found.objective, chain, rows, cluster)
-        step = max(found.objective, *(found.objective + extra for extra, _ in summed)) + closing + optimizer
+        summed = _copies_sum(lanes, stages, dp, devices, chain, rows, cluster)
+        step = found.objective + max(past for past, _ in summed) + closing + optimizer
         tie = 1e-15 * max(1.0, abs(step))
         if best is None or step < best.step_time_s - tie or (step <= best.step_time_s + tie and index < best_index):
             best_index = index  # among equal steps, the first in (m, schedule, recompute, crossing) order
@@ -145,27 +150,15 @@ def _search(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int, 
 
 
 def _copies_sum(lanes: Mapping[int, LayerCosts], stages: Sequence[tuple[int, int, int]], dp: int, devices: int,
-                pipeline: float, setting: Setting, rows: int, cluster: Cluster) -> list[tuple[float, float]]:
+                setting: Setting, rows: int, cluster: Cluster) -> list[tuple[float, float]]:
     """Per stage (width, first, end layer) of `dp` copies of a pipeline: (seconds its gradient sum
-    over the copies ends after the pipeline, the sum's seconds). The sum goes bucket by bucket
-    (`bucket_summary`) over the copies' ranks of that stage, `devices` apart; with
-    `overlap_gradients` it starts with the stage's last backward (B) of the step, as
-    `plait.plan.dp_widths` prices a stage of replicas."""
-    if dp == 1:
-        return [(0.0, 0.0)]
+    over the copies' ranks of that stage, `devices` apart, ends after the pipeline, the sum's
+    seconds), priced as a stage of replicas is (`plait.plan.dp_widths.gradient_sum`)."""
     out, first = [], 0
     for w, a, b in stages:
         link = cluster.network.reduce_link([first + k * devices for k in range(dp)])
         first += w
-        grads = lanes[w].grad_bytes[a:b]
-        last, count = bucket_summary(grads, cluster.bucket_bytes)
-        total = summed_in(count, float(sum(grads)), dp, link)
-        if cluster.overlap_gradients:
-            backward = sum(layer_times(lanes[w], setting, rows)[1][a:b])
-            extra = max(0.0, total - backward, all_reduce(last, dp, link))
-        else:
-            extra = total
-        out.append((extra, total))
+        out.append(gradient_sum(lanes[w], a, b, dp, link, setting, rows, cluster))
     return out
 
 

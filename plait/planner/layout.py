@@ -316,15 +316,11 @@ def _resumed_fields(plan: dict[str, Any], config: Config, world_size: int,
                 "recompute_by_layer": [int(s) for s in plan.get("recompute_by_layer", [])],
                 "zero": int(plan.get("zero", 0) or 0),
                 "batch_weight_grads": bool(plan.get("batch_weight_grads", False))}
-        widths = {field: [int(w) for w in plan.get(key) or ()] for field, key in
-                  (("tp_per_stage", "stage_tp"), ("dp_per_stage", "stage_dp"))}
+        widths = _width_fields(plan.get("stage_tp"), plan.get("stage_dp"), plan.get("crossing", "tiles"))
     except (KeyError, TypeError, ValueError):
         return None
-    for field, found in widths.items():  # one pipeline of stages of different widths, as saved
-        if found:
-            full.update({field: found, "num_stages": None})
-    if widths["tp_per_stage"]:
-        full["crossing"] = str(plan.get("crossing", "tiles"))
+    if widths:  # a pipeline of stages of different widths, as saved
+        full.update(widths, num_stages=None)
     if config.zero and dp == 1:  # the config's ZeRO needs replicas this layout lacks: plan afresh
         return None
     if config.plans_everything:
@@ -362,7 +358,7 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
                       "batch_weight_grads": bool(data.get("batch_weight_grads", False))}
             saved_names = tuple(str(n) for n in data["layer_names"])
             saved_world = int(data["world_size"])
-            widths = {"tp_per_stage": data.get("stage_tp"), "dp_per_stage": data.get("stage_dp")}
+            widths = _width_fields(data.get("stage_tp"), data.get("stage_dp"), data.get("crossing", "tiles"))
         else:  # the planner's JSON
             if data.get("feasible") is False:
                 raise ConfigError(f"{where}: the plan in the file is infeasible: {data.get('reason')}")
@@ -370,13 +366,11 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
             fields.pop("tp")  # a plan file gives the pp x dp layout; Config.tp gives tp
             saved_names = tuple(str(n) for s in data.get("stages", []) for n in s.get("layers", []))
             saved_world = fields["num_stages"] * fields["dp"]
-            widths = {"tp_per_stage": data.get("tp_per_stage"), "dp_per_stage": data.get("dp_per_stage")}
-        for field, found in widths.items():  # one pipeline of stages of different widths (Config's fields)
-            if found:
-                fields[field] = [int(w) for w in found]
-                saved_world = sum(fields[field]) * (fields["dp"] if field == "tp_per_stage" else 1)
-        if widths["tp_per_stage"]:
-            fields["crossing"] = str(data.get("crossing", "tiles"))
+            widths = _width_fields(data.get("tp_per_stage"), data.get("dp_per_stage"), data.get("crossing", "tiles"))
+        fields.update(widths)  # a pipeline of stages of different widths: on their ranks
+        for field, copies in (("tp_per_stage", fields["dp"]), ("dp_per_stage", 1)):
+            if field in widths:
+                saved_world = sum(widths[field]) * copies
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{where}: malformed plan file ({type(e).__name__}: {e})") from None
     fields.pop("num_stages", None)
@@ -400,6 +394,17 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
             [], _stage_table(data), f"plan file {path}",
             int(data.get("global_batch", 0) or 0))
     return fields, report
+
+
+def _width_fields(tp: Any, dp: Any, crossing: Any) -> dict[str, Any]:
+    """Config fields of a saved pipeline of stages of different widths: its tp per stage (and
+    crossing), or dp per stage; {} for a uniform one (neither saved)."""
+    out: dict[str, Any] = {}
+    if tp:
+        out.update(tp_per_stage=[int(w) for w in tp], crossing=str(crossing))
+    if dp:
+        out["dp_per_stage"] = [int(w) for w in dp]
+    return out
 
 
 def _stage_table(chosen: dict[str, Any]) -> str:

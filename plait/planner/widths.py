@@ -13,7 +13,7 @@ from plait.plan.cost import Cluster
 from plait.plan.report import PlanReport
 from plait.plan.search import SearchSpace
 from plait.plan.dp_widths import MixedDp, search_dp_widths
-from plait.plan.width_search import MixedWidths, search_widths, stage_widths
+from plait.plan.width_search import MixedWidths, pipeline_copies, search_widths, stage_widths
 from plait.planner.autoplan import PlanResult
 from plait.planner.tp_shares import tp_shares
 from plait.capture.trace import CapturedGraph
@@ -80,9 +80,8 @@ def _tp_widths(captured: CapturedGraph, world_size: int, result: PlanResult, clu
             shares[w] = tp_shares(captured, w, None, loss, target)
         except Exception as e:  # noqa: BLE001 - a graph the layout cannot read: that width is not priced
             log.debug("plait: tp=%d not priced for stages of different widths (%s)", w, e)
-    copies = [dp for dp in range(1, world_size // 2 + 1) if world_size % dp == 0]
     return search_widths(result.profile.costs, shares, world_size, result.global_batch, cluster, widths,
-                         recompute=recompute, schedules=schedules, replicas=copies)
+                         recompute=recompute, schedules=schedules, replicas=pipeline_copies(world_size))
 
 
 def _fields(found: MixedWidths) -> dict[str, Any]:
