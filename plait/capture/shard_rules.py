@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 __all__ = ["Shard", "Conflict", "args_of", "kwargs_of", "linear_parts", "LinearParts", "propagate", "shape_of", "reshape_dim",
-           "SAME_LAYOUT", "is_seq", "seq_operands"]
+           "SAME_LAYOUT", "is_seq", "seq_operands", "attention_dropout"]
 
 aten = torch.ops.aten
 
@@ -362,17 +362,22 @@ def _expand(node: fx.Node, lay: Shard, tp: int) -> Layout:
 
 
 def _attention(node: fx.Node, lay: Shard, tp: int) -> Layout:
-    """scaled_dot_product_attention: q, k, v split by heads (dim 1), the mask broadcast over them."""
+    """scaled_dot_product_attention: q, k, v split by heads (dim 1), the mask broadcast over them
+    (with dropout, each rank keeps its heads of the whole mask: `plait.runtime.tensor_parallel`)."""
     mask = args_of(node)[3] if len(args_of(node)) > 3 else kwargs_of(node).get("attn_mask")
     if lay.dim != 1 or lay.blocks != 1:
         raise _fail(node, lay, "attention split on another dimension than the heads")
     shape = shape_of(mask) if isinstance(mask, fx.Node) else None
     if shape is not None and len(shape) == 4 and shape[1] != 1:
         raise _fail(node, lay, "an attention mask per head")
-    p = args_of(node)[4] if len(args_of(node)) > 4 else kwargs_of(node).get("dropout_p", 0.0)
-    if not isinstance(p, (int, float)) or p != 0.0:  # its mask, drawn inside, is not one process's
-        raise _fail(node, lay, f"attention dropout {p} inside the fused kernel (eager attention splits)")
+    if not isinstance(attention_dropout(node), (int, float)):  # (a split one runs unfused: `SplitAttention`)
+        raise _fail(node, lay, f"attention dropout {attention_dropout(node)} is a traced value, not a number")
     return lay
+
+
+def attention_dropout(node: fx.Node) -> Any:
+    """scaled_dot_product_attention's dropout probability (0.0 when not given)."""
+    return args_of(node)[4] if len(args_of(node)) > 4 else kwargs_of(node).get("dropout_p", 0.0)
 
 
 def _layer_norm(node: fx.Node, lay: Shard, tp: int) -> Layout:

@@ -17,8 +17,9 @@ all-gathered), one broadcast over them (a bias, a layer norm's weight) gets its 
 all-reduced, and the tokens are all-gathered before an operation that needs them whole (the
 collectives: `plait.runtime.tp_collectives`). A view, expand or split of a split value gets its
 shape with the split dimension divided by tp; a dropout on a split value draws the whole mask and
-keeps this rank's part. Each parameter is cut in place (`p.data`), once: the module, the user's
-model and every stage graph keep holding the same `Parameter`.
+keeps this rank's part (attention with dropout, split by heads, runs unfused to do so). Each
+parameter is cut in place (`p.data`), once: the module, the user's model and every stage graph
+keep holding the same `Parameter`.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from plait.capture.shard_rules import args_of, is_seq, kwargs_of, Shard, linear_parts, seq_operands
+from plait.capture.shard_rules import args_of, attention_dropout, is_seq, kwargs_of, Shard, linear_parts, seq_operands
 from plait.capture.tp_layout import VIEWS, TpLayout, gathered_for_colwise
 from plait.errors import ConfigError
-from plait.runtime.tp_collectives import SplitDropout, TpCollective, VocabLookup
+from plait.runtime.tp_collectives import SplitAttention, SplitDropout, TpCollective, VocabLookup
 from plait.tensor_parts import TpShard, local_part, shard_of
 
 __all__ = ["shard_stage"]
@@ -242,6 +243,11 @@ def _local_shapes(graph: fx.Graph, node: fx.Node, here: Any, values: dict[str, A
         drop = module(SplitDropout(before.dim, before.blocks, tp_rank, tp))
         with graph.inserting_before(node):
             new = graph.call_module(drop, tuple(args_of(node)))
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    elif node.target is aten.scaled_dot_product_attention.default and attention_dropout(node) != 0.0:
+        with graph.inserting_before(node):
+            new = graph.call_module(module(SplitAttention(tp_rank, tp)), tuple(args_of(node)), kwargs_of(node))
         node.replace_all_uses_with(new)
         graph.erase_node(node)
     elif node.target is aten._assert_tensor_metadata.default:

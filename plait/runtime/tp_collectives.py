@@ -9,12 +9,14 @@
     scatter          this rank's part (no communication)      all-gather
 
 `VocabLookup` looks up the ids in this rank's vocabulary rows; `SplitDropout` draws a split value's
-mask whole (as one process draws it) and keeps this rank's part; `same_generators` makes the tp
-ranks' generators equal, so that the regions every tp rank computes whole draw the same masks.
+mask whole (as one process draws it) and keeps this rank's part, as `SplitAttention` does for the
+dropout of attention split by heads; `same_generators` makes the tp ranks' generators equal, so
+that the regions every tp rank computes whole draw the same masks.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, cast
 
 import torch
@@ -27,7 +29,8 @@ from plait.runtime.collectives import local_device
 from plait.runtime.waiting import finish
 from plait.tensor_parts import local_part, whole_of
 
-__all__ = ["reduce_sum", "sum_both_ways", "TpCollective", "VocabLookup", "SplitDropout", "same_generators"]
+__all__ = ["reduce_sum", "sum_both_ways", "TpCollective", "VocabLookup", "SplitDropout", "SplitAttention",
+           "same_generators"]
 
 
 class _Copy(torch.autograd.Function):
@@ -207,12 +210,50 @@ class SplitDropout(nn.Module):
     def forward(self, x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
         if not train or p == 0.0:
             return x
-        shape = list(x.shape)
-        shape[self.dim] *= self.tp
-        keep = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
-        if p < 1.0:
-            keep.div_(1 - p)
-        return x * local_part(keep, self.dim, self.blocks, self.tp_rank, self.tp)
+        return _dropped(x, p, self.dim, self.blocks, self.tp_rank, self.tp)
+
+
+def _dropped(x: torch.Tensor, p: float, dim: int, blocks: int, tp_rank: int, tp: int) -> torch.Tensor:
+    """x times this rank's part of the whole mask, drawn as torch's CPU dropout draws it."""
+    shape = list(x.shape)
+    shape[dim] *= tp
+    keep = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
+    if p < 1.0:
+        keep.div_(1 - p)
+    return x * local_part(keep, dim, blocks, tp_rank, tp)
+
+
+class SplitAttention(nn.Module):
+    """scaled_dot_product_attention with dropout on this rank's heads, unfused as torch's math path
+    (`_scaled_dot_product_attention_math`, what one process runs on CPU) computes it; its dropout
+    draws the whole (B, H, L, S) mask and keeps this rank's heads. A fused kernel draws its mask
+    inside, where no rank could take its part of one process's."""
+
+    def __init__(self, tp_rank: int, tp: int):
+        super().__init__()
+        self.tp_rank, self.tp = tp_rank, tp
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+                enable_gqa: bool = False) -> torch.Tensor:
+        size = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        factor = math.sqrt(abs(size))  # q and k each scaled by sqrt(scale), as torch does
+        q = q * (-factor if size < 0 else factor)
+        if is_causal:
+            attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # True: attend
+            attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+                attn_mask.logical_not(), float("-inf"))
+        if enable_gqa:  # each rank holds its share of the key/value heads: the same ratio
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+        attn = q @ (k.transpose(-2, -1) * factor)  # (B, H/tp, L, S)
+        if attn_mask is not None:
+            attn = attn + attn_mask
+        attn = torch.ops.aten._safe_softmax(attn, -1)  # (a row masked whole: zeros, as torch's)
+        if dropout_p > 0.0:
+            attn = _dropped(attn, dropout_p, attn.dim() - 3, 1, self.tp_rank, self.tp)
+        return attn @ v  # (B, H/tp, L, D)
 
 
 def same_generators(src: int, group: Any) -> None:

@@ -124,14 +124,31 @@ def test_heads_that_do_not_divide_stay_replicated_with_the_reason() -> None:
     assert any("replicated" in line for line in layout.describe())
 
 
-def test_attention_dropout_splits_when_eager_not_inside_the_fused_kernel() -> None:
-    [fused] = tp_layouts(_graphs(gpt2(attn_pdrop=0.1)), 2)
-    why = dict(fused.replicated)["transformer.h.0.attn.c_attn"]
-    assert "attention dropout 0.1 inside the fused kernel" in why  # its mask would not be one process's
-    assert _split_modules(fused)["transformer.h.0.mlp.c_fc.weight"] == (1, 1)
-    [eager] = tp_layouts(_graphs(gpt2(attn_pdrop=0.1, attention="eager")), 2)
-    assert _split_modules(eager)["transformer.h.0.attn.c_attn.weight"] == (1, 3)  # its dropout drawn whole
-    assert eager.replicated == ()
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_attention_with_dropout_splits_by_heads(attention: str) -> None:
+    """GPT-2's default attention dropout (0.1), inside scaled_dot_product_attention or eager: split by
+    heads, each rank's part of the whole mask kept (`SplitAttention`, `SplitDropout`); it once kept
+    every attention block whole ("attention dropout 0.1 inside the fused kernel")."""
+    [layout] = tp_layouts(_graphs(gpt2(attn_pdrop=0.1, attention=attention)), 2)
+    assert _split_modules(layout)["transformer.h.0.attn.c_attn.weight"] == (1, 3)
+    assert _split_modules(layout)["transformer.h.1.attn.c_proj.weight"] == (0, 1)
+    assert layout.replicated == ()
+
+
+@pytest.mark.timeout(60)
+def test_gpt2_config_defaults_hold_about_half_the_parameter_bytes_per_rank() -> None:
+    """GPT2Config's default dropouts (0.1 on attention, residuals, embeddings) at tp=2, sizes made
+    small (a vocabulary that divides by tp): each rank holds <= 0.55 of the parameter bytes (0.64
+    while the attention stayed whole)."""
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=16, use_cache=False,
+                                  bos_token_id=0, eos_token_id=0)
+    assert cfg.attn_pdrop == cfg.resid_pdrop == cfg.embd_pdrop == 0.1
+    [gm] = _graphs(transformers.GPT2LMHeadModel(cfg))
+    [layout] = tp_layouts([gm], 2)
+    params = dict(gm.named_parameters())
+    held = sum(p.numel() // (2 if name in layout.params else 1) for name, p in params.items())
+    assert held <= 0.55 * sum(p.numel() for p in params.values()), held
 
 
 def test_bert_masked_lm_head_splits_the_decoder_not_the_transform() -> None:

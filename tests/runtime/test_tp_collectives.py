@@ -1,5 +1,6 @@
 """Tests for plait.runtime.tp_collectives: each collective's forward and backward on 2 gloo ranks,
-against the same sums and slices done on whole tensors in one process."""
+against the same sums and slices done on whole tensors in one process; attention split by heads
+with dropout against one process's."""
 
 from __future__ import annotations
 
@@ -63,3 +64,36 @@ def _each_kind(rank: int, world: int) -> dict[str, Any]:
 def test_each_collective_matches_the_whole_tensor_arithmetic() -> None:
     for rank, result in enumerate(run_ranks(2, _each_kind, timeout=100)):
         assert not result["problems"], f"rank {rank}: " + "; ".join(result["problems"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mask, causal, gqa", [("float", False, False), ("bool", False, False), (None, True, False),
+                                               (None, False, True)], ids=["float-mask", "bool-mask", "causal", "gqa"])
+def test_split_attention_keeps_its_heads_of_one_process_dropout(mask: str | None, causal: bool, gqa: bool) -> None:
+    """Each tp rank's heads of attention with dropout 0.3, drawn from the same generator state,
+    put side by side equal one process's F.scaled_dot_product_attention: outputs and gradients."""
+    import torch.nn.functional as F
+
+    from plait.runtime.tp_collectives import SplitAttention
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, generator=g, requires_grad=True)  # (B, H, L, D)
+    k, v = (torch.randn(2, 2 if gqa else 4, 6, 8, generator=g, requires_grad=True) for _ in range(2))  # (B, H, S, D)
+    masks = {"float": torch.randn(2, 1, 5, 6, generator=g), "bool": torch.rand(2, 1, 5, 6, generator=g) > 0.3}
+    attn_mask = masks.get(mask) if mask else None  # (B, 1, L, S): broadcast over the heads
+    dy = torch.randn(2, 4, 5, 8, generator=g)
+    torch.manual_seed(1)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask, 0.3, causal, scale=0.2, enable_gqa=gqa)
+    want_grads = torch.autograd.grad(want, (q, k, v), dy)
+    parts, grads = [], []
+    for rank in range(2):
+        torch.manual_seed(1)
+        kv = slice(rank, rank + 1) if gqa else slice(2 * rank, 2 * rank + 2)
+        out = SplitAttention(rank, 2)(q[:, 2 * rank:2 * rank + 2], k[:, kv], v[:, kv], attn_mask, 0.3, causal,
+                                      scale=0.2, enable_gqa=gqa)
+        parts.append(out)
+        grads.append(torch.autograd.grad(out, (q, k, v), dy[:, 2 * rank:2 * rank + 2]))
+    undropped = F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, causal, scale=0.2, enable_gqa=gqa)
+    assert not torch.allclose(want, undropped, atol=1e-3)  # the dropout drew a mask
+    torch.testing.assert_close(torch.cat(parts, 1), want, rtol=1e-5, atol=1e-6)
+    for got, expected in zip(map(sum, zip(*grads)), want_grads):  # each rank's heads' share of each gradient
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
