@@ -3,9 +3,12 @@
     plait run -n 2 examples/train.py                 # 2 pipeline stages, cut by the planner
     plait run -n 4 examples/train.py --dp 2          # 2 stages x 2 data-parallel replicas
     python examples/train.py                         # one process, one stage
+
+PLAIT_EXAMPLE_EPOCHS=1 sets the default of --epochs (the test suite runs these commands with it).
 """
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +18,7 @@ import plait
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline")
-parser.add_argument("--epochs", type=int, default=4)
+parser.add_argument("--epochs", type=int, default=int(os.environ.get("PLAIT_EXAMPLE_EPOCHS", 4)))
 parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or zbh1")
 args = parser.parse_args()
 block_size = 32       # T: tokens of context
@@ -58,7 +61,7 @@ history = model.fit(x, y, epochs=args.epochs, batch_size=batch_size, shuffle=Tru
 after = model.evaluate(x[:256], y[:256], batch_size=batch_size)["loss"]
 
 # -- sample: the full, unsplit state (gathered on every rank) back in the plain model ---------
-state = model.state_dict()
+state = model.state_dict()  # every rank calls it; `net` gets back the stages this rank did not run
 if model.rank == 0:
     losses = ", ".join(f"{v:.3f}" for v in history.history["loss"])
     print(model.plan)

@@ -112,15 +112,57 @@ def release_parameters(net: nn.Module, keep: Iterable[torch.Tensor], also: Seque
     """Move every real parameter of `net` not among `keep` to the meta device, in `net` and in the
     module trees `also` that share them (the inverse of `materialize_tensors`): a rank of a real
     model frees what its stages do not use once they are built. Buffers stay (they are small, and
-    a non-persistent one could not be brought back from a checkpoint). Returns how many were freed."""
+    a non-persistent one could not be brought back from a checkpoint). Returns how many were freed.
+
+    A freed parameter comes back where `net.load_state_dict(state)` (or a submodule's) holds a
+    value for it: allocated where it lived, then filled by torch's load as usual, so the plain
+    pattern `net.load_state_dict(model.state_dict())` gives a whole module on every rank."""
     kept = {id(t) for t in keep}
+    originals = [p for p in _unique(net.parameters()) if not p.is_meta and id(p) not in kept]
     replacement: dict[int, torch.Tensor] = {
-        id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
-        for p in _unique(net.parameters()) if not p.is_meta and id(p) not in kept
+        id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad) for p in originals
     }
     for root in (net, *also):
         _replace(root, replacement)
+    freed = _FreedParameters.of(net)
+    freed.devices.update({id(replacement[id(p)]): p.device for p in originals})
+    freed.keep.extend(replacement[id(p)] for p in originals)  # ids stay theirs while they are known
+    for module in net.modules():
+        if any(id(v) in freed.devices for v in module._parameters.values() if v is not None):
+            freed.watch(module)
     return len(replacement)
+
+
+class _FreedParameters:
+    """The parameters a rank freed in one net, and the load hook that brings them back (see
+    `release_parameters`): on every module that holds one, before torch copies a state dict in."""
+
+    ATTRIBUTE = "_plait_freed_parameters"
+
+    def __init__(self, net: nn.Module) -> None:
+        self.net = net
+        self.devices: dict[int, torch.device] = {}  # id(meta parameter) -> where it lived
+        self.keep: list[torch.Tensor] = []
+        self.watched: set[int] = set()
+
+    @classmethod
+    def of(cls, net: nn.Module) -> "_FreedParameters":
+        found = getattr(net, cls.ATTRIBUTE, None)
+        if found is None:
+            found = cls(net)
+            object.__setattr__(net, cls.ATTRIBUTE, found)  # a plain attribute, not a submodule
+        return found  # type: ignore[no-any-return]
+
+    def watch(self, module: nn.Module) -> None:
+        if id(module) not in self.watched:
+            self.watched.add(id(module))
+            module.register_load_state_dict_pre_hook(self._before_load)
+
+    def _before_load(self, module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_: object) -> None:
+        back = {id(p): _real(p, self.devices[id(p)]) for name, p in module._parameters.items()
+                if p is not None and p.is_meta and id(p) in self.devices and prefix + name in state_dict}
+        if back:  # everywhere in the net, so a tied parameter stays one tensor
+            _replace(self.net, back)
 
 
 def _replace(root: nn.Module, replacement: dict[int, torch.Tensor]) -> None:
