@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -20,12 +21,13 @@ from plait.checkpoint import disk as checkpoint
 from plait.checkpoint import train_state, weights
 from plait.checkpoint.model_checkpoints import ModelCheckpoints
 from plait.checkpoint.sharded_export import available_bytes, model_bytes, write_index, write_own_shard
-from plait.checkpoint.resume import ResumePoint, resume_point
+from plait.checkpoint.resume import ResumePoint, resume_point, resumed_line
 from plait.config import Config
 from plait.errors import CheckpointError, ConfigError, PlaitError
 from plait.materialize import materialize_tensors, on_meta, release_parameters
 from plait.job.process_group import init_process_group
 from plait.job.run_options import apply_run_options
+from plait.job.together import meet
 from plait.metrics import check_metrics, logs_of
 from plait.plan import Plan
 from plait.plan.row_blocks import check_rows
@@ -277,10 +279,13 @@ class Model:
         fit = _Fit(x, y, batch_size, shuffle, order, history, cbs)
 
         # resume: a fresh model with a checkpoint_dir goes on from the latest checkpoint there
-        start = self._resume(order, history)
+        start = self._resume(order, history, epochs, verbose)
+        first = start.epoch if start else 0
+        if self._train is None and first < epochs:  # built before any hook: model.optimizer exists in them
+            self._build_on_first_batch(fit, first, start.batch if start is not None and start.epoch == first else 0)
 
         # epochs of global batches, a checkpoint every checkpoint_every steps and at the end
-        for epoch in range(start.epoch if start else 0, epochs):
+        for epoch in range(first, epochs):
             call_hooks(fit.callbacks, "on_epoch_begin", epoch, {})
             logs = self._epoch(fit, epoch, start if start is not None and epoch == start.epoch else None)
             call_hooks(fit.callbacks, "on_epoch_end", epoch, logs)
@@ -290,7 +295,13 @@ class Model:
         self.write_trace()
         return history
 
-    def _resume(self, order: dict[str, Any], history: History) -> ResumePoint | None:
+    def _build_on_first_batch(self, fit: "_Fit", epoch: int, skip: int) -> None:
+        """Capture, plan and build on the first batch `fit` will train on (the optimizer with them)."""
+        for xb, yb in batching.epoch_batches(fit.x, fit.y, fit.batch_size, fit.shuffle, self.config.seed, epoch, skip):
+            self._runner(xb, train=True, y=yb)
+            break
+
+    def _resume(self, order: dict[str, Any], history: History, epochs: int, verbose: int) -> ResumePoint | None:
         """Restore the latest checkpoint under Config.checkpoint_dir into a fresh model; where to go on."""
         root = self.config.checkpoint_dir
         if root is None or self.step != 0 or self._checkpoints.pending is not None:
@@ -301,9 +312,10 @@ class Model:
         start = resume_point(found, order)
         self._restore(found)
         history.epoch, history.history = start.history_epochs, start.history
-        if self.rank == 0:
-            log.info("plait: resumed from %s (step %d, epoch %d, batch %d)", found.path,
-                     found.step, start.epoch, start.batch)
+        if self.rank == 0 and verbose:
+            print(resumed_line(found, start, epochs), file=sys.stderr, flush=True)
+        elif self.rank == 0:
+            log.info("%s", resumed_line(found, start, epochs))
         return start
 
     def _epoch(self, fit: "_Fit", epoch: int, start: ResumePoint | None) -> dict[str, float]:
@@ -362,9 +374,15 @@ class Model:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsplit state dict (keys, shapes and dtypes of net.state_dict()) on every rank,
-        for models that fit one rank; `export` writes a larger one without gathering it."""
+        for models that fit one rank; `export` writes a larger one without gathering it.
+
+        Every rank must call it (it gathers the stages from the ranks that run them); a rank that
+        calls it alone gets a ConfigError saying so. `net.load_state_dict(state)` then makes `net`
+        whole again on any rank, the parameters its stages freed included."""
         owners = self._train.pipe.owner_of if self._train is not None else {}
         parts = self._train.pipe.tp_parts if self._train is not None else {}
+        meet("model.state_dict()", "Call it on every rank and save on one: state = model.state_dict(), "
+             "then if model.rank == 0: torch.save(state, path)", self.config.timeout_s)
         whole, limit = model_bytes(self.net), self.config.memory_limit_bytes or available_bytes()
         over = failed_ranks(whole > limit)  # every rank refuses if one must, none waits in the gather
         if over:

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import plait
+from plait.callbacks import Callback
 from tests.harness import run_ranks
 from tests.models import even_cut, mlp
 
@@ -202,3 +203,56 @@ def test_a_batch_size_of_zero_or_an_empty_x_is_an_error_in_fit_evaluate_and_pred
         with pytest.raises(plait.ConfigError, match="x has 0 rows"):
             call(None, x[:0])
     assert model.step == 0
+
+
+class _SchedulerAtStart(Callback):
+    """A learning-rate scheduler made when training begins, as users write it."""
+
+    def __init__(self, model: plait.Model) -> None:
+        self.model, self.scheduler = model, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.scheduler is None:
+            self.scheduler = torch.optim.lr_scheduler.StepLR(self.model.optimizer, step_size=1, gamma=0.5)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.scheduler.step()
+
+
+@pytest.mark.timeout(30)
+def test_the_optimizer_exists_before_the_first_step_so_a_callback_can_make_a_scheduler():
+    """model.optimizer was None until the first step: StepLR(None) failed in on_epoch_begin."""
+    x, y = data()
+    model = plait.Model(mlp(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
+    assert model.optimizer is None  # nothing to make it over before the model sees data
+    callback = _SchedulerAtStart(model)
+    model.fit(x, y, epochs=2, batch_size=12, verbose=0, callbacks=[callback])
+    assert model.optimizer.param_groups[0]["lr"] == pytest.approx(0.025)  # halved after each epoch
+    built = plait.Model(mlp(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
+    built.build(x[:4])
+    assert isinstance(built.optimizer, torch.optim.SGD) and built.step == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_resumed_fit_says_from_which_step_and_that_nothing_is_left(tmp_path, capsys):
+    """A second run of a finished job returned its old history silently, as if it had trained."""
+    x, y = data()
+
+    def run(epochs):
+        torch.manual_seed(0)
+        model = plait.Model(mlp(), plait.Config(checkpoint_dir=tmp_path / "ckpt"),
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
+        history = model.fit(x, y, epochs=epochs, batch_size=12, verbose=1)
+        return history, model
+
+    first, _ = run(2)
+    assert "resumed" not in capsys.readouterr().err
+    again, model = run(2)
+    said = capsys.readouterr().err
+    assert f"plait: resumed from step 4 of {tmp_path / 'ckpt' / 'step-000004'}" in said, said
+    assert "nothing is left to do: the 2 epochs asked for are done" in said, said
+    assert again.history == first.history and model.step == 4
+    more, model = run(3)
+    said = capsys.readouterr().err
+    assert "resumed from step 4" in said and "going on at epoch 3 of 3, batch 1" in said, said
+    assert len(more.history["loss"]) == 3 and model.step == 6

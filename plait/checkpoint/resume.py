@@ -14,7 +14,7 @@ from typing import Any
 from plait.checkpoint.disk import Checkpoint
 from plait.errors import CheckpointError
 
-__all__ = ["ResumePoint", "resume_point"]
+__all__ = ["ResumePoint", "resume_point", "resumed_line"]
 
 
 @dataclass(frozen=True)
@@ -58,3 +58,11 @@ def resume_point(ckpt: Checkpoint, order: dict[str, Any]) -> ResumePoint:
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{ckpt.path}/meta.json: the data position is malformed ({e!r})") from None
+
+
+def resumed_line(ckpt: Checkpoint, start: ResumePoint, epochs: int) -> str:
+    """What a resumed fit says (a run with nothing left to do must not look like one that trained)."""
+    left = (f"nothing is left to do: the {epochs} epochs asked for are done (ask for more epochs, or give "
+            "another checkpoint_dir to train again)" if start.epoch >= epochs else
+            f"going on at epoch {start.epoch + 1} of {epochs}, batch {start.batch + 1}")
+    return f"plait: resumed from step {ckpt.step} of {ckpt.path}; {left}"

@@ -20,6 +20,7 @@ from plait.errors import ConfigError
 from plait.job.host_memory import keep_freed_memory
 from plait.job.ranks import RankInfo, is_loopback, resolve_ranks
 from plait.job.ranks import local_world_size as local_world_size_of_env
+from plait.job.together import mark_ended
 
 __all__ = ["init_process_group", "choose_backend", "resolve_ranks", "RankInfo", "create_store",
            "loopback_interface_env"]
@@ -187,6 +188,8 @@ def init_process_group(
 
 def _destroy() -> None:
     if dist.is_initialized():
+        with contextlib.suppress(Exception):  # a peer waiting in state_dict() learns that this rank will not come
+            mark_ended()
         with contextlib.suppress(Exception):  # a peer already gone must not turn exit into a failure
             dist.destroy_process_group()
     # A gloo worker thread that finished the last collective may still hold its work, and
