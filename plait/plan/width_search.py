@@ -122,14 +122,21 @@ def _search(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int, 
         cases.append((floor, index, m, schedule, again, crossing, width_costs, cut_time, cross, chain, rows))
     best: MixedWidths | None = None
     best_index = 0
+    no_fit: set[tuple[Any, str]] = set()  # (what memory depends on, schedule) of the cases nothing fits
     for floor, index, m, schedule, again, crossing, width_costs, cut_time, cross, chain, rows in sorted(
             cases, key=lambda c: c[:2]):
         if floor > min(beat, best.step_time_s if best is not None else math.inf) * (1 + 1e-12):
             break  # no later case can beat (or tie) the best found
+        # whether a layout fits does not depend on the crossing's times, and a GPipe stage holds m
+        # micro-batches, 1F1B's at most as many: where 1F1B fits nothing, GPipe does not either
+        memory = (m, _fit_key(width_costs, cut_time, cross))
+        if (memory, schedule) in no_fit or (memory, "1f1b") in no_fit:
+            continue
         try:
             found = width_partition(width_costs, cut_time, devices, m, schedule == "gpipe",
                                     cluster.memory_bytes, cross=cross)
         except PartitionError:
+            no_fit.add((memory, schedule))
             continue
         if len(set(found.widths)) < 2:
             continue  # uniform: search_tp's own
@@ -160,6 +167,16 @@ def _copies_sum(lanes: Mapping[int, LayerCosts], stages: Sequence[tuple[int, int
         first += w
         out.append(gradient_sum(lanes[w], a, b, dp, link, setting, rows, cluster))
     return out
+
+
+def _fit_key(table: Mapping[int, WidthCosts], cut_time: Sequence[float],
+             cross: Mapping[tuple[int, int], Sequence[float]]) -> tuple[Any, ...]:
+    """What decides whether any layout fits (`width_partition` raising or not): each width's bytes
+    and where a cut is allowed at all (a finite hand-over); not the stages' or the crossings' times."""
+    return (tuple((w, tuple(c.fixed), tuple(c.activation), tuple(c.once), tuple(c.entry), tuple(c.piece_once),
+                   tuple(c.piece_entry)) for w, c in sorted(table.items())),
+            tuple(math.isfinite(t) for t in cut_time),
+            tuple((pair, tuple(math.isfinite(t) for t in times)) for pair, times in sorted(cross.items())))
 
 
 def _floor(table: Mapping[int, WidthCosts], lanes: Mapping[int, LayerCosts], m: int, devices: int) -> float:

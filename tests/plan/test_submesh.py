@@ -79,6 +79,36 @@ def test_a_heavy_layer_gets_the_wide_stage_by_hand() -> None:
     assert uniform.objective == 50.0 and uniform.widths == (1, 1, 1)
 
 
+def test_a_layout_the_state_alone_cannot_fit_is_refused_before_any_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2 layers of 10 bytes of state each on 1 rank, 6 each on 2 (12 rank-bytes): at the least 20
+    # over the devices; 2 devices of 9 bytes hold 18, so nothing fits, and no table is built
+    from plait.plan import submesh
+
+    costs = {1: WidthCosts([1.0, 1.0], [1.0, 1.0], [10.0, 10.0], [0.0, 0.0]),
+             2: WidthCosts([1.0, 1.0], [1.0, 1.0], [6.0, 6.0], [0.0, 0.0])}
+    assert brute_force_widths(costs, [0.0], 2, 4, memory_limit=9.0) is None
+    monkeypatch.setattr(submesh._Tables, "best_under", lambda *a: pytest.fail("a table was built"))
+    with pytest.raises(PartitionError, match=r"state alone need 20 bytes .* 10 per device; allow more devices"):
+        width_partition(costs, [0.0], 2, 4, memory_limit=9.0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_long_stages_are_the_brute_force(seed: int) -> None:
+    # stages of up to all 9 layers (the program runs over a band of stage lengths: the longest
+    # that fits), and stages of at most 2 where memory allows no more
+    rng = random.Random(100 + seed)
+    n, devices = 9, rng.randint(2, 5)
+    costs = _costs(rng, n, (1, 2), recomputed=seed % 2 == 1)
+    cuts = [float(rng.randint(0, 3)) for _ in range(n - 1)]
+    limit = math.inf if seed < 10 else max(c.memory(k, min(k + 2, n), 3) for c in costs.values() for k in range(n))
+    want = brute_force_widths(costs, cuts, devices, 3, False, limit)
+    if want is None:
+        with pytest.raises(PartitionError, match="no cut of"):
+            width_partition(costs, cuts, devices, 3, memory_limit=limit)
+        return
+    assert width_partition(costs, cuts, devices, 3, memory_limit=limit).objective == pytest.approx(want.objective)
+
+
 def test_bad_input_is_named() -> None:
     with pytest.raises(PartitionError, match="needs widths"):
         width_partition({}, [], 2, 4)

@@ -120,6 +120,43 @@ def test_the_floors_prune_nothing_that_wins(seed: int, monkeypatch: pytest.Monke
     assert pruned == every
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_cases_that_fit_nothing_are_skipped_only_where_nothing_fits(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a memory limit under which some micro-batch counts, schedules and recomputations fit nothing:
+    # a case whose twin (the other crossing, or 1F1B for GPipe) fit nothing is skipped; every case
+    # partitioned (no floor, no skipping) finds the same, GPipe tried first or second
+    import random
+
+    from plait.plan import width_search
+
+    rng = random.Random(seed)
+    n = rng.randint(3, 6)
+    zeros = (0.0,) * n
+    forward = tuple(rng.uniform(0.5, 4.0) for _ in range(n))
+    costs = LayerCosts(tuple(f"l{i}" for i in range(n)), tuple(rng.uniform(0, 1) for _ in range(n)), forward,
+                       zeros, tuple(2 * f for f in forward), zeros, zeros, tuple(rng.uniform(0, 4) for _ in range(n)),
+                       tuple(rng.uniform(1, 4) for _ in range(n)), zeros, zeros,
+                       tuple(rng.uniform(0, 2) for _ in range(n)))
+    shares = {2: _shares(n, 2, tuple(rng.choice([0.0, 0.5, 1.0]) for _ in range(n)))}
+    cluster = Cluster(Network(Link(1e-4, 1e9), Link(1e-3, 1e8), 2), rng.uniform(8.0, 20.0))
+    calls: list[int] = []
+    real = width_search.width_partition
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(width_search, "width_partition", counted)
+    schedules = ("gpipe", "1f1b") if seed % 2 else ("1f1b", "gpipe")
+    skipping = search_widths(costs, shares, 3, 8, cluster, (1, 2), schedules=schedules)
+    skipped = len(calls)
+    monkeypatch.setattr(width_search, "_floor", lambda *args: -math.inf)
+    monkeypatch.setattr(width_search, "_fit_key", lambda *args: object())  # no two cases alike
+    calls.clear()
+    assert search_widths(costs, shares, 3, 8, cluster, (1, 2), schedules=schedules) == skipping
+    assert skipped < len(calls)
+
+
 def _with_grads(grad: float) -> LayerCosts:
     costs = _costs((4.0, 1.0, 1.0))
     return dataclasses.replace(costs, param_bytes=(grad, 0.0, 0.0), grad_bytes=(grad, 0.0, 0.0))
