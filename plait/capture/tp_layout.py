@@ -289,7 +289,8 @@ def _layout_once(gm: fx.GraphModule, tp: int, plan: Mapping[str, str], matched: 
                               f"{out} output features do not divide by tp={tp}; use 'replicate' or another tp")
         if out % tp == 0 and wanted not in ("replicate", "rowwise") and p.weight.target not in whole:
             col.add(n)
-    vocab = _vocab(embeddings, linears, fixed, tp, whole)
+    uneven: list[tuple[str, str]] = []
+    vocab = _vocab(embeddings, linears, fixed, tp, whole, uneven)
     why: dict[fx.Node, str] = {}
     gathered: set[fx.Node] = set()
     entries: dict[fx.Node, tuple[fx.Node, int]] = {}
@@ -329,7 +330,7 @@ def _layout_once(gm: fx.GraphModule, tp: int, plan: Mapping[str, str], matched: 
         else:
             lay = values[p.x]
             params[str(p.weight.target)] = (p.in_dim, lay.blocks if isinstance(lay, Shard) else 1)
-    replicated = tuple((module_of(str(linears[n].weight.target)), w) for n, w in why.items())
+    replicated = tuple((module_of(str(linears[n].weight.target)), w) for n, w in why.items()) + tuple(uneven)
     return TpLayout(tp, {n.name: r for n, r in roles.items()}, params,
                     {n.name: v for n, v in values.items() if v is not None}, replicated,
                     seq_entries={n.name: (e.name, d) for n, (e, d) in entries.items() if roles.get(n) == "rowwise"},
@@ -361,8 +362,9 @@ def _seq_entries(linears: Mapping[fx.Node, LinearParts], tp: int) -> dict[fx.Nod
 
 
 def _vocab(embeddings: list[fx.Node], linears: Mapping[fx.Node, LinearParts], fixed: Mapping[fx.Node, str],
-           tp: int, whole: set[str]) -> set[fx.Node]:
-    """Embeddings split by rows: those tp_plan names "vocab", else the largest one (the words')."""
+           tp: int, whole: set[str], uneven: list[tuple[str, str]]) -> set[fx.Node]:
+    """Embeddings split by rows: those tp_plan names "vocab", else the largest one (the words'),
+    unless its rows do not divide by tp (then added to `uneven` with the reason)."""
     chosen = {n for n in embeddings if fixed.get(n) == "vocab"}
     for n in chosen:
         rows = (shape_of(args_of(n)[0]) or (0,))[0]
@@ -372,8 +374,11 @@ def _vocab(embeddings: list[fx.Node], linears: Mapping[fx.Node, LinearParts], fi
     free = [n for n in embeddings if n not in fixed and str(args_of(n)[0].target) not in whole]
     if free and not chosen:
         largest = max(free, key=lambda n: math.prod(shape_of(args_of(n)[0]) or (0,)))
-        if (shape_of(args_of(largest)[0]) or (1,))[0] % tp == 0:
+        rows = (shape_of(args_of(largest)[0]) or (1,))[0]
+        if rows % tp == 0:
             chosen.add(largest)
+        else:  # (Megatron pads the vocabulary; plait cuts equal parts)
+            uneven.append((module_of(str(args_of(largest)[0].target)), f"its {rows} rows do not divide by tp={tp}"))
     return chosen
 
 

@@ -151,6 +151,19 @@ def test_gpt2_config_defaults_hold_about_half_the_parameter_bytes_per_rank() -> 
     assert held <= 0.55 * sum(p.numel() for p in params.values()), held
 
 
+@pytest.mark.timeout(60)
+def test_a_vocabulary_that_does_not_divide_stays_whole_with_the_reason() -> None:
+    """GPT2Config's 50257 words at tp=2: the word embedding (and the LM head tied to it) stay whole,
+    which `print(model.plan)` says; the blocks still split."""
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB + 1, n_positions=16,
+                                  use_cache=False, bos_token_id=0, eos_token_id=0)
+    [layout] = tp_layouts(_graphs(transformers.GPT2LMHeadModel(cfg)), 2)
+    [(name, why)] = layout.replicated  # the tied weight, by its graph name
+    assert name in ("transformer.wte", "lm_head") and why == f"its {VOCAB + 1} rows do not divide by tp=2"
+    assert not {"transformer.wte.weight", "lm_head.weight"} & set(_split_modules(layout))
+    assert _split_modules(layout)["transformer.h.0.attn.c_attn.weight"] == (1, 3)
+
+
 def test_bert_masked_lm_head_splits_the_decoder_not_the_transform() -> None:
     cfg = transformers.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
                                   intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=16)
