@@ -6,6 +6,7 @@ from plait.errors import (
     CheckpointError,
     ConfigError,
     LossError,
+    ModelError,
     NonFiniteError,
     PartitionError,
     PipelineError,
@@ -34,4 +35,5 @@ __all__ = [
     "PipelineError",
     "CheckpointError",
     "NonFiniteError",
+    "ModelError",
 ]

@@ -207,7 +207,7 @@ class Model:
 
     # -- one global batch ------------------------------------------------------------------------
 
-    def _run(self, x: Any, y: Any, train: bool, keep_outputs: bool) -> tuple[list[float], Any, bool]:
+    def _run(self, x: Any, y: Any, train: bool, keep_outputs: bool, where: str = "") -> tuple[list[float], Any, bool]:
         """Run one global batch on every replica: the sums of loss and metrics over it (the same
         on every rank), this rank's last-stage outputs (or None), and whether the optimizer step
         was skipped."""
@@ -219,7 +219,7 @@ class Model:
             self._checkpoints.apply_pending(runner.pipe, self.optimizer)
             if self._loop is not None:
                 self._loop.before_step(runner.pipe.interpreter, self.step + 1)
-        result = runner.run(x, y, keep_outputs, self.step, self.optimizer if train else None)
+        result = runner.run(x, y, keep_outputs, self.step, self.optimizer if train else None, where)
         if train:
             self.step += 1
             if self._loop is not None and not self._loop.done:
@@ -327,7 +327,7 @@ class Model:
         for step, (xb, yb) in enumerate(batches, start=skip):
             if step <= skip + 1 and self._train is not None and self.plan.stage_dp:  # once the plan is known
                 self._check_batch_sizes(batching.batch_sizes(fit.x, fit.batch_size))
-            stats, _, skipped = self._run(xb, yb, train=True, keep_outputs=False)
+            stats, _, skipped = self._run(xb, yb, True, False, f"epoch {epoch + 1}, batch {step + 1} (training step {self.step + 1})")
             if not skipped:  # a skipped step's NaN loss stays out of the epoch's logs
                 rows_seen += batching.num_rows(xb)
                 totals = [t + s for t, s in zip(totals, stats)]

@@ -19,6 +19,7 @@ BASES = {
     "PipelineError": (errors.PlaitError, RuntimeError),
     "CheckpointError": (errors.PlaitError,),
     "NonFiniteError": (errors.PlaitError, FloatingPointError),
+    "ModelError": (errors.PlaitError, RuntimeError),
 }
 
 

@@ -27,19 +27,22 @@ rank x step grid with this rank's position marked.
 from __future__ import annotations
 
 import bisect
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from plait.errors import PipelineError, PlaitError
+import torch.distributed as dist
+
+from plait.errors import ModelError, PipelineError, PlaitError, model_frame
 from plait.runtime.crossing import Crossing
 from plait.runtime.row_crossing import RowCrossing
 from plait.runtime.executor import StageExecutor, grad_leaves
-from plait.runtime.report import gather_failures, report_wait
+from plait.runtime.report import gather_failures, report_wait, stopped_by
 from plait.runtime.riding_sums import RidingSums
 from plait.runtime.trace import NULL_TRACER, NullTracer, Tracer
-from plait.runtime.wire import Wire
+from plait.runtime.wire import Wire, WireTimeout
 from plait.schedule import Action, Op, Program, format_grid
 
 __all__ = ["MicroBatch", "Interpreter", "forwards_done_after"]
@@ -90,6 +93,7 @@ class Interpreter:
         after_forwards: Callable[[], None] | None = None,
         forwards_done_at_weights: bool = False,
         sums: RidingSums | None = None,
+        where: str = "",
     ) -> None:
         """Run this rank's part of `program` over `microbatches`: the one loop every schedule runs in.
 
@@ -99,7 +103,8 @@ class Interpreter:
         called before the first W after that forward instead, where there is one: the input
         gradients computed and sent before it are what the previous stage waits for, the weight
         gradients are what nobody waits for, so the call's cost lands on the latter. `sums`: the
-        step's sums riding on the messages (training, one rank per stage).
+        step's sums riding on the messages (training, one rank per stage). `where` names the batch
+        in errors ("epoch 2, batch 5 (training step 13)").
         """
         actions = program.get(self.rank, [])
         self.runs += 1
@@ -123,10 +128,14 @@ class Interpreter:
                     self._execute(action, run)
                 if position == called_after and after_forwards is not None:
                     after_forwards()
-            except PlaitError:  # the user's mistake (a loss that is not a scalar...): as it is
+            except PlaitError as e:  # the user's mistake (a loss that is not a scalar...): as it is
+                self._stop_peers(position, f"stopped with {type(e).__name__}: {_first_line(e)} ({where})")
                 raise
             except Exception as e:  # noqa: BLE001 - every failure gets the rank/action/peer report
-                raise self._failure(program, position, action, e) from e
+                if action.op in (Op.FORWARD, Op.BACKWARD, Op.WEIGHT) and not _transport(e):
+                    raise self._raised(position, action, e, where) from e
+                failure = self._failure(program, position, action, e, where)
+                raise failure from (None if isinstance(failure, ModelError) else e)  # stopped: the wait is no news
         self._finish(program, len(actions), train)
 
     def _execute(self, action: Action, run: "_Run") -> None:
@@ -244,21 +253,55 @@ class Interpreter:
             return self.stage_to_rank[s - 1]
         return None
 
+    def _stop_peers(self, position: int, cause: str) -> None:
+        """Post `cause` and close this rank's connections: every peer stops at once (report.py).
+        The wait is short: the peers post within moments, and rank 0 may host the store."""
+        self.wire.abandon()
+        gather_failures(self.runs, self.rank, position, 2.0, cause)
+
+    def _raised(self, position: int, action: Action, error: Exception, where: str) -> ModelError:
+        """The error of a rank whose model code (forward, loss, backward) raised: the user's
+        exception and line first, then where in training; the peers are stopped first."""
+        kind = {Op.FORWARD: "forward (and loss)", Op.BACKWARD: "backward", Op.WEIGHT: "weight gradients"}[action.op]
+        frame, text = model_frame(error), f"{type(error).__name__}: {_first_line(error)}"
+        at = f"stage {action.stage_index}'s {kind} of micro-batch {action.microbatch_index}, {where or 'a step'}"
+        self._stop_peers(position, f"raised {text} in {at}" + (f", at {frame}" if frame else ""))
+        return ModelError(f"rank {self.rank}: the model's code raised {text}\n  "
+                          + (f"at {frame}\n  " if frame else "")
+                          + f"in {at} (action {action}); every other rank was stopped")
+
     def _failure(
-        self, program: Program, position: int, action: Action | None, error: Exception
-    ) -> PipelineError:
-        what = f"action {action} (step {position})" if action else "waiting for its sends to finish"
+        self, program: Program, position: int, action: Action | None, error: Exception, where: str = ""
+    ) -> PipelineError | ModelError:
+        what = f"action {action} (column {position} of the grid below)" if action else "waiting for its sends to finish"
         peer = self._peer(action) if action else None
         peer_text = f", peer rank {peer}" if peer is not None else ""
         self.wire.abandon()
         # Peers stuck behind the same fault fail within about one timeout of the first failure.
         failures = gather_failures(self.runs, self.rank, position, report_wait(self.wire.timeout.total_seconds()))
+        stopped = stopped_by(self.rank, failures, f"at {action or 'the end of its program'}, {where or 'a step'}")
+        if stopped is not None:
+            return stopped
         grid = format_grid(program, failures.positions)
         return PipelineError(
-            f"rank {self.rank} failed at {what}{peer_text}: {type(error).__name__}: {error}\n"
+            f"rank {self.rank} failed at {what}{peer_text}" + (f" in {where}" if where else "")
+            + f": {type(error).__name__}: {error}\n"
             f"{failures.describe()}\n"
             f"where each rank stood in the schedule (marked):\n{grid}"
         )
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else ""
+
+
+def _transport(error: BaseException) -> bool:
+    """Whether `error` came from moving data between ranks (a wire or collective wait), not from
+    the model's code: tensor-parallel collectives run inside a stage's forward and backward."""
+    if isinstance(error, (WireTimeout, dist.DistError)):
+        return True
+    frames = [f.filename.replace("\\", "/") for f in traceback.extract_tb(error.__traceback__)]
+    return any("/torch/distributed/" in f for f in frames) or "gloo" in str(error) or "NCCL" in str(error)
 
 
 def forwards_done_after(actions: Sequence[Action], at_weights: bool = False) -> int:

@@ -7,6 +7,12 @@ deadline for all, so a chain of failures does not add up its waits). A rank that
 by then is dead or stuck: the report names it. Used only on failure: a healthy step never
 touches the store.
 
+Having posted, a failing rank closes its connections (`stop_peers`): a peer waiting on it fails
+at once ("Connection closed by peer"), posts and closes its own, and so on down the pipeline, so
+every rank ends within moments of the first failure instead of one timeout per wait. A rank whose
+own code raised (the model's forward, the loss: not a transport failure) posts that as its cause,
+and the others name it: the user reads the exception and where it was raised, not a timeout.
+
     t0 rank 1 killed   t0+ rank 0: connection closed -> posts, waits    ... t0+wait_s every
                        t0+timeout_s rank 2: its wait times out -> posts      report: "no report
                                                                              from ranks [1]"
@@ -14,14 +20,16 @@ touches the store.
 
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
-from plait.errors import PipelineError
+from plait.errors import ModelError, PipelineError
 
-__all__ = ["Failures", "gather_failures", "report_wait", "failure_error"]
+__all__ = ["Failures", "gather_failures", "report_wait", "failure_error", "stop_peers", "stopped_by"]
 
 
 def report_wait(timeout_s: float) -> float:
@@ -37,6 +45,11 @@ class Failures:
     positions: dict[int, int]  # rank -> position in the same run (program) as ours
     reported: set[int] = field(default_factory=set)  # ranks that posted, in any run
     store_error: str | None = None  # why the store could not be used (its host may be dead)
+    causes: dict[int, str] = field(default_factory=dict)  # rank -> what its own code raised, where one did
+
+    def first_cause(self, rank: int) -> tuple[int, str] | None:
+        """Another rank whose own code raised, with what it posted (the lowest such rank)."""
+        return next(((r, c) for r, c in sorted(self.causes.items()) if r != rank and c), None)
 
     @property
     def silent(self) -> list[int]:
@@ -53,8 +66,9 @@ class Failures:
         return f"no report from ranks {self.silent} (dead, or stuck where no timeout reaches)"
 
 
-def gather_failures(run_id: int, rank: int, position: int, wait_s: float = 3.0) -> Failures:
-    """Post this rank's failure at `position` of run `run_id`; collect the others' (see above)."""
+def gather_failures(run_id: int, rank: int, position: int, wait_s: float = 3.0, cause: str = "") -> Failures:
+    """Post this rank's failure at `position` of run `run_id` (and `cause`: what its own code
+    raised, if it did), close its connections; collect the others' (see above)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return Failures(1, {rank: position}, {rank})
     world_size = dist.get_world_size()
@@ -63,14 +77,16 @@ def gather_failures(run_id: int, rank: int, position: int, wait_s: float = 3.0) 
     prefix = "plait/failure"  # under `plait run`, each restart has a store key space of its own
     try:
         store = dist.distributed_c10d._get_default_store()
-        store.set(f"{prefix}/{rank}", f"{run_id} {position} {start:.3f}")
+        store.set(f"{prefix}/{rank}", f"{run_id} {position} {start:.3f} {cause}")
+        stop_peers()
         keys = {r: f"{prefix}/{r}" for r in range(world_size) if r != rank}
         first = start
         while True:
             for r, key in list(keys.items()):
                 if store.check([key]):
-                    run, pos, when = store.get(key).decode().split()
+                    run, pos, when, *posted = store.get(key).decode().split(" ", 3)
                     failures.reported.add(r)
+                    failures.causes[r] = posted[0] if posted else ""
                     if int(run) == run_id:
                         failures.positions[r] = int(pos)
                     first = min(first, float(when))
@@ -79,8 +95,35 @@ def gather_failures(run_id: int, rank: int, position: int, wait_s: float = 3.0) 
                 break
             time.sleep(0.1)
     except Exception as e:  # noqa: BLE001 - the store may be gone with a dead rank; report what we have
+        stop_peers()
         failures.store_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
     return failures
+
+
+def stop_peers() -> None:
+    """Close this rank's connections in every gloo group it belongs to: each peer's pending wait on
+    it fails at once. A gloo wait that times out closes every connection of its group (gloo's own
+    "Application timeout caused pair closure"), so one receive that nobody sends, waited for 1 ms,
+    closes them. NCCL groups are left to their own timeouts."""
+    if not dist.is_initialized():
+        return
+    me = dist.get_rank()
+    for group in list(dist.distributed_c10d._world.pg_map):
+        try:
+            if dist.get_backend(group) != "gloo":
+                continue
+            peers = [r for r in dist.get_process_group_ranks(group) if r != me]
+        except Exception:  # noqa: BLE001 - a group torn down already
+            continue
+        for peer in peers:  # the first whose connection is still open closes them all
+            try:
+                dist.irecv(torch.empty(1), peer, group=group, tag=_NOBODY_SENDS).wait(datetime.timedelta(milliseconds=1))
+            except Exception as e:  # noqa: BLE001 - the expected end: a timeout, or a connection closed already
+                if "Timed out" in str(e):
+                    break
+
+
+_NOBODY_SENDS = 2**30  # a message tag no plait message uses (theirs count micro-batches and stages)
 
 
 def failure_error(what: str, rank: int, error: BaseException, timeout_s: float,
@@ -92,4 +135,16 @@ def failure_error(what: str, rank: int, error: BaseException, timeout_s: float,
     """
     failures = gather_failures(run_id, rank, position, report_wait(timeout_s))
     text = str(error).splitlines()[0] if str(error) else ""
-    return PipelineError(f"rank {rank} failed in {what}: {type(error).__name__}: {text}\n{failures.describe()}")
+    return stopped_by(rank, failures, what) or PipelineError(
+        f"rank {rank} failed in {what}: {type(error).__name__}: {text}\n{failures.describe()}")
+
+
+def stopped_by(rank: int, failures: Failures, where: str) -> PipelineError | ModelError | None:
+    """The error of a rank that stopped because another rank's own code raised (None: none did)."""
+    found = failures.first_cause(rank)
+    if found is None:
+        return None
+    other, cause = found
+    kind = ModelError if cause.startswith("raised") else PipelineError
+    return kind(f"rank {rank} stopped ({where}): rank {other} {cause}\n(rank {other}'s own output shows "
+                f"its traceback; this rank's wait ended when rank {other} closed its connections)")

@@ -198,11 +198,11 @@ class StepRunner:
         return out
 
     def run(self, x: Any, y: Any, keep_outputs: bool, steps_done: int,
-            optimizer: torch.optim.Optimizer | None) -> StepResult:
+            optimizer: torch.optim.Optimizer | None, where: str = "") -> StepResult:
         """Run one global batch on every replica (training: one optimizer step).
 
         `steps_done` counts the training steps before this one (it names the step in errors
-        and traces).
+        and traces); `where` names the batch in errors where the caller knows it (its epoch).
         """
         pipe, train = self.pipe, self.train
         mbs = self.microbatches(x, y)
@@ -219,7 +219,9 @@ class StepRunner:
                 riding = started.riding(program) if self.rides else None
                 pipe.interpreter.run(program, mbs, train, keep_outputs=keep_outputs or bool(self.metrics),
                                      after_forwards=None if riding else started.start,
-                                     forwards_done_at_weights=pipe.plan.num_stages > 1, sums=riding)
+                                     forwards_done_at_weights=pipe.plan.num_stages > 1, sums=riding,
+                                     where=where or (f"training step {steps_done + 1}" if train
+                                                     else f"an evaluation batch after step {steps_done}"))
             else:
                 started.start()
             if train:  # every backward has run: the gradients are whole, the activations freed
