@@ -11,6 +11,9 @@ custom operator `plait::kept`, which takes the call's tensors, parameters and bu
                then the gradients of its inputs and parameters (a recomputation, as
                torch.utils.checkpoint does)
 
+The RNG state restored is the CPU generator's and, where the module runs on a GPU, that GPU's
+generator's (dropout there draws from it): the call returns both states after its outputs.
+
 Export needs each output's shape without running the module: the module is first run on the
 sample batch and on the sample with one more row, and every output dimension is fitted as
 a x (the first input's dim 0) + b; a dimension that fits no such rule cannot be kept whole.
@@ -63,11 +66,23 @@ _CALLS: dict[int, _Call] = {}  # key -> call: the operator takes the key, an int
 _KEYS = itertools.count()
 
 
+def _cuda_device(tensors: Sequence[torch.Tensor]) -> torch.device | None:
+    """The GPU the module runs on (its first CUDA tensor's, inputs then parameters), or None on CPU."""
+    return next((t.device for t in tensors if t.device.type == "cuda"), None)
+
+
+def _device_rng(device: torch.device | None) -> torch.Tensor:
+    """That GPU's generator state, to restore in the recomputation; empty on CPU."""
+    return torch.empty(0, dtype=torch.uint8) if device is None else torch.cuda.get_rng_state(device)
+
+
 @custom_op("plait::kept", mutates_args=())
 def _kept(key: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The module's outputs, then the RNG state it started from (for the backward's recomputation)."""
+    """The module's outputs, then the CPU and the GPU's RNG states it started from (for the
+    backward's recomputation)."""
     call = _CALLS[key]
     rng = torch.get_rng_state()
+    device_rng = _device_rng(_cuda_device(tensors))
     args, kwargs = call.arguments(tensors)
     out = call.module(*args, **kwargs)
     leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -82,7 +97,8 @@ def _kept(key: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             )
     inputs = {t.untyped_storage().data_ptr() for t in tensors}
     # An operator's outputs may not alias its inputs (an identity module returns its input).
-    return [t.clone() if t.untyped_storage().data_ptr() in inputs else t for t in leaves] + [rng]
+    outs = [t.clone() if t.untyped_storage().data_ptr() in inputs else t for t in leaves]
+    return outs + [rng, device_rng]
 
 
 @_kept.register_fake
@@ -91,32 +107,39 @@ def _kept_fake(key: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     rows = tensors[0].shape[0]
     outs = [torch.empty([a * rows + b for a, b in dims], dtype=dtype, device=tensors[0].device)
             for dtype, dims in call.out_rules]
-    return outs + [torch.empty(_RNG_BYTES, dtype=torch.uint8)]
+    device = _cuda_device(tensors)
+    device_bytes = 0 if device is None else torch.cuda.get_rng_state(device).numel()
+    return outs + [torch.empty(_RNG_BYTES, dtype=torch.uint8), torch.empty(device_bytes, dtype=torch.uint8)]
 
 
 _RNG_BYTES = torch.get_rng_state().numel()
+_RNG_OUTPUTS = 2  # the CPU and the GPU's generator states, after the module's outputs
 
 
 def _setup(ctx: Any, inputs: tuple[int, list[torch.Tensor]], output: list[torch.Tensor]) -> None:
     ctx.key = inputs[0]
-    ctx.rng = output[-1]
-    ctx.mark_non_differentiable(output[-1])
+    ctx.rng, ctx.device_rng = output[-_RNG_OUTPUTS:]
+    ctx.mark_non_differentiable(*output[-_RNG_OUTPUTS:])
     ctx.save_for_backward(*inputs[1])
 
 
 def _backward(ctx: Any, grads: list[torch.Tensor]) -> tuple[None, list[torch.Tensor | None]]:
     call = _CALLS[ctx.key]
     saved = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+    device = _cuda_device(saved)
     state = call.state(saved)
     for name, t in list(state.items()):
         if not t.requires_grad:  # buffers: a copy, so running statistics are not updated twice
             state[name] = t.clone()
     args, kwargs = call.arguments(saved)
-    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+    # both generators as the forward found them, and as they were again afterwards
+    with torch.random.fork_rng(devices=[] if device is None else [device], device_type="cuda"), torch.enable_grad():
         torch.set_rng_state(ctx.rng)
+        if device is not None:
+            torch.cuda.set_rng_state(ctx.device_rng, device)
         out = torch.func.functional_call(call.module, state, args, kwargs)
     outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-    pairs = [(o, g) for o, g in zip(outs, grads[:-1]) if o.requires_grad and g is not None]
+    pairs = [(o, g) for o, g in zip(outs, grads[:-_RNG_OUTPUTS]) if o.requires_grad and g is not None]
     wanted = [t for t in saved if t.requires_grad]
     found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
                  if pairs and wanted else [None] * len(wanted))

@@ -57,6 +57,43 @@ def test_a_kept_module_draws_the_same_dropout_in_its_recomputed_backward():
     _compare(net, ref, captured, torch.randn(8, 6), seed=3)
 
 
+def test_a_kept_module_on_a_gpu_recomputes_from_that_gpu_s_generator_state(monkeypatch):
+    # Dropout on a GPU draws from that GPU's generator, not the CPU's: the recomputation must start
+    # from the state the forward found on it (else it draws other masks), and leave it as it was.
+    # No GPU here: the modules run on the CPU, told they run on cuda:3, whose generator is a fake.
+    from plait.capture import opaque
+
+    torch.manual_seed(0)
+    net = MoENet(dropout=0.5)
+    captured = capture_batch(net, torch.randn(4, 6))
+    gpu = torch.device("cuda", 3)
+    state = {gpu: torch.tensor([10], dtype=torch.uint8)}
+    restored = []
+    monkeypatch.setattr(opaque, "_cuda_device", lambda tensors: gpu)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: state[torch.device(device)].clone())
+
+    def set_rng_state(new, device):
+        restored.append((int(new[0]), torch.device(device)))
+        state[torch.device(device)] = new.clone()
+
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    out = _run_whole(captured, torch.randn(8, 6))  # both kept modules find the GPU's state at 10
+    state[gpu] = torch.tensor([20], dtype=torch.uint8)  # other work on the GPU draws meanwhile
+    out.pow(2).sum().backward()
+    assert restored == [(10, gpu), (20, gpu)] * 2  # each recomputation: the forward's state, then back
+    assert int(state[gpu][0]) == 20
+
+
+def test_a_kept_module_runs_on_the_device_of_its_first_gpu_tensor():
+    from types import SimpleNamespace
+
+    from plait.capture.opaque import _cuda_device
+
+    on = [SimpleNamespace(device=torch.device(d)) for d in ("cpu", "cuda:1", "cuda:0")]
+    assert _cuda_device(on) == torch.device("cuda", 1)
+    assert _cuda_device(on[:1]) is None and _cuda_device([torch.zeros(1)]) is None
+
+
 def test_a_kept_module_with_buffers_updates_them_once_per_forward():
     class WithNorm(nn.Module):
         def __init__(self) -> None:
