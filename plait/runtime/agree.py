@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from plait.errors import ConfigError, PipelineError
+from plait.errors import ConfigError, ModelError, PipelineError, PlaitError, model_frame
 
 __all__ = ["agree"]
 
@@ -37,7 +37,11 @@ def agree(rank: int, make: Callable[[], Any], what: str, wait_s: float) -> Any:
         try:
             value = make()
         except Exception as e:
-            store.set(key, json.dumps({"error": f"{type(e).__name__}: {e}"}))
+            frame = None if isinstance(e, PlaitError) else model_frame(e)  # the model's own code raised
+            store.set(key, json.dumps({"error": f"{type(e).__name__}: {e}", "frame": frame}))
+            if frame is not None:
+                raise ModelError(f"the model's code raised {type(e).__name__}: {e}\n  at {frame}\n  while "
+                                 f"rank 0 ran it to make the {what}") from e
             raise
         store.set(key, json.dumps({"ok": value}))
         return value
@@ -49,6 +53,9 @@ def agree(rank: int, make: Callable[[], Any], what: str, wait_s: float) -> Any:
             f"rank {rank} waited {wait_s:.0f} s for rank 0's {what} and got none ({type(e).__name__}: "
             f"{e}); rank 0 may have died, or the profile takes longer: raise Config.timeout_s"
         ) from e
+    if message.get("frame"):
+        raise ModelError(f"rank 0 stopped: the model's code raised {message['error']}\n  at {message['frame']}\n  "
+                         f"while rank 0 ran it to make the {what} (rank 0's output shows its traceback)")
     if "error" in message:
         raise ConfigError(f"rank 0 failed while making the {what}: {message['error']}")
     return message["ok"]
