@@ -45,15 +45,15 @@ class _Call:
     module: nn.Module
     name: str
     in_spec: Any  # pytree spec of (args, kwargs)
-    consts: tuple[Any, ...]  # the non-tensor leaves of (args, kwargs); None where a tensor goes
+    consts: tuple[Any, ...]  # the non-tensor leaves of (args, kwargs); TENSOR where a tensor goes
     num_inputs: int  # tensor leaves of (args, kwargs); then parameters, then buffers
     out_spec: Any
-    out_consts: tuple[Any, ...]  # the non-tensor leaves of the output
+    out_consts: tuple[Any, ...]  # the non-tensor leaves of the output; TENSOR where a tensor goes
     out_rules: tuple[tuple[torch.dtype, tuple[tuple[int, int], ...]], ...]  # per tensor: dtype, (a, b) per dim
 
     def arguments(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         it = iter(tensors[: self.num_inputs])
-        leaves = [next(it) if c is None else c for c in self.consts]
+        leaves = [next(it) if c is TENSOR else c for c in self.consts]
         args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
         return args, kwargs
 
@@ -62,6 +62,14 @@ class _Call:
         return dict(zip(names, tensors[self.num_inputs:]))
 
 
+class _TensorSlot:
+    """Where a tensor goes among a call's constant leaves (a real `None` argument is a leaf too)."""
+
+    def __repr__(self) -> str:
+        return "TENSOR"
+
+
+TENSOR = _TensorSlot()
 _CALLS: dict[int, _Call] = {}  # key -> call: the operator takes the key, an int
 _KEYS = itertools.count()
 
@@ -246,8 +254,8 @@ def kept_whole(net: nn.Module, names: list[str], args: tuple[Any, ...], kwargs: 
             rules = _fit(name, [t for t in out_leaves if isinstance(t, torch.Tensor)], big_leaves, rows)
             key = next(_KEYS)
             _CALLS[key] = _Call(
-                module, name, in_spec, tuple(None if isinstance(x, torch.Tensor) else x for x in leaves),
-                len(tensors), out_spec, tuple(None if isinstance(x, torch.Tensor) else x for x in out_leaves), rules)
+                module, name, in_spec, tuple(TENSOR if isinstance(x, torch.Tensor) else x for x in leaves),
+                len(tensors), out_spec, tuple(TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves), rules)
             keys.append(key)
         module.forward = _stand_in(module, keys)
         patched.append(module)
@@ -271,7 +279,7 @@ def _stand_in(module: nn.Module, keys: list[int]) -> Any:
         # Read at call time: export swaps its own tensors in for the parameters and buffers.
         state = [p for _, p in module.named_parameters()] + [b for _, b in module.named_buffers()]
         outs = iter(_kept(key, [*tensors, *state]))
-        out_leaves = [next(outs) if c is None else c for c in call.out_consts]
+        out_leaves = [next(outs) if c is TENSOR else c for c in call.out_consts]
         return pytree.tree_unflatten(out_leaves, call.out_spec)
 
     return forward

@@ -46,11 +46,13 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from plait import data as batching
-from plait.capture.split import split
+from plait.capture.split import StageModule, split
 from plait.capture.trace import CapturedGraph, capture, fingerprint, in_mode
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
 from plait.runtime.activation_meter import SavedBytes
+from plait.runtime.executor import StageExecutor, grad_leaves
+from plait.runtime.wire import as_received
 
 __all__ = ["LayerProfile", "ProfileOptions", "profile"]
 
@@ -125,6 +127,7 @@ def profile(net: nn.Module, sample_args: tuple[Any, ...], sample_kwargs: dict[st
     start = time.perf_counter()
     torch.set_num_threads(threads)
     saved = {name: b.detach().clone() for name, b in net.named_buffers()}
+    grads = {p: p.grad for p in net.parameters()}  # the stages accumulate theirs, as in training
     try:
         with torch.random.fork_rng(), in_mode(net, True):
             costs = _measure(net, sample_args, kwargs, rows, options)
@@ -132,6 +135,8 @@ def profile(net: nn.Module, sample_args: tuple[Any, ...], sample_kwargs: dict[st
         with torch.no_grad():
             for name, b in net.named_buffers():
                 b.copy_(saved[name])
+        for p, grad in grads.items():
+            p.grad = grad
         torch.set_num_threads(old_threads)
     result = LayerProfile(costs, rows, options.repeats, threads, time.perf_counter() - start, key)
     _CACHE[key] = result
@@ -175,15 +180,6 @@ def _signature(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *e
 def _tensor_bytes(values: Any) -> int:
     leaves = pytree.tree_leaves(values)
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-
-
-def _leaf(x: Any) -> Any:
-    """A detached copy of an activation that requires grad, like a stage's received input."""
-    if isinstance(x, torch.Tensor):
-        x = x.detach()
-        if x.is_floating_point():
-            x.requires_grad_(True)
-    return x
 
 
 def _measure(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int,
@@ -258,28 +254,44 @@ def _affine(t_big: float, t_small: float, rows: int, small: int) -> tuple[float,
 
 
 class _Run:
-    """The per-layer chain on one sample: each layer's inputs, then its timings on demand."""
+    """The per-layer chain on one sample: each layer's inputs, then its timings on demand.
 
-    def __init__(self, captured: Any, stages: Sequence[Any], args: tuple[Any, ...],
+    Every layer runs as the runtime runs a stage, through `StageExecutor` (in-place writes to
+    received values, modules kept whole, the loss on the last stage, B and W as a zero-bubble
+    schedule splits them), on inputs made as the wire delivers them (`as_received`: detached
+    leaves in the sender's strides); the whole pass is one stage of every layer.
+    """
+
+    def __init__(self, captured: Any, stages: Sequence[StageModule], args: tuple[Any, ...],
                  kwargs: dict[str, Any], rows: int, options: ProfileOptions) -> None:
-        self.captured, self.stages, self.repeats, self.rows = captured, stages, options.repeats, rows
+        self.stages, self.repeats, self.rows = stages, options.repeats, rows
         self.slowest = options.slowest
-        self.loss = options.loss
         target = options.target
-        self.target = None if target is None else batching.slice_rows(target, 0, rows)
+        if options.loss is not None and target is not None:
+            loss, self.target = options.loss, batching.slice_rows(target, 0, rows)
+        else:  # random output gradients: the gradient of a random projection of the outputs
+            loss, self.target = _projection, torch.zeros(rows)
+        self.executors = [StageExecutor(st, captured.finish, loss) for st in stages]
+        whole = split(captured, [0] * len(captured.layers.layer_names))[0]
+        self.whole_stage = StageExecutor(whole, captured.finish, loss)
         model_inputs = captured.bind(args, kwargs)
+        self.whole_inputs = [model_inputs[j] for j in whole.input_indices]
         self.inputs: list[tuple[list[Any], list[Any]]] = []  # (received, model inputs) per layer
         self.saved: list[float] = []
         self.sent: list[float] = []
         received: list[Any] = []
-        for st in stages:
+        for st, ex in zip(stages, self.executors):
             mine = [model_inputs[j] for j in st.input_indices]
-            self.inputs.append(([_leaf(x) for x in received], mine))
+            self.inputs.append((as_received(received), mine))
             with SavedBytes(st.module.parameters()) as saved:  # as the runtime's meter counts them
-                out = st.module(*self.inputs[-1][0], *mine)
+                out = ex.forward(0, self.inputs[-1][0], mine, self.target)
+            ex.reset()
             self.saved.append(float(saved.total))
+            if st.is_last:  # nothing crosses; what the stage hands to `finish`
+                with torch.no_grad():
+                    out = ex.module_outputs(self.inputs[-1][0], mine)
             self.sent.append(float(_tensor_bytes(out)))
-            received = list(out) if not st.is_last else []
+            received = out
 
     def measure(self) -> tuple[list[dict[str, float]], tuple[float, float]]:
         """Per layer, the median over repeats of its F, B and W, each repeat's scaled to that
@@ -309,54 +321,51 @@ class _Run:
         return [self.sample(i) for i in range(len(self.stages))]
 
     def sample(self, i: int) -> dict[str, float]:
-        """One measurement of layer i alone: forward, B and W seconds."""
-        st = self.stages[i]
+        """One measurement of layer i alone, as a zero-bubble stage runs it: forward (F), the
+        input gradients (B), then the weight gradients (W), from random output gradients."""
+        ex = self.executors[i]
         received, mine = self.inputs[i]
-        leaves = [x for x in received if isinstance(x, torch.Tensor) and x.requires_grad]
-        weights = [p for p in st.module.parameters() if p.requires_grad]
         start = time.perf_counter()
-        out = st.module(*received, *mine)
-        if st.is_last and self.loss is not None and self.target is not None:
-            out = self.loss(self.captured.finish(out), self.target)
+        out = ex.forward(0, received, mine, self.target)
         mid = time.perf_counter()
-        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        grads = [torch.randn_like(t) for t in outs]
-        t_input = t_all = 0.0
-        if outs and leaves:
-            t0 = time.perf_counter()
-            torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
-            t_input = time.perf_counter() - t0
-        if outs and weights:  # W is the extra of both gradients over the input's alone
-            t0 = time.perf_counter()
-            torch.autograd.grad(outs, leaves + weights, grads, allow_unused=True)
-            t_all = time.perf_counter() - t0
-        return {"f": mid - start, "b": t_input, "w": max(0.0, t_all - t_input) if weights else 0.0}
+        grads = [torch.randn_like(t) for t in grad_leaves(out)]
+        ex.backward_input(0, grads)
+        after_b = time.perf_counter()
+        ex.backward_weight(0)
+        end = time.perf_counter()
+        ex.reset()
+        for x in grad_leaves(received):
+            x.grad = None  # a stage that cannot split its backward accumulates into its leaves
+        # by construction: no received gradient leaf, no B (the executor defers the whole
+        # backward to W); no trainable weight, no W (what is left is timer noise)
+        has_b = bool(grad_leaves(received))
+        has_w = any(p.requires_grad for p in ex.stage.module.parameters())
+        return {"f": mid - start, "b": after_b - mid if has_b else 0.0, "w": end - after_b if has_w else 0.0}
 
     def whole(self, held: int = HELD) -> tuple[float, float]:
         """Seconds per micro-batch of the forward, and of the backward (input and weight
-        gradients), through every layer in turn, as a pipeline stage runs them: `held` copies of
-        the sample forward, their graphs kept, then each one's backward (no `.grad` is touched)."""
-        weights = list({id(p): p for st in self.stages for p in st.module.parameters()
-                        if p.requires_grad}.values())
-        copies = [[pytree.tree_map(_copy, mine) for _, mine in self.inputs] for _ in range(held)]
+        gradients), through every layer as one stage runs them: `held` copies of the sample
+        forward, their graphs kept, then each one's backward."""
+        ex = self.whole_stage
+        copies = [pytree.tree_map(_copy, self.whole_inputs) for _ in range(held)]
         start = time.perf_counter()
-        ends = [self._forward_chain(mine) for mine in copies]
+        for k, mine in enumerate(copies):
+            ex.forward(k, [], mine, self.target)
         mid = time.perf_counter()
-        for outs in ends:
-            if outs and weights:
-                torch.autograd.grad(outs, weights, [torch.randn_like(t) for t in outs], allow_unused=True)
-        return (mid - start) / held, (time.perf_counter() - mid) / held
+        for k in range(held):
+            ex.backward(k, [])
+        end = time.perf_counter()
+        ex.reset()
+        return (mid - start) / held, (end - mid) / held
 
-    def _forward_chain(self, model_inputs: list[list[Any]]) -> list[torch.Tensor]:
-        """Every layer in turn on one copy of the inputs; the tensors to differentiate."""
-        received: list[Any] = []
-        out: Any = None
-        for st, mine in zip(self.stages, model_inputs):
-            out = st.module(*received, *mine)
-            received = list(out) if not st.is_last else []
-        if self.loss is not None and self.target is not None:
-            out = self.loss(self.captured.finish(out), self.target)
-        return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+def _projection(output: Any, target: Any) -> torch.Tensor:
+    """A random projection of the outputs that carry gradients: its gradient is a random output
+    gradient, the profile's backward when no loss is given."""
+    leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not leaves:
+        return torch.zeros((), requires_grad=True)
+    return torch.stack([(t * torch.randn_like(t)).sum() for t in leaves]).sum()
 
 
 def _copy(x: Any) -> Any:

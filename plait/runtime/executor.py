@@ -148,6 +148,11 @@ class StageExecutor:
                          for i, a in enumerate(args))
         return (self.stage.module if module is None else module)(*args)
 
+    def module_outputs(self, received: list[Any], inputs: list[Any]) -> Any:
+        """The stage module's own outputs on these values (before `finish` on the last stage),
+        received values it writes in place handed over as copies, as in `forward`."""
+        return self._run(*received, *inputs)
+
     def backward(self, microbatch_index: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Backpropagate one micro-batch; return dL/d(received tensors) for the previous stage."""
         inputs = self._inputs.pop(microbatch_index)

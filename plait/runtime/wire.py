@@ -42,7 +42,7 @@ import torch.utils._pytree as pytree
 
 from plait.runtime.packing import Layout, Spec, layout, pack, receive_buffers, unpack
 
-__all__ = ["Wire", "WireTimeout", "Description", "describe", "dim_order", "inverse_order"]
+__all__ = ["Wire", "WireTimeout", "Description", "as_received", "describe", "dim_order", "inverse_order"]
 
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -132,6 +132,33 @@ def describe(values: list[Any]) -> Description:
         spec,
         tuple(dim_order(x) if k == _TENSOR else () for x, k in zip(leaves, kinds)),
     )
+
+
+def _rebuilt(t: torch.Tensor, order: Sequence[int], grad: bool) -> torch.Tensor:
+    """A tensor that arrived in memory order `order`, back in its sender's dimensions and strides,
+    a leaf that requires grad where the sender's tensor did."""
+    if tuple(order) != tuple(range(len(order))):
+        t = t.permute(inverse_order(order))
+    return t.requires_grad_() if grad else t
+
+
+def as_received(values: list[Any]) -> list[Any]:
+    """`values` exactly as `Wire.recv` on another rank hands them over, with no transport: new
+    leaves (detached, dense in the sender's memory order), requiring grad where the sent tensor
+    did; numbers as the float64 round trip gives them back; the structure through its JSON form.
+    The planner's profiler runs a stage on these, so it runs what the runtime runs."""
+    desc = describe(values)
+    leaves, _ = _flatten(values)
+    out: list[Any] = []
+    for x, kind, grad, order in zip(leaves, desc.kinds, desc.requires_grad, desc.orders):
+        if kind == _TENSOR:
+            out.append(_rebuilt(x.detach().permute(order).clone(memory_format=torch.contiguous_format),
+                                order, grad))
+        elif kind in _NUMBERS:
+            out.append(_CAST[kind](float(x)))
+        else:
+            out.append(None)
+    return list(pytree.tree_unflatten(out, pytree.treespec_loads(pytree.treespec_dumps(desc.spec))))
 
 
 class Wire:
@@ -293,10 +320,7 @@ class Wire:
         leaves: list[Any] = []
         for kind, grad, order in zip(desc.kinds, desc.requires_grad, desc.orders):
             if kind == _TENSOR:
-                t = next(filled)  # in memory order: back to the sender's dimensions and strides
-                if order != tuple(range(len(order))):
-                    t = t.permute(inverse_order(order))
-                leaves.append(t.requires_grad_() if grad else t)
+                leaves.append(_rebuilt(next(filled), order, grad))  # arrived in memory order
             else:
                 leaves.append(None)
         count = sum(k in _NUMBERS for k in desc.kinds)

@@ -167,3 +167,37 @@ def test_a_kept_module_whose_output_size_follows_the_data_is_refused_when_it_run
     with pytest.raises(CaptureError, match="its output size depends on the data"):
         for seed in range(20):  # some batch has another count of positives than the rule says
             _run_whole(captured, torch.randn(5, 4, generator=torch.Generator().manual_seed(seed)))
+
+
+class _NoneArguments(nn.Module):
+    """A block called as Hugging Face layers are: a None mask and head mask, a flag, a tensor last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x, mask=None, head_mask=None, flag=True, scale=None):
+        assert mask is None and head_mask is None and flag is True
+        return self.proj(x) * scale
+
+
+class _CallsWithNones(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _NoneArguments()
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(self.block(x, None, head_mask=None, flag=True, scale=x.sigmoid()))
+
+
+def test_a_kept_module_called_with_none_arguments_gets_them_back():
+    # Regression (transformers 4.57's OPT and BART, whose decoders are kept whole): a None
+    # argument is a pytree leaf like a tensor, and None also marked where a tensor goes, so
+    # rebuilding the call ran out of tensors (StopIteration) and the block never ran.
+    torch.manual_seed(0)
+    net = _CallsWithNones()
+    ref = copy.deepcopy(net)
+    captured = capture_batch(net, torch.randn(4, 6), keep=("block",))
+    assert captured.kept_whole == ("block",)
+    _compare(net, ref, captured, torch.randn(5, 6))

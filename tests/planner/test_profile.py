@@ -171,11 +171,12 @@ def test_the_whole_pass_keeps_held_micro_batches_alive(monkeypatch):
     run = profiling._Run(cap, split(cap, stage_of_layers([1] * len(cap.layers.layer_names))),
                          (x,), {}, 8, ProfileOptions(repeats=1))
     events: list[str] = []
-    real_grad, real_chain = torch.autograd.grad, run._forward_chain
-    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: (events.append("B"), real_grad(*a, **k))[1])
-    monkeypatch.setattr(run, "_forward_chain", lambda mine: (events.append("F"), real_chain(mine))[1])
+    stage = run.whole_stage  # the whole model as one stage, run by the runtime's StageExecutor
+    real_forward, real_backward = stage.forward, stage.backward
+    monkeypatch.setattr(stage, "forward", lambda k, *a, **kw: (events.append(f"F{k}"), real_forward(k, *a, **kw))[1])
+    monkeypatch.setattr(stage, "backward", lambda k, g: (events.append(f"B{k}"), real_backward(k, g))[1])
     f, b = run.whole(held=3)
-    assert events == ["F", "F", "F", "B", "B", "B"]
+    assert events == ["F0", "F1", "F2", "B0", "B1", "B2"]
     assert f > 0 and b > 0
 
 

@@ -78,3 +78,50 @@ def test_dim_order_is_memory_order_and_describe_carries_it() -> None:
     t = x.transpose(1, 2)
     assert t.permute(dim_order(t)).is_contiguous()  # what the wire sends: no copy
     assert describe([t, 3, None]).orders == ((0, 2, 1), (), ())
+
+
+def _strided_values():
+    """Values a stage may send: a transposed, a sliced, an expanded and a permuted activation
+    (one requiring grad, one not), integers, numbers, None and a size."""
+    base = torch.arange(24.0).view(2, 3, 4)
+    return [base.transpose(1, 2).requires_grad_(False).clone().transpose(1, 2).requires_grad_(),
+            base[:, 1:, ::2], base[:, :1].expand(2, 5, 4), base.permute(2, 0, 1).requires_grad_(),
+            torch.arange(5), 3, 0.25, False, None, {"k": (base.t() if base.dim() == 2 else base[0].t(),)},
+            torch.Size([2, 3])]
+
+
+def received_over_the_wire(rank, world):
+    import torch.distributed as dist
+
+    from plait.runtime.wire import Wire
+
+    dist.init_process_group("gloo")
+    wire = Wire(timeout_s=20)
+    if rank == 0:
+        wire.send(_strided_values(), 1, key="v", tag=0)
+        wire.drain()
+        return None
+    return wire.recv(0, key="v", tag=0)[0]
+
+
+@pytest.mark.timeout(90)
+def test_as_received_is_what_the_wire_hands_over():
+    # The planner's profiler runs each layer on `as_received` values; the runtime on what the
+    # wire delivers. They must agree leaf for leaf: values, strides, leaves requiring grad, types.
+    import torch.utils._pytree as pytree
+
+    from plait.runtime.wire import as_received
+
+    got = run_ranks(2, received_over_the_wire, timeout=80)[1]
+    sent = _strided_values()
+    local = as_received(sent)
+    assert pytree.tree_structure(local) == pytree.tree_structure(got)
+    for a, b, s in zip(pytree.tree_leaves(local), pytree.tree_leaves(got), pytree.tree_leaves(
+            [tuple(v) if isinstance(v, torch.Size) else v for v in sent])):
+        assert type(a) is type(b), (a, b)
+        if isinstance(a, torch.Tensor):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+            assert a.stride() == b.stride() and a.requires_grad == b.requires_grad == s.requires_grad
+            assert a.is_leaf and a.data_ptr() != s.data_ptr()  # a new leaf, never the sender's memory
+        else:
+            assert a == b
