@@ -11,7 +11,12 @@ a skip fails instead (tests/conftest.py).
 The environment lives in `.venv` beside this file. It is built once: torch is pinned to the CPU
 build first (a bare `torch` requirement could make pip resolve a multi-GB CUDA build), then plait
 is installed in editable mode with its `dev` extra. A stamp file holding a hash of
-pyproject.toml makes later runs start at once; editing pyproject.toml reinstalls.
+pyproject.toml (and of the pins below) makes later runs start at once; editing either reinstalls.
+
+The tests also train the Hugging Face architectures under a transformers 4.x release, which many
+users still pin (its model code differs from 5.x's): `TRANSFORMERS_4` is installed, without
+dependencies, into `.venv/transformers-4`, which those tests put first on the path of a child
+process (PLAIT_TRANSFORMERS_4 names the folder).
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 STAMP = VENV / ".plait-installed"
 TORCH_PIN = "torch==2.13.0"  # the CPU build; see the module docstring
+# transformers 4.57.6 and the packages it needs at the versions 4.x accepts (the venv's others,
+# numpy, safetensors, regex, pyyaml, tqdm, filelock, fsspec, packaging, idna, serve both)
+TRANSFORMERS_4 = ["transformers==4.57.6", "huggingface_hub==0.36.2", "tokenizers==0.22.2", "requests==2.34.2",
+                  "urllib3==2.8.0", "certifi==2026.10.19.post1", "charset_normalizer==3.5.3"]
+TRANSFORMERS_4_DIR = VENV / "transformers-4"
 
 
 def _bin(name: str) -> Path:
@@ -38,7 +48,7 @@ def _bin(name: str) -> Path:
 
 
 def _wanted_stamp() -> str:
-    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + repr(TRANSFORMERS_4).encode()).hexdigest()
     return f"{digest}\n"
 
 
@@ -69,6 +79,8 @@ def ensure_venv() -> Path:
         _run(pip + [TORCH_PIN])
     print("dev.py: installing plait (editable) with its dev extra", file=sys.stderr)
     _run(pip + ["-e", ".[dev]"])
+    print("dev.py: installing transformers 4.x beside it, for the tests", file=sys.stderr)
+    _run(pip + ["--upgrade", "--no-deps", "--target", str(TRANSFORMERS_4_DIR), *TRANSFORMERS_4])
     STAMP.write_text(_wanted_stamp())
     return python
 
@@ -83,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     if command == "demo":
         return subprocess.call([str(_bin("plait")), "demo", *rest], cwd=ROOT)
     # -rsx: the summary lists every skipped test and expected failure with its reason.
-    return subprocess.call([str(python), "-m", "pytest", "-q", "-rsx", *rest], cwd=ROOT)
+    env = {**os.environ, "PLAIT_TRANSFORMERS_4": str(TRANSFORMERS_4_DIR)}
+    return subprocess.call([str(python), "-m", "pytest", "-q", "-rsx", *rest], cwd=ROOT, env=env)
 
 
 if __name__ == "__main__":
