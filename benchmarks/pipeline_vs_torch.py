@@ -28,9 +28,10 @@ GEMMs far less efficiently than the whole batch, so Tm is well above T1, and ide
 from Tm) is the bound a pipeline runtime can actually approach. "paired" is the median of the
 per-round peer / plait ratios: on a shared machine it is steadier than the ratio of the medians.
 
-Before timing, a correctness check trains fresh copies for a few steps with each schedule and
-compares every parameter of this rank's stage with the one-process reference
-(fp32: rtol 1e-5, atol 1e-6).
+Before timing, a correctness check trains fresh copies for a few steps with each schedule, at a
+learning rate (CHECK_LR) that moves every weight tensor far past the tolerance (a copy that never
+trained must fail it; the check asserts each moved), and compares every parameter of this
+rank's stage with the one-process reference (fp32: rtol 1e-5, atol 1e-6).
 
 With --planned, plait also runs as a user gets it by default: `Config()`, the layout (pp x dp,
 micro-batches, schedule, batched weight gradients) chosen by its planner on the first step. Its
@@ -76,6 +77,11 @@ __all__ = ["main"]
 
 NUM_STAGES = 2  # ranks, one pipeline stage each
 LR = 1e-3  # small: over a run the weights, and so the work per step, barely change
+# large: the check's 3 steps move every weight tensor well past the tolerance (the first of 8
+# Linear+ReLU blocks at PyTorch's init gets ~1/400 of the last one's change: at lr 0.5 and width
+# 512 it moved 2.7e-6, under 2x the tolerance; at 10, 3.7e-5), and the loss still falls
+CHECK_LR = 10.0
+MOVED = 20  # the check: each weight tensor's largest change from its init, at least MOVED x atol
 SEED = 1234
 WARMUP_STEPS = 5  # per pipeline and schedule, untimed (shape inference, first descriptions)
 CHECK_STEPS = 3  # correctness check: steps from the same init
@@ -138,13 +144,13 @@ class PlaitRunner:
     """plait's public API as a user writes it (the optimizer gets all of net's parameters; those
     of the other stage never get a gradient, and SGD skips them)."""
 
-    def __init__(self, net: nn.Sequential, setting: Setting, schedule: str, rank: int):
+    def __init__(self, net: nn.Sequential, setting: Setting, schedule: str, rank: int, lr: float = LR):
         self.net = net
         config = plait.Config(layers_per_proc=_layers_per_proc(setting),
                               num_microbatches=setting.microbatches, schedule=schedule,
                               batch_weight_grads=setting.batch_weight_grads)
         self.model = plait.Model(net, config=config,
-                                 optimizer=torch.optim.SGD(net.parameters(), lr=LR), loss=loss_fn)
+                                 optimizer=torch.optim.SGD(net.parameters(), lr=lr), loss=loss_fn)
         self.local = stage_slice(setting, rank)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -163,10 +169,10 @@ def _layers_per_proc(setting: Setting) -> tuple[int, ...]:
 class PlannedRunner:
     """plait as a user gets it by default: Config(), the layout planned on the first step."""
 
-    def __init__(self, net: nn.Sequential, x: torch.Tensor, y: torch.Tensor):
+    def __init__(self, net: nn.Sequential, x: torch.Tensor, y: torch.Tensor, lr: float = LR):
         self.net = net
         self.model = plait.Model(net, config=plait.Config(),
-                                 optimizer=torch.optim.SGD(net.parameters(), lr=LR), loss=loss_fn)
+                                 optimizer=torch.optim.SGD(net.parameters(), lr=lr), loss=loss_fn)
         self.model.train_on_batch(x, y)  # plans, then steps: the first of the steps compared
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -202,12 +208,12 @@ class PlannedRunner:
 class PeerRunner:
     """torch.distributed.pipelining: the Sequential cut by hand, one PipelineStage per rank."""
 
-    def __init__(self, net: nn.Sequential, setting: Setting, schedule: str, rank: int):
+    def __init__(self, net: nn.Sequential, setting: Setting, schedule: str, rank: int, lr: float = LR):
         self.module = net[stage_slice(setting, rank)]  # shares the parameters of `net`
         self.rank = rank
         stage = PipelineStage(self.module, rank, NUM_STAGES, torch.device("cpu"))
         self.schedule = PEER_SCHEDULES[schedule](stage, setting.microbatches, loss_fn=loss_fn)
-        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=LR)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=lr)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -231,9 +237,9 @@ class ReferenceRunner:
     with no pipeline.
     """
 
-    def __init__(self, net: nn.Sequential, setting: Setting, rank: int, microbatches: int = 1):
+    def __init__(self, net: nn.Sequential, setting: Setting, rank: int, microbatches: int = 1, lr: float = LR):
         self.net = net
-        self.optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+        self.optimizer = torch.optim.SGD(net.parameters(), lr=lr)
         self.local = stage_slice(setting, rank)
         self.microbatches = microbatches
 
@@ -271,13 +277,21 @@ def timed(step: Callable[[], None], only_rank: int | None = None, steps: int = 1
     return float(wall_t), float(cpu_t)
 
 
+def least_moved(trained: list[torch.Tensor], init: list[torch.Tensor]) -> float:
+    """The smallest, over the weight tensors, of each one's largest change from its init: a check
+    whose tolerance is far below it cannot pass a copy that never trained."""
+    return min(float((t - i).abs().max()) for t, i in zip(trained, init))
+
+
 def check(setting: Setting, schedule: str, rank: int) -> bool:
-    """After CHECK_STEPS steps from one init, do plait's and the peer's parameters of this rank's
-    stage equal the one-process reference's? Printed on rank 0; every rank gets the verdict."""
+    """After CHECK_STEPS steps at CHECK_LR from one init, do plait's and the peer's parameters of
+    this rank's stage equal the one-process reference's, and did every one of them move by at least
+    MOVED x atol? Printed on rank 0; every rank gets the verdict."""
     net = make_net(setting.width, setting.layers)
-    ref = ReferenceRunner(copy.deepcopy(net), setting, rank)
-    runners: list[Runner] = [PlaitRunner(copy.deepcopy(net), setting, schedule, rank),
-                             PeerRunner(copy.deepcopy(net), setting, schedule, rank)]
+    ref = ReferenceRunner(copy.deepcopy(net), setting, rank, lr=CHECK_LR)
+    init = [p.detach().clone() for p in ref.stage_parameters()]
+    runners: list[Runner] = [PlaitRunner(copy.deepcopy(net), setting, schedule, rank, lr=CHECK_LR),
+                             PeerRunner(copy.deepcopy(net), setting, schedule, rank, lr=CHECK_LR)]
     for step in range(CHECK_STEPS):
         x, y = make_batch(setting, step)
         ref.step(x, y)
@@ -290,32 +304,59 @@ def check(setting: Setting, schedule: str, rank: int) -> bool:
             worst[i] = max(float(worst[i]), float((got - want).abs().max()))
             if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
                 passed[i] = 0.0
+    moved = torch.tensor([least_moved(ref.stage_parameters(), init)], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     dist.all_reduce(passed, op=dist.ReduceOp.MIN)
+    dist.all_reduce(moved, op=dist.ReduceOp.MIN)
+    trained = float(moved) >= MOVED * 1e-6
     if rank == 0:
         for name, w, ok in zip(("plait", "peer"), worst.tolist(), passed.tolist()):
-            print(f"check {schedule:5s} {name:5s}: after {CHECK_STEPS} steps max |param - "
+            print(f"check {schedule:5s} {name:5s}: after {CHECK_STEPS} steps (lr {CHECK_LR}) max |param - "
                   f"one-process param| = {w:.1e}: {'ok' if ok else 'MISMATCH'} "
-                  f"(rtol 1e-5, atol 1e-6)", flush=True)
-    return bool(passed.min() > 0)
+                  f"(rtol 1e-5, atol 1e-6); every weight tensor moved by at least {float(moved):.1e} "
+                  f"({'ok' if trained else f'UNTRAINED: under {MOVED} x atol'})", flush=True)
+    return bool(passed.min() > 0) and trained
+
+
+def check_planned(setting: Setting, rank: int) -> tuple[str, bool]:
+    """plait with Config() (its own plan) after CHECK_STEPS steps at CHECK_LR against one process
+    through the same micro-batches: (the plan, its state_dict equal and every tensor moved)."""
+    net = make_net(setting.width, setting.layers)
+    reference = copy.deepcopy(net)
+    x, y = make_batch(setting, 0)
+    planned = PlannedRunner(net, x, y, lr=CHECK_LR)
+    one = ReferenceRunner(reference, setting, rank, planned.chunks(setting.batch), lr=CHECK_LR)
+    one.step(x, y)  # the planned run's first step, which planned it
+    for step in range(1, CHECK_STEPS):
+        xs, ys = make_batch(setting, step)
+        planned.step(xs, ys)
+        one.step(xs, ys)
+    state, want, init = planned.model.state_dict(), reference.state_dict(), make_net(setting.width, setting.layers)
+    worst = max(float((state[k] - want[k]).abs().max()) for k in want)
+    equal = all(torch.allclose(state[k], want[k], rtol=1e-5, atol=1e-6) for k in want)
+    moved = least_moved([want[k] for k in want], [init.state_dict()[k] for k in want])
+    trained = moved >= MOVED * 1e-6
+    if rank == 0:
+        print(f"check planned: after {CHECK_STEPS} steps (lr {CHECK_LR}) max |param - one-process param| = "
+              f"{worst:.1e}: {'ok' if equal else 'MISMATCH'} (rtol 1e-5, atol 1e-6); every tensor moved by at "
+              f"least {moved:.1e} ({'ok' if trained else f'UNTRAINED: under {MOVED} x atol'})", flush=True)
+    return planned.describe(), equal and trained
 
 
 def measure_planned(setting: Setting, rank: int) -> tuple[str, float, bool, list[float], list[float]]:
     """plait with Config() against one process through its micro-batches: (the plan, the ideal's
-    factor, parameters equal after CHECK_STEPS steps, plait's walls, the reference's walls)."""
+    factor, parameters equal after CHECK_STEPS steps at CHECK_LR (`check_planned`, a copy planned
+    on its own), plait's walls, the reference's walls)."""
+    checked, equal = check_planned(setting, rank)
     net = make_net(setting.width, setting.layers)
     reference = copy.deepcopy(net)
     x, y = make_batch(setting, 0)
     planned = PlannedRunner(net, x, y)
     one = ReferenceRunner(reference, setting, rank, planned.chunks(setting.batch))
     one.step(x, y)  # the planned run's first step, which planned it
-    for step in range(1, CHECK_STEPS):
-        xs, ys = make_batch(setting, step)
-        planned.step(xs, ys)
-        one.step(xs, ys)
-    state, want = planned.model.state_dict(), reference.state_dict()
-    worst = max(float((state[k] - want[k]).abs().max()) for k in want)
-    equal = all(torch.allclose(state[k], want[k], rtol=1e-5, atol=1e-6) for k in want)
+    layout = planned.describe().split(";")[0]
+    if rank == 0 and checked.split(";")[0] != layout:
+        print(f"(the check's copy was planned otherwise: {checked.split(';')[0]}; timed: {layout})", flush=True)
     for _ in range(setting.warmup):
         planned.step(x, y)
         one.step(x, y)
@@ -324,9 +365,6 @@ def measure_planned(setting: Setting, rank: int) -> tuple[str, float, bool, list
     for _ in range(setting.rounds):
         ones.append(timed(functools.partial(one.step, x, y), only_rank=0, steps=setting.steps_per_round)[0])
         mine.append(timed(functools.partial(planned.step, x, y), steps=setting.steps_per_round)[0])
-    if rank == 0:
-        print(f"check planned: after {CHECK_STEPS} steps max |param - one-process param| = {worst:.1e}: "
-              f"{'ok' if equal else 'MISMATCH'} (rtol 1e-5, atol 1e-6)", flush=True)
     return planned.describe(), planned.bubble(dist.get_world_size()), equal, mine, ones
 
 
