@@ -117,7 +117,8 @@ def main() -> int:
         pflops = alpa["tflops_per_device"] * 64 / 1e3
         print(f"Alpa's GPT-39B on 64 V100-16GB: feasible, pp={alpa['pp']} dp={alpa['dp']} tp={alpa['tp']} "
               f"m={alpa['num_microbatches']} {alpa['schedule']}, predicted {alpa['predicted_step_time_s']:.2f} s a "
-              f"step = {pflops:.2f} PFLOP/s in all (Megatron's count; Alpa's Figure 7a reports its own in PFLOPS)")
+              f"step = {pflops:.2f} PFLOP/s in all (Megatron's count; Alpa's Figure 7a reports its own in PFLOPS); "
+              f"planned in {alpa['planning_time_s']:.1f} s, stages of different tp widths and copies of a pipeline searched")
         mixed = alpa["mixed_widths"]
         if mixed is not None:  # Alpa's inter-operator pass: one pipeline of stages of different tp widths
             print(f"  its best pipeline of stages of different tp widths: tp {mixed['tp']}, layers "

@@ -270,7 +270,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 MIXED_LIMIT = (16, 128)  # devices, layers: beyond, stages of different dp widths are not searched
-# ... nor stages of different tp widths beyond Alpa's 64 GPUs (its GPT-39B: about 21 s with the copies)
+# ... nor stages of different tp widths beyond Alpa's 64 GPUs (its GPT-39B: about 4 s of CPU with the copies)
 TP_WIDTHS_LIMIT = (64, 128)
 
 
