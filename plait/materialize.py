@@ -151,12 +151,12 @@ class _FreedParameters:
         if found is None:
             found = cls(net)
             object.__setattr__(net, cls.ATTRIBUTE, found)  # a plain attribute, not a submodule
-        return found  # type: ignore[no-any-return]
+        return found
 
     def watch(self, module: nn.Module) -> None:
         if id(module) not in self.watched:
             self.watched.add(id(module))
-            module.register_load_state_dict_pre_hook(self._before_load)
+            module.register_load_state_dict_pre_hook(self._before_load)  # type: ignore[no-untyped-call]
 
     def _before_load(self, module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_: object) -> None:
         back = {id(p): _real(p, self.devices[id(p)]) for name, p in module._parameters.items()

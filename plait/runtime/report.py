@@ -117,7 +117,9 @@ def stop_peers() -> None:
             continue
         for peer in peers:  # the first whose connection is still open closes them all
             try:
-                dist.irecv(torch.empty(1), peer, group=group, tag=_NOBODY_SENDS).wait(datetime.timedelta(milliseconds=1))
+                work = dist.irecv(torch.empty(1), peer, group=group, tag=_NOBODY_SENDS)
+                assert work is not None  # a rank of the group always gets a Work
+                work.wait(datetime.timedelta(milliseconds=1))
             except Exception as e:  # noqa: BLE001 - the expected end: a timeout, or a connection closed already
                 if "Timed out" in str(e):
                     break
@@ -127,7 +129,7 @@ _NOBODY_SENDS = 2**30  # a message tag no plait message uses (theirs count micro
 
 
 def failure_error(what: str, rank: int, error: BaseException, timeout_s: float,
-                  run_id: int = -1, position: int = -1) -> PipelineError:
+                  run_id: int = -1, position: int = -1) -> PipelineError | ModelError:
     """The PipelineError of a collective outside the schedule (an all-reduce, a checkpoint) that failed.
 
     Posts this rank's failure like the interpreter does (at `position` of run `run_id`, when the

@@ -229,11 +229,11 @@ class StepRunner:
             if train and pipe.sync is not None:
                 pipe.sync.flush()  # the buckets no gradient hook launched (after the sums, as everywhere)
             stats, outputs, total = started.stats, started.outputs, started.total
-            where = _Where(self, steps_done, len(mbs))
+            place = _Where(self, steps_done, len(mbs))
             if train:
-                self._finish_gradients(where)
-            sums = where.guard("the loss all-reduce", total)
-            skipped = self._optimizer_step(sums[len(stats):], where, optimizer) if train else False
+                self._finish_gradients(place)
+            sums = place.guard("the loss all-reduce", total)
+            skipped = self._optimizer_step(sums[len(stats):], place, optimizer) if train else False
         return StepResult(sums[: len(stats)], outputs, skipped)
 
     def _zero_grads(self, num_microbatches: int) -> None:
