@@ -93,9 +93,9 @@ def train_and_compare(name: str, fields: dict[str, Any], leaf_modules: tuple[str
             problems.append(f"state {key}: {str(e).splitlines()[0]}")
     ref.eval()
     with torch.no_grad():
-        want_logits = ref(**arch.x).logits
+        want_logits = arch.logits(ref(**arch.x))
     try:
-        got_logits = model.predict(arch.x, batch_size=BATCHES[0]).logits
+        got_logits = arch.logits(model.predict(arch.x, batch_size=BATCHES[0]))
         torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=2e-5)
     except (AssertionError, AttributeError) as e:
         problems.append(f"predict: {str(e).splitlines()[0]}")
