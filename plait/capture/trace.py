@@ -18,11 +18,11 @@ from plait.capture.layers import LayerAssignment, assign_layers
 from plait.capture.opaque import kept_whole, modules_to_keep
 from plait.capture.output import OutputSpec, flatten_output, unflatten_output
 from plait.capture.stopped import Stop, stopped_in
-from plait.errors import CaptureError
+from plait.errors import CaptureError, ModelError, PlaitError, model_frame
 from plait.materialize import on_meta
 
 __all__ = ["CapturedGraph", "capture", "fingerprint", "in_mode", "capture_batch", "sample_rows", "is_local",
-           "retarget"]
+           "retarget", "raised_eagerly"]
 
 log = logging.getLogger("plait")
 
@@ -162,14 +162,52 @@ def capture_batch(net: nn.Module, x: Any, train: bool = True, method: str | None
     meta = on_meta(net)
     if meta:  # a model built on the meta device is captured on meta: no memory, no values
         args, kwargs = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
-    with in_mode(net, train):
-        captured = (_capture_fx_again(net, train, keep) if method == "torch.fx"
-                    else capture(net, args, kwargs, keep))
-    if meta and captured.output_spec is not None:  # eager code on meta may need values (.item())
-        return captured
-    with torch.no_grad(), torch.random.fork_rng(), in_mode(net, False):
-        _, output_spec = flatten_output(net(*args, **kwargs))
-    return replace(captured, output_spec=output_spec)
+    try:
+        with in_mode(net, train):
+            captured = (_capture_fx_again(net, train, keep) if method == "torch.fx"
+                        else capture(net, args, kwargs, keep))
+        if meta and captured.output_spec is not None:  # eager code on meta may need values (.item())
+            return captured
+        with torch.no_grad(), torch.random.fork_rng(), in_mode(net, False):
+            _, output_spec = flatten_output(net(*args, **kwargs))
+        return replace(captured, output_spec=output_spec)
+    except Exception as error:  # noqa: BLE001 - told apart below, outside this handler
+        failed = error
+    # A tracer's limit, or the model's own code raising (which it does without plait too)? Run
+    # out of the handler, so the user's exception does not chain onto the tracers' advice. On
+    # meta an eager run may stop for want of values (.item()): the tracers' error stands.
+    raised = None if meta or isinstance(failed, PlaitError) and not isinstance(failed, CaptureError) \
+        else raised_eagerly(net, args, kwargs, train)
+    if raised is None:
+        raise failed
+    raise _model_raised(net, raised, train) from raised
+
+
+def raised_eagerly(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool) -> Exception | None:
+    """What `net(*args, **kwargs)` raises run as it is, without a tracer, in train or eval mode (None:
+    it runs). No gradients, the RNG and every buffer (batch norm's running statistics) left as they were."""
+    buffers = [(b, b.detach().clone()) for b in net.buffers() if not b.is_meta]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(), in_mode(net, train):
+            net(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - the model's own failure, whatever it is
+        return None if isinstance(error, PlaitError) else error
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    return None
+
+
+def _model_raised(net: nn.Module, error: Exception, train: bool) -> ModelError:
+    """The error of a model whose forward raises by itself: the user's exception and line, not a tracer's limit."""
+    frame = model_frame(error)
+    return ModelError(
+        f"the model's code raised {_first_line(error)}\n  " + (f"at {frame}\n  " if frame else "")
+        + f"while plait captured {type(net).__name__} (its forward, run once in {'train' if train else 'eval'} "
+        "mode on 2 rows of the first batch, raises without plait too: not a tracing limit); fix the model's "
+        "code or the batch it is given"
+    )
 
 
 def retarget(captured: CapturedGraph, device: torch.device) -> CapturedGraph:

@@ -95,3 +95,58 @@ def test_keyword_inputs_bind_by_name():
     h = stages[0].module(*[inputs[i] for i in stages[0].input_indices])
     out = stages[1].module(*h, *[inputs[i] for i in stages[1].input_indices])
     torch.testing.assert_close(captured.finish(out), net(x, mask=mask))
+
+
+class Raises(nn.Module):
+    """A forward that raises by itself, as a user's bug does: no tracer can get past it."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.l, self.norm, self.error = nn.Linear(4, 4), nn.BatchNorm1d(4), error
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.l(x))
+        raise self.error
+
+
+class ShapeBug(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x) @ torch.ones(3, 3)  # (B, 4) @ (3, 3): the user's own shape error
+
+
+@pytest.mark.parametrize("net, kind, line", [
+    (Raises(ValueError("the mask has the wrong length")), "ValueError: the mask has the wrong length",
+     "raise self.error"),
+    (ShapeBug(), "RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x4 and 3x3)",
+     "return self.block(x) @ torch.ones(3, 3)"),
+])
+def test_a_forward_that_raises_by_itself_is_named_as_the_models_code_at_its_line(net, kind, line):
+    """The story: an ordinary exception in the user's forward came out as a CaptureError pointing into
+    torch's module.py (or, from a submodule, as the bare exception after the fallbacks) that advised
+    avoiding data-dependent control flow. Now it says the model's code raised, what and where; the
+    user's exception is the cause (Python prints its traceback first), and no state moved."""
+    from plait.capture.trace import capture_batch
+    from plait.errors import ModelError
+
+    stats = [b.clone() for b in net.buffers()]
+    with pytest.raises(ModelError) as info:
+        capture_batch(net, torch.randn(5, 4))
+    message = str(info.value)
+    assert message.startswith(f"the model's code raised {kind}\n"), message
+    assert f'test_trace.py", line' in message and f"in forward: {line}" in message, message
+    assert "not a tracing limit" in message and "control flow" not in message, message
+    assert type(info.value.__cause__).__name__ == kind.split(":")[0] and info.value.__cause__.__context__ is None
+    assert all(torch.equal(a, b) for a, b in zip(stats, net.buffers()))  # batch norm's statistics as they were
+
+
+def test_a_tracing_limit_keeps_its_advice_through_capture_batch():
+    """Data-dependent control flow runs without plait: a tracer's limit, whose advice stays."""
+    from plait.capture.trace import capture_batch
+
+    with pytest.raises(CaptureError) as info:
+        capture_batch(DataDependent(), torch.randn(2, 4))
+    assert "control flow" in str(info.value) and "model's code raised" not in str(info.value)
