@@ -37,7 +37,7 @@ from plait.planner.layout import Layout, Workload, choose_layout, layout_of
 from plait.runtime.collectives import failed_ranks, gather_state_dict, local_device, sum_floats, whole_split_tensors
 from plait.runtime.memory_stats import memory_line, memory_stats, state_factor
 from plait.runtime.pipeline import Pipeline, build_pipeline, stage_tensors
-from plait.runtime.report import failure_error
+from plait.runtime.report import failure_error, raised_before_steps
 from plait.runtime.step import OptimizerArg, StepRunner, make_optimizer, num_stats
 
 __all__ = ["Model"]
@@ -116,7 +116,8 @@ class Model:
             if self._layout is None:
                 if not self._meta:  # traced where the model lives (a meta model: on meta, retargeted)
                     x, y = batching.to_device(x, self.device), batching.to_device(y, self.device)
-                captured = capture_batch(self.net, x, train=True, keep=self.config.leaf_modules)
+                with raised_before_steps(self.rank, "while capturing the model"):  # the peers stop too
+                    captured = capture_batch(self.net, x, train=True, keep=self.config.leaf_modules)
                 if self._meta:  # eval too, while every tensor is on meta; device constants made real
                     self._eval_captured = retarget(capture_batch(self.net, x, False, captured.method,
                                                                  captured.kept_whole), self.device)

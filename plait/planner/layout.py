@@ -53,6 +53,7 @@ from plait.plan.report import PlanReport
 from plait.runtime.agree import agree
 from plait.planner.calibrate import calibrate
 from plait.runtime.collectives import max_floats
+from plait.runtime.report import failure_error
 from plait.runtime.memory_stats import state_factor
 
 __all__ = ["Workload", "Layout", "choose_layout", "layout_of", "candidate_fields", "load_plan_file"]
@@ -130,7 +131,10 @@ def choose_layout(work: Workload, config: Config, world_size: int, rank: int,
     network = None
     if config.plan is None and (resumed_plan is None or _resumed_fields(
             resumed_plan, config, world_size, work.layer_names) is None):
-        network = calibrate()  # rank 0 will search: it prices messages with this backend's link
+        try:
+            network = calibrate()  # rank 0 will search: it prices messages with this backend's link
+        except Exception as e:  # noqa: BLE001 - a peer failed (its model raised capturing it): name it
+            raise failure_error("measuring the link to plan the layout", rank, e, config.timeout_s) from e
         if rank != 0:
             _profile_alongside(work, config, world_size)
 

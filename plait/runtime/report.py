@@ -20,16 +20,21 @@ and the others name it: the user reads the exception and where it was raised, no
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from plait.errors import ModelError, PipelineError
+from plait.errors import ModelError, PipelineError, model_frame
 
-__all__ = ["Failures", "gather_failures", "report_wait", "failure_error", "stop_peers", "stopped_by"]
+__all__ = ["Failures", "gather_failures", "report_wait", "failure_error", "stop_peers", "stopped_by", "posted",
+           "raised_before_steps"]
+
+PREFIX = "plait/failure"  # each rank's post: PREFIX/<rank> (under `plait run`, each restart has a key space of its own)
 
 
 def report_wait(timeout_s: float) -> float:
@@ -74,7 +79,7 @@ def gather_failures(run_id: int, rank: int, position: int, wait_s: float = 3.0, 
     world_size = dist.get_world_size()
     failures = Failures(world_size, {rank: position}, {rank})
     start = time.time()
-    prefix = "plait/failure"  # under `plait run`, each restart has a store key space of its own
+    prefix = PREFIX
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set(f"{prefix}/{rank}", f"{run_id} {position} {start:.3f} {cause}")
@@ -150,3 +155,22 @@ def stopped_by(rank: int, failures: Failures, where: str) -> PipelineError | Mod
     kind = ModelError if cause.startswith("raised") else PipelineError
     return kind(f"rank {rank} stopped ({where}): rank {other} {cause}\n(rank {other}'s own output shows "
                 f"its traceback; this rank's wait ended when rank {other} closed its connections)")
+
+
+def posted(store: dist.Store, rank: int) -> bool:
+    """Whether `rank` has posted a failure (a peer waiting on it in the store, not on a connection, asks)."""
+    return bool(store.check([f"{PREFIX}/{rank}"]))
+
+
+@contextlib.contextmanager
+def raised_before_steps(rank: int, where: str) -> Iterator[None]:
+    """Where the model's own code raises inside (a ModelError: capturing it, before any step), post
+    that on this rank and close its connections: a peer waiting on it ends at once, naming the cause."""
+    try:
+        yield
+    except ModelError as error:
+        cause = error.__cause__ or error
+        frame, text = model_frame(cause), str(cause).splitlines()[0] if str(cause) else ""
+        gather_failures(-1, rank, -1, 2.0, f"raised {type(cause).__name__}: {text} {where}"
+                        + (f", at {frame}" if frame else ""))
+        raise
