@@ -8,6 +8,12 @@ A parameter split along `dim` over `tp` ranks may be a concatenation of `blocks`
 
 A cut parameter carries its `TpShard` (`shard_of`), so checkpoints save it under its own name with
 its whole shape, and load a whole tensor into its part. Pure tensor arithmetic: no collectives.
+
+A dimension of n rows that does not divide by tp (a vocabulary of 50257 words at tp=2) is cut
+unevenly, in one block: each rank holds c = ceil(n / tp) rows but the last, which holds the rest,
+as Megatron-LM's vocabulary padded to a multiple of tp would be held, less the padding::
+
+    n = 67, tp = 2:   part 0: rows 0-33 (34)    part 1: rows 34-66 (33)
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TpShard", "shard_of", "whole_shape", "as_held", "local_part", "whole_of"]
+__all__ = ["TpShard", "shard_of", "whole_shape", "as_held", "local_part", "whole_of", "part_rows", "part_size",
+           "uneven_fits"]
 
 
 @dataclass(frozen=True)
@@ -54,14 +61,38 @@ def as_held(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def part_rows(n: int, tp_rank: int, tp: int) -> tuple[int, int]:
+    """[start, stop) of part `tp_rank` of n rows cut in one block (see the module)."""
+    c = -(-n // tp)
+    return min(tp_rank * c, n), min((tp_rank + 1) * c, n)
+
+
+def part_size(n: int, tp_rank: int, tp: int) -> int:
+    """The rows of part `tp_rank` of n rows cut in one block (n // tp where tp divides n)."""
+    start, stop = part_rows(n, tp_rank, tp)
+    return stop - start
+
+
+def uneven_fits(n: int, tp: int) -> bool:
+    """Whether n rows cut unevenly leave every rank at least one (50257 at tp=8: yes; 9 at tp=4:
+    parts 3, 3, 3, 0, no)."""
+    return part_size(n, tp - 1, tp) > 0
+
+
 def local_part(t: torch.Tensor, dim: int, blocks: int, tp_rank: int, tp: int) -> torch.Tensor:
-    """Part `tp_rank` of `t` along `dim`: its slice of each of the `blocks` blocks, in block order."""
+    """Part `tp_rank` of `t` along `dim`: its slice of each of the `blocks` blocks, in block order
+    (in one block, a dimension that does not divide by tp is cut unevenly: see the module)."""
     n = t.shape[dim]
+    if blocks == 1 and n % tp:
+        start, stop = part_rows(n, tp_rank, tp)
+        return t.narrow(dim, start, stop - start)
     parts = t.reshape(*t.shape[:dim], blocks, tp, n // (blocks * tp), *t.shape[dim + 1:])
     return parts.select(dim + 1, tp_rank).flatten(dim, dim + 1)
 
 
 def whole_of(parts: list[torch.Tensor], dim: int, blocks: int) -> torch.Tensor:
     """The inverse of `local_part`: the tp parts (in rank order) joined."""
+    if blocks == 1:
+        return torch.cat(parts, dim)
     cut = [p.reshape(*p.shape[:dim], blocks, p.shape[dim] // blocks, *p.shape[dim + 1:]) for p in parts]
     return torch.stack(cut, dim + 1).flatten(dim, dim + 2)

@@ -43,7 +43,7 @@ def train_and_compare(name: str, config: dict[str, Any], adam: bool = False,
     """(what differs from one process, how many parameters this rank holds split, the plan);
     `split_loss`: the loss must have run on split logits; `batches`: the rows of each step (of
     the case's sum(BATCHES) rows), the first also predict's batch size."""
-    case = _bert_mlm() if name == "bert-mlm" else make(name)
+    case = case_of(name)
     ref = copy.deepcopy(case.net)
     optimizer = _adam if adam else _sgd
     ref_opt = optimizer(ref.parameters())
@@ -110,6 +110,22 @@ def _dropouts(rank: int, world: int) -> dict[Any, Any]:
     out: dict[Any, Any] = {run: _dropout(rank, *run) for run in DROPOUT_RUNS}
     out["memory"] = _parameter_bytes()
     return out
+
+
+def case_of(name: str) -> Case:
+    """The test model `name`: test_real_models' own, "bert-mlm" or "gpt2-odd"."""
+    return _bert_mlm() if name == "bert-mlm" else _odd_vocabulary() if name == "gpt2-odd" else make(name)
+
+
+ODD_VOCAB = 67  # at tp=2: rank 0 holds rows 0-33, rank 1 rows 34-66 (the data's tokens reach 63)
+
+
+def _odd_vocabulary() -> Case:
+    """GPT-2 whose vocabulary does not divide by tp (as GPT2Config's 50257 does not), its head tied."""
+    case = make("gpt2")
+    cfg = transformers.GPT2Config(**{**case.net.config.to_dict(), "vocab_size": ODD_VOCAB})
+    torch.manual_seed(0)
+    return dataclasses.replace(case, net=transformers.GPT2LMHeadModel(cfg))
 
 
 def _bert_mlm() -> Case:
@@ -272,6 +288,32 @@ def test_four_ranks_equal_one_process(runs: list[Run]) -> None:
             assert "x tp=2 on 4 rank(s)" in plan, what
 
 
+# -- a vocabulary that does not divide by tp --------------------------------------------------------
+
+ODD_RUNS = [({"tp": 2}, False), ({"tp": 2}, True), ({"tp": 2, "sequence_parallel": True}, False)]
+
+
+def _odd(rank: int, world: int, root: str) -> dict[Any, Any]:
+    out: dict[Any, Any] = {i: train_and_compare("gpt2-odd", config, adam) for i, (config, adam) in enumerate(ODD_RUNS)}
+    out["checkpoint"] = _save_and_resume(rank, world, root, {"tp": 2}, {"layers_per_proc": (12, 11)}, name="gpt2-odd")
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_tp2_vocabulary_that_does_not_divide_equal_one_process(tmp_path: Any) -> None:
+    """GPT-2 with 67 words at tp=2: the word embedding and its tied head cut unevenly (34 and 33
+    rows; they once stayed whole), trained with SGD and Adam equal to one process: each step's loss,
+    every part of every parameter and gradient, the full state_dict (67 rows), predict's logits, the
+    loss on the split logits; a checkpoint resumed at 2 stages, its export loaded into tp=2."""
+    report = run_ranks(2, _odd, str(tmp_path), timeout=280)
+    for rank, results in enumerate(report):
+        for i, (config, adam) in enumerate(ODD_RUNS):
+            problems, split, plan = results[i]
+            assert not problems, f"rank {rank} {config} {'Adam' if adam else 'SGD'}:\n" + "\n".join(problems)
+            assert split >= 7 and "replicated" not in plan, (split, plan)
+        assert not results["checkpoint"], f"rank {rank} checkpoint:\n" + "\n".join(results["checkpoint"])
+
+
 # -- checkpoints: any layout in, any layout out ---------------------------------------------------
 
 def _steps(model: Any, ref: Any, ref_opt: Any, case: Any, steps: range, problems: list[str]) -> None:
@@ -293,7 +335,7 @@ def _state_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wh
 
 
 def _save_and_resume(rank: int, world: int, root: str, first: dict[str, Any], second: dict[str, Any],
-                     into: dict[str, Any] | None = None) -> list[str]:
+                     into: dict[str, Any] | None = None, name: str = "gpt2") -> list[str]:
     """GPT-2 with Adam: 2 steps in layout `first`, saved (a checkpoint, and an export), the 3rd in
     layout `second` from the checkpoint; the export read back whole, and into a model of layout
     `into` (default tp=2)."""
@@ -301,7 +343,7 @@ def _save_and_resume(rank: int, world: int, root: str, first: dict[str, Any], se
 
     from plait.checkpoint.disk import export
 
-    case = make("gpt2")
+    case = case_of(name)
     ref = copy.deepcopy(case.net)
     ref_opt = _adam(ref.parameters())
     problems: list[str] = []
@@ -316,14 +358,14 @@ def _save_and_resume(rank: int, world: int, root: str, first: dict[str, Any], se
         _state_close(loaded.state_dict(), after_two, "from_pretrained(export)", problems)
         export(f"{root}/ckpt", f"{root}/plain.safetensors")
         _state_close(_read(f"{root}/plain.safetensors"), after_two, "plait export", problems)
-    fresh = make("gpt2")
+    fresh = case_of(name)
     resumed = plait.Model(fresh.net, plait.Config(**{**config, **second}), optimizer=_adam, loss=fresh.loss)
     if resumed.load(f"{root}/ckpt") != 2:
         problems.append("the checkpoint's step is not 2")
     _steps(resumed, ref, ref_opt, fresh, range(2, 3), problems)
     _state_close(resumed.state_dict(), ref.state_dict(), "resumed", problems)
     into = {"tp": 2} if into is None else into
-    whole_into_parts = plait.Model(make("gpt2").net, plait.Config(**{**config, **into}), optimizer=_adam,
+    whole_into_parts = plait.Model(case_of(name).net, plait.Config(**{**config, **into}), optimizer=_adam,
                                    loss=case.loss)
     whole_into_parts.build(_rows(case.x, 0, 2))
     whole_into_parts.load(f"{root}/export")  # each tp rank takes its part of the whole tensors

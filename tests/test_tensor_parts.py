@@ -1,12 +1,12 @@
 """Tests for plait.tensor_parts: a parameter's part on each tp rank (fused q|k|v blocks included),
-the parts joined back, and a cut tensor's whole shape."""
+the parts joined back (uneven ones too), and a cut tensor's whole shape."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from plait.tensor_parts import TpShard, local_part, whole_of, whole_shape
+from plait.tensor_parts import TpShard, as_held, local_part, part_rows, part_size, uneven_fits, whole_of, whole_shape
 
 
 def test_local_part_takes_each_rank_its_slice_of_every_block() -> None:
@@ -31,3 +31,19 @@ def test_whole_shape_of_a_cut_tensor_and_a_plain_one() -> None:
     assert whole_shape(t) == (6, 4)
     whole = torch.arange(24.0).reshape(6, 4)
     assert torch.equal(t._plait_tp.part(whole), whole[3:])  # type: ignore[attr-defined]
+
+
+def test_rows_that_do_not_divide_are_cut_in_parts_of_the_ceiling_the_last_holding_the_rest() -> None:
+    """GPT2Config's 50257 words: 25129 + 25128 rows at tp=2, as Megatron's vocabulary padded to
+    50258 would be held without its padding row."""
+    assert [part_rows(50257, r, 2) for r in range(2)] == [(0, 25129), (25129, 50257)]
+    assert [part_size(67, r, 4) for r in range(4)] == [17, 17, 17, 16]
+    assert [part_size(64, r, 4) for r in range(4)] == [16] * 4
+    assert uneven_fits(50257, 8) and not uneven_fits(9, 4)  # 9 at tp=4: 3, 3, 3 and none
+    t = torch.randn(67, 5)
+    parts = [local_part(t, 0, 1, r, 4) for r in range(4)]
+    assert [p.shape[0] for p in parts] == [17, 17, 17, 16] and torch.equal(parts[3], t[51:])
+    assert torch.equal(whole_of(parts, 0, 1), t)
+    held = torch.zeros(16, 5)
+    held._plait_tp = TpShard((67, 5), 0, 1, 3, 4)  # type: ignore[attr-defined]
+    assert torch.equal(as_held(held, t), t[51:])  # a whole value loaded into the last, shorter part

@@ -1,7 +1,8 @@
 """How a split along one dimension passes through each operation of a captured graph.
 
 A tensor of a stage graph under tensor parallelism (tp ranks) is either replicated (`None`: every
-rank holds all of it) or a `Shard`: rank r holds part r of dimension `dim`. With `blocks` = b > 1
+rank holds all of it) or a `Shard`: rank r holds part r of dimension `dim` (unevenly where tp does
+not divide it: a vocabulary, `plait.tensor_parts`). With `blocks` = b > 1
 the dimension is b equal blocks (a fused q|k|v projection's output), each split over the ranks, so
 a rank's part is its slice of every block, in block order:
 
@@ -265,7 +266,8 @@ def _reshape(node: fx.Node, lay: Shard, tp: int) -> Layout:
     if before is None or after is None:
         raise _fail(node, lay, "no traced shape")
     e = reshape_dim(before, after, lay.dim, tp, lay.blocks)
-    if e is None or (lay.blocks > 1 and after[e] != before[lay.dim]):
+    uneven = before[lay.dim] % tp != 0  # a vocabulary cut unevenly: its parts merge or cut with nothing
+    if e is None or ((lay.blocks > 1 or uneven) and after[e] != before[lay.dim]):
         raise _fail(node, lay, f"a view from {list(before)} to {list(after)} moves split dim {lay.dim}")
     sizes = args_of(node)[1]
     if e < len(sizes) and isinstance(sizes[e], fx.Node):
@@ -311,7 +313,7 @@ def _split(node: fx.Node, lay: Shard, tp: int) -> Layout:
     if d != lay.dim:
         return tuple(lay for _ in range(count))
     sizes = {shape_of_val(v)[d] for v in node.meta.get("val", ())}
-    if lay.blocks != count or len(sizes) != 1:
+    if lay.blocks != count or len(sizes) != 1 or (shape_of(args_of(node)[0]) or (0,) * (d + 1))[d] % tp:
         raise _fail(node, lay, f"{count} pieces of a dim split in {lay.blocks} blocks")
     return tuple(Shard(d, 1, lay.sources) for _ in range(count))
 

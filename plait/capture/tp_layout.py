@@ -13,7 +13,10 @@ and its output whole again. An operation that cannot take the split (a layer nor
 residual add with a whole tensor) makes the linears whose split reached it run replicated, and the
 propagation is run again until nothing conflicts. What is left split at a stage's output (the
 LM head's logits) is gathered there. The word embedding is split by vocabulary rows (a masked
-lookup and an all-reduce).
+lookup and an all-reduce). A vocabulary that does not divide by tp (GPT-2's 50257 words at tp=2)
+is cut unevenly, the last rank holding fewer rows (`plait.tensor_parts`), and so are the LM head
+and the logits over it: only a linear whose output features are the word embedding's rows is
+split so (an odd width elsewhere stays whole), and a view may not merge or cut such a dimension.
 
 With `sequence_parallel` (Megatron's, Korthikanti et al. 2022) a row-parallel sum is not made
 whole but split along its tokens (dim -2 of its (batch, sequence, features) value), so the layer
@@ -38,6 +41,7 @@ from plait.capture.shard_rules import args_of, kwargs_of, Conflict, Layout, Line
     propagate, reshape_dim, seq_operands, shape_of
 from plait.config import TP_PLACEMENT, TP_STRATEGIES
 from plait.errors import ConfigError
+from plait.tensor_parts import uneven_fits
 
 __all__ = ["TpLayout", "tp_layouts", "module_of"]
 
@@ -200,8 +204,9 @@ def tp_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping[str, 
                               "weight's placement: 'Shard(0)', 'Shard(1)' or 'Replicate()'")
     matched: set[str] = set()
     whole: set[str] = set()  # parameters that some stage keeps whole
+    words = frozenset(rows for g in graphs if (rows := _word_rows(g)) % tp and uneven_fits(rows, tp))
     for _ in range(4):
-        layouts = [_layout(g, tp, plan, matched, whole, sequence_parallel) for g in graphs]
+        layouts = [_layout(g, tp, plan, matched, whole, sequence_parallel, words) for g in graphs]
         placed: dict[str, set[tuple[int, int] | None]] = {}
         for g, lay in zip(graphs, layouts):
             for n in g.graph.nodes:
@@ -253,12 +258,18 @@ def _as_strategy(given: str, linear: LinearParts | None, module: str) -> str:
                       f"{'its rows (Shard(0))' if linear is None else f'dim {linear.out_dim} (colwise) or {linear.in_dim} (rowwise)'}")
 
 
+def _word_rows(gm: fx.GraphModule) -> int:
+    """The rows of the graph's largest embedding table (the words'), 0 without one."""
+    return max(((shape_of(args_of(n)[0]) or (0,))[0] for n in embedding_nodes(gm)), default=0)
+
+
 def _layout(gm: fx.GraphModule, tp: int, plan: Mapping[str, str], matched: set[str],
-            whole: set[str], sequence_parallel: bool) -> TpLayout:
-    """The layout, with a parameter kept whole when an operation that does not split it reads it."""
+            whole: set[str], sequence_parallel: bool, words: frozenset[int] = frozenset()) -> TpLayout:
+    """The layout, with a parameter kept whole when an operation that does not split it reads it;
+    `words`: vocabulary sizes that do not divide by tp, whose rows and linears split unevenly."""
     whole = set(whole)
     while True:
-        layout = _layout_once(gm, tp, plan, matched, whole, sequence_parallel)
+        layout = _layout_once(gm, tp, plan, matched, whole, sequence_parallel, words)
         readers: dict[str, set[tuple[int, int] | None]] = {}
         for n in gm.graph.nodes:
             if n.op == "get_attr" and n.target in layout.params:
@@ -272,7 +283,7 @@ def _layout(gm: fx.GraphModule, tp: int, plan: Mapping[str, str], matched: set[s
 
 
 def _layout_once(gm: fx.GraphModule, tp: int, plan: Mapping[str, str], matched: set[str],
-                 whole: set[str], sequence_parallel: bool) -> TpLayout:
+                 whole: set[str], sequence_parallel: bool, words: frozenset[int]) -> TpLayout:
     nodes = list(gm.graph.nodes)
     linears = {n: p for n in nodes if (p := linear_parts(n)) is not None}
     embeddings = embedding_nodes(gm)
@@ -284,10 +295,11 @@ def _layout_once(gm: fx.GraphModule, tp: int, plan: Mapping[str, str], matched: 
     for n, p in linears.items():
         out = (shape_of(p.weight) or (0, 0))[p.out_dim]
         wanted = fixed.get(n)
-        if wanted in ("colwise", "vocab") and out % tp:
+        fits = out % tp == 0 or out in words  # (the LM head over a vocabulary cut unevenly)
+        if wanted in ("colwise", "vocab") and not fits:
             raise ConfigError(f"tp_plan gives {module_of(str(p.weight.target))} {wanted!r} but its "
                               f"{out} output features do not divide by tp={tp}; use 'replicate' or another tp")
-        if out % tp == 0 and wanted not in ("replicate", "rowwise") and p.weight.target not in whole:
+        if fits and wanted not in ("replicate", "rowwise") and p.weight.target not in whole:
             col.add(n)
     uneven: list[tuple[str, str]] = []
     vocab = _vocab(embeddings, linears, fixed, tp, whole, uneven)
@@ -364,21 +376,23 @@ def _seq_entries(linears: Mapping[fx.Node, LinearParts], tp: int) -> dict[fx.Nod
 def _vocab(embeddings: list[fx.Node], linears: Mapping[fx.Node, LinearParts], fixed: Mapping[fx.Node, str],
            tp: int, whole: set[str], uneven: list[tuple[str, str]]) -> set[fx.Node]:
     """Embeddings split by rows: those tp_plan names "vocab", else the largest one (the words'),
-    unless its rows do not divide by tp (then added to `uneven` with the reason)."""
+    evenly or not, unless tp ranks would leave the last none (then added to `uneven` with the reason)."""
     chosen = {n for n in embeddings if fixed.get(n) == "vocab"}
     for n in chosen:
         rows = (shape_of(args_of(n)[0]) or (0,))[0]
-        if rows % tp:
+        if rows % tp and not uneven_fits(rows, tp):
             raise ConfigError(f"tp_plan gives {module_of(str(args_of(n)[0].target))} 'vocab' but its {rows} "
-                              f"rows do not divide by tp={tp}")
+                              f"rows cut in parts of {-(-rows // tp)} leave rank {tp - 1} none at tp={tp}; "
+                              "use 'replicate' or another tp")
     free = [n for n in embeddings if n not in fixed and str(args_of(n)[0].target) not in whole]
     if free and not chosen:
         largest = max(free, key=lambda n: math.prod(shape_of(args_of(n)[0]) or (0,)))
         rows = (shape_of(args_of(largest)[0]) or (1,))[0]
-        if rows % tp == 0:
+        if rows % tp == 0 or uneven_fits(rows, tp):
             chosen.add(largest)
-        else:  # (Megatron pads the vocabulary; plait cuts equal parts)
-            uneven.append((module_of(str(args_of(largest)[0].target)), f"its {rows} rows do not divide by tp={tp}"))
+        else:  # parts of ceil(rows / tp) rows, as Megatron's padded vocabulary holds them, leave the last none
+            uneven.append((module_of(str(args_of(largest)[0].target)),
+                           f"its {rows} rows cut in parts of {-(-rows // tp)} leave rank {tp - 1} none at tp={tp}"))
     return chosen
 
 

@@ -233,7 +233,7 @@ def _split_ok(split: Any, shape: Any, world: int) -> bool:
     dim, blocks, ranks = split.get("dim"), split.get("blocks"), split.get("shards")
     return (type(dim) is int and type(blocks) is int and isinstance(ranks, list) and len(ranks) > 0
             and all(type(r) is int and 0 <= r < world for r in ranks) and 0 <= dim < len(shape) and blocks > 0
-            and type(shape[dim]) is int and shape[dim] % (blocks * len(ranks)) == 0)
+            and type(shape[dim]) is int and (shape[dim] % (blocks * len(ranks)) == 0 or blocks == 1))  # (1: uneven parts)
 
 
 def open_checkpoint(path: str | os.PathLike[str], verify: bool = False) -> Checkpoint:

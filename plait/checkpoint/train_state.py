@@ -190,7 +190,7 @@ def _joined(entry: Mapping[str, Any], values: Mapping[int, torch.Tensor]) -> tor
     if not split or set(values) != set(split["shards"]):
         return any_one
     shape, dim = entry["shape"], int(split["dim"])
-    if any_one.dim() != len(shape) or any_one.shape[dim] * len(split["shards"]) != shape[dim]:
+    if any_one.dim() != len(shape) or sum(v.shape[dim] for v in values.values()) != shape[dim]:
         return any_one
     return join_parts(entry, values)
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.plan.buckets import ALONE_BYTES
-from plait.tensor_parts import whole_of, whole_shape
+from plait.tensor_parts import part_size, whole_of, whole_shape
 from plait.runtime.waiting import finish
 
 __all__ = ["local_device", "make_group", "sum_floats", "failed_ranks", "max_floats", "start_sum_floats", "broadcast_tensors", "TiedGradients",
@@ -143,9 +143,9 @@ def gather_state_dict(net: nn.Module, owner_of: dict[int, int],
 def _gather_parts(t: torch.Tensor, dim: int, blocks: int, ranks: Sequence[int]) -> torch.Tensor:
     """A tensor split over `ranks` (tensor parallelism), whole on every rank."""
     shape = list(whole_shape(t))
-    shape[dim] //= len(ranks)
     pieces = []
-    for r in ranks:
+    for u, r in enumerate(ranks):  # (a part's rows: n // tp, or uneven where tp does not divide n)
+        shape[dim] = part_size(whole_shape(t)[dim], u, len(ranks))
         piece = t.detach().clone() if dist.get_rank() == r else torch.empty(shape, dtype=t.dtype, device=local_device())
         dist.broadcast(piece, r)
         pieces.append(piece)
@@ -156,9 +156,17 @@ def gather_parts_to_first(t: torch.Tensor, dim: int, blocks: int, ranks: Sequenc
     """This rank's part of a tensor split over `ranks` (its tp group, whose members alone call
     this), whole on ranks[0]; None on the others."""
     first = dist.get_rank() == ranks[0]
-    parts = [torch.empty_like(t) for _ in ranks] if first else None
-    dist.gather(t.detach().contiguous(), parts, dst=ranks[0], group=group)
-    return whole_of(parts, dim, blocks) if parts is not None else None
+    n, tp = whole_shape(t)[dim], len(ranks)
+    mine = t.detach()
+    if n % tp and mine.shape[dim] < -(-n // tp):  # uneven parts: padded to the first's rows (gloo gathers equal sizes)
+        pad = list(mine.shape)
+        pad[dim] = -(-n // tp) - mine.shape[dim]
+        mine = torch.cat([mine, mine.new_zeros(pad)], dim)
+    parts = [torch.empty_like(mine) for _ in ranks] if first else None
+    dist.gather(mine.contiguous(), parts, dst=ranks[0], group=group)
+    if parts is None:
+        return None
+    return whole_of([p.narrow(dim, 0, part_size(n, u, tp)) for u, p in enumerate(parts)], dim, blocks)
 
 
 def whole_split_tensors(net: nn.Module, parts: Mapping[int, tuple[int, int, Sequence[int]]],

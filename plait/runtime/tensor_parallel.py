@@ -30,11 +30,12 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from plait.capture.shard_rules import args_of, attention_dropout, is_seq, kwargs_of, Shard, linear_parts, seq_operands
+from plait.capture.shard_rules import args_of, attention_dropout, is_seq, kwargs_of, Shard, linear_parts, seq_operands, \
+    shape_of
 from plait.capture.tp_layout import VIEWS, TpLayout, gathered_for_colwise
 from plait.errors import ConfigError
 from plait.runtime.tp_collectives import SplitAttention, SplitDropout, TpCollective, VocabLookup
-from plait.tensor_parts import TpShard, local_part, shard_of
+from plait.tensor_parts import TpShard, local_part, part_rows, part_size, shard_of, whole_shape
 
 __all__ = ["shard_stage"]
 
@@ -52,7 +53,7 @@ def _cut(param: torch.Tensor, dim: int, blocks: int, tp_rank: int, tp: int) -> N
     with torch.no_grad():
         if param.is_meta:  # another rank's stage: only the shape changes
             size = list(shape)
-            size[dim] //= tp
+            size[dim] = part_size(shape[dim], tp_rank, tp)
             param.data = torch.empty(size, dtype=param.dtype, device="meta")
         else:
             param.data = local_part(param.data, dim, blocks, tp_rank, tp).clone()
@@ -63,12 +64,13 @@ def _cut(param: torch.Tensor, dim: int, blocks: int, tp_rank: int, tp: int) -> N
 # -- the rewrite ---------------------------------------------------------------------------------
 
 def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
-                gather_outputs: bool = True) -> dict[int, tuple[int, int]]:
+                gather_outputs: bool = True) -> dict[int, tuple[int, int, int]]:
     """Cut `gm`'s parameters to this rank's parts and rewrite its graph to run on them. Split
     values leaving the graph are gathered, or with `gather_outputs` False (the last stage's, for
-    `plait.runtime.vocab_loss`) left split: returns {output index: (dim, blocks)} of those."""
+    `plait.runtime.vocab_loss`) left split: returns {output index: (dim, blocks, whole size along
+    dim)} of those."""
     tp = layout.tp
-    left: dict[int, tuple[int, int]] = {}
+    left: dict[int, tuple[int, int, int]] = {}
     for target, (dim, blocks) in layout.params.items():
         _cut(gm.get_parameter(target), dim, blocks, tp_rank, tp)
     graph = gm.graph
@@ -148,8 +150,9 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
             _rowwise(graph, node, module(TpCollective("reduce", group, tp_rank, tp)))
         elif role == "vocab":
             pad = args_of(node)[2] if len(args_of(node)) > 2 else -1
+            start = part_rows(whole_shape(gm.get_parameter(str(args_of(node)[0].target)))[0], tp_rank, tp)[0]
             with graph.inserting_before(node):
-                new = graph.call_module(module(VocabLookup(group, tp_rank, int(pad))), (args_of(node)[0], args_of(node)[1]))
+                new = graph.call_module(module(VocabLookup(group, start, int(pad))), (args_of(node)[0], args_of(node)[1]))
             node.replace_all_uses_with(new)
             graph.erase_node(node)
         elif node.op == "output":
@@ -158,15 +161,15 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
                 for i, value in enumerate(outputs if isinstance(outputs, (list, tuple)) else [outputs]):
                     lay = layout_of(value)
                     if isinstance(lay, Shard) and not lay.seq:
-                        left[i] = (lay.dim, lay.blocks)
+                        left[i] = (lay.dim, lay.blocks, _whole(value, lay.dim))
 
             def gather(value: fx.Node) -> fx.Node:
                 lay = values.get(value.name)
                 if not isinstance(lay, Shard) or (not gather_outputs and not lay.seq):
                     return value
                 with graph.inserting_before(node):
-                    return graph.call_module(module(TpCollective("gather", group, tp_rank, tp, lay.dim, lay.blocks)),
-                                             (value,))
+                    return graph.call_module(module(TpCollective("gather", group, tp_rank, tp, lay.dim, lay.blocks,
+                                                                 _whole(value, lay.dim))), (value,))
             node.args = fx.map_arg(args_of(node), gather)
         elif node.op == "call_function" and node.name not in layout.gathers:
             _local_shapes(graph, node, here, values, tp, module, tp_rank)
@@ -233,14 +236,14 @@ def _local_shapes(graph: fx.Graph, node: fx.Node, here: Any, values: dict[str, A
     if node.target in VIEWS and isinstance(here, Shard):
         sizes = list(args_of(node)[1])
         if isinstance(sizes[here.dim], int) and sizes[here.dim] != -1:
-            sizes[here.dim] //= tp
+            sizes[here.dim] = part_size(sizes[here.dim], tp_rank, tp)  # (n // tp where tp divides it)
         node.args = (args_of(node)[0], sizes, *args_of(node)[2:])
     elif node.target is aten.split.Tensor and _along(node, before):
         node.args = (args_of(node)[0], args_of(node)[1] // tp, *args_of(node)[2:])
     elif node.target is aten.split_with_sizes.default and _along(node, before):
         node.args = (args_of(node)[0], [s // tp for s in args_of(node)[1]], *args_of(node)[2:])
     elif node.target is aten.dropout.default:
-        drop = module(SplitDropout(before.dim, before.blocks, tp_rank, tp))
+        drop = module(SplitDropout(before.dim, before.blocks, tp_rank, tp, _whole(node, before.dim)))
         with graph.inserting_before(node):
             new = graph.call_module(drop, tuple(args_of(node)))
         node.replace_all_uses_with(new)
@@ -252,6 +255,12 @@ def _local_shapes(graph: fx.Graph, node: fx.Node, here: Any, values: dict[str, A
         graph.erase_node(node)
     elif node.target is aten._assert_tensor_metadata.default:
         graph.erase_node(node)
+
+
+def _whole(value: fx.Node, dim: int) -> int:
+    """The traced size of `value` along `dim` (0 where it is not a known number)."""
+    shape = shape_of(value) or ()
+    return max(shape[dim], 0) if dim < len(shape) else 0
 
 
 def _along(node: fx.Node, lay: Shard) -> bool:

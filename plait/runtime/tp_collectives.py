@@ -3,7 +3,8 @@
     kind             forward                                  backward
     copy             identity                                 all-reduce (Megatron's f)
     reduce           all-reduce                               identity (Megatron's g)
-    gather           all-gather along a dim (in blocks)       this rank's part
+    gather           all-gather along a dim (in blocks;       this rank's part
+                     uneven parts padded, then cut)
     reduce_scatter   reduce-scatter along a dim (the tokens)  all-gather
     gather_partial   all-gather along a dim                   reduce-scatter (sequence-parallel f)
     scatter          this rank's part (no communication)      all-gather
@@ -27,7 +28,7 @@ from torch import nn
 from plait.errors import ConfigError
 from plait.runtime.collectives import local_device
 from plait.runtime.waiting import finish
-from plait.tensor_parts import local_part, whole_of
+from plait.tensor_parts import local_part, part_size, whole_of
 
 __all__ = ["reduce_sum", "sum_both_ways", "TpCollective", "VocabLookup", "SplitDropout", "SplitAttention",
            "same_generators"]
@@ -73,8 +74,12 @@ class _SumBoth(torch.autograd.Function):
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, blocks: int, tp_rank: int, tp: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, blocks: int, tp_rank: int, tp: int,
+                size: int) -> torch.Tensor:
         ctx.args = (dim, blocks, tp_rank, tp)
+        if size % tp:  # uneven parts (`plait.tensor_parts`): each padded to the first's rows, then cut
+            return torch.cat([p.narrow(dim, 0, part_size(size, r, tp))
+                              for r, p in enumerate(_padded_parts(x, group, dim, -(-size // tp), tp))], dim)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(tp)]
         finish(dist.all_gather(parts, x, group=group, async_op=True))
@@ -83,7 +88,19 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         dim, blocks, tp_rank, tp = ctx.args
-        return local_part(grad, dim, blocks, tp_rank, tp).contiguous(), None, None, None, None, None
+        return local_part(grad, dim, blocks, tp_rank, tp).contiguous(), None, None, None, None, None, None
+
+
+def _padded_parts(x: torch.Tensor, group: Any, dim: int, rows: int, tp: int) -> list[torch.Tensor]:
+    """Every rank's `x`, each padded with zeros to `rows` along `dim` (gloo gathers equal sizes)."""
+    if x.shape[dim] < rows:
+        pad = list(x.shape)
+        pad[dim] = rows - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad)], dim)
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(tp)]
+    finish(dist.all_gather(parts, x, group=group, async_op=True))
+    return parts
 
 
 def _gather_along(x: torch.Tensor, group: Any, dim: int, tp: int) -> torch.Tensor:
@@ -165,9 +182,10 @@ def sum_both_ways(x: torch.Tensor, group: Any) -> torch.Tensor:
 class TpCollective(nn.Module):
     """One collective of the tp group, as a module the stage graph calls."""
 
-    def __init__(self, kind: str, group: Any, tp_rank: int, tp: int, dim: int = -1, blocks: int = 1):
+    def __init__(self, kind: str, group: Any, tp_rank: int, tp: int, dim: int = -1, blocks: int = 1, size: int = 0):
         super().__init__()
         self.kind, self.group, self.tp_rank, self.tp, self.dim, self.blocks = kind, group, tp_rank, tp, dim, blocks
+        self.size = size  # a gather's whole size along `dim`, where it does not divide by tp (0: it does)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "copy":
@@ -180,19 +198,19 @@ class TpCollective(nn.Module):
             return _apply(_GatherPartial, x, self.group, self.dim % x.dim(), self.tp)
         if self.kind == "scatter":
             return _apply(_Scatter, x, self.group, self.dim % x.dim(), self.tp_rank, self.tp)
-        return _apply(_Gather, x, self.group, self.dim % x.dim(), self.blocks, self.tp_rank, self.tp)
+        return _apply(_Gather, x, self.group, self.dim % x.dim(), self.blocks, self.tp_rank, self.tp, self.size)
 
 
 class VocabLookup(nn.Module):
-    """An embedding whose rows are split over the tp ranks: each looks up the ids in its rows."""
+    """An embedding whose rows are split over the tp ranks: each looks up the ids in its rows, which
+    begin at row `start` (its part's, even or not: `plait.tensor_parts.part_rows`)."""
 
-    def __init__(self, group: Any, tp_rank: int, padding_idx: int):
+    def __init__(self, group: Any, start: int, padding_idx: int):
         super().__init__()
-        self.group, self.tp_rank, self.padding_idx = group, tp_rank, padding_idx
+        self.group, self.start, self.padding_idx = group, start, padding_idx
 
     def forward(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        rows = weight.shape[0]
-        start = self.tp_rank * rows
+        rows, start = weight.shape[0], self.start
         outside = (ids < start) | (ids >= start + rows)
         local = (ids - start).masked_fill(outside, 0)
         pad = self.padding_idx - start if start <= self.padding_idx < start + rows else None
@@ -203,20 +221,21 @@ class VocabLookup(nn.Module):
 class SplitDropout(nn.Module):
     """Dropout of a split value: the whole mask drawn (as one process draws it), this rank's part kept."""
 
-    def __init__(self, dim: int, blocks: int, tp_rank: int, tp: int):
+    def __init__(self, dim: int, blocks: int, tp_rank: int, tp: int, size: int = 0):
         super().__init__()
-        self.dim, self.blocks, self.tp_rank, self.tp = dim, blocks, tp_rank, tp
+        self.dim, self.blocks, self.tp_rank, self.tp, self.size = dim, blocks, tp_rank, tp, size
 
     def forward(self, x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
         if not train or p == 0.0:
             return x
-        return _dropped(x, p, self.dim, self.blocks, self.tp_rank, self.tp)
+        return _dropped(x, p, self.dim, self.blocks, self.tp_rank, self.tp, self.size)
 
 
-def _dropped(x: torch.Tensor, p: float, dim: int, blocks: int, tp_rank: int, tp: int) -> torch.Tensor:
-    """x times this rank's part of the whole mask, drawn as torch's CPU dropout draws it."""
+def _dropped(x: torch.Tensor, p: float, dim: int, blocks: int, tp_rank: int, tp: int, size: int = 0) -> torch.Tensor:
+    """x times this rank's part of the whole mask (`size` along `dim`; 0: tp parts of x's),
+    drawn as torch's CPU dropout draws it."""
     shape = list(x.shape)
-    shape[dim] *= tp
+    shape[dim] = size or shape[dim] * tp
     keep = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
     if p < 1.0:
         keep.div_(1 - p)

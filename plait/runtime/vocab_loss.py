@@ -14,14 +14,16 @@ it runs on this rank's part (Megatron-LM's vocabulary-parallel cross-entropy):
     nll_loss      each target's log p picked by the rank holding its column, 0 elsewhere,
                   all-reduced; the mean over the targets not ignored
 
-so the (rows x vocabulary) logits are never whole on a rank. Any other use of the split logits
+so the (rows x vocabulary) logits are never whole on a rank. A vocabulary that does not divide by
+tp is cut unevenly (`plait.tensor_parts`: the last rank holds fewer columns): the max and the sums
+above run over the columns each rank holds, the same numbers. Any other use of the split logits
 (a label-smoothed or weighted loss, a metric, outputs kept for the caller): they are gathered
 (all-gather) and the loss runs as written.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, cast
+from typing import Any, Callable, Mapping, cast
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from plait.capture.shard_rules import reshape_dim
 from plait.runtime.tp_collectives import TpCollective, reduce_sum, sum_both_ways
 from plait.runtime.waiting import finish
+from plait.tensor_parts import part_rows, part_size
 
 __all__ = ["SplitLoss", "split_plan", "collectives_of"]
 
@@ -46,7 +49,7 @@ class SplitLoss:
     index -> (dim, blocks)); see the module."""
 
     def __init__(self, finish: Callable[[Any], Any], loss_fn: Callable[[Any, Any], torch.Tensor],
-                 split: dict[int, tuple[int, int]], group: Any, tp_rank: int, tp: int) -> None:
+                 split: dict[int, tuple[int, int, int]], group: Any, tp_rank: int, tp: int) -> None:
         self.finish, self.loss_fn, self.split = finish, loss_fn, split
         self.group, self.tp_rank, self.tp = group, tp_rank, tp
         self._plans: dict[Any, tuple[fx.GraphModule, dict[str, Step]] | None] = {}
@@ -55,8 +58,8 @@ class SplitLoss:
     def gathered(self, leaves: list[Any]) -> list[Any]:
         """The outputs with every split leaf gathered whole (differentiably)."""
         out = list(leaves)
-        for i, (dim, blocks) in self.split.items():
-            out[i] = TpCollective("gather", self.group, self.tp_rank, self.tp, dim, blocks)(out[i])
+        for i, (dim, blocks, size) in self.split.items():
+            out[i] = TpCollective("gather", self.group, self.tp_rank, self.tp, dim, blocks, size)(out[i])
         return out
 
     def __call__(self, leaves: list[Any], target: Any) -> torch.Tensor:
@@ -71,7 +74,8 @@ class SplitLoss:
     def _whole_shape(self, i: int, t: torch.Tensor) -> list[int]:
         shape = list(t.shape)
         if i in self.split:
-            shape[self.split[i][0]] *= self.tp
+            dim, _, size = self.split[i]
+            shape[dim] = size or shape[dim] * self.tp
         return shape
 
     def _plan(self, leaves: list[Any], target: torch.Tensor) -> tuple[fx.GraphModule, dict[str, Step]] | None:
@@ -101,11 +105,12 @@ class SplitLoss:
         total = sum_both_ways(shifted.exp().sum(dim, keepdim=True), self.group)
         return shifted - total.log()
 
-    def nll(self, logp: torch.Tensor, target: torch.Tensor, weight: Any, reduction: int,
+    def nll(self, logp: torch.Tensor, vocabulary: int, target: torch.Tensor, weight: Any, reduction: int,
              ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """aten.nll_loss_forward of log-probabilities split over their last dimension."""
+        """aten.nll_loss_forward of log-probabilities split over their last dimension (of
+        `vocabulary` columns whole)."""
         columns = logp.shape[-1]
-        local = target - self.tp_rank * columns
+        local = target - part_rows(vocabulary, self.tp_rank, self.tp)[0]
         mine = (local >= 0) & (local < columns) & (target != ignore_index)
         picked = logp.gather(-1, local.clamp(0, columns - 1).unsqueeze(-1)).squeeze(-1) * mine
         picked = reduce_sum(picked, self.group)
@@ -133,20 +138,20 @@ class _OnParts(fx.Interpreter):
         if kind == "view":
             sizes = list(args[1])
             if sizes[detail] != -1:  # -1: inferred from the part
-                sizes[detail] //= self.loss.tp
+                sizes[detail] = part_size(sizes[detail], self.loss.tp_rank, self.loss.tp)
             return n.target(args[0], sizes, *args[2:], **kwargs)  # type: ignore[operator]
         if kind == "log_softmax":
             return self.loss.log_softmax(args[0], int(args[1]), bool(args[2]))
-        return self.loss.nll(*args)
+        return self.loss.nll(args[0], detail, *args[1:])
 
 
 def split_plan(loss_fn: Callable[[Any, Any], torch.Tensor], finish: Callable[[Any], Any], leaves: list[Any],
-               whole: dict[int, torch.Tensor], split: dict[int, tuple[int, int]], tp: int, target: torch.Tensor,
+               whole: dict[int, torch.Tensor], split: Mapping[int, tuple[int, ...]], tp: int, target: torch.Tensor,
                ) -> tuple[fx.GraphModule, dict[str, Step]] | None:
     """The loss traced on meta tensors of the `whole` outputs (leaf index -> meta tensor; the other
     leaves as they are) and how each node of it runs on the parts of those `split` ({leaf: (dim,
-    blocks)}), or None where it must run on gathered outputs (see the module)."""
-    if any(blocks != 1 for _, blocks in split.values()):
+    blocks, ...)}), or None where it must run on gathered outputs (see the module)."""
+    if any(cut[1] != 1 for cut in split.values()):
         return None
     tensors = sorted(whole)
 
@@ -203,7 +208,7 @@ def _steps(gm: fx.GraphModule, start: dict[str, int], tp: int) -> dict[str, Step
             split[node.name], steps[node.name] = d, ("log_softmax", d)
         elif (target is aten.nll_loss_forward.default and d == len(_shape(node.args[0])) - 1
               and node.args[2] is None):
-            steps[node.name] = ("nll", d)  # its outputs are whole
+            steps[node.name] = ("nll", _shape(node.args[0])[d])  # the vocabulary; its outputs are whole
         else:
             return None
     return None

@@ -152,16 +152,33 @@ def test_gpt2_config_defaults_hold_about_half_the_parameter_bytes_per_rank() -> 
 
 
 @pytest.mark.timeout(60)
-def test_a_vocabulary_that_does_not_divide_stays_whole_with_the_reason() -> None:
-    """GPT2Config's 50257 words at tp=2: the word embedding (and the LM head tied to it) stay whole,
-    which `print(model.plan)` says; the blocks still split."""
+def test_a_vocabulary_that_does_not_divide_splits_unevenly() -> None:
+    """GPT2Config's 50257 words at tp=2 (here 65): the word embedding and the LM head tied to it
+    split by rows all the same, the last rank holding one fewer (they once stayed whole, with the
+    reason "its 65 rows do not divide by tp=2"); the logits leave the stage split."""
     cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB + 1, n_positions=16,
                                   use_cache=False, bos_token_id=0, eos_token_id=0)
-    [layout] = tp_layouts(_graphs(transformers.GPT2LMHeadModel(cfg)), 2)
-    [(name, why)] = layout.replicated  # the tied weight, by its graph name
-    assert name in ("transformer.wte", "lm_head") and why == f"its {VOCAB + 1} rows do not divide by tp=2"
-    assert not {"transformer.wte.weight", "lm_head.weight"} & set(_split_modules(layout))
+    [gm] = _graphs(transformers.GPT2LMHeadModel(cfg))
+    [layout] = tp_layouts([gm], 2)
+    assert layout.replicated == ()
+    [tied] = {"transformer.wte.weight", "lm_head.weight"} & set(_split_modules(layout))  # by its graph name
+    assert _split_modules(layout)[tied] == (0, 1)
     assert _split_modules(layout)["transformer.h.0.attn.c_attn.weight"] == (1, 3)
+    assert sorted(layout.roles.values()).count("vocab") == 1 and "colwise" in layout.roles.values()
+    [logits] = [n for n in gm.graph.nodes if n.op == "output"][0].all_input_nodes[:1]
+    assert layout.values[logits.name].dim == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_vocabulary_that_leaves_the_last_rank_no_rows_stays_whole_with_the_reason() -> None:
+    """65 rows at tp=16 cut in parts of 5 leave rank 15 none (5 x 13 = 65): kept whole, and said."""
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=16, vocab_size=VOCAB + 1, n_positions=16,
+                                  use_cache=False, bos_token_id=0, eos_token_id=0)
+    [layout] = tp_layouts(_graphs(transformers.GPT2LMHeadModel(cfg)), 16)
+    [(name, why)] = layout.replicated  # the tied weight, by its graph name
+    assert name in ("transformer.wte", "lm_head")
+    assert why == f"its {VOCAB + 1} rows cut in parts of 5 leave rank 15 none at tp=16"
+    assert not {"transformer.wte.weight", "lm_head.weight"} & set(_split_modules(layout))
 
 
 def test_bert_masked_lm_head_splits_the_decoder_not_the_transform() -> None:
