@@ -41,8 +41,6 @@ TRANSFORMERS_4 = os.environ.get("PLAIT_TRANSFORMERS_4", str(ROOT / ".venv" / "tr
 EVERY_LAYER_MAX = 32  # captured layers; above, a cut after every layer costs more than it adds
 # Known failures, each run in a job of its own (a failing rank stops its job's process group):
 KNOWN_FAILURES = {
-    "mamba": "predict after training: the evaluation graph, captured after a rank freed the "
-             "parameters its training stages do not use, puts one of them on stage 1 (a meta tensor)",
     "clip": "predict: the micro-batches' logits_per_image are (rows x rows) each and cannot be "
             "joined into the batch's; the failing rank's peer waits out timeout_s while gathering",
 }

@@ -161,3 +161,54 @@ def test_an_fx_capture_that_fails_in_eval_mode_names_the_mode():
     assert capture_batch(net, x, train=True, method="torch.fx").method == "torch.fx"
     with pytest.raises(CaptureError, match="EvalOnlyDataDependent in eval mode: torch.fx.symbolic_trace"):
         capture_batch(net, x, train=False, method="torch.fx")
+
+
+class ReadByMode(nn.Module):
+    """Mamba's mixer in small: training reads `scale` on stage 0 (as Mamba's training-only fused
+    call takes `D` and `dt_proj.bias` after `in_proj`), eval only on stage 1 (its scan, after `x_proj`).
+
+    The story: eval's stage 1 read `scale` itself, on rank 1, which never trained it. Rank 1 had
+    freed it (predict raised "Tensor on device meta is not on the expected device cpu!"), or, with
+    an optimizer instance (nothing freed), read its first value: a predict off by the training.
+    Now eval reads it on stage 0, which trains it, and sends it on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.scale = nn.Parameter(torch.full((4,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))  # (B, 16), the last of stage 0
+        s = self.scale * 1.0 if self.training else self.scale  # read on stage 0 in training only
+        return self.b(h) * s  # (B, 4)
+
+
+def train_read_by_mode(rank: int, world: int, instance: bool) -> dict[str, object]:
+    x, y = data()
+    net = ReadByMode()
+    optimizer: object = torch.optim.SGD(net.parameters(), lr=0.5) if instance else (
+        lambda params: torch.optim.SGD(params, lr=0.5))
+    model = plait.Model(net, plait.Config(layers_per_proc=(1, 1), num_microbatches=2), optimizer=optimizer,
+                        loss=nn.CrossEntropyLoss())
+    model.fit(x, y, epochs=2, batch_size=10, shuffle=False, verbose=0)
+    return {"predict": model.predict(x, batch_size=7), "loss": model.evaluate(x, y, batch_size=5)["loss"]}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("instance", [False, True], ids=["frees", "optimizer-instance"])
+def test_a_parameter_eval_reads_on_another_stage_is_read_where_it_trained(instance: bool):
+    x, y = data()
+    ref = ReadByMode()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for _ in range(2):
+        for a in range(0, len(x), 10):
+            opt.zero_grad()
+            F.cross_entropy(ref(x[a:a + 10]), y[a:a + 10]).backward()
+            opt.step()
+    assert not torch.allclose(ref.scale, torch.full((4,), 2.0)), "scale did not train: the test would not see it"
+    with torch.no_grad():
+        want = ref.eval()(x)
+    for rank, got in enumerate(run_ranks(2, train_read_by_mode, instance, timeout=110)):
+        torch.testing.assert_close(got["predict"], want, rtol=1e-5, atol=1e-6, msg=f"rank {rank}")
+        assert got["loss"] == pytest.approx(float(F.cross_entropy(want, y)), rel=1e-5), rank

@@ -12,13 +12,24 @@ Model inputs, parameters and input sizes are *local*: every stage that uses one 
 (each rank has the batch), so attention masks and tied weights never cross the wire.
 A stage module is called as `module(*received_values, *model_inputs_used)` and returns the tuple
 it sends on (or, on the last stage, the model's output).
+
+A graph captured once more in eval mode may read a tensor on another stage than the training
+graph did: Mamba's mixer reads `D` and `dt_proj.bias` where its training-only fused call takes
+them (after `in_proj`), and in eval mode only in the scan (after `x_proj`). Its training stage is
+the only one that holds it up to date (the others have freed it), so `split(..., held_by=...)`
+reads such a tensor on the stage that holds it and sends it on like a value::
+
+    training:        stage 0 [in_proj, D] -- D --> stage 1 [x_proj, scan(D)]
+    eval, by layer:  stage 0 [in_proj] ----------> stage 1 [x_proj, D, scan(D)]   (freed on 1)
+    eval, held_by:   stage 0 [in_proj, D] -- D --> stage 1 [x_proj, scan(D)]
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -53,13 +64,20 @@ def stage_of_layers(layers_per_stage: Sequence[int]) -> list[int]:
     return [s for s, n in enumerate(layers_per_stage) for _ in range(n)]
 
 
-def split(captured: CapturedGraph, layer_stage: Sequence[int]) -> list[StageModule]:
-    """Build the stage modules given the stage of every layer (non-decreasing)."""
+def split(captured: CapturedGraph, layer_stage: Sequence[int],
+          held_by: Mapping[int, Sequence[int]] | None = None) -> list[StageModule]:
+    """Build the stage modules given the stage of every layer (non-decreasing).
+
+    `held_by`: id(tensor) -> the stages that hold it (another split's, the training graph's); a
+    tensor read on a stage that does not hold it is read on the last holding stage before and
+    sent on (see above)."""
     num_chunks = max(layer_stage) + 1
     if any(b < a for a, b in zip(layer_stage, layer_stage[1:])):
         raise PartitionError(f"stages of layers must not decrease, got {list(layer_stage)}")
     layer_of = dict(zip(captured.ops, captured.layers.op_layer))
     node_stage: dict[fx.Node, int] = {op: layer_stage[layer] for op, layer in layer_of.items()}
+    read_on = _read_on_holders(captured, node_stage, held_by or {})
+    node_stage.update(read_on)
     order = {n: i for i, n in enumerate(captured.graph.nodes)}
     output = next(n for n in captured.graph.nodes if n.op == "output")
     last = num_chunks - 1
@@ -71,7 +89,7 @@ def split(captured: CapturedGraph, layer_stage: Sequence[int]) -> list[StageModu
     for node in list(node_stage) + [output]:
         s = node_stage.get(node, last)
         for src in node.all_input_nodes:
-            if is_local(src):
+            if is_local(src) and src not in read_on:
                 continue
             if node_stage[src] > s:
                 raise PartitionError(f"{node.name} on stage {s} uses {src.name} from a later stage")
@@ -89,7 +107,7 @@ def split(captured: CapturedGraph, layer_stage: Sequence[int]) -> list[StageModu
     for s in range(num_chunks):
         recv = boundaries[s - 1] if s > 0 else []
         send = boundaries[s] if s < last else []
-        ops = [n for n in captured.ops if node_stage[n] == s]
+        ops = [n for n in read_on if read_on[n] == s] + [n for n in captured.ops if node_stage[n] == s]
         module, input_indices = _build(captured, s, recv, send, ops, output if s == last else None,
                                        placeholders, layer_of)
         written = written_placeholders(module.graph, module)
@@ -144,7 +162,8 @@ def _build(
     for node in ops:
         if node not in env:
             env[node] = graph.node_copy(node, lookup)
-        env[node].meta[LAYER] = layer_of[node]  # for recomputation layer by layer
+        if node in layer_of:  # not a tensor read for the stages after (`read_on`)
+            env[node].meta[LAYER] = layer_of[node]  # for recomputation layer by layer
     if output is not None:
         graph.output(fx.map_arg(output.args[0], lookup))
     else:
@@ -152,3 +171,37 @@ def _build(
     graph.lint()
     module = fx.GraphModule(captured.root, graph, class_name=f"Stage{stage_index}")
     return module, input_indices
+
+
+def _read_on_holders(captured: CapturedGraph, node_stage: Mapping[fx.Node, int],
+                     held_by: Mapping[int, Sequence[int]]) -> dict[fx.Node, int]:
+    """The tensor reads (get_attr) to make on a holding stage and send on: stage of each.
+
+    A read used on a stage that does not hold its tensor moves to the last holder before its
+    first use; with no holder before it, the tensor cannot reach it (values only flow forward)."""
+    out: dict[fx.Node, int] = {}
+    if not held_by:
+        return out
+    for node in captured.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        holders = held_by.get(id(_attribute(captured.root, str(node.target))), ())
+        used = sorted({node_stage[u] for u in node.users if u in node_stage})
+        if not holders or not used or set(used) <= set(holders):
+            continue
+        before = [h for h in holders if h <= used[0]]
+        if not before:
+            raise PartitionError(
+                f"{node.target} is read on stage {used[0]} in this graph, before stage {min(holders)} that "
+                f"holds it in the training graph (stages {sorted(holders)}), and values only flow forward: "
+                "cut elsewhere (Config(layers_per_proc=...)), so the layers that read it share a stage")
+        out[node] = max(before)
+    return out
+
+
+def _attribute(root: nn.Module, target: str) -> torch.Tensor | None:
+    """The tensor a get_attr target names in `root` (None if it is not a tensor)."""
+    value: object = root
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value if isinstance(value, torch.Tensor) else None

@@ -108,7 +108,9 @@ class Pipeline:
     def for_eval(self, captured: CapturedGraph, loss: Callable[[Any, Any], torch.Tensor] | None) -> "Pipeline":
         """The same split for evaluation on `captured`, the model captured in eval mode (every
         tracer bakes the mode into the graph): each layer goes to the stage its name had in
-        training, so every parameter is read on the rank that trained it."""
+        training, and every parameter and buffer is read on a stage that holds it in training
+        (the rank that trained it; the others may have freed it), sent on to the stages after
+        where the eval graph reads it elsewhere (`plait.capture.split`)."""
         by_name = dict(zip(self.plan.layer_names, self.layer_stage))
         layer_stage, current = [], 0
         for name in captured.layers.layer_names:  # layers missing in train mode join their predecessor
@@ -116,7 +118,8 @@ class Pipeline:
             layer_stage.append(current)
         parts = _Parts(self.plan, self.rank, loss, self.config, self.interpreter.wire,
                        self.interpreter.tracer, self.output_spec, self.tp_group)
-        return _assemble(captured, layer_stage, parts, make_ties=False)
+        held_by, _ = _holders(self.stages)
+        return _assemble(captured, layer_stage, parts, make_ties=False, held_by=held_by)
 
     def gather_outputs(self, leaves: list[Any] | None, shard_rows: Sequence[int], key: Any) -> list[list[Any]]:
         """Every replica's last-stage output leaves, on every rank, in replica order.
@@ -199,12 +202,13 @@ class _Parts:
 
 
 def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, make_ties: bool,
-              equal_tp: bool = False) -> Pipeline:
+              equal_tp: bool = False, held_by: dict[int, list[int]] | None = None) -> Pipeline:
     """Split `captured` by `layer_stage` and make this rank's executors and interpreter; the
     training pipeline (`make_ties`) also gets its tied-parameter sums and gradient buckets, and
-    its tp ranks the same generator states (`equal_tp`: the same values too, before the cut)."""
+    its tp ranks the same generator states (`equal_tp`: the same values too, before the cut).
+    `held_by`: the training stages of each tensor, where they are read (`split`)."""
     plan, rank, config = parts.plan, parts.rank, parts.config
-    stages = split(captured, layer_stage)
+    stages = split(captured, layer_stage, held_by)
     t = plan.tp_rank_of(rank)
     layouts: dict[int, TpLayout] = {}
     split_loss = None

@@ -97,3 +97,43 @@ def test_one_stage_holds_the_whole_model() -> None:
     (stage,) = split(captured, [0] * len(captured.layers.layer_names))
     assert (stage.is_last, stage.recv_names, stage.send_names, stage.input_indices) == (True, [], [], [0])
     torch.testing.assert_close(captured.finish(run_stages([stage], captured.bind((x,), {}))), net(x))
+
+
+class ReadByMode(nn.Module):
+    """Mamba's mixer in small: training reads `scale` after `a` (as Mamba's training-only fused call
+    takes `D`), eval only after `b`; the value read in training crosses the cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.full((4,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)  # (B, 4)
+        s = self.scale * 1.0 if self.training else self.scale  # read in a's layer in training only
+        return self.b(h) * s  # (B, 4)
+
+
+def test_a_tensor_read_on_a_stage_that_does_not_hold_it_is_read_on_its_holder_and_sent() -> None:
+    net, x = ReadByMode(), torch.randn(3, 4)
+    train = capture(net.train(), (x[:2],), {})
+    held = {id(p): [s.stage_index] for s in split(train, [0, 1]) for p in s.parameters()}
+    assert held[id(net.scale)] == [0]  # training reads it on stage 0
+    evaluation = capture(net.eval(), (x[:2],), {})
+    alone = split(evaluation, [0, 1])  # without the holders: read where eval reads it
+    assert id(net.scale) in {id(p) for p in alone[1].parameters()}
+    stages = split(evaluation, [0, 1], held)
+    assert [{id(p) for p in s.parameters()} for s in stages] == [
+        {id(net.a.weight), id(net.a.bias), id(net.scale)}, {id(net.b.weight), id(net.b.bias)}]
+    assert len(stages[0].send_names) == 2 and stages[1].recv_names == stages[0].send_names  # h and scale
+    with torch.no_grad():
+        got = evaluation.finish(run_stages(stages, evaluation.bind((x,), {})))
+        torch.testing.assert_close(got, net(x))
+
+
+def test_a_tensor_read_before_every_stage_that_holds_it_is_refused() -> None:
+    net, x = ReadByMode(), torch.randn(3, 4)
+    evaluation = capture(net.eval(), (x[:2],), {})
+    with pytest.raises(PartitionError, match=r"scale is read on stage 1 .* before stage 2 that holds it"):
+        split(evaluation, [0, 1], {id(net.scale): [2]})
