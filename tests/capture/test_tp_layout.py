@@ -16,6 +16,7 @@ from plait.capture.split import split
 from plait.capture.tp_layout import TpLayout, module_of, tp_layouts
 from plait.capture.trace import capture_batch
 from plait.errors import ConfigError
+from plait.tensor_parts import part_size
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 64
@@ -167,6 +168,34 @@ def test_a_vocabulary_that_does_not_divide_splits_unevenly() -> None:
     assert sorted(layout.roles.values()).count("vocab") == 1 and "colwise" in layout.roles.values()
     [logits] = [n for n in gm.graph.nodes if n.op == "output"][0].all_input_nodes[:1]
     assert layout.values[logits.name].dim == 2
+
+
+@pytest.mark.timeout(120)
+def test_gpt2_config_as_it_comes_holds_about_half_the_parameter_bytes_per_rank() -> None:
+    """GPT2Config() full size (124M parameters, on the meta device: the layout needs only shapes) at
+    tp=2: the rank holding the larger part of the 50257 words holds 0.503 of the parameters (0.658
+    while the words stayed whole for not dividing by 2)."""
+    cfg = transformers.GPT2Config(use_cache=False)  # (a key/value cache is no training output)
+    with torch.device("meta"):
+        net = transformers.GPT2LMHeadModel(cfg)
+    [gm] = _graphs(net)
+    [layout] = tp_layouts([gm], 2)
+    assert layout.replicated == () and cfg.vocab_size == 50257
+    params = dict(gm.named_parameters())
+
+    def held(rank: int) -> int:
+        return sum(p.numel() // p.shape[cut[0]] * part_size(p.shape[cut[0]], rank, 2) if (cut := layout.params.get(n))
+                   else p.numel() for n, p in params.items())
+    assert held(0) - held(1) == cfg.n_embd  # one word's row more
+    assert held(0) <= 0.505 * sum(p.numel() for p in params.values()), held(0)
+
+
+def test_an_untied_head_over_a_vocabulary_that_does_not_divide_splits_unevenly_too() -> None:
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB + 1, n_positions=16,
+                                  use_cache=False, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+    [layout] = tp_layouts(_graphs(transformers.GPT2LMHeadModel(cfg)), 2)
+    assert layout.replicated == ()
+    assert _split_modules(layout)["transformer.wte.weight"] == _split_modules(layout)["lm_head.weight"] == (0, 1)
 
 
 @pytest.mark.timeout(60)
