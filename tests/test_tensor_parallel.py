@@ -277,10 +277,12 @@ def pp2(*layers: int) -> dict[str, Any]:
      ("llama", DP2, True), ("bert-mlm", {**DP2, "zero": 1}, False), ("bert-mlm", DP2, True),
      ("llama", {**DP2, "zero": 1, "sequence_parallel": True}, True)],
     [("llama", {"tp": 2, "layers_per_proc": (12, 12), "schedule": "zbh1", "batch_weight_grads": True}, False)],
-], ids=["pp2xtp2", "dp2xtp2-zero0-zero1", "pp2xtp2-zbh1-batched-wgrad-llama"])
+    [("gpt2-odd", pp2(12, 11), True), ("gpt2-odd", {**DP2, "zero": 1}, True), ("gpt2-odd", {**DP2, "zero": 2}, False)],
+], ids=["pp2xtp2", "dp2xtp2-zero0-zero1", "pp2xtp2-zbh1-batched-wgrad-llama", "odd-vocabulary-pp2xtp2-zero1-zero2"])
 def test_four_ranks_equal_one_process(runs: list[Run]) -> None:
     """GPT-2, Llama and BERT masked LM at 2 stages x tp=2 and dp=2 x tp=2 (ZeRO-1 or not), SGD with
-    momentum and Adam: every rank's parameters, gradients, state_dict and predictions."""
+    momentum and Adam: every rank's parameters, gradients, state_dict and predictions; GPT-2 with 67
+    words (cut 34 + 33) at 2 stages x tp=2, its tied weight on both, and dp=2 x tp=2 with ZeRO."""
     report = run_ranks(4, _four_ranks, runs, timeout=380)
     for rank, results in enumerate(report):
         for (name, config, adam), (problems, split, plan) in zip(runs, results):
