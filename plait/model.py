@@ -36,6 +36,7 @@ from plait.planner.closed_loop import ClosedLoop
 from plait.planner.layout import Layout, Workload, choose_layout, layout_of
 from plait.runtime.collectives import failed_ranks, gather_state_dict, local_device, sum_floats, whole_split_tensors
 from plait.runtime.memory_stats import memory_line, memory_stats, state_factor
+from plait.runtime.output_rows import join_parts
 from plait.runtime.pipeline import Pipeline, build_pipeline, stage_tensors
 from plait.runtime.report import failure_error, raised_before_steps
 from plait.runtime.step import OptimizerArg, StepRunner, make_optimizer, num_stats
@@ -366,12 +367,13 @@ class Model:
         return logs_of(self.metrics, totals, batching.num_rows(x))
 
     def predict(self, x: Any, batch_size: int | None = None) -> Any:
-        """The model's outputs for all of x, on every rank (tensor leaves joined along dim 0)."""
+        """The model's outputs for all of x, on every rank (tensor leaves joined along dim 0; a leaf
+        not per row, as CLIP's logits_per_image, is a list of its values, one per micro-batch)."""
         parts: list[list[Any]] = []  # flat output leaves of each batch, in row order
         for a, b in batching.row_ranges(x, batch_size):
             _, outputs, _ = self._run(batching.slice_rows(x, a, b), None, train=False, keep_outputs=True)
             parts.append(self._runner(x, train=False).gather_outputs(outputs, b - a))
-        return unflatten_output(batching.join_rows(parts), self._runner(x, train=False).pipe.output_spec)
+        return unflatten_output(join_parts(parts), self._runner(x, train=False).pipe.output_spec)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsplit state dict (keys, shapes and dtypes of net.state_dict()) on every rank,

@@ -26,14 +26,15 @@ from torch import nn
 from plait import data as batching
 from plait.capture.output import flatten_output
 from plait.capture.trace import CapturedGraph, in_mode
-from plait.errors import ConfigError, PlaitError
+from plait.errors import ConfigError, PipelineError, PlaitError
 from plait.metrics import METRICS
 from plait.plan.row_blocks import check_rows, row_block
 from plait.runtime.collectives import start_sum_floats
 from plait.runtime.interpreter import MicroBatch
 from plait.runtime.nonfinite import NonFiniteWatch, verdict
 from plait.runtime.pipeline import Pipeline
-from plait.runtime.report import failure_error
+from plait.runtime.output_rows import join_microbatches, join_parts, leaf_names, row_leaves
+from plait.runtime.report import failure_error, gather_failures, report_wait
 from plait.runtime.riding_sums import RidingSums, carriers
 
 __all__ = ["OptimizerArg", "StepResult", "StepRunner", "held_bytes", "make_optimizer", "num_stats", "rides"]
@@ -100,6 +101,7 @@ class StepRunner:
         self.rides = train and rides(pipe)  # the step's sums ride on the pipeline's messages
         self._carriers: dict[int, tuple[dict[int, int], dict[int, int]]] = {}  # micro-batches -> carriers
         self.memory: dict[str, int | None] = {}  # the last training step's readings, bytes (`memory_stats`)
+        self._row_leaves: tuple[tuple[bool, ...] | None] | None = None  # per output leaf: per row (`output_rows`)
         if train:
             mine = {id(p) for p in pipe.local_parameters}
             for p in net.parameters():  # stale gradients elsewhere would make the
@@ -122,18 +124,48 @@ class StepRunner:
         on every rank (`outputs`: this rank's last-stage outputs, one per micro-batch, if any).
 
         Messages are keyed by the batch's rows, so batches of one size reuse their description.
+        A leaf that is not per row comes back as a list of its values, one per micro-batch
+        (`plait.runtime.output_rows`). A rank that fails to join its own outputs stops the others
+        at once, naming itself, rather than leave them waiting for its outputs.
         """
         pipe = self.pipe
-        local = batching.join_rows([flatten_output(o)[0] for o in outputs]) if outputs else None
+        try:
+            local = self._join_local(outputs, rows) if outputs else None
+        except Exception as e:  # noqa: BLE001 - this rank's own failure: every other rank is told
+            text = str(e).splitlines()[0] if str(e) else ""
+            cause = f"failed joining its micro-batches' outputs of predict: {type(e).__name__}: {text}"
+            gather_failures(-1, pipe.rank, -1, report_wait(pipe.config.timeout_s), cause)
+            raise PipelineError(f"rank {pipe.rank} {cause}; every other rank was stopped") from e
         if pipe.plan.stage_dp:
             return self._gather_row_blocks(local, rows)
         shard_rows = [hi - lo for lo, hi in batching.shard_bounds(rows, pipe.plan.dp)]
         try:
-            return batching.join_rows(pipe.gather_outputs(local, shard_rows, ("predict", rows)))
+            return join_parts(pipe.gather_outputs(local, shard_rows, ("predict", rows)))
         except PlaitError:
             raise
         except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
             raise failure_error("gathering the outputs of predict", pipe.rank, e, pipe.config.timeout_s) from e
+
+    def _join_local(self, outputs: list[Any], rows: int) -> list[Any]:
+        """This rank's last-stage outputs of a batch of `rows` rows, one leaf list (`join_microbatches`)."""
+        pipe = self.pipe
+        if self._row_leaves is None:
+            self._row_leaves = (row_leaves(pipe.captured),)
+        if pipe.plan.stage_dp:  # each micro-batch's block of rows
+            replicas = pipe.plan.dp_of(pipe.plan.num_chunks - 1)
+            sizes = [(b - a) // replicas for a, b in batching.microbatch_bounds(rows, pipe.plan.num_microbatches)]
+        else:
+            start, stop = batching.shard_bounds(rows, pipe.plan.dp)[pipe.replica]
+            sizes = [b - a for a, b in batching.microbatch_bounds(stop - start, pipe.plan.num_microbatches)]
+        joined = join_microbatches([flatten_output(o)[0] for o in outputs], sizes, self._row_leaves[0])
+        apart = [i for i, leaf in enumerate(joined) if isinstance(leaf, list)]
+        if apart and pipe.plan.stage_dp:
+            names = leaf_names(pipe.output_spec)
+            shapes = [tuple(v.shape) for v in joined[apart[0]]]
+            raise ConfigError(f"{names[apart[0]]} is not per row (its shape per micro-batch block: {shapes}), "
+                              "and stage_dp splits each micro-batch's rows: predict with dp_per_stage=None, "
+                              "or return per-row outputs")
+        return joined
 
     def _gather_row_blocks(self, local: list[Any] | None, rows: int) -> list[Any]:
         """`gather_outputs` with stage_dp: each replica of the last stage holds its block of every
