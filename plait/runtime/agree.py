@@ -68,7 +68,7 @@ def agree(rank: int, make: Callable[[], Any], what: str, wait_s: float) -> Any:
     return message["ok"]
 
 
-def _wait(store: dist.Store, key: str, wait_s: float) -> bool:
+def _wait(store: Any, key: str, wait_s: float) -> bool:
     """Wait for `key` up to `wait_s`; True where rank 0 posted a failure first (it will never set it)."""
     deadline = time.monotonic() + wait_s
     while not store.check([key]):

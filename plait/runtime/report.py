@@ -24,7 +24,7 @@ import contextlib
 import datetime
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -157,7 +157,7 @@ def stopped_by(rank: int, failures: Failures, where: str) -> PipelineError | Mod
                 f"its traceback; this rank's wait ended when rank {other} closed its connections)")
 
 
-def posted(store: dist.Store, rank: int) -> bool:
+def posted(store: Any, rank: int) -> bool:
     """Whether `rank` has posted a failure (a peer waiting on it in the store, not on a connection, asks)."""
     return bool(store.check([f"{PREFIX}/{rank}"]))
 
