@@ -10,8 +10,9 @@ its dp x tp mesh), predicted_step_time_s, peak_memory_bytes, feasible and, when 
 reason; a feasible one also has each rank's parameter_bytes, gradient_bytes, optimizer_bytes and
 activation_bytes, and with --gpt tflops_per_device; mixed_widths and mixed_dp: the best layout of
 stages of different tp widths (one pipeline, or dp copies of one) or dp widths (one pipeline)
-(null where none is searched or found). `--layout tp=8,pp=2`
-prices that layout only.
+(null where none is searched or found); with --model, config: the Config fields a job of DEVICES
+ranks on this host chooses (`plait.planner.choice`, the one choice `Config()` makes; this host's
+link is measured first, as a job measures it). `--layout tp=8,pp=2` prices that layout only.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def add_plan_command(commands: Any) -> None:
                       help="--model: dtype of the random input (int64: zeros, for token ids)")
     plan.add_argument("--optimizer", choices=("adam", "sgd-momentum", "sgd"), default="adam",
                       help="optimizer whose state counts in memory (default: adam)")
-    plan.add_argument("--schedules", default="1f1b,gpipe,zbh1,interleaved", metavar="S,...",
+    plan.add_argument("--schedules", default=None, metavar="S,...",
                       help="schedules to consider (default: all four)")
     plan.add_argument("--pp", type=_ints, default=None, metavar="P,...", help="pipeline sizes to consider")
     plan.add_argument("--tp", type=_ints, default=None, metavar="T,...",
@@ -166,13 +167,33 @@ def apply_layout(args: argparse.Namespace) -> None:
     args.overlap = numbers.get("overlap", 1) == 1
 
 
-def _search_space(args: argparse.Namespace) -> Any:
+def _search_space(args: argparse.Namespace, base: Any = None) -> Any:
+    """`base` (`Config()`'s space, `plait.planner.choice.search_space`; default: every setting) with
+    what the options give in its place."""
     from plait.plan.search import SearchSpace
 
-    schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
-    return SearchSpace(pp=args.pp, num_microbatches=args.microbatches, schedules=schedules,
-                       recompute=args.recompute,
-                       zero=None if args.zero is None else (args.zero,), keep=max(1, args.top))
+    space = base if base is not None else SearchSpace()
+    given: dict[str, Any] = {"keep": max(1, args.top), "recompute": args.recompute}
+    if args.schedules is not None:
+        given["schedules"] = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
+    if args.pp is not None:
+        given["pp"] = args.pp
+    if args.microbatches is not None:
+        given["num_microbatches"] = args.microbatches
+    if args.zero is not None:
+        given["zero"] = (args.zero,)
+    return dataclasses.replace(space, **given)
+
+
+def _config(args: argparse.Namespace) -> Any:
+    """The `Config()` a job would plan with, given what the options fix (one schedule, ZeRO,
+    recomputation on or off): the command and `Config()` choose by one function
+    (`plait.planner.choice`)."""
+    from plait.config import Config
+
+    schedules = [s.strip() for s in (args.schedules or "").split(",") if s.strip()]
+    return Config(schedule=schedules[0] if len(schedules) == 1 else None, zero=args.zero,
+                  recompute=args.recompute[0] if len(args.recompute) == 1 else None)
 
 
 def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -200,13 +221,16 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                           args.devices, args.batch, cluster, _search_space(args), degrees=tps)
         mixed = _mixed_widths(args, spec, dev, cluster)
         mixed_dp = _mixed_dp(args, gpt_costs(spec, dev, args.optimizer), args.batch, cluster)
+        chosen = None  # a described GPT: no Config() runs it here
         head = {"model": f"GPT {args.gpt} ({spec.parameters / 1e9:.2f}B parameters)",
                 "device": dev.name, "devices": args.devices, "global_batch": args.batch}
         costs_source = f"analytic, {dev.name}"
     else:
         import torch
 
-        from plait.planner.autoplan import PlanOptions, local_cluster, plan_model
+        from plait.planner.autoplan import PlanOptions, plan_model
+        from plait.planner.calibrate import measure_here
+        from plait.planner.choice import choose, search_inputs
         from plait.plan.analytic import optimizer_state_factor as state_factor
 
         if args.sample_shape is None:
@@ -216,19 +240,28 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         sample = (torch.zeros(shape, dtype=torch.int64) if args.sample_dtype == "int64"
                   else torch.randn(shape))
         batch = args.batch or shape[0]
-        factor = state_factor(args.optimizer, 4)
-        if args.device is not None:
+        # What a job of --devices ranks on this host would plan with (`Config()`'s inputs): this
+        # host's link measured on its backend, its memory and cores shared by the ranks.
+        config, factor = _config(args), state_factor(args.optimizer, 4)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        network = None if args.device is not None or backend == "nccl" else measure_here(args.devices)
+        inputs = search_inputs(config, args.devices, batch, args.devices, factor, network, backend)
+        cluster = inputs.cluster
+        if args.device is not None:  # a preset's memory and network in place of this host's
             dev = device(args.device)
             memory = args.memory_gb * gib if args.memory_gb else dev.usable_memory()
-            cluster = Cluster(dev.network, memory, factor)
-        else:
-            cluster = local_cluster(args.devices, None, args.memory_gb * gib if args.memory_gb else None, factor)
-        cluster = dataclasses.replace(cluster, overlap_gradients=args.overlap)
-        tps = tuple(args.tp) if args.tp else tp_degrees(args.devices, cluster.network.devices_per_node)
+            cluster = dataclasses.replace(cluster, network=dev.network, memory_bytes=memory)
+        elif args.memory_gb:
+            cluster = dataclasses.replace(cluster, memory_bytes=args.memory_gb * gib)
+        if not args.overlap:
+            cluster = dataclasses.replace(cluster, overlap_gradients=False)
+        tps = tuple(args.tp) if args.tp else inputs.tp
         captured = _captured(net, sample, args)
         result = plan_model(net, sample, args.devices, batch, cluster,
-                            PlanOptions(space=_search_space(args), tp=tps, captured=captured))
+                            PlanOptions(space=_search_space(args, inputs.space), tp=tps, captured=captured))
         found = result.candidates
+        chosen = choose(result, config, args.devices, inputs.source, captured).fields \
+            if result.best.feasible and args.layout is None else None
         mixed = _model_widths(args, captured, result, cluster)
         mixed_dp = _mixed_dp(args, result.profile.costs, result.global_batch, cluster)
         head = {"model": args.model, "device": args.device or "this machine",
@@ -247,6 +280,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         data["layout"] = args.layout
     data["mixed_widths"] = mixed.to_dict() if mixed is not None else None
     data["mixed_dp"] = mixed_dp.to_dict() if mixed_dp is not None else None
+    data["config"] = chosen  # --model: the Config fields a job of --devices ranks here would run
     rate = ""
     if args.gpt is not None and data.get("predicted_step_time_s"):  # Megatron's count over the predicted step
         data["tflops_per_device"] = megatron_flops(spec, args.batch) / (data["predicted_step_time_s"] * args.devices) / 1e12
@@ -254,6 +288,8 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     text = (f"plait plan: {head['model']} on {args.devices} x {head['device']} "
             f"({cluster.memory_bytes / gib:.2f} GiB each), global batch {head['global_batch']}; "
             f"costs {costs_source}; planned in {elapsed:.2f} s{rate}\n" + format_table(found, args.top))
+    if chosen is not None:
+        text += f"\nConfig() on {args.devices} rank(s) here runs: {chosen}"
     if mixed is not None:
         copies = f"{mixed.dp} copies of a pipeline; Config(layers_per_proc, tp_per_stage, dp={mixed.dp})" \
             if mixed.dp > 1 else "one pipeline; Config(layers_per_proc, tp_per_stage)"

@@ -28,22 +28,25 @@ by backend and hosts.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import statistics
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from plait.job.ranks import local_world_size
+from plait.job.ranks import local_world_size, threads_per_rank
 from plait.plan.network import Link, Network
 from plait.runtime.collectives import all_gather_text, broadcast_json, make_group
 from plait.runtime.waiting import finish
 
-__all__ = ["fit_link", "measure_link", "measure_all_reduce", "measure_handover", "calibrate"]
+__all__ = ["fit_link", "measure_link", "measure_all_reduce", "measure_handover", "calibrate", "measure_here"]
 
 # 1 KiB .. 4 MiB, then to 32 MiB: a gradient bucket's size (25 MiB cap), a ZeRO owner's broadcast
 SIZES = tuple(2**k for k in range(10, 23, 2)) + (2**23, 2**24, 2**25)
@@ -314,3 +317,39 @@ def calibrate(cache_dir: str | os.PathLike[str] | None = None, repeats: int = 5)
         tmp.write_text(json.dumps(network.to_dict()))
         tmp.replace(path)
     return network
+
+
+def measure_here(local_ranks: int, repeats: int = 5) -> Network:
+    """This host's `Network` as `calibrate` measures it in a job of `local_ranks` CPU (gloo) ranks
+    here, with no job running: two processes are started for it, each with the threads one of
+    `local_ranks` ranks gets (what `plait plan --model` prices with, as a job planning here would)."""
+    if local_ranks < 2:
+        free = Link(0.0, 1e15)
+        return Network(free, free, 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    with tempfile.TemporaryDirectory() as out:
+        spawn = multiprocessing.get_context("spawn")
+        ranks = [spawn.Process(target=_measure_rank, args=(r, port, local_ranks, repeats, out)) for r in range(2)]
+        for process in ranks:
+            process.start()
+        for process in ranks:
+            process.join()
+        if any(process.exitcode != 0 for process in ranks):
+            raise RuntimeError(f"measuring this host's link failed (exit codes {[p.exitcode for p in ranks]}); "
+                               "give --device cpu to price with the preset instead")
+        network = Network.from_dict(json.loads((Path(out) / "network.json").read_text()))
+    return replace(network, devices_per_node=local_ranks)
+
+
+def _measure_rank(rank: int, port: int, local_ranks: int, repeats: int, out: str) -> None:
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    torch.set_num_threads(threads_per_rank(local_ranks))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        network = calibrate(repeats=repeats)
+        if rank == 0:
+            (Path(out) / "network.json").write_text(json.dumps(network.to_dict()))
+    finally:
+        dist.destroy_process_group()

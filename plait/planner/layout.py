@@ -38,16 +38,13 @@ from plait import data as batching
 from plait.capture.trace import CapturedGraph
 from plait.job.ranks import local_world_size
 from plait.plan import Plan
-from plait.planner.autoplan import PlanOptions, local_cluster, plan_model, profile_sample
+from plait.planner.autoplan import PlanOptions, plan_model, profile_sample
+from plait.planner.choice import SearchInputs, candidate_fields, choose, search_inputs
 from plait.planner.resolve import resolve_plan
-from plait.planner.widths import mixed_widths_choice
-from plait.config import SCHEDULE_NAMES, SEARCH_ORDER, Config
+from plait.config import SCHEDULE_NAMES, Config
 from plait.errors import ConfigError, PartitionError
 from plait.materialize import on_meta
-from plait.plan.cost import Cluster
 from plait.plan.network import Network
-from plait.plan.search import SearchSpace
-from plait.plan.tp_costs import tp_degrees
 from plait.plan.split_points import cut_at
 from plait.plan.report import PlanReport
 from plait.runtime.agree import agree
@@ -169,18 +166,6 @@ def _fixed_tp(work: Workload, config: Config, world_size: int, resumed_plan: dic
     return None
 
 
-def candidate_fields(candidate: dict[str, Any]) -> dict[str, Any]:
-    """A planner candidate (`Candidate.to_dict()`) as Config fields."""
-    return {"layers_per_proc": list(candidate["layers_per_stage"]), "num_stages": int(candidate["pp"]),
-            "dp": int(candidate["dp"]), "num_microbatches": int(candidate["num_microbatches"]),
-            "schedule": str(candidate["schedule"]),
-            "num_virtual_stages": int(candidate.get("num_virtual_stages", 1)),
-            "recompute": bool(candidate.get("recompute", False)), "zero": int(candidate.get("zero", 0) or 0),
-            "recompute_by_layer": [int(s) for s in candidate.get("recompute_by_layer", [])],
-            "batch_weight_grads": bool(candidate.get("batch_weight_grads", False)),
-            "tp": int(candidate.get("tp", 1) or 1)}
-
-
 def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[str, Any] | None,
             network: Network | None = None) -> dict[str, Any]:
     """Rank 0's choice as JSON: {"fields", "report", "table", "source"}."""
@@ -193,39 +178,20 @@ def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[
         if kept is not None:
             return {"fields": _users_zero(kept, config), "report": None, "table": "",
                     "source": "the resumed checkpoint"}
-    space, source, cluster = _search_inputs(config, world_size, work, network)
-    options = replace(_profile_options(work), space=space)
-    if config.tp is None:  # the tp within one node (Config.tp=None: the planner's choice)
-        options = replace(options, tp=tp_degrees(world_size, local_world_size(world_size)), tp_plan=config.tp_plan)
+    inputs = _search_inputs(config, world_size, work, network)
+    options = replace(_profile_options(work), space=inputs.space, tp=inputs.tp,
+                      tp_plan=config.tp_plan if config.tp is None else None)
     try:
-        result = plan_model(work.net, work.x, world_size, batching.num_rows(work.x), cluster, options)
+        result = plan_model(work.net, work.x, world_size, batching.num_rows(work.x), inputs.cluster, options)
     except (ConfigError, PartitionError):
         if config.plans_everything:
             raise
         # The layout cannot be searched (more stages than layers...): the pipeline's own
         # checks say what is wrong, on every rank.
         return {"fields": {}, "report": None, "table": "", "source": "unplanned"}
-    best = result.best
-    if not best.feasible:
-        raise ConfigError(
-            f"no layout of {world_size} ranks fits {cluster.memory_bytes / 2**30:.2f} GiB per rank "
-            f"(Config.memory_limit_bytes={config.memory_limit_bytes}): {best.reason}"
-        )
-    mixed = mixed_widths_choice(work.captured, config, world_size, result, cluster, work.loss, work.y)
-    if mixed is not None:  # one pipeline of uneven stage widths, predicted faster than any uniform one
-        return {"fields": mixed[0], "report": mixed[1].to_dict(), "table": mixed[1].table, "source": source}
-    chosen = candidate_fields(best.to_dict())
-    if config.tp is not None:  # the user's tp: the search ran on its lanes
-        chosen.pop("tp")
-    if not config.plans_everything:  # the user's layout, with the planner's layers (and ZeRO) only
-        by_layer = chosen["recompute_by_layer"] if config.recompute is True else []
-        chosen = {"layers_per_proc": chosen["layers_per_proc"], "zero": chosen["zero"], "recompute_by_layer": by_layer}
-    if config.recompute_by_layer is not None:  # the user's, priced as given when False (`Cluster`)
-        chosen.pop("recompute_by_layer", None)
-    data = result.to_dict()
-    report = PlanReport(best.to_dict(), data["alternatives"], result.table(), source,
-                        result.global_batch, result.profile.costs, cluster)
-    return {"fields": chosen, "report": report.to_dict(), "table": report.table, "source": source}
+    chosen = choose(result, config, world_size, inputs.source, work.captured, work.loss, work.y)
+    return {"fields": chosen.fields, "report": chosen.report.to_dict(), "table": chosen.report.table,
+            "source": inputs.source}
 
 
 def _users_zero(fields: dict[str, Any], config: Config) -> dict[str, Any]:
@@ -235,18 +201,10 @@ def _users_zero(fields: dict[str, Any], config: Config) -> dict[str, Any]:
     return fields if config.batch_weight_grads is None else {**fields, "batch_weight_grads": config.batch_weight_grads}
 
 
-def _search_inputs(config: Config, world_size: int, work: Workload,
-                   network: Network | None) -> tuple[SearchSpace, str, Cluster]:
-    """What the search may choose, the source it will report, and the cluster it prices with."""
-    space, source = _space(config, world_size, batching.num_rows(work.x))
-    cluster = local_cluster(local_world_size(world_size), network=network,
-                            memory_bytes=config.memory_limit_bytes,
-                            optimizer_state_factor=state_factor(work.optimizer),
-                            bucket_bytes=config.bucket_cap_mb * 2**20,
-                            backend=dist.get_backend() if dist.is_initialized() else "")
-    if config.recompute_by_layer is False:
-        cluster = replace(cluster, recompute_by_layer=False)
-    return space, source, cluster
+def _search_inputs(config: Config, world_size: int, work: Workload, network: Network | None) -> SearchInputs:
+    """What the search may choose and what it prices with (`plait.planner.choice`: the command's too)."""
+    return search_inputs(config, world_size, batching.num_rows(work.x), local_world_size(world_size),
+                         state_factor(work.optimizer), network, dist.get_backend() if dist.is_initialized() else "")
 
 
 def _profile_options(work: Workload) -> PlanOptions:
@@ -276,26 +234,6 @@ def _profile_alongside(work: Workload, config: Config, world_size: int) -> None:
         profile_sample(work.net, work.x, world_size, _profile_options(work))
     except Exception as error:  # noqa: BLE001 - rank 0 raises the same error in its own profile
         log.debug("plait: rank-side profile failed (rank 0 reports it): %s", error)
-
-
-def _space(config: Config, world_size: int, global_batch: int) -> tuple[SearchSpace, str]:
-    """What the search may choose: everything open (Config()), or the layers of a given layout."""
-    recompute = (False, True) if config.recompute is None else (config.recompute is True,)
-    zero = None if config.zero is None else (config.zero,)
-    if config.plans_everything:
-        schedules = (config.schedule,) if config.schedule else SEARCH_ORDER
-        batched = (False, True) if config.batch_weight_grads is None else (config.batch_weight_grads,)
-        return SearchSpace(schedules=schedules, recompute=recompute, zero=zero,
-                           batch_weight_grads=batched), "planned"
-    c = config.with_defaults()
-    pp, v = c.stages_for(world_size), c.num_virtual_stages
-    assert c.schedule is not None and c.num_microbatches is not None
-    # One chunk per rank: the interleaved order is 1F1B's; more micro-batches than rows: clamped.
-    schedule = "1f1b" if c.schedule == "interleaved" and v < 2 else c.schedule
-    m = min(c.num_microbatches, -(-global_batch // (world_size // pp)))
-    return SearchSpace(pp=(pp,), num_microbatches=(m,), schedules=(schedule,), num_virtual_stages=max(v, 2),
-                       recompute=recompute, zero=zero, batch_weight_grads=(c.batch_weight_grads is True,),
-                       keep=1), "partitioned"
 
 
 def _optimizer_factory(optimizer: Any) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -146,13 +147,15 @@ def save_then_replay(rank, world, path):
     if rank == 0:
         first.plan_report.save(path)
     torch.distributed.barrier()
-    result = train(rank, world, plait.Config(plan=path), steps=2)
+    result = train(rank, world, plait.Config(plan=path), steps=5)  # 1 warm-up step, 3 measured (planner/check.py)
     result["first"] = first.plan.to_json()
     return result
 
 
 @pytest.mark.timeout(180)
-def test_a_saved_plan_replays(tmp_path):
+def test_a_saved_plan_replays_and_is_checked_against_its_prediction(tmp_path):
+    """A replayed plan is checked as a planned one is: the issue asked that a plan file replayed
+    report how far the measured step is from the predicted one."""
     path = str(tmp_path / "plan.json")
     results = run_ranks(2, save_then_replay, path, timeout=170)
     assert_equal_to_one_process(results)
@@ -161,6 +164,34 @@ def test_a_saved_plan_replays(tmp_path):
         for key in ("layers_per_stage", "num_microbatches", "schedule", "dp"):
             assert first[key] == again[key]
         assert json.loads(r["report"])["source"] == f"plan file {path}"
+        assert r["feedback"] is not None and r["feedback"].startswith("plait plan check: step predicted "), r
+        assert " s, measured " in r["feedback"] and r["check"]["predicted_step_time_s"] > 0 < r["check"]["measured_step_time_s"]
+    assert results[0]["check"] == results[1]["check"]  # every rank reads the same check
+
+
+def plan_with_the_command_then_replay(rank, world, root):
+    """`plait plan --model ... -o plan.json` (rank 0; --device cpu: no link to measure), then
+    Config(plan="plan.json") on 2 ranks, as the issue's user did."""
+    from plait.cli.main import main
+
+    plait.init_process_group(60.0)
+    path = f"{root}/plan.json"
+    if rank == 0:
+        (Path(root) / "tiny.py").write_text("from tests.models import mlp as build\n")
+        main(["plan", "--model", f"{root}/tiny.py:build", "--sample-shape", "32,8", "--devices", "2",
+              "--device", "cpu", "--tp", "1", "--json", "-o", path])
+    torch.distributed.barrier()
+    return train(rank, world, plait.Config(plan=path), steps=5)
+
+
+@pytest.mark.timeout(180)
+def test_the_commands_plan_file_replays_and_is_checked_against_its_prediction(tmp_path):
+    results = run_ranks(2, plan_with_the_command_then_replay, str(tmp_path), timeout=170)
+    assert_equal_to_one_process(results)
+    for r in results:
+        assert json.loads(r["report"])["source"] == f"plan file {tmp_path}/plan.json"
+        assert r["feedback"] is not None and r["feedback"].startswith("plait plan check: step predicted "), r
+        assert r["check"]["predicted_step_time_s"] > 0 < r["check"]["measured_step_time_s"]
 
 
 def test_plan_files_that_do_not_fit_say_what_and_where(tmp_path):
@@ -243,7 +274,8 @@ def test_plan_files_of_stages_of_different_widths_replay_them(tmp_path):
 
 
 def test_config_zero_is_the_only_level_searched_and_none_searches_all():
-    from plait.planner.layout import _space, _users_zero
+    from plait.planner.choice import search_space as _space
+    from plait.planner.layout import _users_zero
 
     assert _space(plait.Config(), 4, 64)[0].zero is None
     assert _space(plait.Config(zero=2), 4, 64)[0].zero == (2,)

@@ -1,0 +1,126 @@
+"""The planner's one choice: the search's inputs from a `Config`, and the layout picked from a priced search.
+
+`Config()` (rank 0, `plait.planner.layout`) and `plait plan --model` (`plait.cli.plan`) both run
+
+    Config, world, rows, optimizer, network, backend --search_inputs--> SearchInputs
+    net + sample --plan_model(profile, search)--> PlanResult --choose--> Choice (Config fields, report)
+
+so on the same profile they return the same layout. They differed: the command searched with
+the "cpu" preset's link (50 us a message) where a job measures its backend's (2 gloo ranks on
+2 cores: about 2 ms and 1 ms of the ranks' own time a hand-over), with the gradient sum hidden
+behind the backward pass (gloo's is not: `local_cluster`), and without stages of different
+widths among its choices: on a CNN it chose 32 micro-batches of ZB-H1 at a predicted 56 ms a
+step, which ran at 258 ms, twice the 128 ms of what `Config(num_stages=2)` chose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from plait.capture.trace import CapturedGraph
+from plait.config import SEARCH_ORDER, Config
+from plait.errors import ConfigError
+from plait.plan.cost import Cluster
+from plait.plan.network import Network
+from plait.plan.report import PlanReport
+from plait.plan.search import SearchSpace
+from plait.plan.tp_costs import tp_degrees
+from plait.planner.autoplan import PlanResult, local_cluster
+from plait.planner.widths import mixed_widths_choice
+
+__all__ = ["SearchInputs", "Choice", "search_inputs", "search_space", "choose", "candidate_fields"]
+
+
+@dataclass(frozen=True)
+class SearchInputs:
+    """What the search may choose (`space`, and the tp degrees), what it prices with (`cluster`),
+    and the source its report names ("planned": everything open; "partitioned": a given layout)."""
+
+    space: SearchSpace
+    cluster: Cluster
+    tp: tuple[int, ...]
+    source: str
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chosen layout as `Config` fields, and its report (table, alternatives, prediction)."""
+
+    fields: dict[str, Any]
+    report: PlanReport
+
+
+def search_inputs(config: Config, world_size: int, global_batch: int, local_ranks: int,
+                  optimizer_state_factor: float, network: Network | None, backend: str) -> SearchInputs:
+    """The search's inputs for `config` on `world_size` ranks, `local_ranks` of them on this host
+    (its memory shared by them), pricing messages with `network` on `backend` ("gloo", "nccl")."""
+    space, source = search_space(config, world_size, global_batch)
+    cluster = local_cluster(local_ranks, network=network, memory_bytes=config.memory_limit_bytes,
+                            optimizer_state_factor=optimizer_state_factor,
+                            bucket_bytes=config.bucket_cap_mb * 2**20, backend=backend)
+    if config.recompute_by_layer is False:
+        cluster = replace(cluster, recompute_by_layer=False)
+    tp = tp_degrees(world_size, local_ranks) if config.tp is None else (1,)  # a given tp: planned on its lanes
+    return SearchInputs(space, cluster, tp, source)
+
+
+def search_space(config: Config, world_size: int, global_batch: int) -> tuple[SearchSpace, str]:
+    """What the search may choose: everything open (Config()), or the layers of a given layout."""
+    recompute = (False, True) if config.recompute is None else (config.recompute is True,)
+    zero = None if config.zero is None else (config.zero,)
+    if config.plans_everything:
+        schedules = (config.schedule,) if config.schedule else SEARCH_ORDER
+        batched = (False, True) if config.batch_weight_grads is None else (config.batch_weight_grads,)
+        return SearchSpace(schedules=schedules, recompute=recompute, zero=zero,
+                           batch_weight_grads=batched), "planned"
+    c = config.with_defaults()
+    pp, v = c.stages_for(world_size), c.num_virtual_stages
+    assert c.schedule is not None and c.num_microbatches is not None
+    # One chunk per rank: the interleaved order is 1F1B's; more micro-batches than rows: clamped.
+    schedule = "1f1b" if c.schedule == "interleaved" and v < 2 else c.schedule
+    m = min(c.num_microbatches, -(-global_batch // (world_size // pp)))
+    return SearchSpace(pp=(pp,), num_microbatches=(m,), schedules=(schedule,), num_virtual_stages=max(v, 2),
+                       recompute=recompute, zero=zero, batch_weight_grads=(c.batch_weight_grads is True,),
+                       keep=1), "partitioned"
+
+
+def choose(result: PlanResult, config: Config, world_size: int, source: str, captured: CapturedGraph | None,
+           loss: Any = None, target: Any = None) -> Choice:
+    """The layout `config` gets from a search's `result`: a pipeline of stages of different widths
+    where one is predicted faster than any uniform layout (and the config allows it), else the best
+    candidate; of a config that gave a layout, only the layers (and ZeRO) are taken. ConfigError
+    where no layout fits."""
+    best, cluster = result.best, result.cluster
+    if not best.feasible:
+        raise ConfigError(
+            f"no layout of {world_size} ranks fits {cluster.memory_bytes / 2**30:.2f} GiB per rank "
+            f"(Config.memory_limit_bytes={config.memory_limit_bytes}): {best.reason}"
+        )
+    mixed = None if captured is None else mixed_widths_choice(captured, config, world_size, result, cluster,
+                                                              loss, target)
+    if mixed is not None:  # one pipeline of uneven stage widths, predicted faster than any uniform one
+        return Choice(mixed[0], mixed[1])
+    chosen = candidate_fields(best.to_dict())
+    if config.tp is not None:  # the user's tp: the search ran on its lanes
+        chosen.pop("tp")
+    if not config.plans_everything:  # the user's layout, with the planner's layers (and ZeRO) only
+        by_layer = chosen["recompute_by_layer"] if config.recompute is True else []
+        chosen = {"layers_per_proc": chosen["layers_per_proc"], "zero": chosen["zero"], "recompute_by_layer": by_layer}
+    if config.recompute_by_layer is not None:  # the user's, priced as given when False (`Cluster`)
+        chosen.pop("recompute_by_layer", None)
+    report = PlanReport(best.to_dict(), result.to_dict()["alternatives"], result.table(), source,
+                        result.global_batch, result.profile.costs, cluster)
+    return Choice(chosen, report)
+
+
+def candidate_fields(candidate: dict[str, Any]) -> dict[str, Any]:
+    """A planner candidate (`Candidate.to_dict()`) as Config fields."""
+    return {"layers_per_proc": list(candidate["layers_per_stage"]), "num_stages": int(candidate["pp"]),
+            "dp": int(candidate["dp"]), "num_microbatches": int(candidate["num_microbatches"]),
+            "schedule": str(candidate["schedule"]),
+            "num_virtual_stages": int(candidate.get("num_virtual_stages", 1)),
+            "recompute": bool(candidate.get("recompute", False)), "zero": int(candidate.get("zero", 0) or 0),
+            "recompute_by_layer": [int(s) for s in candidate.get("recompute_by_layer", [])],
+            "batch_weight_grads": bool(candidate.get("batch_weight_grads", False)),
+            "tp": int(candidate.get("tp", 1) or 1)}
