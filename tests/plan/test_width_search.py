@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
+from typing import Any
 
 import pytest
 
@@ -98,6 +100,18 @@ def test_no_cut_inside_an_uncuttable_region_and_only_the_schedules_asked() -> No
     assert gpipe is not None and gpipe.schedule == "gpipe"
 
 
+def _random_costs(rng: random.Random, param_bytes: tuple[float, float]) -> tuple[LayerCosts, dict[int, Any]]:
+    """3-6 layers of random times and bytes (parameters in `param_bytes`), and random tp=2 shares."""
+    n = rng.randint(3, 6)
+    zeros = (0.0,) * n
+    forward = tuple(rng.uniform(0.5, 4.0) for _ in range(n))
+    costs = LayerCosts(tuple(f"l{i}" for i in range(n)), tuple(rng.uniform(0, 1) for _ in range(n)), forward,
+                       zeros, tuple(2 * f for f in forward), zeros, zeros, tuple(rng.uniform(0, 4) for _ in range(n)),
+                       tuple(rng.uniform(*param_bytes) for _ in range(n)), zeros, zeros,
+                       tuple(rng.uniform(0, 2) for _ in range(n)))
+    return costs, {2: _shares(n, 2, tuple(rng.choice([0.0, 0.5, 1.0]) for _ in range(n)))}
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_the_floors_prune_nothing_that_wins(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     import random
@@ -105,14 +119,7 @@ def test_the_floors_prune_nothing_that_wins(seed: int, monkeypatch: pytest.Monke
     from plait.plan import width_search
 
     rng = random.Random(seed)
-    n = rng.randint(3, 6)
-    zeros = (0.0,) * n
-    forward = tuple(rng.uniform(0.5, 4.0) for _ in range(n))
-    costs = LayerCosts(tuple(f"l{i}" for i in range(n)), tuple(rng.uniform(0, 1) for _ in range(n)), forward,
-                       zeros, tuple(2 * f for f in forward), zeros, zeros, tuple(rng.uniform(0, 4) for _ in range(n)),
-                       tuple(rng.uniform(0, 1e6) for _ in range(n)), zeros, zeros,
-                       tuple(rng.uniform(0, 2) for _ in range(n)))
-    shares = {2: _shares(n, 2, tuple(rng.choice([0.0, 0.5, 1.0]) for _ in range(n)))}
+    costs, shares = _random_costs(rng, param_bytes=(0, 1e6))
     cluster = Cluster(Network(Link(1e-4, 1e9), Link(1e-3, 1e8), 2), rng.choice([math.inf, 40.0]))
     pruned = search_widths(costs, shares, 3, 8, cluster, (1, 2))
     monkeypatch.setattr(width_search, "_floor", lambda *args: -math.inf)  # every case partitioned
@@ -130,14 +137,7 @@ def test_cases_that_fit_nothing_are_skipped_only_where_nothing_fits(seed: int, m
     from plait.plan import width_search
 
     rng = random.Random(seed)
-    n = rng.randint(3, 6)
-    zeros = (0.0,) * n
-    forward = tuple(rng.uniform(0.5, 4.0) for _ in range(n))
-    costs = LayerCosts(tuple(f"l{i}" for i in range(n)), tuple(rng.uniform(0, 1) for _ in range(n)), forward,
-                       zeros, tuple(2 * f for f in forward), zeros, zeros, tuple(rng.uniform(0, 4) for _ in range(n)),
-                       tuple(rng.uniform(1, 4) for _ in range(n)), zeros, zeros,
-                       tuple(rng.uniform(0, 2) for _ in range(n)))
-    shares = {2: _shares(n, 2, tuple(rng.choice([0.0, 0.5, 1.0]) for _ in range(n)))}
+    costs, shares = _random_costs(rng, param_bytes=(1, 4))
     cluster = Cluster(Network(Link(1e-4, 1e9), Link(1e-3, 1e8), 2), rng.uniform(8.0, 20.0))
     calls: list[int] = []
     real = width_search.width_partition
