@@ -39,9 +39,6 @@ from tests.architectures import ARCHITECTURES, make  # noqa: E402 - after the im
 ROOT = Path(__file__).resolve().parent.parent
 TRANSFORMERS_4 = os.environ.get("PLAIT_TRANSFORMERS_4", str(ROOT / ".venv" / "transformers-4"))
 EVERY_LAYER_MAX = 32  # captured layers; above, a cut after every layer costs more than it adds
-# Known failures, each run in a job of its own (a failing rank stops its job's process group):
-KNOWN_FAILURES: dict[str, str] = {}  # none now: Mamba and CLIP predict equal to one process
-SHARED = [n for n in ARCHITECTURES if n not in KNOWN_FAILURES]
 THREE_STAGES = ["gpt2", "llama", "bert", "t5"]
 TWO_BY_TWO = ["gpt2", "albert", "bart"]
 TENSOR_PARALLEL = ["gpt2", "llama", "bert"]
@@ -58,10 +55,10 @@ def check(report: list[dict[str, Any]], name: str, num_stages: int, dp: int, tp:
 @pytest.fixture(scope="module")
 def two_stages() -> list[dict[str, Any]]:
     """Every architecture on 2 ranks in one job: importing torch and transformers per rank costs more than a model."""
-    return run_ranks(2, train_all, SHARED, {"num_stages": 2}, timeout=1500)
+    return run_ranks(2, train_all, ARCHITECTURES, {"num_stages": 2}, timeout=1500)
 
 
-@pytest.mark.parametrize("name", SHARED)
+@pytest.mark.parametrize("name", ARCHITECTURES)
 @pytest.mark.timeout(1560)  # the first test also waits for the shared 2-rank run
 def test_two_stages_planned(two_stages: list[dict[str, Any]], name: str) -> None:
     check(two_stages, name, 2, 1)
@@ -77,36 +74,24 @@ def two_stages_transformers_4(tmp_path_factory: pytest.TempPathFactory) -> dict[
     out = tmp_path_factory.mktemp("transformers-4") / "report.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([TRANSFORMERS_4, str(ROOT)])}
     done = subprocess.run([sys.executable, "-m", "tests.architecture_runs", "--ranks", "2", "--out", str(out),
-                           "--fields", json.dumps({"num_stages": 2}), "--names", *SHARED],
+                           "--fields", json.dumps({"num_stages": 2}), "--names", *ARCHITECTURES],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1560)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("name", SHARED)
+@pytest.mark.parametrize("name", ARCHITECTURES)
 @pytest.mark.timeout(1620)
 def test_two_stages_planned_transformers_4(two_stages_transformers_4: dict[str, Any], name: str) -> None:
     assert two_stages_transformers_4["transformers"].startswith("4."), two_stages_transformers_4["transformers"]
     check(two_stages_transformers_4["ranks"], name, 2, 1)
 
 
-@pytest.mark.parametrize("name", sorted(KNOWN_FAILURES))
-@pytest.mark.timeout(300)
-def test_known_failures_still_fail(name: str) -> None:
-    """Each known failure, planned at 2 stages in a job of its own; strict: a fix shows as a pass."""
-    report = run_ranks(2, train_all, [name], {"num_stages": 2}, timeout=280)
-    try:
-        check(report, name, 2, 1)
-    except AssertionError:
-        pytest.xfail(KNOWN_FAILURES[name])
-    raise AssertionError(f"{name} now trains and predicts equal to one process: move it out of KNOWN_FAILURES")
-
-
 def _layer_counts() -> dict[str, int]:
     from plait.capture.trace import capture_batch
 
     counts = {}
-    for name in SHARED:
+    for name in ARCHITECTURES:
         arch = make(name)
         counts[name] = len(capture_batch(arch.net, arch.x).layers.layer_names)
     return counts
