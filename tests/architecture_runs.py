@@ -26,11 +26,31 @@ import plait
 from plait.capture.layers import LayerAssignment
 from plait.capture.trace import capture_batch
 
-__all__ = ["BATCHES", "MICROBATCHES", "every_layer", "train_and_compare", "train_all", "main"]
+__all__ = ["BATCHES", "MICROBATCHES", "every_layer", "valid_cut", "train_and_compare", "train_all", "main"]
 
 BATCHES = (6, 6, 4)  # rows of the three steps: micro-batches of 2/2/2, then 2/1/1
 MICROBATCHES = 3
 EVERY_LAYER = "every layer"  # fields value: a chunk after every cuttable boundary, on 2 ranks
+
+
+def valid_cut(layers: LayerAssignment, parts: int) -> tuple[int, ...]:
+    """The even cut of the layers into `parts` stages, each boundary moved past any uncuttable
+    region it falls into: a pinned cut (`layers_per_proc`) to reproduce a failure."""
+    from tests.models import even_cut
+
+    sizes = even_cut(len(layers.layer_names), parts)
+    bounds, total = [], 0
+    for size in sizes[:-1]:
+        total += size
+        after = total - 1
+        region = layers.region_of(after)
+        if region is not None:
+            after = region[1]
+        bounds.append(max(after + 1, bounds[-1] + 1 if bounds else 1))
+    edges = [0, *bounds, len(layers.layer_names)]
+    cut = tuple(b - a for a, b in zip(edges, edges[1:]))
+    assert all(n > 0 for n in cut), f"no valid cut of {len(layers.layer_names)} layers into {parts}: {cut}"
+    return cut
 
 
 def every_layer(layers: LayerAssignment, num_stages: int) -> tuple[int, ...]:

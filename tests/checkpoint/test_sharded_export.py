@@ -38,7 +38,7 @@ def _llama() -> nn.Module:
 
 
 def export_on_two_stages(rank: int, world: int, out: str) -> dict[str, Any]:
-    from tests.test_architectures import valid_cut
+    from tests.architecture_runs import valid_cut
     from plait.capture.trace import capture_batch
 
     net = _llama()

@@ -337,7 +337,7 @@ def test_a_sharded_hugging_face_model_loads_each_ranks_share_and_trains_equal_to
     from plait.capture.trace import capture_batch
     from tests.architectures import make
     from tests.harness import run_ranks
-    from tests.test_architectures import valid_cut
+    from tests.architecture_runs import valid_cut
 
     arch = make("llama")  # tie_word_embeddings=True: lm_head.weight is model.embed_tokens.weight
     directory = tmp_path / "llama"
