@@ -1,13 +1,16 @@
 """Measuring a model's per-layer costs on one process: times, bytes crossing each cut, memory.
 
 The model is captured as `Model` captures it (train mode) and split into one stage module per
-layer (`plait.capture.split`), so a layer is timed as exactly the code a stage would run, and
-what crosses a cut after layer i is what `split` would send there. For each layer, at the
-sample's rows and at a quarter of them (times are affine in rows, `LayerCosts`):
+layer (`plait.capture.split`), and each layer runs as the runtime runs a stage: through
+`StageExecutor`, on inputs made as the wire delivers them (`plait.runtime.wire.as_received`), so
+a layer is timed as exactly the code a stage would run, and what crosses a cut after layer i is
+what `split` would send there. For each layer, at the sample's rows and at a quarter of them
+(times are affine in rows, `LayerCosts`):
 
-    forward   the layer module on its inputs
-    B         gradient of its inputs, from random output gradients   (retain_graph)
-    B + W     gradient of its inputs and weights; W = (B + W) - B
+    forward   the stage's forward on its inputs (the last layer's with the loss)
+    B         its input gradients, from random output gradients, as a zero-bubble stage runs
+              them (`backward_input`; 0 where no received value carries a gradient)
+    W         its weight gradients after B (`backward_weight`; 0 without trainable weights)
     whole     forward, then backward, through all layers for HELD copies of the sample kept
               alive at once, as a pipeline stage holds micro-batches; every layer's F is
               scaled by the whole forward over the layers' sum, B and W by the whole backward
