@@ -289,10 +289,12 @@ def test_config_zero_is_the_only_level_searched_and_none_searches_all():
 def forced_replan(rank, world):
     """A replan moving one layer after step 4 (forced): training stays equal to one process,
     Adam's state included."""
-    import plait.model
+    import plait.planner.closed_loop
     import plait.planner.replan
 
-    plait.model.should_replan = lambda feedback: True
+    # where the closed loop reads it (plait.model no longer does: patching it there forced nothing,
+    # and the test passed only while the measured step happened to be 15% off the prediction)
+    plait.planner.closed_loop.should_replan = lambda feedback: True
     original = plait.planner.replan.replanned_layers
 
     def moved(report, measured, world_size):
