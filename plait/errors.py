@@ -61,6 +61,12 @@ class ModelError(PlaitError, RuntimeError):
     """The model's own code (its forward, the loss) raised on a rank: names the rank, where, and the line."""
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of `error`'s message ("" where it has none), for one-line reports."""
+    text = str(error)
+    return text.splitlines()[0] if text else ""
+
+
 def _theirs(path: str) -> bool:
     """A file of plait, torch (its fx and export run the user's modules) or the standard library;
     "<eval_with_key>.3" and other generated code too."""

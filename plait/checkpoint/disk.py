@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from plait.checkpoint import tensorfile
-from plait.errors import CheckpointError
+from plait.errors import CheckpointError, first_line
 from plait.tensor_parts import whole_of
 
 __all__ = ["Checkpoint", "FORMAT", "step_name", "temp_dir", "write_shard", "write_tensor_file", "write_atomic", "commit", "open_checkpoint",
@@ -356,9 +356,8 @@ def read_plain(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any damage or refusal becomes one clear error
-        first = str(e).splitlines()[0] if str(e) else ""
         raise CheckpointError(f"{path}: not a state dict torch.load(weights_only=True) can read "
-                              f"({type(e).__name__}: {first})") from None
+                              f"({type(e).__name__}: {first_line(e)})") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in state.items()):
         raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a dict of name -> tensor")

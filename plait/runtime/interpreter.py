@@ -35,7 +35,7 @@ import torch
 
 import torch.distributed as dist
 
-from plait.errors import ModelError, PipelineError, PlaitError, model_frame
+from plait.errors import ModelError, PipelineError, PlaitError, first_line, model_frame
 from plait.runtime.crossing import Crossing
 from plait.runtime.row_crossing import RowCrossing
 from plait.runtime.executor import StageExecutor, grad_leaves
@@ -129,7 +129,7 @@ class Interpreter:
                 if position == called_after and after_forwards is not None:
                     after_forwards()
             except PlaitError as e:  # the user's mistake (a loss that is not a scalar...): as it is
-                self._stop_peers(position, f"stopped with {type(e).__name__}: {_first_line(e)} ({where})")
+                self._stop_peers(position, f"stopped with {type(e).__name__}: {first_line(e)} ({where})")
                 raise
             except Exception as e:  # noqa: BLE001 - every failure gets the rank/action/peer report
                 if action.op in (Op.FORWARD, Op.BACKWARD, Op.WEIGHT) and not _transport(e):
@@ -263,7 +263,7 @@ class Interpreter:
         """The error of a rank whose model code (forward, loss, backward) raised: the user's
         exception and line first, then where in training; the peers are stopped first."""
         kind = {Op.FORWARD: "forward (and loss)", Op.BACKWARD: "backward", Op.WEIGHT: "weight gradients"}[action.op]
-        frame, text = model_frame(error), f"{type(error).__name__}: {_first_line(error)}"
+        frame, text = model_frame(error), f"{type(error).__name__}: {first_line(error)}"
         at = f"stage {action.stage_index}'s {kind} of micro-batch {action.microbatch_index}, {where or 'a step'}"
         self._stop_peers(position, f"raised {text} in {at}" + (f", at {frame}" if frame else ""))
         return ModelError(f"rank {self.rank}: the model's code raised {text}\n  "
@@ -289,10 +289,6 @@ class Interpreter:
             f"{failures.describe()}\n"
             f"where each rank stood in the schedule (marked):\n{grid}"
         )
-
-
-def _first_line(error: BaseException) -> str:
-    return str(error).splitlines()[0] if str(error) else ""
 
 
 def _transport(error: BaseException) -> bool:

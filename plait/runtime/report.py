@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from plait.errors import ModelError, PipelineError, model_frame
+from plait.errors import ModelError, PipelineError, first_line, model_frame
 
 __all__ = ["Failures", "gather_failures", "report_wait", "failure_error", "stop_peers", "stopped_by", "posted",
            "raised_before_steps"]
@@ -101,7 +101,7 @@ def gather_failures(run_id: int, rank: int, position: int, wait_s: float = 3.0, 
             time.sleep(0.1)
     except Exception as e:  # noqa: BLE001 - the store may be gone with a dead rank; report what we have
         stop_peers()
-        failures.store_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+        failures.store_error = f"{type(e).__name__}: {first_line(e)}"[:200]
     return failures
 
 
@@ -141,7 +141,7 @@ def failure_error(what: str, rank: int, error: BaseException, timeout_s: float,
     failure follows that run), so both kinds of report see each other, and names the silent ranks.
     """
     failures = gather_failures(run_id, rank, position, report_wait(timeout_s))
-    text = str(error).splitlines()[0] if str(error) else ""
+    text = first_line(error)
     return stopped_by(rank, failures, what) or PipelineError(
         f"rank {rank} failed in {what}: {type(error).__name__}: {text}\n{failures.describe()}")
 
@@ -170,7 +170,7 @@ def raised_before_steps(rank: int, where: str) -> Iterator[None]:
         yield
     except ModelError as error:
         cause = error.__cause__ or error
-        frame, text = model_frame(cause), str(cause).splitlines()[0] if str(cause) else ""
+        frame, text = model_frame(cause), first_line(cause)
         gather_failures(-1, rank, -1, 2.0, f"raised {type(cause).__name__}: {text} {where}"
                         + (f", at {frame}" if frame else ""))
         raise

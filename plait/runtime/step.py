@@ -18,6 +18,7 @@ ranks that went silent (`plait.runtime.report`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 from plait import data as batching
 from plait.capture.output import flatten_output
 from plait.capture.trace import CapturedGraph, in_mode
-from plait.errors import ConfigError, PipelineError, PlaitError
+from plait.errors import ConfigError, PipelineError, PlaitError, first_line
 from plait.metrics import METRICS
 from plait.plan.row_blocks import check_rows, row_block
 from plait.runtime.collectives import start_sum_floats
@@ -101,7 +102,6 @@ class StepRunner:
         self.rides = train and rides(pipe)  # the step's sums ride on the pipeline's messages
         self._carriers: dict[int, tuple[dict[int, int], dict[int, int]]] = {}  # micro-batches -> carriers
         self.memory: dict[str, int | None] = {}  # the last training step's readings, bytes (`memory_stats`)
-        self._row_leaves: tuple[tuple[bool, ...] | None] | None = None  # per output leaf: per row (`output_rows`)
         if train:
             mine = {id(p) for p in pipe.local_parameters}
             for p in net.parameters():  # stale gradients elsewhere would make the
@@ -132,8 +132,7 @@ class StepRunner:
         try:
             local = self._join_local(outputs, rows) if outputs else None
         except Exception as e:  # noqa: BLE001 - this rank's own failure: every other rank is told
-            text = str(e).splitlines()[0] if str(e) else ""
-            cause = f"failed joining its micro-batches' outputs of predict: {type(e).__name__}: {text}"
+            cause = f"failed joining its micro-batches' outputs of predict: {type(e).__name__}: {first_line(e)}"
             gather_failures(-1, pipe.rank, -1, report_wait(pipe.config.timeout_s), cause)
             raise PipelineError(f"rank {pipe.rank} {cause}; every other rank was stopped") from e
         if pipe.plan.stage_dp:
@@ -146,18 +145,21 @@ class StepRunner:
         except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
             raise failure_error("gathering the outputs of predict", pipe.rank, e, pipe.config.timeout_s) from e
 
+    @cached_property
+    def _row_leaves(self) -> tuple[bool, ...] | None:
+        """Per output leaf, whether it is per row (`output_rows`; None: the capture cannot tell)."""
+        return row_leaves(self.pipe.captured)
+
     def _join_local(self, outputs: list[Any], rows: int) -> list[Any]:
         """This rank's last-stage outputs of a batch of `rows` rows, one leaf list (`join_microbatches`)."""
         pipe = self.pipe
-        if self._row_leaves is None:
-            self._row_leaves = (row_leaves(pipe.captured),)
         if pipe.plan.stage_dp:  # each micro-batch's block of rows
             replicas = pipe.plan.dp_of(pipe.plan.num_chunks - 1)
             sizes = [(b - a) // replicas for a, b in batching.microbatch_bounds(rows, pipe.plan.num_microbatches)]
         else:
             start, stop = batching.shard_bounds(rows, pipe.plan.dp)[pipe.replica]
             sizes = [b - a for a, b in batching.microbatch_bounds(stop - start, pipe.plan.num_microbatches)]
-        joined = join_microbatches([flatten_output(o)[0] for o in outputs], sizes, self._row_leaves[0])
+        joined = join_microbatches([flatten_output(o)[0] for o in outputs], sizes, self._row_leaves)
         apart = [i for i, leaf in enumerate(joined) if isinstance(leaf, list)]
         if apart and pipe.plan.stage_dp:
             names = leaf_names(pipe.output_spec)
