@@ -1,14 +1,14 @@
 """A value crossing from a stage of tp=1 to one of tp=2 and its gradient back: as tiles or whole, measured and predicted.
 
 One job, spawned here: 3 gloo ranks on 127.0.0.1, one CPU thread each; stage A is rank 0, stage B
-ranks 1 and 2 (`plait.runtime.crossing.Crossing`, the runtime's own code):
+ranks 1 and 2 (`plait.runtime.widths.crossing.Crossing`, the runtime's own code):
 
     tiles   rank 0 sends half the value to each rank of B, which all-gather it; the gradient comes
             back as two halves into rank 0 (Alpa's cross-mesh resharding with a local all-gather)
     whole   rank 0 sends all of it to each rank of B; nothing is gathered
 
 For each size, the median over rounds (modes alternating) of one forward and backward crossing on
-the slowest rank, beside what the cost model predicts for each way (`plait.plan.tiles.crossing_time`
+the slowest rank, beside what the cost model predicts for each way (`plait.cost.tiles.crossing_time`
 on the links `plait.planner.calibrate` measures in the same job) and the way it would choose.
 
     python benchmarks/crossing.py [--rounds 15] [--sizes 16384,262144,1048576,4194304]
@@ -36,12 +36,12 @@ MODES = ("tiles", "whole")
 
 
 def _rank(rank: int, port: int, rounds: int, sizes: list[int], result: str) -> None:
-    from plait.config_widths import CROSSINGS
-    from plait.plan.tiles import crossing_time
+    from plait.config.widths import CROSSINGS
+    from plait.cost.tiles import crossing_time
     from plait.planner.calibrate import calibrate
-    from plait.runtime.collectives import make_group
-    from plait.runtime.crossing import Crossing
-    from plait.runtime.wire import Wire
+    from plait.runtime.comm.collectives import make_group
+    from plait.runtime.widths.crossing import Crossing
+    from plait.runtime.comm.wire import Wire
 
     join_job(rank, 3, port)
     network = calibrate()

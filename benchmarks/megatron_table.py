@@ -5,7 +5,7 @@ vocabulary 51200, full activation recomputation) is priced at Megatron's own lay
 script (examples/sc21/run_table_1.sh) ran it: `plait plan --gpt ... --layout
 tp=T,pp=P,m=M,schedule=S,recompute=1,overlap=O` (M from its micro-batch size, S interleaved where
 it interleaved, O whether its DDP summed the gradients beside the backward) on the a100-80gb
-preset -- the roofline of `plait.plan.roofline` from the data sheet and measured device
+preset -- the roofline of `plait.cost.roofline` from the data sheet and measured device
 constants, no fitted efficiency -- and its predicted TFLOP/s per GPU (Megatron's FLOP count,
 SC'21 equation 3, over the predicted step) printed beside the published one (target: within 10%).
 Then the planner chooses freely; its choice must be predicted no slower than Megatron's t and p

@@ -1,9 +1,9 @@
 """plait's own overheads, timed in one process: the planner's search and a trace span.
 
-(a) The search (`plait.plan.search.search`) on Alpa's GPT suite (GPT-350M on 1 GPU up to
-    GPT-39B on 64 V100-16GB, the costs from `plait.plan.analytic.gpt_costs`): the wall time of
+(a) The search (`plait.search.search.search`) on Alpa's GPT suite (GPT-350M on 1 GPU up to
+    GPT-39B on 64 V100-16GB, the costs from `plait.cost.analytic.gpt_costs`): the wall time of
     each plan, the median of `--repeats`. Target: under 2 s each.
-(b) A trace span (`plait.runtime.trace.Tracer.span`) around an empty body, and the span of the
+(b) A trace span (`plait.runtime.tracer.Tracer.span`) around an empty body, and the span of the
     tracer that records nothing (`NULL_TRACER`, what a run without `trace_dir` uses), against a
     bare `with` of an empty context manager: the median over `--repeats` rounds of 20,000 spans.
     Targets: a span under 50 us, a null span under 10 us (a pipeline step holds a few spans per
@@ -27,11 +27,11 @@ try:
     import plait  # noqa: F401
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from plait.plan.analytic import ALPA_GPT_SUITE, gpt_costs, optimizer_state_factor
-from plait.plan.cost import Cluster
-from plait.plan.devices import device
-from plait.plan.search import search
-from plait.runtime.trace import NULL_TRACER, Tracer
+from plait.cost.analytic import ALPA_GPT_SUITE, gpt_costs, optimizer_state_factor
+from plait.cost.prediction import Cluster
+from plait.cost.devices import device
+from plait.search.search import search
+from plait.runtime.tracer import NULL_TRACER, Tracer
 
 SEARCH_TARGET_S = 2.0
 SPAN_TARGET_S, NULL_SPAN_TARGET_S = 50e-6, 10e-6

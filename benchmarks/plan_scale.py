@@ -18,11 +18,11 @@ import resource
 import sys
 import time
 
-from plait.plan.analytic import gpt_costs, gpt_tp_shares, optimizer_state_factor, parse_gpt
-from plait.plan.cost import Cluster
-from plait.plan.devices import device
-from plait.plan.search import SearchSpace
-from plait.plan.tp_costs import search_tp, tp_degrees
+from plait.cost.analytic import gpt_costs, gpt_tp_shares, optimizer_state_factor, parse_gpt
+from plait.cost.prediction import Cluster
+from plait.cost.devices import device
+from plait.search.search import SearchSpace
+from plait.search.tp_degree import search_tp, tp_degrees
 from plait.schedule import simulate
 
 GIB = 2.0**30

@@ -15,7 +15,7 @@
     |plan-time / measured - 1| <= 0.15 on at least 5 of them. Secondary, not the target: a
     shared machine's speed moves in phases (a step can run a quarter faster or slower for
     seconds at a time), so each round also profiles again (both ranks at once, as planning
-    does) and prices every layout (`plait.plan.cost.predict`, the planner's model, on the plan's
+    does) and prices every layout (`plait.cost.prediction.predict`, the planner's model, on the plan's
     layout and network) just before timing it; the median over rounds of that re-priced /
     measured ratio shows how much of the plan-time gap is the host drifting since planning.
     Both are priced as planning prices them: a profile takes the slowest rank's whole-model
@@ -48,8 +48,8 @@ except ImportError:  # run from a checkout without `pip install -e .`
     import plait
 from job import join_job, leave_job, run_job
 from plait.planner.autoplan import PlanOptions, profile_sample
-from plait.plan.cost import predict
-from plait.runtime.collectives import max_floats
+from plait.cost.prediction import predict
+from plait.runtime.comm.collectives import max_floats
 
 BATCH = 128  # global batch, rows
 MICROBATCHES = 8

@@ -1,4 +1,4 @@
-"""The planner's GPU roofline (`plait.plan.roofline`) against a real GPU, operator by operator.
+"""The planner's GPU roofline (`plait.cost.roofline`) against a real GPU, operator by operator.
 
 Needs a CUDA device; CI never runs it. For each row of Megatron-LM's table (SC'21), one rank's
 shard of its transformer block (tensor-parallel degree t: q|k|v and the first MLP linear by
@@ -34,7 +34,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 import torch
 from torch import nn
 
-from plait.plan.roofline import Gpu, block_times, gemm_s, memory_s
+from plait.cost.roofline import Gpu, block_times, gemm_s, memory_s
 from plait.planner.gpu_probe import ProbeSizes, best_matmul, copy_bandwidth, norm_throughput, timed
 
 # name, hidden, heads, t, the run script's micro-batch size (examples/sc21/run_table_1.sh)

@@ -10,7 +10,7 @@ Prediction, as the planner makes it and before anything is timed: after the warm
 which each model plans its layers), every rank at once measures the link
 (`plait.planner.calibrate.calibrate`) and profiles the model once (`profile_sample`, each round
 the slowest rank's whole-model times, as planning profiles); then each schedule's layout (its
-plan's layers per stage) is priced by the planner's cost model, `plait.plan.cost.predict` with
+plan's layers per stage) is priced by the planner's cost model, `plait.cost.prediction.predict` with
 the schedule simulated on the generator's own program. The timed runs' traces are written for
 `plait timeline` only: no prediction reads them. The check is on ratios between schedules:
 (measured s / measured 1F1B) / (predicted s / predicted 1F1B) must be within 1 +- 0.15; the
@@ -47,10 +47,10 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import plait
 from job import join_job, leave_job, mlp, regression_batch, run_job
-from plait.plan import cost
+from plait.cost import prediction as cost
 from plait.planner.autoplan import PlanOptions, local_cluster, profile_sample
 from plait.planner.calibrate import calibrate
-from plait.runtime.collectives import max_floats
+from plait.runtime.comm.collectives import max_floats
 
 SEED = 1234
 LR = 1e-3

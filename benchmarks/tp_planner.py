@@ -6,13 +6,13 @@ One job, spawned here: 2 gloo ranks on 127.0.0.1, one CPU thread each. A model, 
     gpt2    Hugging Face GPT-2 (4 layers, 256 wide, 4 heads, vocabulary 1024, 64 tokens), batch 8
 
 `Config(tp=None)` plans on the job: the planner profiles the model, prices tp = 1 and tp = 2
-(`plait.plan.tp_costs`: split work over tp, Megatron's all-reduces on the measured link) and lists
+(`plait.cost.tp_costs`: split work over tp, Megatron's all-reduces on the measured link) and lists
 each tp's best layout. Then both layouts run, alternating, each step after a barrier and taken as
 the slowest rank's; medians over the rounds. Printed: each layout's predicted step (at plan time)
 and its measured step, and whether the planner's choice is the faster one measured (the target:
 the choice is faster, or within 5% of the other). Beside them runs data parallelism (one stage
 on 2 replicas, one micro-batch) with its optimizer state sharded (ZeRO-1) and its gradients too
-(ZeRO-2), priced by the same cost model from the same profile (`plait.plan.cost.predict` at that
+(ZeRO-2), priced by the same cost model from the same profile (`plait.cost.prediction.predict` at that
 level): the closed loop's second target is every layout's predicted / measured step within 15%
 (each layout's verdict is printed; the count leaves none out).
 
@@ -46,7 +46,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from job import join_job, leave_job, run_job, timed  # noqa: E402 - benchmarks/ is on sys.path
 
-from plait.plan.cost import Setting, predict  # noqa: E402
+from plait.cost.prediction import Setting, predict  # noqa: E402
 from plait.planner.layout import candidate_fields  # noqa: E402
 
 

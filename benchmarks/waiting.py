@@ -1,4 +1,4 @@
-"""Waiting for gloo collectives: blocked (`Work.wait`) against polled (`plait.runtime.waiting`), in one run.
+"""Waiting for gloo collectives: blocked (`Work.wait`) against polled (`plait.runtime.comm.waiting`), in one run.
 
 One job, spawned here: 2 gloo ranks on 127.0.0.1, one CPU thread each. Each round runs, once with
 PLAIT_WAIT=block and once with PLAIT_WAIT=poll (the order alternating), `--steps` iterations of
@@ -8,7 +8,7 @@ PLAIT_WAIT=block and once with PLAIT_WAIT=poll (the order alternating), `--steps
     all-reduce N           an all-reduce of N alone, the ranks otherwise idle (64 KiB: a
                            tensor-parallel collective's size; 1 and 4 MiB: gradient buckets')
 
-each waited for by `plait.runtime.waiting.finish`, and the compute alone. Rank 0's iteration
+each waited for by `plait.runtime.comm.waiting.finish`, and the compute alone. Rank 0's iteration
 times over all rounds: median, 90th percentile and mean, and the mean's ratio blocked / polled.
 
     python benchmarks/waiting.py [--rounds 6] [--steps 100]
@@ -39,7 +39,7 @@ KINDS = ("compute + all-reduce", *(f"all-reduce {name}" for name in SIZES), "com
 
 
 def _rank(rank: int, port: int, rounds: int, steps: int, result: str) -> None:
-    from plait.runtime.waiting import WAIT_ENV, finish
+    from plait.runtime.comm.waiting import WAIT_ENV, finish
 
     join_job(rank, 2, port)
     a, w = torch.randn(256, 256), torch.randn(256, 256)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -20,25 +20,31 @@ from plait.capture.trace import CapturedGraph, capture_batch, retarget
 from plait.checkpoint import disk as checkpoint
 from plait.checkpoint import train_state, weights
 from plait.checkpoint.model_checkpoints import ModelCheckpoints
-from plait.checkpoint.sharded_export import available_bytes, model_bytes, write_index, write_own_shard
 from plait.checkpoint.resume import ResumePoint, resume_point, resumed_line
+from plait.checkpoint.sharded_export import available_bytes, model_bytes, write_index, write_own_shard
 from plait.config import Config
+from plait.cost.row_blocks import check_rows
 from plait.errors import CheckpointError, ConfigError, PlaitError
-from plait.materialize import materialize_tensors, on_meta, release_parameters
 from plait.job.process_group import init_process_group
 from plait.job.run_options import apply_run_options
 from plait.job.together import meet
+from plait.materialize import materialize_tensors, on_meta, release_parameters
 from plait.metrics import check_metrics, logs_of
 from plait.plan import Plan
-from plait.plan.row_blocks import check_rows
-from plait.plan.report import PlanReport
 from plait.planner.closed_loop import ClosedLoop
 from plait.planner.layout import Layout, Workload, choose_layout, layout_of
-from plait.runtime.collectives import failed_ranks, gather_state_dict, local_device, sum_floats, whole_split_tensors
-from plait.runtime.memory_stats import memory_line, memory_stats, state_factor
+from plait.planner.plan_report import PlanReport
+from plait.runtime.comm.collectives import (
+    failed_ranks,
+    gather_state_dict,
+    local_device,
+    sum_floats,
+    whole_split_tensors,
+)
+from plait.runtime.failure import failure_error, raised_before_steps
+from plait.runtime.memory.memory_stats import memory_line, memory_stats, state_factor
 from plait.runtime.output_rows import join_parts
 from plait.runtime.pipeline import Pipeline, build_pipeline, stage_tensors
-from plait.runtime.report import failure_error, raised_before_steps
 from plait.runtime.step import OptimizerArg, StepRunner, make_optimizer, num_stats
 
 __all__ = ["Model"]
@@ -411,7 +417,7 @@ class Model:
     def memory_stats(self) -> dict[str, Any]:
         """This rank's parameter, buffer, gradient, optimizer and peak activation bytes, measured
         (the last training step's), with the planner's prediction of each under "predicted"
-        (`plait.runtime.memory_stats`)."""
+        (`plait.runtime.memory.memory_stats`)."""
         runner = self._built()
         chosen = self._loop.report.chosen if self._loop is not None else None
         return memory_stats(runner.pipe, self.net, runner.memory, state_factor(self.optimizer), chosen)

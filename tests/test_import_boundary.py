@@ -4,9 +4,10 @@ talks to other ranks.
 The layers, bottom to top (a package imports only from its own layer or below, and within a layer only
 along the order written here, so that the packages form a chain, never a loop):
 
-    base        errors, config_widths, config, data, metrics, callbacks, materialize, tensor_parts, host
-                                                          (the top-level modules but model)
-    pure        capture, schedule, plan                   (no torch.distributed)
+    base        errors, config, data, metrics, callbacks, materialize, tensor_parts, host
+                                                          (the top-level modules but model, and config)
+    pure        capture, schedule, plan, cost, search     (no torch.distributed; the plan is data, the
+                                                          cost model prices it, the search chooses it)
     job-side    runtime, job -> planner, checkpoint       (planner and checkpoint use runtime's
                                                           collectives; planner reads job's ranks)
     model       model                                     (the public Model)
@@ -21,11 +22,11 @@ import plait
 ROOT = pathlib.Path(plait.__file__).parent
 
 # Each unit (a package, or a top-level module) and what it may import besides itself.
-BASE = {"errors", "config_widths", "config", "data", "metrics", "callbacks", "materialize", "tensor_parts", "host"}
+BASE = {"errors", "config", "data", "metrics", "callbacks", "materialize", "tensor_parts", "host"}
+PURE_PLANNING = {"schedule", "plan", "cost", "search"}
 ALLOWED = {
     "errors": set(),
-    "config_widths": {"errors"},
-    "config": {"errors", "config_widths"},
+    "config": {"errors"},
     "data": {"errors"},
     "metrics": {"errors"},
     "callbacks": set(),
@@ -35,17 +36,17 @@ ALLOWED = {
     "capture": BASE,
     "schedule": BASE,
     "plan": BASE | {"schedule"},
-    "runtime": BASE | {"capture", "schedule", "plan"},
-    "planner": BASE | {"capture", "schedule", "plan", "runtime", "job"},
+    "cost": BASE | {"schedule", "plan"},
+    "search": BASE | {"schedule", "plan", "cost"},
+    "runtime": BASE | {"capture"} | PURE_PLANNING,
+    "planner": BASE | {"capture", "runtime", "job"} | PURE_PLANNING,
     "checkpoint": BASE | {"runtime"},
     "job": BASE,
-    "model": BASE | {"capture", "schedule", "plan", "runtime", "planner", "checkpoint", "job"},
-    "cli": BASE | {"capture", "schedule", "plan", "runtime", "planner", "checkpoint", "job", "model", "__init__"},
+    "model": BASE | {"capture", "runtime", "planner", "checkpoint", "job"} | PURE_PLANNING,
+    "cli": BASE | {"capture", "runtime", "planner", "checkpoint", "job", "model", "__init__"} | PURE_PLANNING,
     "__init__": BASE | {"model", "plan", "job"},
 }
-# Old import paths kept working (with a DeprecationWarning) after a move: they only re-export.
-DEPRECATED_ALIASES = {"plait.runtime.process_group"}
-PURE = ["capture", "schedule", "plan", "errors", "config", "config_widths.py", "data", "metrics", "materialize.py", "tensor_parts.py", "checkpoint/disk.py",
+PURE = ["capture", "schedule", "plan", "cost", "search", "errors", "config", "data", "metrics", "materialize.py", "tensor_parts.py", "checkpoint/disk.py",
         "checkpoint/tensorfile.py", "checkpoint/train_state.py", "checkpoint/resume.py", "checkpoint/weights.py"]
 
 
@@ -92,8 +93,6 @@ def test_every_unit_has_a_layer():
 def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
     offenders = {}
     for module, deps in graph.items():
-        if module in DEPRECATED_ALIASES:
-            continue
         own = unit(module)
         bad = {d for d in deps if unit(d) != own and unit(d) not in ALLOWED[own]}
         if bad:
@@ -143,23 +142,6 @@ def test_the_layer_table_is_a_chain_without_loops():
     assert find_cycle({f"plait.{k}": v for k, v in table.items()}) is None
 
 
-def test_deprecated_aliases_only_re_export_and_warn():
-    import importlib
-    import sys
-    import warnings
-
-    for name in DEPRECATED_ALIASES:
-        sys.modules.pop(name, None)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            module = importlib.import_module(name)
-        assert any(issubclass(w.category, DeprecationWarning) for w in caught), name
-        source = (ROOT.parent / (name.replace(".", "/") + ".py")).read_text()
-        assert "def " not in source and "class " not in source, f"{name} should only re-export"
-        for public in module.__all__:
-            assert getattr(module, public) is getattr(importlib.import_module("plait"), public)
-
-
 def test_no_module_import_cycle():
     cycle = find_cycle(modules())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
@@ -169,7 +151,7 @@ def test_the_checks_see_a_planted_cycle_and_an_upward_import():
     assert find_cycle({"plait.a": {"plait.b"}, "plait.b": {"plait.c"}, "plait.c": {"plait.a"}}) == [
         "plait.a", "plait.b", "plait.c", "plait.a"]
     assert find_cycle({"plait.a": {"plait.b"}, "plait.b": set()}) is None
-    assert upward_imports({"plait.planner.replan": {"plait.model", "plait.plan.cost"}}) == {
+    assert upward_imports({"plait.planner.replan": {"plait.model", "plait.cost.prediction"}}) == {
         "plait.planner.replan": ["plait.model"]}
 
 

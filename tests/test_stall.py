@@ -6,7 +6,7 @@ more from the stalled one (its loss sums went out after the forwards) finishes t
 reports at step 3's first receive. The other rank must fail with a
 PipelineError that names the silent rank, in time: its wait times out after timeout_s, then it
 collects the failing ranks' reports for about one more timeout
-(plait.runtime.report.report_wait). The margin is for a busy machine: 2 ranks on 2 shared CPU
+(plait.runtime.failure.report_wait). The margin is for a busy machine: 2 ranks on 2 shared CPU
 cores can lose seconds to scheduling.
 
 Before a step: a rank that never starts it leaves the others waiting at their first receive;

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import plait
-from plait.runtime.zero import share_out, zero_owners
+from plait.runtime.dp.zero import share_out, zero_owners
 from plait.tensor_parts import TpShard
 from tests.harness import run_ranks
 from tests.models import LAYERS, even_cut, make

@@ -365,7 +365,7 @@ def _expand(node: fx.Node, lay: Shard, tp: int) -> Layout:
 
 def _attention(node: fx.Node, lay: Shard, tp: int) -> Layout:
     """scaled_dot_product_attention: q, k, v split by heads (dim 1), the mask broadcast over them
-    (with dropout, each rank keeps its heads of the whole mask: `plait.runtime.tensor_parallel`)."""
+    (with dropout, each rank keeps its heads of the whole mask: `plait.runtime.tp.tensor_parallel`)."""
     mask = args_of(node)[3] if len(args_of(node)) > 3 else kwargs_of(node).get("attn_mask")
     if lay.dim != 1 or lay.blocks != 1:
         raise _fail(node, lay, "attention split on another dimension than the heads")

@@ -37,8 +37,19 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from plait.capture.shard_rules import args_of, kwargs_of, Conflict, Layout, LinearParts, Shard, linear_parts, \
-    propagate, reshape_dim, seq_operands, shape_of
+from plait.capture.shard_rules import (
+    Conflict,
+    Layout,
+    LinearParts,
+    Shard,
+    args_of,
+    kwargs_of,
+    linear_parts,
+    propagate,
+    reshape_dim,
+    seq_operands,
+    shape_of,
+)
 from plait.config import TP_PLACEMENT, TP_STRATEGIES
 from plait.errors import ConfigError
 from plait.tensor_parts import uneven_fits
@@ -63,7 +74,7 @@ class TpLayout:
     params: dict[str, tuple[int, int]] = field(default_factory=dict)
     values: dict[str, Layout] = field(default_factory=dict)
     replicated: tuple[tuple[str, str], ...] = ()
-    search: dict[str, Any] = field(default_factory=dict)  # the tp search's choice (plait.runtime.tp_search)
+    search: dict[str, Any] = field(default_factory=dict)  # the tp search's choice (plait.runtime.tp.tp_search)
     seq_entries: dict[str, tuple[str, int]] = field(default_factory=dict)  # rowwise -> (value, dim) reduce-scattered
     gathers: frozenset[str] = frozenset()  # nodes whose token-split inputs are gathered first
 

@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 from plait.checkpoint import disk as checkpoint
 from plait.errors import CheckpointError, PlaitError
-from plait.runtime.collectives import sum_floats
-from plait.runtime.report import failure_error
+from plait.runtime.comm.collectives import sum_floats
+from plait.runtime.failure import failure_error
 
 __all__ = ["Checkpointer"]
 

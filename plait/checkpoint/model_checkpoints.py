@@ -32,11 +32,11 @@ from torch import nn
 from plait.checkpoint import train_state, weights
 from plait.checkpoint.checkpointer import Checkpointer
 from plait.checkpoint.disk import Checkpoint, read_parameters
-from plait.materialize import on_meta
 from plait.config import Config
 from plait.errors import CheckpointError
+from plait.materialize import on_meta
 from plait.runtime.agree import agree
-from plait.runtime.collectives import failed_ranks, sum_floats
+from plait.runtime.comm.collectives import failed_ranks, sum_floats
 
 if TYPE_CHECKING:
     from plait.runtime.pipeline import Pipeline

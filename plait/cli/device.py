@@ -57,7 +57,7 @@ def _rows(like: Any, mine: Any) -> list[tuple[str, str, str]]:
 
 
 def run_device(args: argparse.Namespace) -> int:
-    from plait.plan.devices import device
+    from plait.cost.devices import device
     from plait.planner.gpu_probe import measure_device
 
     like = device(args.like)

@@ -7,9 +7,9 @@ import os
 import sys
 from typing import Any
 
+from plait.errors import PlaitError
 from plait.job import launch
 from plait.job.run_options import run_options_env
-from plait.errors import PlaitError
 
 __all__ = ["main", "build_parser"]
 
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=DEMO_EPILOG, allow_abbrev=False)
     _add_launch_options(demo, default_nproc=2)
     _add_chart_commands(commands)
-    from plait.cli.plan import add_plan_command
+    from plait.cli.plan_command import add_plan_command
 
     add_plan_command(commands)
     _add_export_command(commands)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        from plait.cli.plan import run_plan
+        from plait.cli.plan_command import run_plan
 
         try:
             return run_plan(args)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.cli.gantt import LANES, Panel, render
-from plait.runtime.trace import FORMAT_VERSION
+from plait.runtime.tracer import FORMAT_VERSION
 
 __all__ = ["Span", "Trace", "load", "merge", "bubble_fraction", "stage_times", "send_times",
            "transfer_time", "plan", "draw_measured", "draw_simulation"]

@@ -1,6 +1,5 @@
-"""The plan: which layers go on which stage, as plain data."""
+"""The plan: how the model is laid out on the ranks, as plain data."""
 
-from plait.plan.partition import balance, check_partition
 from plait.plan.plan import Plan
 
-__all__ = ["Plan", "balance", "check_partition"]
+__all__ = ["Plan"]

@@ -1,6 +1,6 @@
 """`LayerCosts`: one model's per-layer times, bytes and memory as plain arrays, JSON-ready.
 
-Measured by `plait.planner.profile` or derived from a description by `plait.plan.analytic`; the cost
+Measured by `plait.planner.profile` or derived from a description by `plait.cost.analytic`; the cost
 model, the partition and the search read nothing else, so they are tested on random arrays.
 Times are affine in the micro-batch's rows -- t(rows) = fixed + per_row * rows -- because a
 small micro-batch does not run proportionally faster (kernel launches, per-op overheads):

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from plait.config_widths import CROSSINGS
+from plait.config.widths import CROSSINGS
 from plait.errors import ConfigError
 
 __all__ = ["Plan"]

@@ -7,10 +7,21 @@ from dataclasses import dataclass
 
 from plait.config import SCHEDULE_NAMES
 from plait.errors import ConfigError
-from plait.plan.memory import check_zero
 from plait.schedule.interleaved import group_sizes
 
-__all__ = ["Setting", "microbatch_rows", "peak_activations"]
+__all__ = ["Setting", "microbatch_rows", "peak_activations", "check_zero", "ZERO_LEVELS"]
+
+
+ZERO_LEVELS = (0, 1, 2)
+
+
+def check_zero(zero: object, dp: int) -> None:
+    """ConfigError unless `zero` is 0, 1 or 2, and 1 or 2 only with more than one replica."""
+    if isinstance(zero, bool) or zero not in ZERO_LEVELS:
+        raise ConfigError(f"zero must be 0, 1 or 2, got {zero!r}")
+    if zero and dp == 1:
+        raise ConfigError(f"zero={zero} shards over a stage's replicas, but dp=1 has one replica; "
+                          "set dp > 1 or zero=0")
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,17 @@ import torch
 from torch import nn
 
 from plait import data as batching
-from plait.errors import ConfigError
-from plait.plan.buckets import DEFAULT_BUCKET_BYTES, reduces_to_owners
-from plait.plan.cost import Cluster
-from plait.plan.devices import device
 from plait.capture.trace import CapturedGraph, capture, in_mode
+from plait.cost.buckets import DEFAULT_BUCKET_BYTES, reduces_to_owners
+from plait.cost.devices import device
+from plait.cost.network import Network
+from plait.cost.prediction import Cluster
+from plait.errors import ConfigError
 from plait.job.ranks import threads_per_rank
-from plait.plan.network import Network
-from plait.plan.search import Candidate, SearchSpace, format_table
-from plait.plan.tp_costs import search_tp
 from plait.planner.profile import LayerProfile, OptimizerFactory, ProfileOptions, Slowest, profile
 from plait.planner.tp_shares import tp_shares
+from plait.search.search import Candidate, SearchSpace, format_table
+from plait.search.tp_degree import search_tp
 
 __all__ = ["PlanOptions", "PlanResult", "plan_model", "profile_sample", "local_cluster", "capture_sample"]
 
@@ -45,7 +45,7 @@ class PlanOptions:
     search may price other micro-batch sizes). threads: intra-op threads per rank while
     measuring (None: this machine's cores shared by the local ranks, as `plait run` sets them).
     slowest: with every rank profiling at once, the reduction that makes each round's whole-model
-    times the slowest rank's (`plait.runtime.collectives.max_floats`; see `plait.planner.profile`).
+    times the slowest rank's (`plait.runtime.comm.collectives.max_floats`; see `plait.planner.profile`).
     """
 
     space: SearchSpace = field(default_factory=SearchSpace)
@@ -59,7 +59,7 @@ class PlanOptions:
     target: Any = None  # with `loss`: the sample's targets, so the last layer includes the loss
     slowest: Slowest | None = None
     captured: CapturedGraph | None = None  # the model as captured (train mode); None: capture here
-    tp: tuple[int, ...] = (1,)  # the tensor-parallel degrees to consider (`plait.plan.tp_costs.tp_degrees`)
+    tp: tuple[int, ...] = (1,)  # the tensor-parallel degrees to consider (`plait.cost.tp_costs.tp_degrees`)
     tp_plan: tuple[tuple[str, str], ...] | None = None  # Config.tp_plan: its entries fix those modules
 
 
@@ -106,7 +106,7 @@ def local_cluster(local_ranks: int, network: Network | None = None, memory_bytes
     On `backend` gloo (CPU ranks, whose own cores move and sum the bytes while every core
     computes) the gradient sum is priced after the backward pass instead of beside it (measured
     on 2 gloo ranks: a 16 MiB all-reduce run beside 19 ms of compute hid 3-35% of its time), and
-    ZeRO-2's sums as the runtime issues them (`plait.plan.buckets.reduces_to_owners`)."""
+    ZeRO-2's sums as the runtime issues them (`plait.cost.buckets.reduces_to_owners`)."""
     if memory_bytes is None:
         try:
             total = float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))

@@ -1,6 +1,6 @@
 """Measuring the backend's latency and bandwidth: timed ping-pongs between two ranks, fitted.
 
-One message of n bytes costs alpha + n / beta (`plait.plan.network.Link`). Rank a sends n
+One message of n bytes costs alpha + n / beta (`plait.cost.network.Link`). Rank a sends n
 bytes to rank b, which sends them back; half the round trip, median of `repeats`, for sizes
 from 1 KiB to 32 MiB (past the gradient buckets' 25 MiB). beta is the slope of the sizes of 1 MiB
 and more (the least-squares line through them alone), where the bytes cost more than the latency;
@@ -13,7 +13,7 @@ on CPU ranks a message or collective now and then waits a scheduler tick for a t
 its core, a tail that a step's sum of them pays and a median leaves out (2 gloo ranks, 1-256 KiB:
 a ping-pong's one way 0.5-1.1 ms mean after compute, 0.13-0.24 ms median between idle ranks; a 64
 KiB all-reduce 0.8-1.9 ms mean after compute, 0.4 ms median idle). An all-reduce is timed on
-the same pair, waited for as the runtime waits (`plait.runtime.waiting`) -- below 1 MiB as what
+the same pair, waited for as the runtime waits (`plait.runtime.comm.waiting`) -- below 1 MiB as what
 it adds to a chain of equal compute on both ranks, as a tensor-parallel step meets it
 (`_in_chain`, twice `repeats` blocks of each kind) -- and fitted to the ring formula 2(p-1) alpha
 + 2(p-1) n / (p beta) (Thakur et al. 2005): a library's collective has costs of its own that a ping-pong does not show
@@ -41,10 +41,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from plait.cost.network import Link, Network
 from plait.job.ranks import local_world_size, threads_per_rank
-from plait.plan.network import Link, Network
-from plait.runtime.collectives import all_gather_text, broadcast_json, make_group
-from plait.runtime.waiting import finish
+from plait.runtime.comm.collectives import all_gather_text, broadcast_json, make_group
+from plait.runtime.comm.waiting import finish
 
 __all__ = ["fit_link", "measure_link", "measure_all_reduce", "measure_handover", "calibrate", "measure_here"]
 

@@ -9,7 +9,7 @@ adds its sums into one all-reduce, so all ranks get the same numbers:
     stage s: F + B + W of one micro-batch = sum of its F/B/W times / its forwards (all replicas)
     step:    the mean over ranks of the mean step time
 
-and `plait.plan.feedback` compares them with the plan's prediction.
+and `plait.search.feedback` compares them with the plan's prediction.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import time
 from types import TracebackType
 from typing import Any, ContextManager
 
-from plait.plan.feedback import Feedback, StageCheck
-from plait.plan.report import PlanReport
-from plait.runtime.collectives import sum_floats
+from plait.planner.plan_report import PlanReport
+from plait.runtime.comm.collectives import sum_floats
+from plait.search.feedback import Feedback, StageCheck
 
 __all__ = ["WARMUP_STEPS", "MEASURED_STEPS", "StageClock", "PlanCheck"]
 

@@ -1,6 +1,6 @@
 """The planner's one choice: the search's inputs from a `Config`, and the layout picked from a priced search.
 
-`Config()` (rank 0, `plait.planner.layout`) and `plait plan --model` (`plait.cli.plan`) both run
+`Config()` (rank 0, `plait.planner.layout`) and `plait plan --model` (`plait.cli.plan_command`) both run
 
     Config, world, rows, optimizer, network, backend --search_inputs--> SearchInputs
     net + sample --plan_model(profile, search)--> PlanResult --choose--> Choice (Config fields, report)
@@ -20,14 +20,14 @@ from typing import Any
 
 from plait.capture.trace import CapturedGraph
 from plait.config import SEARCH_ORDER, Config
+from plait.cost.network import Network
+from plait.cost.prediction import Cluster
 from plait.errors import ConfigError
-from plait.plan.cost import Cluster
-from plait.plan.network import Network
-from plait.plan.report import PlanReport
-from plait.plan.search import SearchSpace
-from plait.plan.tp_costs import tp_degrees
 from plait.planner.autoplan import PlanResult, local_cluster
+from plait.planner.plan_report import PlanReport
 from plait.planner.widths import mixed_widths_choice
+from plait.search.search import SearchSpace
+from plait.search.tp_degree import tp_degrees
 
 __all__ = ["SearchInputs", "Choice", "search_inputs", "search_space", "choose", "candidate_fields"]
 

@@ -13,10 +13,10 @@ import dataclasses
 import logging
 from typing import Any
 
-from plait.plan.feedback import should_replan
-from plait.plan.report import PlanReport
 from plait.planner.check import PlanCheck
+from plait.planner.plan_report import PlanReport
 from plait.planner.replan import replan
+from plait.search.feedback import should_replan
 
 __all__ = ["ClosedLoop"]
 

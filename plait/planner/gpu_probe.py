@@ -1,6 +1,6 @@
 """Measuring this machine's GPU for the planner: the constants of its roofline, by short benchmarks.
 
-A GPU preset (`plait.plan.devices`) prices operators by `plait.plan.roofline` from a data sheet and
+A GPU preset (`plait.cost.devices`) prices operators by `plait.cost.roofline` from a data sheet and
 a few measured figures. `measure_device(like)` measures those figures on the GPU here and returns
 the preset `like` with them put in, for `plait plan --device FILE.json` (`plait device` writes it):
 
@@ -31,8 +31,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from plait.cost.devices import KERNELS_PER_PASS, Device
 from plait.errors import ConfigError
-from plait.plan.devices import KERNELS_PER_PASS, Device
 
 __all__ = ["SLEEP_CYCLES", "ProbeSizes", "timed", "best_matmul", "copy_bandwidth", "norm_throughput", "host_ahead_s",
            "kernel_gap", "measure_device"]
@@ -107,7 +107,7 @@ def copy_bandwidth(dev: torch.device, nbytes: int, reps: int) -> float:
 def norm_throughput(rows: int, hidden: int, dev: torch.device, dtype: torch.dtype, reps: int) -> tuple[float, float]:
     """A layer norm's forward and backward bytes/s over (rows, hidden): the forward's input read and
     output written, the backward's input and output gradient read and input gradient written (the
-    counts of `plait.plan.roofline.norm_s`)."""
+    counts of `plait.cost.roofline.norm_s`)."""
     norm = nn.LayerNorm(hidden).to(dev, dtype)
     x = torch.randn(rows, hidden, device=dev, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)

@@ -36,22 +36,22 @@ from torch import nn
 
 from plait import data as batching
 from plait.capture.trace import CapturedGraph
+from plait.config import SCHEDULE_NAMES, Config
+from plait.cost.network import Network
+from plait.errors import ConfigError, PartitionError
 from plait.job.ranks import local_world_size
+from plait.materialize import on_meta
 from plait.plan import Plan
 from plait.planner.autoplan import PlanOptions, plan_model, profile_sample
-from plait.planner.choice import SearchInputs, candidate_fields, choose, search_inputs
-from plait.planner.resolve import resolve_plan
-from plait.config import SCHEDULE_NAMES, Config
-from plait.errors import ConfigError, PartitionError
-from plait.materialize import on_meta
-from plait.plan.network import Network
-from plait.plan.split_points import cut_at
-from plait.plan.report import PlanReport
-from plait.runtime.agree import agree
 from plait.planner.calibrate import calibrate
-from plait.runtime.collectives import max_floats
-from plait.runtime.report import failure_error
-from plait.runtime.memory_stats import state_factor
+from plait.planner.choice import SearchInputs, candidate_fields, choose, search_inputs
+from plait.planner.plan_report import PlanReport
+from plait.planner.resolve import resolve_plan
+from plait.runtime.agree import agree
+from plait.runtime.comm.collectives import max_floats
+from plait.runtime.failure import failure_error
+from plait.runtime.memory.memory_stats import state_factor
+from plait.search.split_points import cut_at
 
 __all__ = ["Workload", "Layout", "choose_layout", "layout_of", "candidate_fields", "load_plan_file"]
 

@@ -2,7 +2,7 @@
 
 The model is captured as `Model` captures it (train mode) and split into one stage module per
 layer (`plait.capture.split`), and each layer runs as the runtime runs a stage: through
-`StageExecutor`, on inputs made as the wire delivers them (`plait.runtime.wire.as_received`), so
+`StageExecutor`, on inputs made as the wire delivers them (`plait.runtime.comm.wire.as_received`), so
 a layer is timed as exactly the code a stage would run, and what crosses a cut after layer i is
 what `split` would send there. For each layer, at the sample's rows and at a quarter of them
 (times are affine in rows, `LayerCosts`):
@@ -53,9 +53,9 @@ from plait.capture.split import StageModule, split
 from plait.capture.trace import CapturedGraph, capture, fingerprint, in_mode
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
-from plait.runtime.activation_meter import SavedBytes
+from plait.runtime.comm.wire import as_received
 from plait.runtime.executor import StageExecutor, grad_leaves
-from plait.runtime.wire import as_received
+from plait.runtime.memory.activation_meter import SavedBytes
 
 __all__ = ["LayerProfile", "ProfileOptions", "profile"]
 
@@ -91,7 +91,7 @@ class ProfileOptions:
     cache_dir: where profiles are kept by signature (None: in memory only).
     reuse: False measures again even when a cached profile exists (and caches the new one).
     slowest: called by every rank profiling at once, with the same values in the same order
-        (`plait.runtime.collectives.max_floats`): each round's whole-model times become the
+        (`plait.runtime.comm.collectives.max_floats`): each round's whole-model times become the
         slowest rank's, and a cached profile is used only when every rank has one (else all measure).
     captured: the model as captured in train mode (`Model` captures once); None: captured here.
     """

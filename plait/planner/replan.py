@@ -13,10 +13,10 @@ import dataclasses
 import logging
 from typing import Any, Sequence
 
-from plait.plan.feedback import Feedback, corrected_costs
-from plait.plan.search import SearchSpace, format_table, search
-from plait.plan.report import PlanReport
+from plait.planner.plan_report import PlanReport
 from plait.runtime.agree import agree
+from plait.search.feedback import Feedback, corrected_costs
+from plait.search.search import SearchSpace, format_table, search
 
 __all__ = ["replanned_layers", "replan"]
 

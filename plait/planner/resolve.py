@@ -6,22 +6,21 @@ assembles: no partition, no default and no recomputation decision is left to it.
 
     one process          one stage of every layer (a size given is ignored, with a warning)
     layers_per_proc      the user's or the planner's cut, checked against the uncuttable regions
-    split_points         the user's cut by module names, to layer counts (`plait.plan.split_points`)
+    split_points         the user's cut by module names, to layer counts (`plait.search.split_points`)
     none (one rank each) a balanced cut by parameter count (num_stages given, search not possible)
 """
 
 from __future__ import annotations
-
-
 
 from torch import nn
 
 from plait.capture.trace import CapturedGraph
 from plait.config import Config
 from plait.errors import ConfigError, PartitionError
-from plait.plan import Plan, balance, check_partition
-from plait.plan.split_points import cut_at
+from plait.plan import Plan
 from plait.schedule import simulate
+from plait.search.partition import balance, check_partition
+from plait.search.split_points import cut_at
 
 __all__ = ["resolve_plan", "recomputed_stages"]
 

@@ -8,7 +8,7 @@ graph, and each of its operations is charged to the layer it belongs to:
     a row-parallel linear, a vocab lookup   -> an all-reduce of its output in the forward
     a column-parallel linear's input        -> an all-reduce of that input's gradient in the backward
     a split value leaving the model         -> an all-gather (the logits); where the loss runs on
-                                               them split (`plait.runtime.vocab_loss`: given the loss
+                                               them split (`plait.runtime.tp.vocab_loss`: given the loss
                                                and a target), its all-reduces of per-token figures
 
 Bytes are per row of a micro-batch (the traced batch size taken as one row).
@@ -26,9 +26,9 @@ from plait.capture.shard_rules import Shard, linear_parts
 from plait.capture.split import split
 from plait.capture.tp_layout import tp_layouts
 from plait.capture.trace import CapturedGraph
+from plait.cost.tp_costs import TpShares
 from plait.errors import ConfigError
-from plait.plan.tp_costs import TpShares
-from plait.runtime.vocab_loss import collectives_of, split_plan
+from plait.runtime.tp.vocab_loss import collectives_of, split_plan
 
 __all__ = ["tp_shares"]
 

@@ -6,17 +6,17 @@ import logging
 from dataclasses import replace
 from typing import Any, Sequence
 
+from plait.capture.trace import CapturedGraph
 from plait.config import Config
+from plait.cost.prediction import Cluster
 from plait.errors import ConfigError
 from plait.job.ranks import local_world_size
-from plait.plan.cost import Cluster
-from plait.plan.report import PlanReport
-from plait.plan.search import SearchSpace
-from plait.plan.dp_widths import MixedDp, search_dp_widths
-from plait.plan.width_search import MixedWidths, pipeline_copies, search_widths, stage_widths
 from plait.planner.autoplan import PlanResult
+from plait.planner.plan_report import PlanReport
 from plait.planner.tp_shares import tp_shares
-from plait.capture.trace import CapturedGraph
+from plait.search.dp_widths import MixedDp, search_dp_widths
+from plait.search.search import SearchSpace
+from plait.search.width_search import MixedWidths, pipeline_copies, search_widths, stage_widths
 
 __all__ = ["WORLD_SIZES", "mixed_widths_choice"]
 

@@ -7,7 +7,7 @@ between ranks during a step. A failure on rank 0 travels as well, so no rank wai
 
     rank 0:  value = make()  -> store["plait/agree/<n>"] = {"ok": value} | {"error": "..."}
     rank r:  wait for the key -> value, or raise the error rank 0 had (or, where rank 0 failed
-             before `agree`, capturing the model, the one it posted: `plait.runtime.report`)
+             before `agree`, capturing the model, the one it posted: `plait.runtime.failure`)
 
 Every rank calls `agree` the same number of times in the same order (one key per call).
 """
@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from plait.errors import ConfigError, ModelError, PipelineError, PlaitError, model_frame
-from plait.runtime.report import gather_failures, posted, stopped_by
+from plait.runtime.failure import gather_failures, posted, stopped_by
 
 __all__ = ["agree"]
 

@@ -21,10 +21,10 @@ from torch.utils.checkpoint import checkpoint
 
 from plait.capture.split import StageModule
 from plait.errors import LossError
-from plait.runtime.activation_meter import ActivationMeter, SavedBytes, SavedShapes, hooks_in_use
 from plait.runtime.backward_split import SplitPlans, WeightGradients, backward_input
 from plait.runtime.batched_wgrad import defer_linear_weight_grads
 from plait.runtime.layer_checkpoint import layer_checkpointed
+from plait.runtime.memory.activation_meter import ActivationMeter, SavedBytes, SavedShapes, hooks_in_use
 
 __all__ = ["StageExecutor", "grad_leaves"]
 
@@ -50,7 +50,7 @@ class StageExecutor:
         layer_pieces: Sequence[int] | None = None,
     ):
         self.stage = stage
-        # tp > 1, the training pipeline's last stage: its split outputs' loss (`plait.runtime.vocab_loss`)
+        # tp > 1, the training pipeline's last stage: its split outputs' loss (`plait.runtime.tp.vocab_loss`)
         self.split_loss = split_loss
         self.meter = meter  # this rank's bytes held for backward passes (training forwards add to it)
         self._saved = SavedShapes(stage.module) if meter is not None else None

@@ -32,17 +32,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
-
 import torch.distributed as dist
 
 from plait.errors import ModelError, PipelineError, PlaitError, first_line, model_frame
-from plait.runtime.crossing import Crossing
-from plait.runtime.row_crossing import RowCrossing
+from plait.runtime.comm.wire import Wire, WireTimeout
 from plait.runtime.executor import StageExecutor, grad_leaves
-from plait.runtime.report import gather_failures, report_wait, stopped_by
+from plait.runtime.failure import gather_failures, report_wait, stopped_by
 from plait.runtime.riding_sums import RidingSums
-from plait.runtime.trace import NULL_TRACER, NullTracer, Tracer
-from plait.runtime.wire import Wire, WireTimeout
+from plait.runtime.tracer import NULL_TRACER, NullTracer, Tracer
+from plait.runtime.widths.crossing import Crossing
+from plait.runtime.widths.row_crossing import RowCrossing
 from plait.schedule import Action, Op, Program, format_grid
 
 __all__ = ["MicroBatch", "Interpreter", "forwards_done_after"]

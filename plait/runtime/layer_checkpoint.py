@@ -3,7 +3,7 @@
 A stage recomputed whole (`torch.utils.checkpoint` around the stage) keeps only its input per
 micro-batch, but while its backward recomputes the forward it holds every layer's activations of
 that micro-batch at once. Cut into pieces (`torch.fx.passes.split_module`; a piece is a repeated
-block's layers, `plait.plan.recompute_pieces`) with each piece under its own checkpoint, the
+block's layers, `plait.cost.recompute_pieces`) with each piece under its own checkpoint, the
 stage keeps each piece's input per micro-batch and, in the backward, recomputes and frees one
 piece at a time -- Megatron-LM's full recomputation: a transformer layer's input kept, one
 layer's activations alive. The pieces run in the order of their dependencies (split_module's
@@ -56,7 +56,7 @@ def _pieces(graph: fx.Graph, layer_pieces: Sequence[int]) -> dict[fx.Node, int]:
 
 
 def layer_checkpointed(module: fx.GraphModule, layer_pieces: Sequence[int]) -> nn.Module:
-    """`module` cut into its layers' pieces (`layer_pieces[layer]`, `plait.plan.recompute_pieces`),
+    """`module` cut into its layers' pieces (`layer_pieces[layer]`, `plait.cost.recompute_pieces`),
     every piece under its own checkpoint."""
     part = _pieces(module.graph, layer_pieces)
     if len(set(part.values())) <= 1:

@@ -18,21 +18,21 @@ from plait.capture.split import StageModule, split, stage_of_layers
 from plait.capture.tp_layout import TpLayout
 from plait.capture.trace import CapturedGraph
 from plait.config import Config
+from plait.cost.recompute_pieces import pieces
 from plait.plan import Plan
-from plait.plan.recompute_pieces import pieces
-from plait.runtime.activation_meter import ActivationMeter
-from plait.runtime.collectives import TiedGradients, broadcast_tensors, make_group
-from plait.runtime.grad_sync import GradientBuckets
+from plait.runtime.comm.collectives import TiedGradients, broadcast_tensors, make_group
+from plait.runtime.comm.wire import Wire
+from plait.runtime.dp.grad_sync import GradientBuckets
+from plait.runtime.dp.zero import ShardedOptimizerState, zero_owners
 from plait.runtime.executor import StageExecutor
-from plait.runtime.stage_widths import crossings, kept_whole, lane_ranks, stage_group, tie_groups
 from plait.runtime.interpreter import Interpreter
-from plait.runtime.tensor_parallel import shard_stage
-from plait.runtime.tp_collectives import same_generators
-from plait.runtime.tp_search import runtime_search, searched_layouts
-from plait.runtime.vocab_loss import SplitLoss
-from plait.runtime.trace import NULL_TRACER, NullTracer, Tracer
-from plait.runtime.wire import Wire
-from plait.runtime.zero import ShardedOptimizerState, zero_owners
+from plait.runtime.memory.activation_meter import ActivationMeter
+from plait.runtime.tp.tensor_parallel import shard_stage
+from plait.runtime.tp.tp_collectives import same_generators
+from plait.runtime.tp.tp_search import runtime_search, searched_layouts
+from plait.runtime.tp.vocab_loss import SplitLoss
+from plait.runtime.tracer import NULL_TRACER, NullTracer, Tracer
+from plait.runtime.widths.stage_widths import crossings, kept_whole, lane_ranks, stage_group, tie_groups
 from plait.schedule import Program, generate
 
 __all__ = ["Pipeline", "build_pipeline", "stage_tensors"]

@@ -11,7 +11,7 @@ rides back on the input gradients of each stage's last backward:
 
 Every entry of the vector comes from one stage alone (the others add zeros), so the total is the
 all-reduce's, bit for bit, and every rank reads the same total. The messages' small tensors
-travel in one buffer (`plait.runtime.packing`): the vector costs no message of its own, where the
+travel in one buffer (`plait.runtime.comm.packing`): the vector costs no message of its own, where the
 all-reduce it replaces cost a two-rank CPU pipeline several percent of its step
 (docs/benchmarks.md, "The step's sums on the pipeline's messages").
 

@@ -12,7 +12,7 @@ A step, in order (every rank of the job runs the same sequence):
     -> the non-finite verdict (stop / skip / ignore), then the optimizer step
 
 A collective that fails in it becomes a `PipelineError` naming this rank, the step, and the
-ranks that went silent (`plait.runtime.report`).
+ranks that went silent (`plait.runtime.failure`).
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ from torch import nn
 from plait import data as batching
 from plait.capture.output import flatten_output
 from plait.capture.trace import CapturedGraph, in_mode
+from plait.cost.row_blocks import check_rows, row_block
 from plait.errors import ConfigError, PipelineError, PlaitError, first_line
 from plait.metrics import METRICS
-from plait.plan.row_blocks import check_rows, row_block
-from plait.runtime.collectives import start_sum_floats
+from plait.runtime.comm.collectives import start_sum_floats
+from plait.runtime.failure import failure_error, gather_failures, report_wait
 from plait.runtime.interpreter import MicroBatch
 from plait.runtime.nonfinite import NonFiniteWatch, verdict
-from plait.runtime.pipeline import Pipeline
 from plait.runtime.output_rows import join_microbatches, join_parts, leaf_names, row_leaves
-from plait.runtime.report import failure_error, gather_failures, report_wait
+from plait.runtime.pipeline import Pipeline
 from plait.runtime.riding_sums import RidingSums, carriers
 
 __all__ = ["OptimizerArg", "StepResult", "StepRunner", "held_bytes", "make_optimizer", "num_stats", "rides"]

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from plait.cli.main import main as plait_main
 from plait.cli import timeline
+from plait.cli.main import main as plait_main
+from plait.runtime.tracer import Tracer
 from plait.schedule import simulate
-from plait.runtime.trace import Tracer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from plait.job.ranks import threads_per_rank
-from plait.planner.layout import candidate_fields
-from plait.planner.autoplan import PlanOptions, local_cluster, plan_model
-from plait.config import Config
 from plait.cli.demo import PaperCNN
-from plait.plan.search import SearchSpace
+from plait.config import Config
+from plait.job.ranks import threads_per_rank
+from plait.planner.autoplan import PlanOptions, local_cluster, plan_model
+from plait.planner.layout import candidate_fields
+from plait.search.search import SearchSpace
 
 
 @pytest.mark.timeout(120)

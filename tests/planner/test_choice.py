@@ -25,9 +25,9 @@ import plait.planner.autoplan as autoplan
 import plait.planner.calibrate as calibrate
 import plait.planner.layout as layout
 from plait.capture.trace import capture_batch
-from plait.cli.plan import _plan
+from plait.cli.plan_command import _plan
+from plait.cost.network import Link, Network
 from plait.plan.layer_costs import LayerCosts
-from plait.plan.network import Link, Network
 from plait.planner.profile import LayerProfile
 
 ROWS = 32

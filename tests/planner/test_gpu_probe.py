@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plait.cost.devices import KERNELS_PER_PASS, device
 from plait.errors import ConfigError
-from plait.plan.devices import KERNELS_PER_PASS, device
 from plait.planner import gpu_probe
 from plait.planner.gpu_probe import ProbeSizes, measure_device, norm_throughput
 

@@ -109,12 +109,12 @@ def test_split_points_cut_where_they_name_and_train_like_one_process():
 
 def optimal_for_report(rank, world):
     """Config(num_stages=2): the layers are the exact partition of the profiled costs."""
-    from plait.plan.cost import partition_problem
-    from plait.plan.partition import optimal_partition
+    from plait.cost.prediction import partition_problem
+    from plait.search.partition import optimal_partition
 
     result = train(rank, world, plait.Config(num_stages=2, num_microbatches=4), steps=2)
     data_ = json.loads(result["report"])
-    from plait.plan.report import PlanReport
+    from plait.planner.plan_report import PlanReport
 
     rep = PlanReport.from_dict(data_, "")
     problem = partition_problem(rep.costs, rep.setting(), rep.cluster, rep.global_batch)
@@ -132,7 +132,7 @@ def test_num_stages_alone_gets_the_optimal_partition_on_every_rank():
     report = json.loads(results[0]["report"])
     assert report["source"] == "partitioned" and report["pp"] == 2 and report["num_microbatches"] == 4
     # messages are priced with this backend's link as measured (plait.planner.calibrate), not a preset
-    from plait.plan.devices import device
+    from plait.cost.devices import device
 
     assert report["cluster"]["network"] != device("cpu").network.to_dict()
     # (a loaded host can make the ping-pong fit's slope <= 0: the link is then "free", 1e15 B/s)

@@ -3,7 +3,6 @@ left as it was, and the in-memory and on-disk caches."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn
@@ -235,7 +234,7 @@ def test_with_slowest_a_cached_profile_is_used_only_when_every_rank_has_one():
 def profile_with_one_rank_cached(rank, world):
     import torch.distributed as dist
 
-    from plait.runtime.collectives import max_floats
+    from plait.runtime.comm.collectives import max_floats
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

@@ -11,15 +11,15 @@ from torch import nn
 
 import plait
 from plait.capture.trace import capture_batch
-from plait.plan.cost import Cluster
-from plait.plan.dp_widths import search_dp_widths
+from plait.cost.network import Link, Network
+from plait.cost.prediction import Cluster
 from plait.plan.layer_costs import LayerCosts
-from plait.plan.network import Link, Network
-from plait.plan.search import SearchSpace
-from plait.plan.tp_costs import search_tp
 from plait.planner.autoplan import PlanResult
 from plait.planner.profile import LayerProfile
 from plait.planner.widths import mixed_widths_choice
+from plait.search.dp_widths import search_dp_widths
+from plait.search.search import SearchSpace
+from plait.search.tp_degree import search_tp
 
 BATCH = 8
 
@@ -151,8 +151,8 @@ def test_copies_of_a_pipeline_of_widths_are_searched_and_run_as_config_fields(mo
     of widths (2, 1) becomes Config(tp_per_stage=(2, 1), dp=2) on 6 ranks, and its saved report
     replays it."""
     import plait.planner.widths as widths
-    from plait.plan.width_search import MixedWidths
     from plait.planner.layout import load_plan_file
+    from plait.search.width_search import MixedWidths
 
     captured, result, cluster = _setup(1e-3)
     asked = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import plait
-from plait.runtime import report as agree_report
+from plait.runtime import failure as agree_report
 from plait.runtime.agree import agree
 from tests.harness import run_ranks
 

@@ -4,7 +4,6 @@ stage graph is cut into one piece per transformer block."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import transformers
@@ -13,10 +12,10 @@ from torch.utils._pytree import tree_flatten
 import plait
 from plait.capture.split import split
 from plait.capture.trace import capture_batch
+from plait.cost.recompute_pieces import pieces
 from plait.errors import ConfigError
-from plait.plan.recompute_pieces import pieces
 from plait.runtime.layer_checkpoint import layer_checkpointed
-from plait.runtime.live_bytes import LiveBytes
+from plait.runtime.memory.live_bytes import LiveBytes
 
 LAYERS = 6
 

@@ -1,0 +1,93 @@
+"""Model-state memory of a rank: its parameters, gradients and optimizer state, with or without ZeRO.
+
+The one home of these formulas: the cost model prices layouts with them (`plait.cost.prediction`), and
+the runtime's memory accounting should count the same bytes. For a rank whose stages hold P bytes
+of parameters and G bytes of gradients, an optimizer keeping k bytes of state per gradient byte
+(Adam in fp32: 2; mixed-precision Adam with its fp32 master copy: 6), and dp replicas per stage
+(Rajbhandari et al. 2020, ZeRO, with the runtime's `plait.runtime.dp.zero`):
+
+    zero   parameters   gradients (backward)   gradients (optimizer step)   optimizer state
+    0      P            G                      G                            k G
+    1      P            G                      G                            k G / dp
+    2      P            G                      G / dp                       k G / dp
+
+ZeRO-2 reduces each gradient bucket to the owners of its parameters, but the stage's gradients
+all exist during the backward (they accumulate over micro-batches), so its peak -- the
+backward's, with the activations on top -- is ZeRO-1's; only the optimizer step runs lighter:
+
+    peak = max(P + G + optimizer + activations,   P + step gradients + optimizer)
+
+The runtime shares parameters out whole, balanced by bytes: a replica's share is modelled as
+exactly 1/dp (close whenever a stage has many parameters). Parameters tied across stages are
+not sharded (every holder steps them); they are small and left out here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from plait.errors import ConfigError
+from plait.plan.setting import check_zero
+
+__all__ = ["StateBytes", "state_bytes", "state_totals"]
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of model state one rank holds (see the module's table)."""
+
+    parameters: float
+    gradients: float  # the peak: during the backward
+    optimizer: float
+    step_gradients: float  # during the optimizer step (ZeRO-2: this replica's share only)
+
+    @property
+    def total(self) -> float:
+        """Parameters + gradients + optimizer state at the peak (the backward's, activations aside)."""
+        return max(self.parameters + self.gradients + self.optimizer,
+                   self.parameters + self.step_gradients + self.optimizer)
+
+    def peak(self, activation_bytes: float) -> float:
+        """The rank's peak with `activation_bytes` held in the backward (none in the step)."""
+        return max(self.parameters + self.gradients + self.optimizer + activation_bytes,
+                   self.parameters + self.step_gradients + self.optimizer)
+
+
+def state_bytes(param_bytes: float, grad_bytes: float, optimizer_state_factor: float,
+                dp: int, zero: int) -> StateBytes:
+    """The state bytes of a rank whose stages hold `param_bytes` and `grad_bytes`."""
+    _check(optimizer_state_factor, dp, zero)
+    return _state(param_bytes, grad_bytes, optimizer_state_factor, dp, zero)
+
+
+def state_totals(param_bytes: Sequence[float], grad_bytes: Sequence[float], optimizer_state_factor: float,
+                 dp: int, zero: int) -> list[float]:
+    """`state_bytes(...).total` of each layer (the partition's fixed memory), checked once."""
+    _check(optimizer_state_factor, dp, zero)
+    # `_state(...).total` of every layer at once: the same float operations, element-wise
+    params, grads = np.asarray(param_bytes, dtype=np.float64), np.asarray(grad_bytes, dtype=np.float64)
+    optimizer = optimizer_state_factor * grads / (dp if zero else 1)
+    step = grads / dp if zero == 2 else grads
+    totals = np.maximum(params + grads + optimizer, params + step + optimizer)
+    return [float(x) for x in totals.tolist()]
+
+
+def _check(optimizer_state_factor: float, dp: int, zero: int) -> None:
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ConfigError(f"dp must be a positive integer, got {dp!r}")
+    check_zero(zero, dp)
+    if not (math.isfinite(optimizer_state_factor) and optimizer_state_factor >= 0):
+        raise ConfigError(f"optimizer_state_factor must be >= 0 (Adam: 2), got {optimizer_state_factor!r}")
+
+
+def _state(param_bytes: float, grad_bytes: float, optimizer_state_factor: float, dp: int, zero: int) -> StateBytes:
+    """The module's table (arguments checked)."""
+    return StateBytes(
+        parameters=param_bytes,
+        gradients=grad_bytes,
+        optimizer=optimizer_state_factor * grad_bytes / (dp if zero else 1),
+        step_gradients=grad_bytes / dp if zero == 2 else grad_bytes,
+    )

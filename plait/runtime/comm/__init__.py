@@ -1,0 +1,1 @@
+"""Messages between ranks: collectives, the wire protocol, packing and waiting."""

@@ -1,0 +1,1 @@
+"""Tensor parallelism at run time: a stage graph's parameters split, its collectives inserted."""

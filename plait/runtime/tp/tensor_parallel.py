@@ -1,0 +1,277 @@
+"""Running a stage graph tensor-parallel: parameters cut, shapes made local, collectives inserted.
+
+Each parameter is cut to this rank's part, and the collectives of Megatron-LM go where the stage's
+`TpLayout` says:
+
+    colwise   x -> copy(x) -> linear(x, W[r]) -> split output   copy: identity; backward all-reduce
+    rowwise   split x -> linear(x, W[:, r]) -> reduce -> + b    reduce: all-reduce; backward identity
+    vocab     ids -> lookup of the rows this rank holds (others 0) -> reduce
+    output    a split value leaving the stage -> gather (all-gather; backward: this rank's part);
+              the training pipeline's last stage leaves its logits split for the loss
+              (`plait.runtime.tp.vocab_loss`)
+
+(Megatron's f and g operators, Shoeybi et al. 2019, figure 3.) With sequence parallelism
+(Korthikanti et al. 2022) a row-parallel sum is reduce-scattered over the tokens instead (its bias
+added after), a whole operand spanning the split tokens is cut to this rank's part (its gradient
+all-gathered), one broadcast over them (a bias, a layer norm's weight) gets its gradient
+all-reduced, and the tokens are all-gathered before an operation that needs them whole (the
+collectives: `plait.runtime.tp.tp_collectives`). A view, expand or split of a split value gets its
+shape with the split dimension divided by tp; a dropout on a split value draws the whole mask and
+keeps this rank's part (attention with dropout, split by heads, runs unfused to do so). Each
+parameter is cut in place (`p.data`), once: the module, the user's model and every stage graph
+keep holding the same `Parameter`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from plait.capture.shard_rules import (
+    Shard,
+    args_of,
+    attention_dropout,
+    is_seq,
+    kwargs_of,
+    linear_parts,
+    seq_operands,
+    shape_of,
+)
+from plait.capture.tp_layout import VIEWS, TpLayout, gathered_for_colwise
+from plait.errors import ConfigError
+from plait.runtime.tp.tp_collectives import SplitAttention, SplitDropout, TpCollective, VocabLookup
+from plait.tensor_parts import TpShard, local_part, part_rows, part_size, shard_of, whole_shape
+
+__all__ = ["shard_stage"]
+
+aten = torch.ops.aten
+
+
+def _cut(param: torch.Tensor, dim: int, blocks: int, tp_rank: int, tp: int) -> None:
+    done = shard_of(param)
+    if done is not None:
+        if (done.dim, done.blocks, done.tp_rank, done.tp) != (dim, blocks, tp_rank, tp):
+            raise ConfigError(f"a parameter of shape {done.shape} is cut on dim {done.dim} by one stage graph "
+                              f"and on dim {dim} by another; give it one strategy in tp_plan")
+        return
+    shape = tuple(param.shape)
+    with torch.no_grad():
+        if param.is_meta:  # another rank's stage: only the shape changes
+            size = list(shape)
+            size[dim] = part_size(shape[dim], tp_rank, tp)
+            param.data = torch.empty(size, dtype=param.dtype, device="meta")
+        else:
+            param.data = local_part(param.data, dim, blocks, tp_rank, tp).clone()
+    param.grad = None  # a whole-shaped gradient left by an earlier backward (the planner's profile)
+    param._plait_tp = TpShard(shape, dim, blocks, tp_rank, tp)  # type: ignore[attr-defined]
+
+
+# -- the rewrite ---------------------------------------------------------------------------------
+
+def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
+                gather_outputs: bool = True) -> dict[int, tuple[int, int, int]]:
+    """Cut `gm`'s parameters to this rank's parts and rewrite its graph to run on them. Split
+    values leaving the graph are gathered, or with `gather_outputs` False (the last stage's, for
+    `plait.runtime.tp.vocab_loss`) left split: returns {output index: (dim, blocks, whole size along
+    dim)} of those."""
+    tp = layout.tp
+    left: dict[int, tuple[int, int, int]] = {}
+    for target, (dim, blocks) in layout.params.items():
+        _cut(gm.get_parameter(target), dim, blocks, tp_rank, tp)
+    graph = gm.graph
+    count = [0]
+
+    def module(mod: nn.Module) -> str:
+        name = f"_plait_tp_{count[0]}"
+        count[0] += 1
+        gm.add_submodule(name, mod)
+        return name
+
+    copies: dict[fx.Node, fx.Node] = {}  # a value whose gradient each rank holds a share of: all-reduced
+    gathered: dict[fx.Node, fx.Node] = {}  # a token-split value, whole
+    scattered: dict[tuple[fx.Node, int], fx.Node] = {}  # a whole value, this rank's tokens
+    entries = {value: (rowwise, dim) for rowwise, (value, dim) in layout.seq_entries.items()}
+    biases: dict[str, fx.Node | None] = {}  # a row-parallel bias, added after the reduce-scatter
+
+    values: dict[str, Any] = dict(layout.values)  # and the nodes inserted here
+
+    def layout_of(value: Any) -> Any:
+        return values.get(value.name) if isinstance(value, fx.Node) else None
+
+    def collective(before: fx.Node, cache: dict[Any, fx.Node], key: Any, value: fx.Node, kind: str,
+                   dim: int = -1) -> fx.Node:
+        if key not in cache:
+            with graph.inserting_before(before):
+                cache[key] = graph.call_module(module(TpCollective(kind, group, tp_rank, tp, dim)), (value,))
+            values[cache[key].name] = Shard(dim, 1, seq=True) if kind == "scatter" else (
+                None if kind.startswith("gather") else layout_of(value))
+        return cache[key]
+
+    def copy(before: fx.Node, value: fx.Node) -> fx.Node:
+        return collective(before, copies, value, value, "copy")
+
+    partial: set[fx.Node] = set()  # the column-parallel inputs whose gradient a reduce-scatter sums
+
+    for node in list(graph.nodes):
+        role = layout.roles.get(node.name)
+        here = values.get(node.name)
+        if node.name in layout.gathers:  # token-split inputs of an operation that needs them whole
+            for value in node.all_input_nodes:
+                if is_seq(layout_of(value)):
+                    readers = [u for u in value.users if u.name in layout.gathers]
+                    for_colwise = gathered_for_colwise(layout, value)
+                    whole = collective(node, gathered, value, value, "gather_partial" if for_colwise else "gather",
+                                       layout_of(value).dim)
+                    if for_colwise:
+                        partial.add(whole)
+                        partial.update(u for u in readers if u.target in VIEWS)
+                    node.replace_input_with(value, whole)
+        if not role and node.name not in entries:
+            for value, need, dim in seq_operands(node, here, layout_of):
+                new = (collective(node, scattered, (value, dim), value, "scatter", dim) if need == "scatter"
+                       else copy(node, value))
+                node.replace_input_with(value, new)
+        if node.name in entries and entries[node.name][0] != node.name:  # a row-parallel sum's view: scatter it
+            for new in _reduce_scatter_after(graph, node, module(TpCollective("reduce_scatter", group, tp_rank, tp,
+                                                                              entries[node.name][1])),
+                                             biases.pop(entries[node.name][0]), copy):
+                values[new.name] = here
+            continue
+        if role == "colwise":
+            x = linear_parts(node).x  # type: ignore[union-attr]
+            if x not in partial:  # (else the reduce-scatter behind it sums the gradient)
+                node.replace_input_with(x, copy(node, x))
+        elif role == "rowwise" and node.name in layout.seq_entries:
+            entry, dim = layout.seq_entries[node.name]
+            product, bias = _partial_product(graph, node)
+            if entry == node.name:
+                for new in _reduce_scatter_after(graph, product, module(TpCollective("reduce_scatter", group, tp_rank,
+                                                                                      tp, dim)),
+                                                 bias, copy):
+                    values[new.name] = here
+            else:
+                biases[node.name] = bias
+        elif role == "rowwise":
+            _rowwise(graph, node, module(TpCollective("reduce", group, tp_rank, tp)))
+        elif role == "vocab":
+            pad = args_of(node)[2] if len(args_of(node)) > 2 else -1
+            start = part_rows(whole_shape(gm.get_parameter(str(args_of(node)[0].target)))[0], tp_rank, tp)[0]
+            with graph.inserting_before(node):
+                new = graph.call_module(module(VocabLookup(group, start, int(pad))), (args_of(node)[0], args_of(node)[1]))
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+        elif node.op == "output":
+            if not gather_outputs:
+                outputs = args_of(node)[0]
+                for i, value in enumerate(outputs if isinstance(outputs, (list, tuple)) else [outputs]):
+                    lay = layout_of(value)
+                    if isinstance(lay, Shard) and not lay.seq:
+                        left[i] = (lay.dim, lay.blocks, _whole(value, lay.dim))
+
+            def gather(value: fx.Node) -> fx.Node:
+                lay = values.get(value.name)
+                if not isinstance(lay, Shard) or (not gather_outputs and not lay.seq):
+                    return value
+                with graph.inserting_before(node):
+                    return graph.call_module(module(TpCollective("gather", group, tp_rank, tp, lay.dim, lay.blocks,
+                                                                 _whole(value, lay.dim))), (value,))
+            node.args = fx.map_arg(args_of(node), gather)
+        elif node.op == "call_function" and node.name not in layout.gathers:
+            _local_shapes(graph, node, here, values, tp, module, tp_rank)
+    graph.lint()
+    gm.recompile()
+    return left
+
+
+def _partial_product(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node | None]:
+    """A row-parallel linear without its bias: x W[r], a partial sum (and the bias, to add after)."""
+    p = linear_parts(node)
+    assert p is not None
+    with graph.inserting_after(node):
+        target = aten.linear.default if node.target is aten.linear.default else aten.mm.default
+        product = graph.call_function(target, (p.x, p.weight))
+    for key in ("val", "nn_module_stack", "stack_trace"):
+        if key in node.meta:
+            product.meta[key] = node.meta[key]
+    node.replace_all_uses_with(product)
+    graph.erase_node(node)
+    return product, p.bias
+
+
+def _reduce_scatter_after(graph: fx.Graph, value: fx.Node, reduce_scatter: str, bias: fx.Node | None,
+                          copy: Callable[[fx.Node, fx.Node], fx.Node]) -> list[fx.Node]:
+    """value (partial sums, whole shape) -> reduce-scatter over its tokens (+ the bias, whose gradient
+    each rank then holds for its tokens only: all-reduced by `copy(before, bias)`); returns the
+    token-split nodes made."""
+    users = list(value.users)
+    with graph.inserting_after(value):
+        last = scattered = graph.call_module(reduce_scatter, (value,))
+    if bias is not None:
+        with graph.inserting_after(scattered):
+            last = graph.call_function(aten.add.Tensor, (scattered, bias))
+        last.replace_input_with(bias, copy(last, bias))
+    for user in users:
+        user.replace_input_with(value, last)
+    return [scattered, last]
+
+
+def _rowwise(graph: fx.Graph, node: fx.Node, reduce: str) -> None:
+    """y = x W (+ b) -> reduce(x W[r]) (+ b): the bias added once, after the sum."""
+    product, bias = _partial_product(graph, node)
+    users = list(product.users)
+    with graph.inserting_after(product):
+        last = total = graph.call_module(reduce, (product,))
+    if bias is not None:
+        with graph.inserting_after(total):
+            last = graph.call_function(aten.add.Tensor, (total, bias))
+    for key in ("val", "nn_module_stack", "stack_trace"):
+        if key in product.meta:
+            total.meta[key] = last.meta[key] = product.meta[key]
+    for user in users:
+        user.replace_input_with(product, last)
+
+
+def _local_shapes(graph: fx.Graph, node: fx.Node, here: Any, values: dict[str, Any], tp: int, module: Any,
+                  tp_rank: int) -> None:
+    """Shapes and splits of split values, made local; dropout on them drawn whole."""
+    source = args_of(node)[0] if args_of(node) else None
+    before = values.get(source.name) if isinstance(source, fx.Node) else None
+    if not isinstance(before, Shard):
+        return
+    if node.target in VIEWS and isinstance(here, Shard):
+        sizes = list(args_of(node)[1])
+        if isinstance(sizes[here.dim], int) and sizes[here.dim] != -1:
+            sizes[here.dim] = part_size(sizes[here.dim], tp_rank, tp)  # (n // tp where tp divides it)
+        node.args = (args_of(node)[0], sizes, *args_of(node)[2:])
+    elif node.target is aten.split.Tensor and _along(node, before):
+        node.args = (args_of(node)[0], args_of(node)[1] // tp, *args_of(node)[2:])
+    elif node.target is aten.split_with_sizes.default and _along(node, before):
+        node.args = (args_of(node)[0], [s // tp for s in args_of(node)[1]], *args_of(node)[2:])
+    elif node.target is aten.dropout.default:
+        drop = module(SplitDropout(before.dim, before.blocks, tp_rank, tp, _whole(node, before.dim)))
+        with graph.inserting_before(node):
+            new = graph.call_module(drop, tuple(args_of(node)))
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    elif node.target is aten.scaled_dot_product_attention.default and attention_dropout(node) != 0.0:
+        with graph.inserting_before(node):
+            new = graph.call_module(module(SplitAttention(tp_rank, tp)), tuple(args_of(node)), kwargs_of(node))
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    elif node.target is aten._assert_tensor_metadata.default:
+        graph.erase_node(node)
+
+
+def _whole(value: fx.Node, dim: int) -> int:
+    """The traced size of `value` along `dim` (0 where it is not a known number)."""
+    shape = shape_of(value) or ()
+    return max(shape[dim], 0) if dim < len(shape) else 0
+
+
+def _along(node: fx.Node, lay: Shard) -> bool:
+    rank = args_of(node)[0].meta["val"].dim()
+    d = args_of(node)[2] if len(args_of(node)) > 2 else kwargs_of(node).get("dim", 0)
+    return bool(int(d) % rank == lay.dim)

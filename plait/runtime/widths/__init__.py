@@ -1,0 +1,1 @@
+"""Stages of different widths: the ranks of each stage and the crossings between them."""

@@ -1,0 +1,56 @@
+"""Model-state memory of a rank (`plait.cost.memory`): ZeRO's table worked by hand, and the errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.cost.memory import StateBytes, state_bytes, state_totals
+from plait.errors import ConfigError
+from plait.plan.setting import check_zero
+
+
+def test_zero_shares_the_optimizer_state_and_keeps_the_parameters() -> None:
+    # 100 bytes of parameters and of gradients, Adam (2 bytes of state per gradient byte), 4 replicas
+    assert state_bytes(100.0, 100.0, 2.0, 4, 0) == StateBytes(100.0, 100.0, 200.0, 100.0)
+    assert state_bytes(100.0, 100.0, 2.0, 4, 1) == StateBytes(100.0, 100.0, 50.0, 100.0)
+    # ZeRO-2: the step holds a quarter of the gradients, but the backward all of them
+    assert state_bytes(100.0, 100.0, 2.0, 4, 2) == StateBytes(100.0, 100.0, 50.0, 25.0)
+    assert [state_bytes(100.0, 100.0, 2.0, 4, z).total for z in (0, 1, 2)] == [400.0, 250.0, 250.0]
+    # the peak is the backward's, with the activations: ZeRO-2's is ZeRO-1's
+    assert state_bytes(100.0, 100.0, 2.0, 4, 2).peak(30.0) == state_bytes(100.0, 100.0, 2.0, 4, 1).peak(30.0) == 280.0
+    # with one replica there is nothing to shard
+    assert state_bytes(100.0, 100.0, 2.0, 1, 0).total == 400.0
+
+
+def test_the_step_peak_counts_when_the_backward_holds_less() -> None:
+    # a hand-made state where the step's gradients exceed the backward's: the max takes it
+    odd = StateBytes(parameters=10.0, gradients=1.0, optimizer=5.0, step_gradients=8.0)
+    assert odd.total == 23.0 and odd.peak(2.0) == 23.0 and odd.peak(20.0) == 36.0
+
+
+def test_per_layer_totals_are_the_same_formula() -> None:
+    params, grads = [100.0, 0.0, 30.0], [100.0, 0.0, 10.0]
+    for zero in (0, 1, 2):
+        assert state_totals(params, grads, 6.0, 2, zero) == [
+            state_bytes(p, g, 6.0, 2, zero).total for p, g in zip(params, grads)]
+    assert state_totals(params, grads, 6.0, 2, 1) == [100 + 100 + 300, 0.0, 30 + 10 + 30]
+
+
+@pytest.mark.parametrize("zero, dp, message", [
+    (3, 2, "zero must be 0, 1 or 2, got 3"),
+    (True, 2, "zero must be 0, 1 or 2, got True"),
+    (1, 1, "zero=1 shards over a stage's replicas, but dp=1 has one replica; set dp > 1 or zero=0"),
+    (2, 1, "zero=2 shards"),
+])
+def test_a_level_that_cannot_be_says_why_and_what_to_set(zero: object, dp: int, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        check_zero(zero, dp)
+    with pytest.raises(ConfigError, match="zero"):
+        state_bytes(1.0, 1.0, 2.0, dp, zero)  # type: ignore[arg-type]
+
+
+def test_other_arguments_are_checked() -> None:
+    with pytest.raises(ConfigError, match="dp must be a positive integer, got 0"):
+        state_bytes(1.0, 1.0, 2.0, 0, 0)
+    with pytest.raises(ConfigError, match=r"optimizer_state_factor must be >= 0 \(Adam: 2\), got -1"):
+        state_totals([1.0], [1.0], -1.0, 2, 1)
