@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from numpy.lib.stride_tricks import sliding_window_view
 
 from plait.errors import PartitionError
+from plait.search.band_block import RangeTerms, first_minimum, own_terms
 
 __all__ = ["BandedTables"]
 
@@ -51,26 +51,6 @@ Choices = list[tuple[int, npt.NDArray[np.intp]]]  # per stage: its band's lo, th
 
 _BLOCK = 1 << 20  # cells of one (rows x band) block of a stage's pass: bounds its temporaries
 _WHOLE = 1 << 22  # up to this many (window x ends) cells a program's terms are built once
-
-
-def _first_minimum(value: Floats) -> tuple[Ints, Floats]:
-    """Per column, the first row holding its minimum, and the minimum (numpy's argmin along
-    rows copies the block column by column: for wide blocks the minimum, then the first row
-    equal to it, is faster)."""
-    rows, width = value.shape
-    if rows > 3 and width < 128:
-        row = np.asarray(value.argmin(axis=0), dtype=np.intp)
-        return row, value[row, np.arange(width)]
-    least = value.min(axis=0)
-    if rows > 3:  # the highest weight (rows - r) among the rows equal to the minimum: the first
-        weight = np.arange(rows, 0, -1, dtype=np.int16 if rows < 2**15 else np.int32)[:, None]
-        return np.asarray(rows - ((value == least) * weight).max(axis=0), dtype=np.intp), least
-    row = np.zeros(width, dtype=np.intp)
-    seen = value[0] == least
-    for r in range(1, rows):
-        row += ~seen
-        seen |= value[r] == least
-    return row, least
 
 
 def _prefix(values: Sequence[float], n: int) -> Floats:
@@ -107,11 +87,11 @@ class BandedTables:
         self.pe = _prefix(problem.piece_entry, n)
         self.floor_memory = self.fx + (0.0 if self.pieces else self.on) + min(problem.held) * self.ph
         # memory(j, i) = rise[i] - drop[j] at each distinct held count (prefix form)
-        self._rise: dict[float, Floats] = {}
-        self._drop: dict[float, Floats] = {}
+        self.rise: dict[float, Floats] = {}
+        self.drop: dict[float, Floats] = {}
         for held in set(problem.held):
-            self._rise[held] = self.fx + self.on + held * self.ph
-            self._drop[held] = self.fx + self.on + held * (self.ph - self.entry)
+            self.rise[held] = self.fx + self.on + held * self.ph
+            self.drop[held] = self.fx + self.on + held * (self.ph - self.entry)
         # The floor bounds memory from below only for nonnegative bytes and counts; its reach
         # is widened by far more than the prefix sums' rounding (a few ulps of the largest).
         parts = (problem.fixed, problem.once, problem.per_held, problem.entry, problem.held,
@@ -119,10 +99,10 @@ class BandedTables:
         self._floor_memory_bounds = all(min(values, default=0.0) >= 0 for values in parts)
         self._memory_slack = 0.0
         if self._floor_memory_bounds:
-            largest = max(float(np.max(np.abs(a))) for a in (*self._rise.values(), *self._drop.values()))
+            largest = max(float(np.max(np.abs(a))) for a in (*self.rise.values(), *self.drop.values()))
             self._memory_slack = 1e-9 * largest
         held_by_stage = np.asarray(problem.held, dtype=np.float64)
-        self._stages_holding = {held: held_by_stage == held for held in self._rise}
+        self._stages_holding = {held: held_by_stage == held for held in self.rise}
         self._least: tuple[float, Choices] | None = None
         self._reach_cache: dict[float, list[int]] = {}
         last_cut = np.where(allowed, np.arange(n + 1), 0)
@@ -176,7 +156,7 @@ class BandedTables:
         and the memory limit) or "max" (min of the slowest range's time, within memory) or
         "memory" (min of the largest range's memory). Returns best[n] and each stage's choices.
 
-        A stage's candidates are a (k x band) block: the range's own terms (`_Terms`, from
+        A stage's candidates are a (k x band) block: the range's own terms (`RangeTerms`, from
         arrays built once per program where they are small) and the previous stage's values
         at the range's start, a strided view of them (padded by `window` in front: a start
         below 0 reads inf). Rows run from the most layers down: starts ascend, and argmin
@@ -187,7 +167,7 @@ class BandedTables:
             return None
         window = self._window(t_max, memory_limit)
         inf = math.inf
-        terms = _Terms(self, t_max, memory_limit, score, window)
+        terms = RangeTerms(self, t_max, memory_limit, score, window)
         whole = terms.block(window, 1, 0, n, set(p.held)) if window * (n + 1) <= _WHOLE else None
         combined: dict[tuple[float, bool], Floats] = {}  # a whole program's own terms, per held and last
         prev, cur = np.full(n + 1 + window, inf), np.full(n + 1 + window, inf)  # two rows, in turn
@@ -202,17 +182,17 @@ class BandedTables:
             k_hi = min(window, hi - bands[s - 1][0])  # the most layers from a start in the band
             rows = window if whole is not None else max(1, _BLOCK // width)
             if whole is not None and (held, last) not in combined:
-                combined[held, last] = _own(whole, score, held, last)
+                combined[held, last] = own_terms(whole, score, held, last)
             while k_hi >= 1:  # blocks of rows k_hi .. k_lo: starts ascending
                 k_lo = max(1, k_hi - rows + 1)
                 if whole is not None:
                     own = combined[held, last][window - k_hi:, lo: hi + 1]
                 else:
-                    own = _own(terms.block(k_hi, k_lo, lo, hi, {held}), score, held, last)
+                    own = own_terms(terms.block(k_hi, k_lo, lo, hi, {held}), score, held, last)
                 start = np.ndarray((k_hi - k_lo + 1, width), np.float64, prev,
                                    8 * (window + lo - k_hi), (8, 8))  # prev at each range's start
                 value = start + own if score == "sum" else np.maximum(start, own)
-                row, lowest = _first_minimum(value)
+                row, lowest = first_minimum(value)
                 if best is None or choice is None:
                     best, choice = lowest, np.asarray(k_hi - row, dtype=np.intp)
                 else:  # a later block holds later starts: equal values keep the earlier
@@ -298,7 +278,7 @@ class BandedTables:
         """[j]: the furthest end a stage holding `held` micro-batches may reach from start j
         within `limit`, a little short of it (rounding); the greedy checks what it builds."""
         if held not in self._reach_cache:
-            rise, drop = self._rise[held], self._drop[held]
+            rise, drop = self.rise[held], self.drop[held]
             if not self._floor_memory_bounds or not math.isfinite(limit):
                 reach = np.full(self.n + 1, self.n)
             else:
@@ -342,14 +322,14 @@ class BandedTables:
     def alone(self) -> list[float]:
         """Each layer's memory as a stage of its own, at the fewest held micro-batches."""
         n, held = self.n, min(self.p.held)
-        return [float(x) for x in (self._rise[held][1:] - self._drop[held][:n]).tolist()]
+        return [float(x) for x in (self.rise[held][1:] - self.drop[held][:n]).tolist()]
 
     def memory_fits(self, sizes: Sequence[int], memory_limit: float) -> bool:
         """Whether every stage of a layout is within `memory_limit`, priced as the programs do."""
         ends = np.cumsum(np.asarray(sizes, dtype=np.intp))
         starts = ends - np.asarray(sizes, dtype=np.intp)
         for held, at in self._stages_holding.items():
-            need = self._rise[held][ends[at]] - self._drop[held][starts[at]]
+            need = self.rise[held][ends[at]] - self.drop[held][starts[at]]
             if self.pieces:
                 need = np.minimum(need, [self.by_pieces(held, int(j), int(i)) for j, i in zip(starts[at], ends[at])])
             if np.any(need > memory_limit):
@@ -376,91 +356,10 @@ class BandedTables:
             bound, start = 0.0, 0
             for s, size in enumerate(even):  # any layout bounds the optimum's largest range
                 held = self.p.held[s]
-                bound = max(bound, float(self._rise[held][start + size] - self._drop[held][start]))
+                bound = max(bound, float(self.rise[held][start + size] - self.drop[held][start]))
                 start += size
             found = self._sweep(math.inf, bound, "memory")
             if found is None or found[0] > bound:  # the even split cut an uncuttable region
                 found = self._sweep(math.inf, math.inf, "memory")
             self._least = (math.inf, []) if found is None else found
         return self._least
-
-
-def _own(terms: dict[str, npt.NDArray[Any]], score: str, held: float, last: bool) -> Floats:
-    """A stage's own term per range for `score`, inf where the range may not be used: fill + cut
-    ("sum"; the last stage's fill), its time ("max") or its memory ("memory")."""
-    if score == "sum":
-        own: Floats = np.add(terms["fill_last" if last else "fill"], terms["cut"], dtype=np.float64)
-    else:
-        own = np.array(terms["max" if score == "max" else f"memory{held}"], dtype=np.float64)
-    np.copyto(own, math.inf, where=terms[f"bad{held}"])
-    return own
-
-
-class _Terms:
-    """A program's per-range terms as (k x end) blocks, [row r, column c] the range of k = k_hi - r
-    layers ending at i = c0 + c: "fill", "fill_last" (+ the last stage's), "cut" (paid at its
-    start), "max" (its time), "memory" (per held count), and "bad{held}": the range may not be
-    used (a cut not allowed; beyond t_max or the memory limit where the score bounds them)."""
-
-    def __init__(self, tables: BandedTables, t_max: float, memory_limit: float, score: str,
-                 pad: int) -> None:
-        self.t, self.t_max, self.memory_limit, self.score, self.pad = tables, t_max, memory_limit, score, pad
-
-        def padded(values: npt.NDArray[Any], fill: Any) -> npt.NDArray[Any]:
-            return np.concatenate((np.full(pad, fill, dtype=values.dtype), values))
-
-        self.tp, self.fp, self.lp, self.cut = (padded(a, 0.0) for a in (tables.tp, tables.fp, tables.lp, tables.cut))
-        self.allowed = padded(tables.allowed, False)
-        self.drop = {held: padded(drop, 0.0) for held, drop in tables._drop.items()}
-        if tables.pieces:
-            self.fx, self.ph, self.pe = (padded(a, 0.0) for a in (tables.fx, tables.ph, tables.pe))
-            self.entry, self.piece_once = padded(tables.entry, 0.0), padded(tables.piece_once, 0.0)
-
-    def block(self, k_hi: int, k_lo: int, c0: int, c1: int, helds: set[float]
-              ) -> dict[str, npt.NDArray[Any]]:
-        """The terms of ranges of k_hi down to k_lo layers ending at c0 .. c1, at `helds`."""
-        t, pad, width = self.t, self.pad, c1 - c0 + 1
-        ends = slice(pad + c0, pad + c1 + 1)
-
-        def at_start(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
-            return sliding_window_view(values[pad + c0 - k_hi: pad + c1 - k_lo + 1], width)
-
-        ok = at_start(self.allowed) & self.allowed[ends]
-        out: dict[str, npt.NDArray[Any]] = {}
-        if self.score != "memory":
-            time = self.tp[ends] - at_start(self.tp)
-            if self.score == "max":
-                out["max"] = time
-            else:
-                ok &= time <= self.t_max
-                out["fill"] = self.fp[ends] - at_start(self.fp)
-                out["fill_last"] = out["fill"] + (self.lp[ends] - at_start(self.lp))
-                out["cut"] = np.ascontiguousarray(at_start(self.cut))
-        pieces = self._pieces(k_hi, k_lo, c0, c1, at_start) if t.pieces else None
-        for held in helds:
-            memory = t._rise[held][c0: c1 + 1] - at_start(self.drop[held])
-            if pieces is not None:
-                memory = np.minimum(memory, pieces[0] + held * pieces[1])
-            if self.score == "memory":
-                out[f"memory{held}"] = memory
-                out[f"bad{held}"] = ~ok
-            else:
-                out[f"bad{held}"] = ~(ok & (memory <= self.memory_limit))
-        return out
-
-    def _pieces(self, k_hi: int, k_lo: int, c0: int, c1: int, at_start: Any
-                ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
-        """A block's memory recomputed piece by piece, as (held-free part, per held micro-batch):
-        the fixed bytes and the largest piece, and the entries of the first layer and each piece."""
-        pad, width = self.pad, c1 - c0 + 1
-        ends = slice(pad + c0, pad + c1 + 1)
-        largest, rows = np.zeros(width), []
-        for k in range(1, k_hi + 1):  # the largest piece among the last k layers before each end
-            largest = np.maximum(largest, self.piece_once[pad + c0 - k: pad + c1 - k + 1])
-            if k >= k_lo:
-                rows.append(largest)
-        most = np.stack(rows[::-1])  # row 0: k_hi layers, as the other terms
-        after_first = sliding_window_view(self.pe[pad + c0 - k_hi + 1: pad + c1 - k_lo + 2], width)
-        return (self.fx[ends] - at_start(self.fx) + most,
-                self.ph[ends] - at_start(self.ph) + at_start(self.entry) + self.pe[ends] - after_first)
-

@@ -166,7 +166,7 @@ def _every_layout(tables: BandedTables) -> tuple[float, float]:
         if not all(tables.allowed[b] for b in bounds):
             continue
         ranges = list(zip(bounds, bounds[1:]))
-        memory = max(min(float(tables._rise[h][i] - tables._drop[h][j]),
+        memory = max(min(float(tables.rise[h][i] - tables.drop[h][j]),
                          tables.by_pieces(h, j, i) if tables.pieces else math.inf) for h, (j, i) in zip(p.held, ranges))
         least = min(least, memory)
         if memory <= p.memory_limit:
@@ -266,14 +266,3 @@ def test_an_infeasible_problem_carries_its_least_memory(monkeypatch: pytest.Monk
     assert seen >= 10
     assert not [name for name, value in vars(partition).items()
                 if isinstance(value, (list, dict, set)) and not name.startswith("__")]
-
-
-@pytest.mark.parametrize("rows, width", [(1, 7), (2, 300), (3, 5), (5, 10), (5, 300), (40, 130), (200, 40)])
-def test_the_first_minimum_is_numpys_argmin_with_ties_and_infinities(rows: int, width: int) -> None:
-    rng = np.random.default_rng(rows * width)
-    value = rng.integers(0, 3, size=(rows, width)).astype(np.float64)  # many ties
-    value[rng.random((rows, width)) < 0.3] = math.inf
-    value[:, 0] = math.inf  # a column with no range at all
-    row, least = partition_band._first_minimum(value)
-    assert row.tolist() == value.argmin(axis=0).tolist()
-    assert least.tolist() == value.min(axis=0).tolist()
