@@ -36,7 +36,7 @@ MODES = ("tiles", "whole")
 
 
 def _rank(rank: int, port: int, rounds: int, sizes: list[int], result: str) -> None:
-    from plait.config.widths import CROSSINGS
+    from plait.plan.plan import CROSSINGS
     from plait.cost.tiles import crossing_time
     from plait.planner.calibrate import calibrate
     from plait.runtime.comm.collectives import make_group

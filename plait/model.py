@@ -26,7 +26,7 @@ from plait.config import Config
 from plait.cost.row_blocks import check_rows
 from plait.errors import CheckpointError, ConfigError, PlaitError
 from plait.job.process_group import init_process_group
-from plait.job.run_options import apply_run_options
+from plait.config.run_options import apply_run_options
 from plait.job.together import meet
 from plait.materialize import materialize_tensors, on_meta, release_parameters
 from plait.metrics import check_metrics, logs_of
@@ -173,7 +173,7 @@ class Model:
                 setattr(self.net, RELEASED, True)
         elif self._meta:
             materialize_tensors(self.net, None, self.config.seed, self.config.init_fn, self.device, graphs)
-        pipe = build_pipeline(self.net, self._captured, layout.plan, self.config, self.rank, self.loss,
+        pipe = build_pipeline(self.net, self._captured, layout.plan, self.config.execution(), self.rank, self.loss,
                               self.device, first=self._train is None and self.world_size > 1 and not self._meta,
                               state_factor=2.0 + state_factor(self._optimizer_arg))
         if self._train is None and self.world_size > 1 and not self._meta:  # a meta model's values follow

@@ -4,10 +4,12 @@ talks to other ranks.
 The layers, bottom to top (a package imports only from its own layer or below, and within a layer only
 along the order written here, so that the packages form a chain, never a loop):
 
-    base        errors, config, data, metrics, callbacks, materialize, tensor_parts, host
-                                                          (the top-level modules but model, and config)
+    base        errors, data, metrics, callbacks, materialize, tensor_parts, host
+                                                          (the top-level modules but model)
     pure        capture, schedule, plan, cost, search     (no torch.distributed; the plan is data, the
                                                           cost model prices it, the search chooses it)
+    config      config                                    (the user's Config: the planner's input; nothing
+                                                          below the planner reads it, only the Plan)
     job-side    runtime, job -> planner, checkpoint       (planner and checkpoint use runtime's
                                                           collectives; planner reads job's ranks)
     model       model                                     (the public Model)
@@ -22,11 +24,11 @@ import plait
 ROOT = pathlib.Path(plait.__file__).parent
 
 # Each unit (a package, or a top-level module) and what it may import besides itself.
-BASE = {"errors", "config", "data", "metrics", "callbacks", "materialize", "tensor_parts", "host"}
+BASE = {"errors", "data", "metrics", "callbacks", "materialize", "tensor_parts", "host"}
 PURE_PLANNING = {"schedule", "plan", "cost", "search"}
 ALLOWED = {
     "errors": set(),
-    "config": {"errors"},
+    "config": BASE | {"capture", "schedule", "plan"},
     "data": {"errors"},
     "metrics": {"errors"},
     "callbacks": set(),
@@ -39,12 +41,12 @@ ALLOWED = {
     "cost": BASE | {"schedule", "plan"},
     "search": BASE | {"schedule", "plan", "cost"},
     "runtime": BASE | {"capture"} | PURE_PLANNING,
-    "planner": BASE | {"capture", "runtime", "job"} | PURE_PLANNING,
-    "checkpoint": BASE | {"runtime"},
+    "planner": BASE | {"config", "capture", "runtime", "job"} | PURE_PLANNING,
+    "checkpoint": BASE | {"config", "runtime"},
     "job": BASE,
-    "model": BASE | {"capture", "runtime", "planner", "checkpoint", "job"} | PURE_PLANNING,
-    "cli": BASE | {"capture", "runtime", "planner", "checkpoint", "job", "model", "__init__"} | PURE_PLANNING,
-    "__init__": BASE | {"model", "plan", "job"},
+    "model": BASE | {"config", "capture", "runtime", "planner", "checkpoint", "job"} | PURE_PLANNING,
+    "cli": BASE | {"config", "capture", "runtime", "planner", "checkpoint", "job", "model", "__init__"} | PURE_PLANNING,
+    "__init__": BASE | {"config", "model", "plan", "job"},
 }
 PURE = ["capture", "schedule", "plan", "cost", "search", "errors", "config", "data", "metrics", "materialize.py", "tensor_parts.py", "checkpoint/disk.py",
         "checkpoint/tensorfile.py", "checkpoint/train_state.py", "checkpoint/resume.py", "checkpoint/weights.py"]
@@ -140,6 +142,15 @@ def test_the_layer_table_is_a_chain_without_loops():
     # "No upward import" is only a layering if the table of allowed imports has no loop itself.
     table = {name: {f"plait.{d}" for d in deps} for name, deps in ALLOWED.items()}
     assert find_cycle({f"plait.{k}": v for k, v in table.items()}) is None
+
+
+def test_nothing_below_the_planner_reads_the_config():
+    # The user's Config is the planner's input; below the planner only the Plan travels. The story:
+    # the pure layers and the runtime each read a few layout facts from Config (the schedule names,
+    # crossing, tp_plan, sequence_parallel), so the Plan was not the whole of a run's layout.
+    below = {"capture", "schedule", "plan", "cost", "search", "runtime", "job"}
+    readers = {m: sorted(d for d in deps if unit(d) == "config") for m, deps in modules().items() if unit(m) in below}
+    assert not {m: d for m, d in readers.items() if d}, readers
 
 
 def test_no_module_import_cycle():

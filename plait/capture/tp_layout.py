@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -50,11 +51,14 @@ from plait.capture.shard_rules import (
     seq_operands,
     shape_of,
 )
-from plait.config import TP_PLACEMENT, TP_STRATEGIES
 from plait.errors import ConfigError
 from plait.tensor_parts import uneven_fits
 
-__all__ = ["TpLayout", "tp_layouts", "module_of"]
+__all__ = ["TpLayout", "tp_layouts", "module_of", "TP_STRATEGIES", "TP_PLACEMENT"]
+
+# Config.tp_plan's values: a strategy, or the weight's placement in DTensor's words
+TP_STRATEGIES = ("colwise", "rowwise", "vocab", "replicate")
+TP_PLACEMENT = re.compile(r"Shard\((\d)\)|Replicate\(\)")
 
 aten = torch.ops.aten
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from plait.errors import PlaitError
 from plait.job import launch
-from plait.job.run_options import run_options_env
+from plait.config.run_options import run_options_env
 
 __all__ = ["main", "build_parser"]
 
@@ -43,7 +43,7 @@ def _add_launch_options(parser: argparse.ArgumentParser, default_nproc: int) -> 
     parser.add_argument("--replan", action="store_true",
                         help="re-partition once when the first steps are more than 15%% off the "
                              "planner's prediction (for every rank whose Config leaves replan "
-                             "open; see plait.job.run_options)")
+                             "open; see plait.config.run_options)")
 
 
 def _count(text: str) -> int:
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         demo.parse_args(rest, prog="plait demo")
         module, target, target_args = True, "plait.cli.demo", rest
     if args.replan:
-        os.environ.update(run_options_env(replan=True))  # the ranks inherit it (plait.job.run_options)
+        os.environ.update(run_options_env(replan=True))  # the ranks inherit it (plait.config.run_options)
     try:
         spec = launch.LaunchSpec(target, tuple(target_args), args.nproc, module, args.max_restarts,
                                  args.nnodes, args.node_rank, args.master_addr, args.master_port)

@@ -1,5 +1,5 @@
-"""The user's configuration: `Config`, the planner's input, and the choices it accepts."""
+"""The user's configuration: `Config`, the planner's input, and `plait run`'s options applied to it."""
 
-from plait.config.config import NONFINITE_ACTIONS, SCHEDULE_NAMES, SEARCH_ORDER, TP_PLACEMENT, TP_STRATEGIES, Config
+from plait.config.config import Config
 
-__all__ = ["Config", "SCHEDULE_NAMES", "SEARCH_ORDER", "NONFINITE_ACTIONS", "TP_STRATEGIES", "TP_PLACEMENT"]
+__all__ = ["Config"]

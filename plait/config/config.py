@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable
 
+from plait.capture.tp_layout import TP_PLACEMENT, TP_STRATEGIES
 from plait.config.widths import check_dp_per_stage, check_tp_per_stage, stage_lanes
 from plait.errors import ConfigError
+from plait.plan.execution import NONFINITE_ACTIONS, Execution
+from plait.schedule.registry import SCHEDULE_NAMES, SEARCH_ORDER, schedule_spec, virtual_hint
 
-__all__ = ["Config", "SCHEDULE_NAMES", "SEARCH_ORDER", "NONFINITE_ACTIONS", "TP_STRATEGIES", "TP_PLACEMENT"]
+__all__ = ["Config"]
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zbh1")  # the one list (plait.schedule has a generator each)
-SEARCH_ORDER = ("1f1b", "gpipe", "zbh1", "interleaved")  # the planner's order: equal predictions go to the first
-assert sorted(SEARCH_ORDER) == sorted(SCHEDULE_NAMES)
-NONFINITE_ACTIONS = ("stop", "skip", "ignore")
-
-
-# tp_plan's values: a strategy, or the weight's placement in DTensor's words (`plait.capture.tp_layout`)
-TP_STRATEGIES = ("colwise", "rowwise", "vocab", "replicate")
-TP_PLACEMENT = re.compile(r"Shard\((\d)\)|Replicate\(\)")
 
 @dataclass(frozen=True)
 class Config:
@@ -84,7 +77,7 @@ class Config:
         corrected by the measurements and the run goes on in the new layout (parameters and
         optimizer state carried over exactly, through a checkpoint in checkpoint_dir, or in a
         temporary directory, which must then be on a file system every rank sees). None (the
-        default): as `plait run --replan` says (`plait.job.run_options`), else False.
+        default): as `plait run --replan` says (`plait.config.run_options`), else False.
     batch_weight_grads: linear layers compute their weight gradients once per step over all
         micro-batches (one GEMM over every row instead of one per micro-batch; see
         plait/runtime/batched_wgrad.py). Faster where small GEMMs are slow (CPUs); keeps each linear's
@@ -314,9 +307,9 @@ class Config:
         v = self.num_virtual_stages
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(f"num_virtual_stages must be a positive integer, got {v!r}")
-        if v > 1 and self.schedule != "interleaved":
+        if v > 1 and (self.schedule is None or not schedule_spec(self.schedule).virtual):
             raise ConfigError(
-                f"num_virtual_stages={v} needs schedule='interleaved', got schedule="
+                f"num_virtual_stages={v} needs {virtual_hint()}, got schedule="
                 f"{self.schedule or '1f1b'!r}{'' if self.schedule else ' (the default)'}"
             )
 
@@ -403,6 +396,12 @@ class Config:
             if bad:
                 raise ConfigError(f"{name}={list(stages)} must list stage indices >= 0 (bad entries: {bad})")
             object.__setattr__(self, name, stages)
+
+    def execution(self) -> Execution:
+        """The runtime's settings beside the plan (the runtime reads these, not the Config)."""
+        return Execution(timeout_s=float(self.timeout_s), trace_dir=self.trace_dir, on_nonfinite=self.on_nonfinite,
+                         grad_reduction=self.grad_reduction, bucket_bytes=int(self.bucket_cap_mb * 2**20),
+                         memory_limit_bytes=self.memory_limit_bytes)
 
     def lanes(self, world_size: int) -> int:
         """Ranks per tensor-parallel part (world size / tp): the pp x dp ranks the layout is planned on

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from plait.errors import ConfigError
+from plait.plan.plan import CROSSINGS
 
-__all__ = ["CROSSINGS", "check_tp_per_stage", "check_dp_per_stage", "stage_lanes"]
+__all__ = ["check_tp_per_stage", "check_dp_per_stage", "stage_lanes"]
 
-CROSSINGS = ("tiles", "whole")  # Config.crossing: how a value crosses between stages of different tp widths
 
 # Each check takes the `plait.config.Config` being made (typed Any: plait.config imports this module).
 

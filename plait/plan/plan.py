@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any
 
-from plait.config.widths import CROSSINGS
 from plait.errors import ConfigError
+from plait.plan.mesh import Mesh
 
-__all__ = ["Plan"]
+__all__ = ["Plan", "CROSSINGS"]
+
+CROSSINGS = ("tiles", "whole")  # how a value crosses between stages of different tp widths (Config.crossing)
 
 
 @dataclass(frozen=True)
@@ -41,16 +44,19 @@ class Plan:
     # when a memory limit made it: {"split", "whole", "ops", "state_bytes", "limit_bytes", "seconds"}}
     # (`TpLayout.data`)
     tp_layouts: tuple[dict[str, Any], ...] = ()
-    # per stage, when stages differ: its tp ranks (dp = 1; `tp` is then the widest; see `rank_of`)
+    # per stage, when stages differ: its tp ranks (dp = 1; `tp` is then the widest; see `Mesh`)
     stage_tp: tuple[int, ...] = ()
     crossing: str = "tiles"  # with stage_tp: how values cross between widths (Config.crossing)
-    # per stage, when stages differ: its data-parallel replicas (`dp` and `tp` are then 1; see `rank_of`)
+    # per stage, when stages differ: its data-parallel replicas (`dp` and `tp` are then 1; see `Mesh`)
     stage_dp: tuple[int, ...] = ()
+    # with tp > 1: the user's pinned strategies ((module pattern, "colwise" | "rowwise" | "vocab" |
+    # "replicate"), in order) that the tp layout search keeps, and Megatron's sequence parallelism
+    tp_plan: tuple[tuple[str, str], ...] = ()
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        counts = {"num_virtual_stages": self.num_virtual_stages, "dp": self.dp, "tp": self.tp,
-                  "num_microbatches": self.num_microbatches, "world_size": self.world_size}
-        for name, value in counts.items():
+        for name in ("num_virtual_stages", "num_microbatches"):  # the mesh checks its degrees
+            value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"plan has {name}={value!r}; it must be a positive integer")
         if not self.layers_per_stage or any(not isinstance(c, int) or c < 1 for c in self.layers_per_stage):
@@ -68,70 +74,32 @@ class Plan:
                 f"plan has {self.num_chunks} stages, not a multiple of num_virtual_stages="
                 f"{self.num_virtual_stages}; every rank holds the same number of chunks"
             )
-        if self.stage_tp and self.stage_dp:
-            raise ConfigError(f"plan has stage_tp={list(self.stage_tp)} and stage_dp={list(self.stage_dp)}; "
-                              "stages differ in one width at a time: give one of them")
-        if self.stage_tp:
-            self._check_stage_tp()
-        elif self.stage_dp:
-            self._check_stage_dp()
-        elif self.world_size % self.tp:
-            raise ConfigError(f"plan has world_size={self.world_size}, not a multiple of tp={self.tp}")
+        if self.stage_tp and self.tp == 1 and all(isinstance(w, int) for w in self.stage_tp):
+            object.__setattr__(self, "tp", max(self.stage_tp))  # tp: the widest stage's
+        self.mesh  # checks the degrees and widths against the world size, once
         if self.zero not in (0, 1, 2):
             raise ConfigError(f"plan has zero={self.zero!r}; it must be 0, 1 or 2")
+        if self.stage_dp and self.zero and max(self.stage_dp) == 1:
+            raise ConfigError(f"plan has stage_dp={list(self.stage_dp)} with zero={self.zero}; ZeRO shards a stage's "
+                              "state over its replicas and no stage has two: use zero=0")
         if self.crossing not in CROSSINGS:
             raise ConfigError(f"plan has crossing={self.crossing!r}; it must be one of {list(CROSSINGS)}")
         if not self.stage_to_rank:
             object.__setattr__(self, "stage_to_rank", tuple(self.rank_of(s, 0) for s in range(self.num_chunks)))
 
-    def _per_stage(self, field: str, unit: str, what: str, copies: int = 1) -> list[int]:
-        """`field` (stage_tp or stage_dp): one positive `unit` per stage, adding up to the world size
-        (`copies` times: stage_tp's replicas of the whole pipeline)."""
-        widths = list(getattr(self, field))
-        if len(widths) != self.num_chunks or any(not isinstance(w, int) or isinstance(w, bool) or w < 1
-                                                 for w in widths):
-            raise ConfigError(f"plan has {field}={widths} for {self.num_chunks} stages; give one positive {unit} per stage")
-        if sum(widths) * copies != self.world_size:
-            times = f" x dp={copies}" if copies > 1 else ""
-            raise ConfigError(f"plan has {field}={widths}{times}, {sum(widths) * copies} ranks in all, on world_size="
-                              f"{self.world_size}; the stages' {what}{times} must add up to the world size")
-        return widths
-
-    def _check_stage_tp(self) -> None:
-        """stage_tp: one positive width per stage, their sum x dp (replicas of the whole pipeline)
-        the world size."""
-        widths = self._per_stage("stage_tp", "tp", "widths", self.dp)
-        if self.num_virtual_stages != 1:
-            raise ConfigError(f"plan has stage_tp={widths} with num_virtual_stages={self.num_virtual_stages}; "
-                              "stages of different widths run one chunk per rank: no interleaving")
-        if self.tp == 1:
-            object.__setattr__(self, "tp", max(widths))
-        if self.tp != max(widths):
-            raise ConfigError(f"plan has tp={self.tp} and stage_tp={widths}; tp is the widest stage's, {max(widths)}")
-
-    def _check_stage_dp(self) -> None:
-        """stage_dp: one positive replica count per stage, summing to the world size, at tp = dp = 1
-        (ZeRO: each stage of replicas shards its state over them; a stage of one keeps its own)."""
-        widths = self._per_stage("stage_dp", "dp", "replicas")
-        if self.dp != 1 or self.tp != 1 or self.num_virtual_stages != 1:
-            raise ConfigError(f"plan has stage_dp={widths} with dp={self.dp}, tp={self.tp}, num_virtual_stages="
-                              f"{self.num_virtual_stages}; stages of different dp run one chunk per rank, "
-                              "unsplit: use dp=1, tp=1, no interleaving")
-        if self.zero and max(widths) == 1:
-            raise ConfigError(f"plan has stage_dp={widths} with zero={self.zero}; ZeRO shards a stage's state over "
-                              "its replicas and no stage has two: use zero=0")
+    @cached_property
+    def mesh(self) -> Mesh:
+        """The ranks' named axes: which rank runs what (every question of place is the mesh's)."""
+        return Mesh(world_size=self.world_size, pp=self.pp, dp=self.dp, tp=self.tp,
+                    num_virtual_stages=self.num_virtual_stages, stage_tp=self.stage_tp, stage_dp=self.stage_dp)
 
     def dp_of(self, stage_index: int) -> int:
         """The data-parallel replicas of one stage (`dp` unless stage_dp gives each stage's)."""
-        return self.stage_dp[stage_index] if self.stage_dp else self.dp
+        return self.mesh.dp_of(stage_index)
 
     def tp_of(self, stage_index: int) -> int:
         """The tp ranks of one stage (`tp` unless stage_tp gives the stages' widths)."""
-        return self.stage_tp[stage_index] if self.stage_tp else self.tp
-
-    def _first_rank(self, stage_index: int) -> int:
-        """With stage_tp or stage_dp: the first rank of a stage (the stages' ranks in order)."""
-        return sum((self.stage_tp or self.stage_dp)[:stage_index])
+        return self.mesh.tp_of(stage_index)
 
     @property
     def num_chunks(self) -> int:
@@ -150,52 +118,21 @@ class Plan:
         return self.num_stages
 
     def rank_of(self, stage_index: int, replica: int, tp_rank: int = 0) -> int:
-        """The rank that runs part `tp_rank` of `stage_index` of pipeline replica `replica`.
-
-        Layout: rank = (replica * pp + stage_index % pp) * tp + tp_rank. The tp ranks of a stage
-        (which exchange collectives in every layer) are consecutive, on one node; a pipeline's
-        stages come next, so neighbours (which exchange activations every micro-batch) share a
-        node whenever a node holds a whole pipeline; replicas of a stage (which all-reduce once
-        a step) are pp x tp ranks apart. 2 stages x 3 replicas (tp = 1):
-
-            replica 0: ranks 0 1 | replica 1: ranks 2 3 | replica 2: ranks 4 5
-
-        2 stages x 2 replicas x tp = 2: stage 0 of replica 0 on ranks 0 1, stage 1 on 2 3, ...
-        With v chunks per rank (interleaved), rank r of a replica holds stages r, r + pp, ...
-
-        Stages of different widths (`stage_tp`) take the ranks in stage order, a pipeline replica
-        after another: at stage_tp = (2, 1) stage 0 runs on ranks 0 1, stage 1 on rank 2; with dp = 2
-        replica 1's on ranks 3 4 and 5. So do stages of different replica counts (`stage_dp`,
-        tp = 1): at stage_dp = (2, 1) replica r of stage 0 is rank r.
-        """
-        if self.stage_tp:
-            return replica * sum(self.stage_tp) + self._first_rank(stage_index) + tp_rank
-        if self.stage_dp:
-            return self._first_rank(stage_index) + replica
-        return (replica * self.pp + stage_index % self.pp) * self.tp + tp_rank
+        """The rank that runs part `tp_rank` of `stage_index` of pipeline replica `replica` (the
+        layout: `Mesh`)."""
+        return self.mesh.rank_of(stage_index, replica, tp_rank)
 
     def position_of(self, rank: int) -> tuple[int, int]:
         """(position in the pipeline, replica) of a rank; the position is its first stage."""
-        if self.stage_tp or self.stage_dp:
-            if not 0 <= rank < self.world_size:
-                raise ConfigError(f"rank {rank} is not in the plan's {self.world_size} ranks "
-                                  f"({self._widths_text().strip()})")
-            replica, within = divmod(rank, sum(self.stage_tp)) if self.stage_tp else (0, rank)
-            stage = next(s for s in range(self.num_chunks) if within < self._first_rank(s + 1))
-            return stage, within - self._first_rank(stage) if self.stage_dp else replica
-        lane = rank // self.tp
-        return lane % self.pp, lane // self.pp
+        return self.mesh.position_of(rank)
 
     def tp_rank_of(self, rank: int) -> int:
         """Which part of its stages' split tensors a rank holds."""
-        if self.stage_tp:
-            return rank % sum(self.stage_tp) - self._first_rank(self.position_of(rank)[0])
-        return 0 if self.stage_dp else rank % self.tp
+        return self.mesh.tp_rank_of(rank)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages a rank runs, in model order."""
-        position = self.position_of(rank)[0]
-        return tuple(range(position, self.num_chunks, self.pp))
+        return self.mesh.stages_of(rank)
 
     def stage_layers(self, stage_index: int) -> tuple[str, ...]:
         """Names of the layers on one stage."""
@@ -243,6 +180,8 @@ class Plan:
                 stage_tp=tuple(int(w) for w in data.get("stage_tp", ())),
                 crossing=str(data.get("crossing", "tiles")),
                 stage_dp=tuple(int(w) for w in data.get("stage_dp", ())),
+                tp_plan=tuple((str(p), str(s)) for p, s in data.get("tp_plan", ())),
+                sequence_parallel=bool(data.get("sequence_parallel", False)),
             )
         except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as e:
             raise ConfigError(f"not a plait plan ({type(e).__name__}: {e}); expected Plan.to_json() output") from e

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
-from plait.config import SCHEDULE_NAMES
 from plait.errors import ConfigError
-from plait.schedule.interleaved import group_sizes
+from plait.plan.mesh import Mesh
+from plait.schedule.registry import SCHEDULE_NAMES, schedule_spec, virtual_hint
 
 __all__ = ["Setting", "microbatch_rows", "peak_activations", "check_zero", "ZERO_LEVELS"]
 
@@ -47,9 +48,9 @@ class Setting:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.schedule not in SCHEDULE_NAMES:
             raise ConfigError(f"schedule={self.schedule!r} is not known; choose one of {list(SCHEDULE_NAMES)}")
-        if self.num_virtual_stages > 1 and self.schedule != "interleaved":
+        if self.num_virtual_stages > 1 and not schedule_spec(self.schedule).virtual:
             raise ConfigError(
-                f"num_virtual_stages={self.num_virtual_stages} needs schedule='interleaved'"
+                f"num_virtual_stages={self.num_virtual_stages} needs {virtual_hint()}"
             )
         check_zero(self.zero, self.dp)
 
@@ -58,9 +59,14 @@ class Setting:
         """Model stages (chunks): pp x num_virtual_stages."""
         return self.pp * self.num_virtual_stages
 
+    @cached_property
+    def mesh(self) -> Mesh:
+        """The ranks of this setting (tp = 1): pp x dp of them."""
+        return Mesh(world_size=self.pp * self.dp, pp=self.pp, dp=self.dp, num_virtual_stages=self.num_virtual_stages)
+
     def rank_of(self, stage_index: int, replica: int) -> int:
-        """The rank running a stage of a replica: `Plan.rank_of`'s layout."""
-        return replica * self.pp + stage_index % self.pp
+        """The rank running a stage of a replica: the `Mesh`'s layout."""
+        return self.mesh.rank_of(stage_index, replica)
 
 
 
@@ -70,22 +76,11 @@ def microbatch_rows(global_batch: int, dp: int, num_microbatches: int) -> int:
 
 
 def peak_activations(setting: Setting) -> tuple[float, ...]:
-    """Micro-batches each rank holds at once: GPipe m (Huang et al. 2019), 1F1B stage s
-    min(p - s, m) (Narayanan et al. 2021), ZB-H1 min(p, m) (Qi et al. 2023; F done, W not yet).
-    Interleaved: rank r runs w = 2(p - r - 1) + (v - 1)G warmup forwards (G the largest
-    micro-batch group; all m v when m = p) and then holds one more chunk before its first
-    backward; a chunk counts 1/v. A test checks all four against `simulate` on the generators'
-    programs."""
+    """Micro-batches each rank holds at once: the schedule's closed form
+    (`ScheduleSpec.peak_activations`: GPipe m, 1F1B stage s min(p - s, m), ZB-H1 min(p, m),
+    interleaved by its warmup), or every micro-batch with batched weight gradients. A test checks
+    all four against `simulate` on the generators' programs."""
     p, m, v = setting.pp, setting.num_microbatches, setting.num_virtual_stages
-    if setting.schedule == "gpipe" or setting.batch_weight_grads:  # batched: every micro-batch's inputs kept
+    if setting.batch_weight_grads:  # batched: every micro-batch's inputs kept
         return (float(m),) * p
-    if setting.schedule == "1f1b" or (setting.schedule == "zbh1" and setting.recompute):
-        return tuple(float(min(p - s, m)) for s in range(p))
-    if setting.schedule == "zbh1":
-        return (float(min(p, m)),) * p
-    chunks, largest = m * v, max(group_sizes(m, p))
-    peaks = []
-    for r in range(p):
-        warmup = chunks if m == p else min(2 * (p - r - 1) + (v - 1) * largest, chunks)
-        peaks.append((warmup + 1 if warmup < chunks else chunks) / v)
-    return tuple(peaks)
+    return schedule_spec(setting.schedule).peak_activations(p, m, v, setting.recompute)

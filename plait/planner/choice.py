@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from plait.capture.trace import CapturedGraph
-from plait.config import SEARCH_ORDER, Config
+from plait.config import Config
+from plait.schedule.registry import SEARCH_ORDER, schedule_spec
 from plait.cost.network import Network
 from plait.cost.prediction import Cluster
 from plait.errors import ConfigError
@@ -70,7 +71,7 @@ def search_space(config: Config, world_size: int, global_batch: int) -> tuple[Se
     recompute = (False, True) if config.recompute is None else (config.recompute is True,)
     zero = None if config.zero is None else (config.zero,)
     if config.plans_everything:
-        schedules = (config.schedule,) if config.schedule else SEARCH_ORDER
+        schedules = (config.schedule,) if config.schedule else tuple(SEARCH_ORDER)
         batched = (False, True) if config.batch_weight_grads is None else (config.batch_weight_grads,)
         return SearchSpace(schedules=schedules, recompute=recompute, zero=zero,
                            batch_weight_grads=batched), "planned"
@@ -78,7 +79,8 @@ def search_space(config: Config, world_size: int, global_batch: int) -> tuple[Se
     pp, v = c.stages_for(world_size), c.num_virtual_stages
     assert c.schedule is not None and c.num_microbatches is not None
     # One chunk per rank: the interleaved order is 1F1B's; more micro-batches than rows: clamped.
-    schedule = "1f1b" if c.schedule == "interleaved" and v < 2 else c.schedule
+    one_chunk_as = schedule_spec(c.schedule).one_chunk_as
+    schedule = one_chunk_as if one_chunk_as is not None and v < 2 else c.schedule
     m = min(c.num_microbatches, -(-global_batch // (world_size // pp)))
     return SearchSpace(pp=(pp,), num_microbatches=(m,), schedules=(schedule,), num_virtual_stages=max(v, 2),
                        recompute=recompute, zero=zero, batch_weight_grads=(c.batch_weight_grads is True,),

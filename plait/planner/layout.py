@@ -36,7 +36,8 @@ from torch import nn
 
 from plait import data as batching
 from plait.capture.trace import CapturedGraph
-from plait.config import SCHEDULE_NAMES, Config
+from plait.config import Config
+from plait.schedule.registry import SCHEDULE_NAMES
 from plait.cost.network import Network
 from plait.errors import ConfigError, PartitionError
 from plait.job.ranks import local_world_size

@@ -76,6 +76,8 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         crossing=config.crossing or "tiles",
         stage_dp=tuple(config.dp_per_stage or ()),  # stages of their own replica counts (Config.dp_per_stage)
         batch_weight_grads=bool(config.batch_weight_grads),
+        tp_plan=tuple(config.tp_plan or ()),
+        sequence_parallel=config.sequence_parallel,
         uncuttable=regions,
         dp=config.dp,
         num_virtual_stages=virtual,

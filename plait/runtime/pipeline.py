@@ -17,9 +17,9 @@ from plait.capture.output import OutputSpec
 from plait.capture.split import StageModule, split, stage_of_layers
 from plait.capture.tp_layout import TpLayout
 from plait.capture.trace import CapturedGraph
-from plait.config import Config
 from plait.cost.recompute_pieces import pieces
 from plait.plan import Plan
+from plait.plan.execution import Execution
 from plait.runtime.comm.collectives import TiedGradients, broadcast_tensors, make_group
 from plait.runtime.comm.wire import Wire
 from plait.runtime.dp.grad_sync import GradientBuckets
@@ -56,7 +56,7 @@ class Pipeline:
     output_spec: OutputSpec
     layer_stage: list[int]
     sync: GradientBuckets | None  # data-parallel gradient buckets (dp > 1)
-    config: Config
+    execution: Execution
     zero: ShardedOptimizerState | None = None  # optimizer state sharded over the replicas (plan.zero)
     meter: ActivationMeter | None = None  # bytes held for backward passes (training pipeline)
     tp_group: Any = None  # this rank's tensor-parallel group (plan.tp > 1)
@@ -70,7 +70,7 @@ class Pipeline:
         starts consistent, each tensor sent only within the group that holds it."""
         tied = {id(p) for p in self.ties.parameters} if self.ties is not None else set()
         if self.sync is not None:
-            first = self.plan.rank_of(self.plan.position_of(self.rank)[0], 0, self.plan.tp_rank_of(self.rank))
+            first = self.plan.mesh.dp_ranks(self.rank)[0]  # this rank's place on the first replica
             buffers = {id(b): b for s in self.executors for b in self.stages[s].module.buffers()}
             own = [p for p in self.local_parameters if id(p) not in tied] + list(buffers.values())
             broadcast_tensors(own, first, self.sync.group)
@@ -116,7 +116,7 @@ class Pipeline:
         for name in captured.layers.layer_names:  # layers missing in train mode join their predecessor
             current = by_name.get(name, current)
             layer_stage.append(current)
-        parts = _Parts(self.plan, self.rank, loss, self.config, self.interpreter.wire,
+        parts = _Parts(self.plan, self.rank, loss, self.execution, self.interpreter.wire,
                        self.interpreter.tracer, self.output_spec, self.tp_group)
         held_by, _ = _holders(self.stages)
         return _assemble(captured, layer_stage, parts, make_ties=False, held_by=held_by)
@@ -161,7 +161,7 @@ def stage_tensors(captured: CapturedGraph, plan: Plan, rank: int | None) -> list
     return [t for s in chosen for t in (*stages[s].module.parameters(), *stages[s].module.buffers())]
 
 
-def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, config: Config, rank: int,
+def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, execution: Execution, rank: int,
                    loss: Callable[[Any, Any], torch.Tensor] | None, device: torch.device,
                    first: bool = False, state_factor: float = 4.0) -> Pipeline:
     """This rank's share of running `plan` on the captured model: its stage modules, executors,
@@ -174,14 +174,14 @@ def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, config: 
     """
     assert captured.output_spec is not None, "capture with capture_batch: the pipeline rebuilds outputs"
     tracer: Tracer | NullTracer = NULL_TRACER
-    if config.trace_dir is not None:
+    if execution.trace_dir is not None:
         tracer = Tracer(rank, {
             "schedule": plan.schedule, "num_stages": plan.num_stages, "num_chunks": plan.num_chunks, "pp": plan.pp,
             "num_virtual_stages": plan.num_virtual_stages, "dp": plan.dp,
             "world_size": plan.world_size, "num_microbatches": plan.num_microbatches,
             "stage_to_rank": list(plan.stage_to_rank), "recompute": list(plan.recompute),
         })
-    parts = _Parts(plan, rank, loss, config, Wire(config.timeout_s, device), tracer, captured.output_spec,
+    parts = _Parts(plan, rank, loss, execution, Wire(execution.timeout_s, device), tracer, captured.output_spec,
                    _tp_group(plan, rank), state_factor)
     return _assemble(captured, stage_of_layers(plan.layers_per_stage), parts, make_ties=True, equal_tp=first)
 
@@ -193,7 +193,7 @@ class _Parts:
     plan: Plan
     rank: int
     loss: Callable[[Any, Any], torch.Tensor] | None
-    config: Config
+    execution: Execution
     wire: Wire
     tracer: Tracer | NullTracer
     output_spec: OutputSpec
@@ -207,7 +207,7 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     training pipeline (`make_ties`) also gets its tied-parameter sums and gradient buckets, and
     its tp ranks the same generator states (`equal_tp`: the same values too, before the cut).
     `held_by`: the training stages of each tensor, where they are read (`split`)."""
-    plan, rank, config = parts.plan, parts.rank, parts.config
+    plan, rank = parts.plan, parts.rank
     stages = split(captured, layer_stage, held_by)
     t = plan.tp_rank_of(rank)
     layouts: dict[int, TpLayout] = {}
@@ -217,7 +217,7 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
         plan = replace(plan, tp_layouts=tuple(layouts[s].data(st.module) if s in layouts else dict(_WHOLE)
                                               for s, st in enumerate(stages)))  # before the cut
     if plan.tp_of(plan.position_of(rank)[0]) > 1:  # this rank's stage is split
-        first = rank - t  # the tp group's first rank
+        first = plan.mesh.tp_ranks(rank)[0]  # the tp group's first rank
         if equal_tp:
             held = {id(x): x for s in plan.stages_of(rank) for x in [*stages[s].module.parameters(),
                                                                     *stages[s].module.buffers()]}
@@ -236,14 +236,12 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     for s, lay in layouts.items():
         for target, (dim, blocks) in lay.params.items():
             i = id(stages[s].module.get_parameter(target))
-            tp_parts.setdefault(i, (dim, blocks, [plan.rank_of(min(holders[i]), owners.get(i, 0), u)
-                                                  for u in range(plan.tp_of(min(holders[i])))]))
+            tp_parts.setdefault(i, (dim, blocks, list(plan.mesh.stage_ranks(min(holders[i]), owners.get(i, 0)))))
     mine = plan.stages_of(rank)
     local = list({id(p): p for s in mine for p in stages[s].module.parameters()}.values())
     ties, sync, zero = None, None, None
     if make_ties:
-        position = plan.position_of(rank)[0]
-        replicas = [plan.rank_of(position, r, t) for r in range(plan.dp_of(position))]
+        replicas = list(plan.mesh.dp_ranks(rank))  # this rank's place on each replica of its stage
         sharded = {id(p): owners[id(p)] for p in local if id(p) in owners}  # this rank's stage's
         owner_rank = {i: replicas[r] for i, r in sharded.items()} if plan.zero == 2 else None
         plan, ties, sync = _ties_and_buckets(captured, replace(parts, plan=plan), holders, tensors, local,
@@ -255,7 +253,7 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     meter = ActivationMeter() if make_ties else None
     executors = {
         s: StageExecutor(stages[s], captured.finish, parts.loss, recompute=s in plan.recompute,
-                         batch_weight_grads=bool(config.batch_weight_grads), meter=meter,
+                         batch_weight_grads=plan.batch_weight_grads, meter=meter,
                          split_loss=split_loss if s == plan.num_chunks - 1 else None,
                          layer_pieces=pieces(plan.layer_names) if s in plan.recompute_by_layer else None) for s in mine
     }
@@ -263,7 +261,7 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
                               crossings(plan, rank, parts.tp_group, stages) if plan.stage_tp or plan.stage_dp
                               else None)
     return Pipeline(captured, stages, plan, rank, executors, interpreter, ties, local, owner_of,
-                    parts.output_spec, layer_stage, sync, config, zero, meter, tp_group=parts.tp_group,
+                    parts.output_spec, layer_stage, sync, parts.execution, zero, meter, tp_group=parts.tp_group,
                     tp_parts=tp_parts)
 
 
@@ -273,28 +271,24 @@ _WHOLE: dict[str, Any] = {"parameters": {}, "collectives": [], "replicated": {}}
 def _layouts(stages: list[StageModule], plan: Plan, parts: _Parts) -> dict[int, TpLayout]:
     """The tp layout of every stage of more than one rank: searched together per width (a parameter
     tied across stages of one width is cut alike; across widths it stays whole, `kept_whole`)."""
-    config, out = parts.config, dict[int, TpLayout]()
+    out = dict[int, TpLayout]()
     whole = kept_whole(stages, plan) if plan.stage_tp else {}
     for width in sorted({plan.tp_of(s) for s in range(plan.num_chunks)} - {1}):
         chosen = [s for s in range(plan.num_chunks) if plan.tp_of(s) == width]
-        search = runtime_search(config.memory_limit_bytes, width, plan.num_virtual_stages, parts.wire.device,
+        search = runtime_search(parts.execution.memory_limit_bytes, width, plan.num_virtual_stages, parts.wire.device,
                                 parts.state_factor)
-        tp_plan = {**dict(config.tp_plan or ()), **{m: "replicate" for s in chosen for m in whole.get(s, ())}}
+        tp_plan = {**dict(plan.tp_plan), **{m: "replicate" for s in chosen for m in whole.get(s, ())}}
         earlier = [plan.tp_layouts[s] for s in chosen] if plan.tp_layouts else []
         found = searched_layouts([stages[s].module for s in chosen], width, tp_plan, search, earlier,
-                                 config.sequence_parallel)
+                                 plan.sequence_parallel)
         out.update(zip(chosen, found))
     return out
 
 
 def _tp_group(plan: Plan, rank: int) -> Any:
-    """This rank's tensor-parallel group (every rank makes every group, in the same order)."""
-    if plan.stage_tp:
-        return stage_group(plan, rank)
-    if plan.tp == 1:
-        return None
-    groups = [make_group([lane * plan.tp + t for t in range(plan.tp)]) for lane in range(plan.world_size // plan.tp)]
-    return groups[rank // plan.tp]
+    """This rank's tensor-parallel group, None on a stage of one rank (every rank makes every group
+    of `Mesh.tp_groups`, in its order)."""
+    return stage_group(plan, rank)
 
 
 def _zero_owners(stages: Sequence[StageModule], plan: Plan, holders: dict[int, list[int]]) -> dict[int, int]:
@@ -305,8 +299,9 @@ def _zero_owners(stages: Sequence[StageModule], plan: Plan, holders: dict[int, l
     positions: list[dict[int, nn.Parameter]] = [{} for _ in range(plan.pp)]
     for st in stages:
         for p in st.module.parameters():
-            if p.requires_grad and len(holders[id(p)]) == 1 and plan.dp_of(st.stage_index % plan.pp) > 1:
-                positions[st.stage_index % plan.pp].setdefault(id(p), p)
+            position = plan.mesh.position_of_stage(st.stage_index)
+            if p.requires_grad and len(holders[id(p)]) == 1 and plan.dp_of(position) > 1:
+                positions[position].setdefault(id(p), p)
     owners: dict[int, int] = {}
     for position, params in enumerate(positions):  # stage_dp: each over its own replicas
         owners.update(zero_owners([list(params.values())], plan.dp_of(position)))
@@ -331,35 +326,31 @@ def _ties_and_buckets(captured: CapturedGraph, parts: _Parts, holders: dict[int,
                       ) -> tuple[Plan, TiedGradients | None, GradientBuckets | None]:
     """The plan with its tied parameters named, their gradient sums, and the data-parallel buckets
     (ZeRO-2, `owner_rank`: each parameter's gradient reduced to the rank that steps it)."""
-    plan, rank, config = parts.plan, parts.rank, parts.config
+    plan, rank, execution = parts.plan, parts.rank, parts.execution
     params = {i: t for i, t in tensors.items() if isinstance(t, nn.Parameter)}
     names = {id(p): n for n, p in captured.root.named_parameters()}
     tied = sorted(
         ((params[i], ss) for i, ss in holders.items() if len(ss) > 1 and i in params),
         key=lambda item: names.get(id(item[0]), ""),
     )
-    plan = Plan(**{**plan.__dict__, "tied_parameters": tuple(
-        (_user_name(names.get(id(p), "?")), tuple(ss)) for p, ss in tied
-    )})
+    plan = replace(plan, tied_parameters=tuple((_user_name(names.get(id(p), "?")), tuple(ss)) for p, ss in tied))
     ties = None
     if plan.world_size > 1:
         # One all-reduce over every stage and every replica holding a tied parameter
         # sums both the tie (layer reuse) and the data-parallel contributions.
         ties = TiedGradients([(p, ranks, silent) for p, ss in tied for ranks, silent in tie_groups(plan, ss)], rank)
     sync = None
-    if any(plan.dp_of(s) > 1 for s in range(plan.pp)):
-        groups = {  # every rank makes every group, in the same order (stage_dp: stages of several replicas)
-            (s, t): make_group([plan.rank_of(s, r, t) for r in range(plan.dp_of(s))]) if plan.dp_of(s) > 1 else None
-            for s in range(plan.pp) for t in range(plan.tp_of(s))  # stage_tp: each stage's own width
-        }
-        group = groups[(plan.position_of(rank)[0], plan.tp_rank_of(rank))]
+    if plan.mesh.dp_groups():
+        # every rank makes every group, in the mesh's order (stage_dp: the stages of several replicas)
+        groups = {ranks: make_group(ranks) for ranks in plan.mesh.dp_groups()}
+        group = groups.get(plan.mesh.dp_ranks(rank))
         tied_ids = {id(p) for p, _ in tied}
         bucketed = [p for p in local if id(p) not in tied_ids]
         if owner_rank is not None:  # a frozen parameter has no owner: its (zero) gradient goes to the first
-            first = plan.rank_of(plan.position_of(rank)[0], 0, plan.tp_rank_of(rank))
+            first = plan.mesh.dp_ranks(rank)[0]
             owner_rank = {id(p): owner_rank.get(id(p), first) for p in bucketed}
         if group is not None:
-            sync = GradientBuckets(bucketed, group, int(config.bucket_cap_mb * 2**20), config.timeout_s, owner_rank,
+            sync = GradientBuckets(bucketed, group, execution.bucket_bytes, execution.timeout_s, owner_rank,
                                    rank)
     return plan, ties, sync
 

@@ -97,8 +97,8 @@ class StepRunner:
     def __init__(self, pipe: Pipeline, net: nn.Module, metrics: Sequence[str], device: torch.device,
                  train: bool) -> None:
         self.pipe, self.net, self.metrics, self.device, self.train = pipe, net, list(metrics), device, train
-        config = pipe.config
-        self.watch = NonFiniteWatch(pipe) if train and config.on_nonfinite != "ignore" else None
+        execution = pipe.execution
+        self.watch = NonFiniteWatch(pipe) if train and execution.on_nonfinite != "ignore" else None
         self.rides = train and rides(pipe)  # the step's sums ride on the pipeline's messages
         self._carriers: dict[int, tuple[dict[int, int], dict[int, int]]] = {}  # micro-batches -> carriers
         self.memory: dict[str, int | None] = {}  # the last training step's readings, bytes (`memory_stats`)
@@ -133,7 +133,7 @@ class StepRunner:
             local = self._join_local(outputs, rows) if outputs else None
         except Exception as e:  # noqa: BLE001 - this rank's own failure: every other rank is told
             cause = f"failed joining its micro-batches' outputs of predict: {type(e).__name__}: {first_line(e)}"
-            gather_failures(-1, pipe.rank, -1, report_wait(pipe.config.timeout_s), cause)
+            gather_failures(-1, pipe.rank, -1, report_wait(pipe.execution.timeout_s), cause)
             raise PipelineError(f"rank {pipe.rank} {cause}; every other rank was stopped") from e
         if pipe.plan.stage_dp:
             return self._gather_row_blocks(local, rows)
@@ -143,7 +143,7 @@ class StepRunner:
         except PlaitError:
             raise
         except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
-            raise failure_error("gathering the outputs of predict", pipe.rank, e, pipe.config.timeout_s) from e
+            raise failure_error("gathering the outputs of predict", pipe.rank, e, pipe.execution.timeout_s) from e
 
     @cached_property
     def _row_leaves(self) -> tuple[bool, ...] | None:
@@ -179,7 +179,7 @@ class StepRunner:
         except PlaitError:
             raise
         except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
-            raise failure_error("gathering the outputs of predict", pipe.rank, e, pipe.config.timeout_s) from e
+            raise failure_error("gathering the outputs of predict", pipe.rank, e, pipe.execution.timeout_s) from e
         pieces: list[list[Any]] = []
         offset = 0
         for a, b in batching.microbatch_bounds(rows, pipe.plan.num_microbatches):
@@ -212,14 +212,14 @@ class StepRunner:
         Each micro-batch's loss is scaled so the summed gradients are those of the global mean
         loss ("mean"), or of this replica's own mean loss ("sum").
         """
-        pipe, config = self.pipe, self.pipe.config
+        pipe, execution = self.pipe, self.pipe.execution
         if pipe.plan.stage_dp:
             return self._row_blocks(x, y)
         rows = batching.num_rows(x)
         start, stop = batching.shard_bounds(rows, pipe.plan.dp)[pipe.replica]
         if stop == start:
             return []
-        denominator = rows if config.grad_reduction == "mean" else stop - start
+        denominator = rows if execution.grad_reduction == "mean" else stop - start
         x, y = batching.to_device(x, self.device), batching.to_device(y, self.device)
         out = []
         for a, b in batching.microbatch_bounds(stop - start, pipe.plan.num_microbatches):
@@ -300,7 +300,7 @@ class StepRunner:
         pipe = self.pipe
         skipped = False
         if self.watch is not None:
-            skipped = verdict(flags, pipe.plan, where.steps_done + 1, pipe.config.on_nonfinite, pipe.rank)
+            skipped = verdict(flags, pipe.plan, where.steps_done + 1, pipe.execution.on_nonfinite, pipe.rank)
         assert optimizer is not None
         if not skipped:
             if pipe.zero is not None:  # others' shares: no gradient, no step, no state here
@@ -419,7 +419,7 @@ class _Where:
 
     def __init__(self, runner: StepRunner, steps_done: int, num_microbatches: int) -> None:
         pipe = runner.pipe
-        self.rank, self.timeout_s, self.steps_done = pipe.rank, pipe.config.timeout_s, steps_done
+        self.rank, self.timeout_s, self.steps_done = pipe.rank, pipe.execution.timeout_s, steps_done
         self.run = pipe.interpreter.runs  # a failure below follows this run of the program, all done
         self.label = (f"training step {steps_done + 1}" if runner.train
                       else f"an evaluation batch after step {steps_done}")

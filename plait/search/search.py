@@ -21,7 +21,6 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from plait.config import SEARCH_ORDER
 from plait.cost.prediction import (
     Cluster,
     Prediction,
@@ -33,6 +32,7 @@ from plait.cost.prediction import (
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.setting import ZERO_LEVELS, check_zero
+from plait.schedule.registry import SCHEDULE_NAMES, SEARCH_ORDER, schedule_spec
 from plait.search.partition import Infeasible
 from plait.search.solved import SolvedPartitions
 
@@ -47,7 +47,7 @@ class SearchSpace:
 
     pp: tuple[int, ...] | None = None  # None: every divisor of the world size, up to the layers
     num_microbatches: tuple[int, ...] | None = None  # None: powers of two and multiples of pp
-    schedules: tuple[str, ...] = SEARCH_ORDER
+    schedules: tuple[str, ...] = field(default_factory=lambda: tuple(SEARCH_ORDER))  # the registered ones
     num_virtual_stages: int = 2  # chunks per rank of "interleaved"
     recompute: tuple[bool, ...] = (False, True)
     zero: tuple[int, ...] | None = None  # None: 0, 1 and 2 where dp > 1 (else 0); given: only those
@@ -59,6 +59,9 @@ class SearchSpace:
     def __post_init__(self) -> None:
         for level in self.zero or ():
             check_zero(level, 2)
+        for name in self.schedules:  # as `Setting` says it
+            if name not in SCHEDULE_NAMES:
+                raise ConfigError(f"schedule={name!r} is not known; choose one of {list(SCHEDULE_NAMES)}")
 
     def zero_levels(self, dp: int) -> tuple[int, ...]:
         """The ZeRO levels to try with dp replicas per stage (1 and 2 need dp > 1)."""
@@ -134,17 +137,19 @@ def _settings(costs: LayerCosts, world_size: int, global_batch: int, space: Sear
             counts = sorted({2**k for k in range(replica_rows.bit_length())}
                             | {pp * 2**k for k in range(replica_rows.bit_length())})
         for m in (c for c in counts if c <= replica_rows):
-            single = [n for n in space.schedules if n != "interleaved"]
-            one = "1f1b" if "1f1b" in single else (single[0] if single else None)
+            single = [n for n in space.schedules if not schedule_spec(n).virtual]
+            first = SEARCH_ORDER[0]  # the planner's first choice (1F1B)
+            one = first if first in single else (single[0] if single else None)
             for name in space.schedules:
                 if pp == 1 and name != one:
                     continue  # one stage: the schedules differ only in what GPipe holds
-                v = space.num_virtual_stages if name == "interleaved" else 1
-                if name == "interleaved" and (v < 2 or pp < 2 or pp * v > costs.num_layers):
+                spec = schedule_spec(name)
+                v = space.num_virtual_stages if spec.virtual else 1
+                if spec.virtual and (v < 2 or pp < 2 or pp * v > costs.num_layers):
                     continue
                 for recompute in space.recompute:
                     for batched in space.batch_weight_grads:
-                        if batched and (recompute or name == "zbh1" or m == 1):
+                        if batched and (recompute or spec.splits_backward or m == 1):
                             continue  # it would keep what recomputation frees; ZB-H1 would be 1F1B; m=1: no change
                         out.extend(Setting(pp, dp, m, name, v, recompute, zero, batched)
                                    for zero in space.zero_levels(dp))
@@ -154,7 +159,8 @@ def _settings(costs: LayerCosts, world_size: int, global_batch: int, space: Sear
 def _loosest(setting: Setting, space: SearchSpace) -> Setting:
     """The sibling of `setting` whose partition needs the least memory with the same objective:
     1F1B's held micro-batches for GPipe's (one closed form), ZeRO's highest level searched."""
-    schedule = "1f1b" if setting.schedule == "gpipe" and "1f1b" in space.schedules else setting.schedule
+    leaner = schedule_spec(setting.schedule).leaner
+    schedule = leaner if leaner is not None and leaner in space.schedules else setting.schedule
     return replace(setting, schedule=schedule, zero=max(space.zero_levels(setting.dp)))
 
 
@@ -260,7 +266,7 @@ def _rank(step_time_s: float, candidate: Candidate) -> tuple[float, int, bool]:
 
 def _actions(setting: Setting) -> int:
     """F, B (and W) of every micro-batch on every stage: the program the simulation walks."""
-    ops = 3 if setting.schedule == "zbh1" and not setting.recompute else 2
+    ops = 3 if schedule_spec(setting.schedule).splits_backward and not setting.recompute else 2
     return ops * setting.num_chunks * setting.num_microbatches
 
 

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-from plait.config.widths import CROSSINGS
+from plait.plan.plan import CROSSINGS
 from plait.cost.network import Network, all_reduce
 from plait.cost.prediction import CLOSING_BYTES, Cluster, partition_problem
 from plait.cost.problem import cuts_allowed
@@ -27,6 +27,7 @@ from plait.cost.tp_costs import TpShares, at_tp
 from plait.errors import PartitionError
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.setting import Setting, microbatch_rows
+from plait.schedule.registry import schedule_spec, width_schedules
 from plait.search.dp_widths import gradient_sum
 from plait.search.submesh import WidthCosts, pipeline_floor, width_partition
 
@@ -72,18 +73,18 @@ def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size:
                   cluster: Cluster, degrees: Sequence[int],
                   microbatches: Sequence[int] | None = None,
                   recompute: Sequence[bool] = (False, True),
-                  schedules: Sequence[str] = ("1f1b", "gpipe"),
+                  schedules: Sequence[str] | None = None,
                   replicas: Sequence[int] = (1,)) -> MixedWidths | None:
     """The fastest layout of stages of different widths among `degrees` (each > 1 needs its
     shares): one pipeline on every device, or `replicas` copies of one (each dp dividing the
     world, on world / dp devices of at least 2); None when fewer than two widths apply or no such
-    layout fits. Among equal steps, fewer copies first."""
+    layout fits. Among equal steps, fewer copies first. `schedules` None: `width_schedules()`."""
     best: MixedWidths | None = None
     for dp in sorted(set(replicas)):
         if dp < 1 or world_size % dp or world_size // dp < 2 or global_batch < dp:
             continue
         found = _search(costs, shares, world_size, dp, global_batch, cluster, degrees, microbatches, recompute,
-                        schedules, best.step_time_s if best is not None else math.inf)
+                        width_schedules() if schedules is None else schedules, best.step_time_s if best is not None else math.inf)
         if found is not None and (best is None or found.step_time_s < best.step_time_s):
             best = found
     return best
@@ -130,10 +131,11 @@ def _search(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int, 
         # whether a layout fits does not depend on the crossing's times, and a GPipe stage holds m
         # micro-batches, 1F1B's at most as many: where 1F1B fits nothing, GPipe does not either
         memory = (m, _fit_key(width_costs, cut_time, cross))
-        if (memory, schedule) in no_fit or (memory, "1f1b") in no_fit:
+        spec = schedule_spec(schedule)
+        if (memory, schedule) in no_fit or (memory, spec.leaner) in no_fit:
             continue
         try:
-            found = width_partition(width_costs, cut_time, devices, m, schedule == "gpipe",
+            found = width_partition(width_costs, cut_time, devices, m, spec.holds_all_microbatches,
                                     cluster.memory_bytes, cross=cross)
         except PartitionError:
             no_fit.add((memory, schedule))

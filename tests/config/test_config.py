@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from plait.config import NONFINITE_ACTIONS, SCHEDULE_NAMES, SEARCH_ORDER, Config
+from plait.config import Config
+from plait.plan.execution import NONFINITE_ACTIONS
+from plait.schedule.registry import SCHEDULE_NAMES, SEARCH_ORDER
 from plait.errors import ConfigError
 
 
@@ -45,7 +47,7 @@ def test_with_defaults_fills_only_what_is_open() -> None:
 
 
 def test_replan_is_not_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Options of `plait run` are applied in one place (plait.job.run_options), not by Config.
+    # Options of `plait run` are applied in one place (plait.config.run_options), not by Config.
     monkeypatch.setenv("PLAIT_REPLAN", "1")
     assert Config().replan is None and Config(replan=False).replan is False
     with pytest.raises(ConfigError, match="replan must be True, False or None"):

@@ -172,7 +172,7 @@ def test_plait_run_replan_reaches_every_rank_config(tmp_path: Path) -> None:
     script.write_text(textwrap.dedent("""
         import os, sys
         import plait
-        from plait.job.run_options import apply_run_options  # what Model applies to its config
+        from plait.config.run_options import apply_run_options  # what Model applies to its config
         with open(os.path.join(sys.argv[1], "rank%s.txt" % os.environ["RANK"]), "w") as f:
             f.write("%s %s" % (apply_run_options(plait.Config()).replan,
                            apply_run_options(plait.Config(replan=False)).replan))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.config import SCHEDULE_NAMES
+from plait.schedule.registry import SCHEDULE_NAMES
 
 from plait.errors import ScheduleError
 from plait.schedule import (

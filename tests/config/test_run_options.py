@@ -1,9 +1,9 @@
-"""Tests for plait.job.run_options: `plait run`'s options reach the config fields left open, and only those."""
+"""Tests for plait.config.run_options: `plait run`'s options reach the config fields left open, and only those."""
 
 from __future__ import annotations
 
 from plait.config import Config
-from plait.job.run_options import REPLAN_ENV, apply_run_options, run_options_env
+from plait.config.run_options import REPLAN_ENV, apply_run_options, run_options_env
 
 
 def test_plait_run_replan_sets_one_variable() -> None:

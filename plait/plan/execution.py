@@ -1,0 +1,44 @@
+"""`Execution`: how the runtime runs a plan where that is not layout (waits, traces, sums, non-finite steps)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.errors import ConfigError
+
+__all__ = ["Execution", "NONFINITE_ACTIONS", "GRAD_REDUCTIONS"]
+
+NONFINITE_ACTIONS = ("stop", "skip", "ignore")  # what a NaN or infinite loss or stage output does
+GRAD_REDUCTIONS = ("mean", "sum")  # the gradient of the global batch's mean loss, or of the sum of its means
+
+
+@dataclass(frozen=True)
+class Execution:
+    """The runtime's settings beside the `Plan` (made by `Config.execution()`; the runtime reads
+    these and the plan, never the user's Config).
+
+    timeout_s: longest wait on another rank before the run fails with a report.
+    trace_dir: where each rank writes its measured timeline (None: no trace).
+    on_nonfinite: "stop", "skip" or "ignore" a step with a non-finite loss or output.
+    grad_reduction: "mean" (what one process computes) or "sum" of the replicas' means.
+    bucket_bytes: bytes of one gradient bucket summed over replicas.
+    memory_limit_bytes: the tensor-parallel search's budget for a rank's parameter state (None: the device's).
+    """
+
+    timeout_s: float = 300.0
+    trace_dir: str | None = None
+    on_nonfinite: str = "stop"
+    grad_reduction: str = "mean"
+    bucket_bytes: int = 25 * 2**20
+    memory_limit_bytes: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ConfigError(f"Execution has timeout_s={self.timeout_s!r}; it must be a positive number of seconds")
+        if self.on_nonfinite not in NONFINITE_ACTIONS:
+            raise ConfigError(f"Execution has on_nonfinite={self.on_nonfinite!r}; choose one of {list(NONFINITE_ACTIONS)}")
+        if self.grad_reduction not in GRAD_REDUCTIONS:
+            raise ConfigError(f"Execution has grad_reduction={self.grad_reduction!r}; choose one of "
+                              f"{list(GRAD_REDUCTIONS)}")
+        if not (isinstance(self.bucket_bytes, int) and self.bucket_bytes > 0):
+            raise ConfigError(f"Execution has bucket_bytes={self.bucket_bytes!r}; it must be a positive integer")
