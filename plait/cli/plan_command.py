@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from plait.cost.key_values import integer, key_values
+from plait.cost.analytic import integer, key_values
 from plait.errors import ConfigError
 
 __all__ = ["add_plan_command", "run_plan"]

@@ -25,15 +25,16 @@ of a copy's bandwidth on an H200, at one rank's share of a Megatron block).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from plait.cost.devices import Device
-from plait.cost.key_values import integer, key_values
 from plait.cost.roofline import BlockTimes, block_times, head_times
 from plait.cost.tp_costs import TpShares
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
 
-__all__ = ["GptSpec", "gpt_costs", "gpt_tp_shares", "parse_gpt", "optimizer_state_factor", "ALPA_GPT_SUITE", "megatron_flops"]
+__all__ = ["GptSpec", "gpt_costs", "gpt_tp_shares", "parse_gpt", "key_values", "integer", "optimizer_state_factor",
+           "ALPA_GPT_SUITE", "megatron_flops"]
 
 # Bytes read and written per parameter by one optimizer step (fp32 state): Adam reads the
 # parameter, gradient, exp_avg, exp_avg_sq and writes three of them back: 7 x 4.
@@ -146,6 +147,26 @@ def megatron_flops(spec: GptSpec, batch: int) -> float:
     96 B s l h^2 (1 + s / (6 h) + V / (16 l h))."""
     s, l, h, v = spec.seq, spec.layers, spec.hidden, spec.vocab
     return 96.0 * batch * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+def key_values(text: str, flag: str, keys: Sequence[str], form: str) -> dict[str, str]:
+    """`a=1,b=x` -> {"a": "1", "b": "x"}; an item that is not KEY=VALUE with a known KEY is an
+    error naming it, the option (`flag`) and the accepted `form`."""
+    given: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in keys:
+            raise ConfigError(f"cannot read {item!r} in {flag} {text!r}; write {form}")
+        given[key.strip()] = value.strip()
+    return given
+
+
+def integer(flag: str, key: str, value: str) -> int:
+    """`value` of `key` as an integer, or an error naming both and the option."""
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{flag} {key}={value!r} is not an integer") from None
 
 
 def parse_gpt(text: str) -> GptSpec:

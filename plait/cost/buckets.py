@@ -1,4 +1,4 @@
-"""Gradient buckets: which gradients are all-reduced together, in which order (pure).
+"""Gradient buckets: which gradients are all-reduced together, in which order, and the time to sum them (pure).
 
 The runtime (`plait.runtime.dp.grad_sync`) fills its buckets by this rule and issues a collective for
 each gradient of ALONE_BYTES or more and one for the rest of each bucket; the cost model prices
@@ -8,10 +8,12 @@ backward pass has ended.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+from plait.cost.network import Link, all_reduce
 
 __all__ = ["FIRST_BUCKET_BYTES", "DEFAULT_BUCKET_BYTES", "ALONE_BYTES", "assign_buckets", "reduces_to_owners",
-           "bucket_summary"]
+           "bucket_summary", "summed_in"]
 
 FIRST_BUCKET_BYTES = 2**20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # Config.bucket_cap_mb's default, as DistributedDataParallel's
@@ -61,3 +63,12 @@ def bucket_summary(grad_bytes: Sequence[float], cap: float) -> tuple[float, int]
         large = sum(1 for i in bucket if sizes[i] >= ALONE_BYTES)
         collectives += large + (large < len(bucket))
     return sum(sizes[i] for i in buckets[-1]), collectives
+
+
+def summed_in(collectives: int, nbytes: float, num_devices: int, link: Link,
+              gradient_sum: Callable[[float, int, Link], float] = all_reduce) -> float:
+    """Seconds to sum `nbytes` of gradients over `num_devices` in `collectives` collectives (the
+    runtime's, `bucket_summary`): the bytes once, and each collective's latency (a byte's sum)."""
+    if nbytes <= 0:
+        return 0.0
+    return gradient_sum(nbytes, num_devices, link) + max(collectives - 1, 0) * gradient_sum(1.0, num_devices, link)

@@ -11,6 +11,7 @@ model, src/graph/tuning.cc: latency = baseLat + steps x hwLat):
     all-gather          base + (p-1) alpha + (p-1)V/B
     reduce-scatter      base + (p-1) alpha + (p-1)V/(pB)
     broadcast / reduce  base + ceil(log2 p) (alpha + V/B)
+    by owner (ZeRO)     p broadcasts (or reduces) of V/p, one from each owner in turn
 
 An all-reduce runs as a ring, or, on a link whose library also runs trees and takes the faster
 (`Link.tree`: NCCL, which chooses among its algorithms by the same kind of model; gloo's
@@ -35,6 +36,7 @@ __all__ = [
     "all_gather",
     "reduce_scatter",
     "broadcast",
+    "by_owner",
 ]
 
 
@@ -178,3 +180,9 @@ def broadcast(nbytes: float, num_devices: int, link: Link) -> float:
         return 0.0
     hops = math.ceil(math.log2(q))
     return link.collective_s(hops) + hops * nbytes / link.bandwidth
+
+
+def by_owner(nbytes: float, num_devices: int, link: Link) -> float:
+    """ZeRO's collectives as the runtime issues them: one reduce (gradients) or broadcast
+    (updated parameters) of each owner's 1/p share of `nbytes`, p of them in turn."""
+    return num_devices * broadcast(nbytes / num_devices, num_devices, link)

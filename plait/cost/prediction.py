@@ -8,7 +8,7 @@ One step of a layout (pp stages x dp replicas, m micro-batches of `rows` rows ea
                `plait.schedule.steptime` on the generator's own program, or the closed form
                that the partition minimises (`partition_problem`); where hand-overs take time
                from the ranks themselves (`Network.handover_cpu_s`, CPU ranks), each chunk's F
-               and B add it once per boundary it sends or receives across (`handover_busy`)
+               and B add it once per boundary it sends or receives across (`plait.cost.handovers`)
     gradients  each rank's gradients summed over its dp replicas, in buckets
                (`plait.cost.buckets`): all-reduced (zero 0 and 1; ring 2(p-1)/p x bytes /
                bandwidth, Thakur et al. 2005) or, ZeRO-2, reduced to their owners (as the
@@ -46,34 +46,29 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-import numpy as np
-import numpy.typing as npt
-
-from plait.cost.buckets import DEFAULT_BUCKET_BYTES, bucket_summary
+from plait.cost.buckets import DEFAULT_BUCKET_BYTES, bucket_summary, summed_in
+from plait.cost.handovers import boundary_links, cut_bytes, cut_times, handover_busy, handover_term, slowest_boundary
 from plait.cost.layer_times import (
-    fill_share,
     flush_times,
     hold,
-    latency_count,
     latency_terms,
     layer_times,
     pipeline_lower_bound,
     recomputed_memory,
 )
 from plait.cost.memory import StateBytes, state_bytes, state_totals
-from plait.cost.network import Link, Network, all_reduce, broadcast, messages_time, point_to_point
-from plait.cost.problem import PartitionProblem, cuts_allowed
+from plait.cost.network import Network, all_reduce, by_owner, messages_time, point_to_point
+from plait.cost.problem import PartitionProblem
 from plait.cost.recompute_pieces import piece_terms
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.setting import Setting, microbatch_rows, peak_activations
 from plait.schedule.steptime import compile_schedule, time_step
 
-__all__ = ["Setting", "Cluster", "StageCost", "Prediction", "microbatch_rows", "handover_busy", "handover_term",
-           "summed_in", "peak_activations", "partition_problem", "pipeline_lower_bound", "step_lower_bound",
-           "predict"]
+__all__ = ["Setting", "Cluster", "StageCost", "Prediction", "microbatch_rows", "peak_activations", "partition_problem",
+           "pipeline_lower_bound", "step_lower_bound", "predict"]
 
 CLOSING_BYTES = 64.0  # the step's loss and metric sums (and non-finite flags): a few float64s
 
@@ -174,43 +169,6 @@ class Prediction:
         return max(self.memory_bytes)
 
 
-def _boundary_links(setting: Setting, network: Network) -> list[Link]:
-    """The link of each stage boundary s -> s + 1: the slowest any replica's pair crosses
-    (`Network.link` of the 2 dp ranks: intra when they all sit on one node)."""
-    s = np.arange(setting.num_chunks - 1)[:, None]
-    replica = np.arange(setting.dp)[None, :] * setting.pp
-    here = (replica + s % setting.pp) // network.devices_per_node  # (S - 1, dp) nodes
-    there = (replica + (s + 1) % setting.pp) // network.devices_per_node
-    low = np.minimum(here.min(axis=1, initial=2**62), there.min(axis=1, initial=2**62))
-    high = np.maximum(here.max(axis=1, initial=-1), there.max(axis=1, initial=-1))
-    return [network.intra if one else network.inter for one in (low == high).tolist()]
-
-
-def _cut_times(costs: LayerCosts, setting: Setting, network: Network, rows: int) -> list[float]:
-    """Hand-over time of a cut after each layer, for the partition: it does not know which
-    boundary a cut becomes, so every cut is priced on the slowest boundary link."""
-    slowest = _slowest_boundary(setting, network)
-    return [point_to_point(costs.output_row_bytes[k] * rows, slowest)
-            for k in range(costs.num_layers - 1)]
-
-
-def _slowest_boundary(setting: Setting, network: Network) -> Link:
-    links = _boundary_links(setting, network) or [network.intra]
-    return min(links, key=lambda link: (link.bandwidth, -link.latency_s))
-
-
-@functools.lru_cache(maxsize=64)
-def _cut_bytes(output_row_bytes: tuple[float, ...], uncuttable: tuple[tuple[int, int], ...]
-               ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.intp]]:
-    """Prefix sums of the allowed cuts' bytes per row (after layer k: its output), fewest first,
-    and of how many are messages (more than 0 bytes): the cheapest k cuts' bytes and message
-    count in two lookups."""
-    allowed = cuts_allowed(len(output_row_bytes), uncuttable)
-    sizes = np.sort(np.asarray([b for b, ok in zip(output_row_bytes[:-1], allowed) if ok], dtype=np.float64))
-    return (np.concatenate(([0.0], np.cumsum(sizes))),
-            np.concatenate(([0], np.cumsum(sizes > 0))).astype(np.intp))
-
-
 def riding(setting: Setting, cluster: Cluster) -> bool:
     """Whether the step's loss sums ride on the pipeline's messages instead of an all-reduce:
     one rank per stage (`plait.runtime.step.rides`)."""
@@ -220,24 +178,6 @@ def riding(setting: Setting, cluster: Cluster) -> bool:
 @functools.lru_cache(maxsize=64)
 def _closing(network: Network, world_size: int) -> float:
     return all_reduce(CLOSING_BYTES, world_size, network.reduce_link(range(world_size)))
-
-
-def handover_busy(num_chunks: int, handover_cpu_s: float) -> list[float]:
-    """What hand-overs add to each chunk's F and, again, to its B: `handover_cpu_s` per boundary
-    it sends or receives across (a forward's input and output, a backward's gradients)."""
-    return [handover_cpu_s * ((s > 0) + (s < num_chunks - 1)) for s in range(num_chunks)]
-
-
-def handover_term(setting: Setting, handover_cpu_s: float) -> float:
-    """The closed form's share of `handover_busy`: each chunk's time grows by twice its busy (F
-    and B), in the fill (1/v of it interleaved) and in the bottleneck; the same for every cut,
-    so the partition's argmin does not move and the term is added after it."""
-    if not handover_cpu_s or setting.num_chunks < 2:
-        return 0.0
-    busy = [2 * x for x in handover_busy(setting.num_chunks, handover_cpu_s)]
-    share = fill_share(setting)
-    count = latency_count(setting)
-    return share * sum(busy) + count * max(busy)
 
 
 def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int) -> PartitionProblem:
@@ -259,7 +199,7 @@ def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, glo
     rows = microbatch_rows(global_batch, setting.dp, setting.num_microbatches)
     time, fill, last_fill, count = latency_terms(costs, setting, rows)
     v = setting.num_virtual_stages
-    cuts = [2 * c for c in _cut_times(costs, setting, cluster.network, rows)]
+    cuts = [2 * c for c in cut_times(costs, setting, cluster.network, rows)]
     state = state_totals(costs.param_bytes, costs.grad_bytes, cluster.optimizer_state_factor, setting.dp, setting.zero)
     act = [a * rows for a in costs.activation_row_bytes]
     entry = [costs.input_row_bytes * rows] + [o * rows for o in costs.output_row_bytes[:-1]]
@@ -285,10 +225,10 @@ def step_lower_bound(costs: LayerCosts, setting: Setting, cluster: Cluster, glob
     average rank (the slowest steps at least that). The gradient sum and the ZeRO broadcasts,
     which may hide behind the pipeline or not, are left out."""
     rows = microbatch_rows(global_batch, setting.dp, setting.num_microbatches)
-    nbytes, messages = _cut_bytes(costs.output_row_bytes, costs.uncuttable)
+    nbytes, messages = cut_bytes(costs.output_row_bytes, costs.uncuttable)
     cheapest = min(setting.num_chunks - 1, len(nbytes) - 1)
     cut_floor = 2 * messages_time(int(messages[cheapest]), float(nbytes[cheapest]) * rows,
-                                  _slowest_boundary(setting, cluster.network))
+                                  slowest_boundary(setting, cluster.network))
     if riding(setting, cluster):  # no meeting, and the rank that ends last may step little
         closing, stepped = 0.0, 0.0
     else:
@@ -303,7 +243,7 @@ def _stages(costs: LayerCosts, setting: Setting, cluster: Cluster, rows: int,
             layers_per_stage: Sequence[int]) -> list[StageCost]:
     f, b, w = layer_times(costs, setting, rows)
     flush = flush_times(costs, setting, rows)
-    links = _boundary_links(setting, cluster.network)
+    links = boundary_links(setting, cluster.network)
     busy = handover_busy(len(layers_per_stage), cluster.network.handover_cpu_s)
     entries = [costs.input_row_bytes] + list(costs.output_row_bytes[:-1])
     piece_entry, piece_once = piece_terms(costs.names, costs.activation_row_bytes, entries)
@@ -428,24 +368,9 @@ def _state(param_bytes: float, grad_bytes: float, setting: Setting, cluster: Clu
     return state_bytes(param_bytes, grad_bytes, cluster.optimizer_state_factor, setting.dp, setting.zero)
 
 
-def by_owner(nbytes: float, num_devices: int, link: Link) -> float:
-    """ZeRO's collectives as the runtime issues them: one reduce (gradients) or broadcast
-    (updated parameters) of each owner's 1/p share of `nbytes`, p of them in turn."""
-    return num_devices * broadcast(nbytes / num_devices, num_devices, link)
-
-
 def _prefix(values: Sequence[float]) -> list[float]:
     """[i] = sum of values[:i] (a range's sum in two lookups)."""
     return [0.0, *itertools.accumulate(float(x) for x in values)]
-
-
-def summed_in(collectives: int, nbytes: float, num_devices: int, link: Link,
-              gradient_sum: Callable[[float, int, Link], float] = all_reduce) -> float:
-    """Seconds to sum `nbytes` of gradients over `num_devices` in `collectives` collectives (the
-    runtime's, `bucket_summary`): the bytes once, and each collective's latency (a byte's sum)."""
-    if nbytes <= 0:
-        return 0.0
-    return gradient_sum(nbytes, num_devices, link) + max(collectives - 1, 0) * gradient_sum(1.0, num_devices, link)
 
 
 def _unbounded(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int) -> PartitionProblem:

@@ -37,10 +37,11 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from plait.cost.buckets import bucket_summary
+from plait.cost.buckets import bucket_summary, summed_in
+from plait.cost.handovers import handover_term
 from plait.cost.layer_times import layer_times
 from plait.cost.network import Link, all_reduce
-from plait.cost.prediction import CLOSING_BYTES, Cluster, handover_term, partition_problem, summed_in
+from plait.cost.prediction import CLOSING_BYTES, Cluster, partition_problem
 from plait.cost.problem import cuts_allowed
 from plait.cost.row_blocks import row_crossing_time
 from plait.errors import PartitionError

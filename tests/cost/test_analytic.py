@@ -10,6 +10,8 @@ from plait.cost.analytic import (
     GptSpec,
     gpt_costs,
     gpt_tp_shares,
+    integer,
+    key_values,
     optimizer_state_factor,
     parse_gpt,
 )
@@ -142,3 +144,20 @@ def test_gpt_tp_shares_are_megatrons_layout() -> None:
     assert shares.backward_reduce_row_bytes[3] == s * h * d + s * 4 and shares.backward_collectives[3] == 2
     mlp_only = gpt_tp_shares(parse_gpt("layers=1,hidden=64,heads=2,seq=16,vocab=100"), dev, 4)  # 2 heads on 4
     assert mlp_only.split_bytes[1] == (8 * h * h + 5 * h) * d and mlp_only.forward_collectives[1] == 1
+
+
+def test_items_are_read_in_order_with_spaces_and_empty_items_dropped() -> None:
+    assert key_values(" a=1, b = x ,,", "--opt", ("a", "b"), "a=A") == {"a": "1", "b": "x"}
+    assert key_values("", "--opt", ("a",), "a=A") == {}
+
+
+@pytest.mark.parametrize("text, item", [("a=1,c=2", "c=2"), ("a", "a")])
+def test_an_unknown_key_or_a_missing_value_is_named_with_the_form(text: str, item: str) -> None:
+    with pytest.raises(ConfigError, match=f"cannot read '{item}' in --opt '{text}'; write a=A"):
+        key_values(text, "--opt", ("a",), "a=A")
+
+
+def test_integers_are_checked() -> None:
+    assert integer("--opt", "a", "12") == 12
+    with pytest.raises(ConfigError, match=r"--opt a='1.5' is not an integer"):
+        integer("--opt", "a", "1.5")

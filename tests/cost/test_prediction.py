@@ -8,12 +8,11 @@ from dataclasses import replace
 
 import pytest
 
+from plait.cost.handovers import handover_busy, handover_term
 from plait.cost.network import Link, Network
 from plait.cost.prediction import (
     Cluster,
     Setting,
-    handover_busy,
-    handover_term,
     microbatch_rows,
     partition_problem,
     peak_activations,
