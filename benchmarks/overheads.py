@@ -27,7 +27,8 @@ try:
     import plait  # noqa: F401
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from plait.cost.analytic import ALPA_GPT_SUITE, gpt_costs, optimizer_state_factor
+from plait.cost.analytic import ALPA_GPT_SUITE, gpt_costs
+from plait.cost.memory import optimizer_state_factor
 from plait.cost.prediction import Cluster
 from plait.cost.devices import device
 from plait.search.search import search

@@ -18,7 +18,8 @@ import resource
 import sys
 import time
 
-from plait.cost.analytic import gpt_costs, gpt_tp_shares, optimizer_state_factor, parse_gpt
+from plait.cost.analytic import gpt_costs, gpt_tp_shares, parse_gpt
+from plait.cost.memory import optimizer_state_factor
 from plait.cost.prediction import Cluster
 from plait.cost.devices import device
 from plait.search.search import SearchSpace

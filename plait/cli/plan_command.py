@@ -197,7 +197,8 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from plait.cost.analytic import gpt_costs, gpt_tp_shares, megatron_flops, optimizer_state_factor, parse_gpt
+    from plait.cost.analytic import gpt_costs, gpt_tp_shares, megatron_flops, parse_gpt
+    from plait.cost.memory import optimizer_state_factor
     from plait.cost.devices import device
     from plait.cost.prediction import Cluster
     from plait.search.search import format_table
@@ -228,7 +229,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     else:
         import torch
 
-        from plait.cost.analytic import optimizer_state_factor as state_factor
+        from plait.cost.memory import optimizer_state_factor as state_factor
         from plait.planner.autoplan import PlanOptions, plan_model
         from plait.planner.calibrate import measure_here
         from plait.planner.choice import choose, search_inputs

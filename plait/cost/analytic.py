@@ -33,7 +33,7 @@ from plait.cost.tp_costs import TpShares
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
 
-__all__ = ["GptSpec", "gpt_costs", "gpt_tp_shares", "parse_gpt", "key_values", "integer", "optimizer_state_factor",
+__all__ = ["GptSpec", "gpt_costs", "gpt_tp_shares", "parse_gpt", "key_values", "integer",
            "ALPA_GPT_SUITE", "megatron_flops"]
 
 # Bytes read and written per parameter by one optimizer step (fp32 state): Adam reads the
@@ -179,17 +179,6 @@ def parse_gpt(text: str) -> GptSpec:
         raise ConfigError(f"--gpt {text!r} lacks {', '.join(missing)}; for example "
                           "layers=24,hidden=1024,heads=16")
     return GptSpec(**values)
-
-
-def optimizer_state_factor(optimizer: str, dtype_bytes: int) -> float:
-    """Optimizer state bytes per gradient byte. Mixed precision (2-byte gradients) adds an fp32
-    master copy: Adam 12 bytes per 2-byte gradient = 6, fp32 Adam 8 per 4 = 2 (ZeRO's 16 bytes
-    per parameter in both cases, with parameters and gradients)."""
-    state = {"adam": 8, "sgd-momentum": 4, "sgd": 0}
-    if optimizer not in state:
-        raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {sorted(state)}")
-    master = 4 if dtype_bytes < 4 else 0
-    return (state[optimizer] + master) / dtype_bytes
 
 
 def gpt_costs(spec: GptSpec, dev: Device, optimizer: str = "adam") -> LayerCosts:

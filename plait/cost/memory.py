@@ -33,7 +33,18 @@ import numpy as np
 from plait.errors import ConfigError
 from plait.plan.setting import check_zero
 
-__all__ = ["StateBytes", "state_bytes", "state_totals"]
+__all__ = ["StateBytes", "state_bytes", "state_totals", "optimizer_state_factor"]
+
+def optimizer_state_factor(optimizer: str, dtype_bytes: int) -> float:
+    """Optimizer state bytes per gradient byte. Mixed precision (2-byte gradients) adds an fp32
+    master copy: Adam 12 bytes per 2-byte gradient = 6, fp32 Adam 8 per 4 = 2 (ZeRO's 16 bytes
+    per parameter in both cases, with parameters and gradients)."""
+    state = {"adam": 8, "sgd-momentum": 4, "sgd": 0}
+    if optimizer not in state:
+        raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {sorted(state)}")
+    master = 4 if dtype_bytes < 4 else 0
+    return (state[optimizer] + master) / dtype_bytes
+
 
 @dataclass(frozen=True)
 class StateBytes:

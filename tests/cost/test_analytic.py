@@ -12,7 +12,6 @@ from plait.cost.analytic import (
     gpt_tp_shares,
     integer,
     key_values,
-    optimizer_state_factor,
     parse_gpt,
 )
 from plait.cost.devices import device
@@ -110,15 +109,6 @@ def test_bytes_per_layer() -> None:
     assert costs.input_row_bytes == 8 * s
     fp32 = gpt_costs(spec, device("cpu"))
     assert fp32.activation_row_bytes[1] == 2 * costs.activation_row_bytes[1]
-
-
-def test_optimizer_state_is_zeros_16_bytes_per_parameter() -> None:
-    # ZeRO: mixed-precision Adam keeps 2 + 2 + 12 bytes per parameter; fp32 Adam 4 + 4 + 8
-    assert 2 + 2 * (1 + optimizer_state_factor("adam", 2)) == 16
-    assert 4 + 4 * (1 + optimizer_state_factor("adam", 4)) == 16
-    assert optimizer_state_factor("sgd", 4) == 0 and optimizer_state_factor("sgd-momentum", 4) == 1
-    with pytest.raises(ConfigError, match="unknown optimizer"):
-        optimizer_state_factor("lion", 2)
 
 
 def test_parse_gpt() -> None:

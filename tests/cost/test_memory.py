@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.cost.memory import StateBytes, state_bytes, state_totals
+from plait.cost.memory import StateBytes, optimizer_state_factor, state_bytes, state_totals
 from plait.errors import ConfigError
 from plait.plan.setting import check_zero
 
@@ -54,3 +54,25 @@ def test_other_arguments_are_checked() -> None:
         state_bytes(1.0, 1.0, 2.0, 0, 0)
     with pytest.raises(ConfigError, match=r"optimizer_state_factor must be >= 0 \(Adam: 2\), got -1"):
         state_totals([1.0], [1.0], -1.0, 2, 1)
+
+
+def test_optimizer_state_is_zeros_16_bytes_per_parameter() -> None:
+    # ZeRO: mixed-precision Adam keeps 2 + 2 + 12 bytes per parameter; fp32 Adam 4 + 4 + 8
+    assert 2 + 2 * (1 + optimizer_state_factor("adam", 2)) == 16
+    assert 4 + 4 * (1 + optimizer_state_factor("adam", 4)) == 16
+    assert optimizer_state_factor("sgd", 4) == 0 and optimizer_state_factor("sgd-momentum", 4) == 1
+    with pytest.raises(ConfigError, match="unknown optimizer"):
+        optimizer_state_factor("lion", 2)
+
+
+def test_the_runtime_reads_the_cost_models_factor_for_an_optimizer_instance() -> None:
+    # The story: the runtime and the cost model each wrote their own table of optimizer state
+    # (Adam 2, SGD with momentum 1, SGD 0); now the runtime names the instance's kind and asks the cost model.
+    import torch
+
+    from plait.runtime.memory.memory_stats import state_factor
+
+    w = [torch.nn.Parameter(torch.zeros(2))]
+    assert state_factor(torch.optim.Adam(w)) == optimizer_state_factor("adam", 4) == 2
+    assert state_factor(torch.optim.SGD(w, lr=0.1, momentum=0.9)) == optimizer_state_factor("sgd-momentum", 4) == 1
+    assert state_factor(torch.optim.SGD(w, lr=0.1)) == optimizer_state_factor("sgd", 4) == 0

@@ -15,7 +15,7 @@ from plait.capture.trace import capture_batch
 from plait.cost.recompute_pieces import pieces
 from plait.errors import ConfigError
 from plait.runtime.layer_checkpoint import layer_checkpointed
-from plait.runtime.memory.live_bytes import LiveBytes
+from benchmarks.live_bytes import LiveBytes
 
 LAYERS = 6
 

@@ -11,7 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from plait.cost.analytic import ALPA_GPT_SUITE, gpt_costs, optimizer_state_factor
+from plait.cost.analytic import ALPA_GPT_SUITE, gpt_costs
+from plait.cost.memory import optimizer_state_factor
 from plait.cost.devices import device
 from plait.cost.network import Link, Network
 from plait.cost.prediction import Cluster, Setting, partition_problem, predict

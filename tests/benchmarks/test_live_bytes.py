@@ -1,10 +1,10 @@
-"""Tests for plait.runtime.memory.live_bytes: new storages counted until freed, inputs written or viewed not."""
+"""Tests for benchmarks/live_bytes.py: new storages counted until freed, inputs written or viewed not."""
 
 from __future__ import annotations
 
 import torch
 
-from plait.runtime.memory.live_bytes import LiveBytes
+from benchmarks.live_bytes import LiveBytes
 
 
 def test_the_peak_counts_new_storage_until_it_is_freed() -> None:
