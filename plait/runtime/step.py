@@ -29,24 +29,17 @@ from plait.capture.output import flatten_output
 from plait.capture.trace import CapturedGraph, in_mode
 from plait.cost.row_blocks import check_rows, row_block
 from plait.errors import ConfigError, PipelineError, PlaitError, first_line
-from plait.metrics import METRICS
-from plait.runtime.comm.collectives import start_sum_floats
 from plait.runtime.failure import failure_error, gather_failures, report_wait
 from plait.runtime.interpreter import MicroBatch
 from plait.runtime.nonfinite import NonFiniteWatch, verdict
 from plait.runtime.output_rows import join_microbatches, join_parts, leaf_names, row_leaves
 from plait.runtime.pipeline import Pipeline
-from plait.runtime.riding_sums import RidingSums, carriers
+from plait.runtime.step_sums import StepSums, num_stats  # num_stats: plait.model reads it here
 
 __all__ = ["OptimizerArg", "StepResult", "StepRunner", "held_bytes", "make_optimizer", "num_stats", "rides"]
 
 # The user's optimizer: an instance (over the whole net), or a callable made over this rank's parameters.
 OptimizerArg = torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None
-
-
-def num_stats(metrics: Sequence[str]) -> int:
-    """Length of a step's sums: the loss x rows, then (correct, counted) per metric."""
-    return 1 + 2 * len(metrics)
 
 
 def held_bytes(tensors: Iterable[Any]) -> int:
@@ -100,7 +93,7 @@ class StepRunner:
         execution = pipe.execution
         self.watch = NonFiniteWatch(pipe) if train and execution.on_nonfinite != "ignore" else None
         self.rides = train and rides(pipe)  # the step's sums ride on the pipeline's messages
-        self._carriers: dict[int, tuple[dict[int, int], dict[int, int]]] = {}  # micro-batches -> carriers
+        self.carried: dict[int, tuple[dict[int, int], dict[int, int]]] = {}  # micro-batches -> carriers
         self.memory: dict[str, int | None] = {}  # the last training step's readings, bytes (`memory_stats`)
         if train:
             mine = {id(p) for p in pipe.local_parameters}
@@ -247,7 +240,7 @@ class StepRunner:
                 ex.reset()
             if self.watch is not None:
                 self.watch.start()
-            started = _Sums(self, mbs, keep_outputs)
+            started = StepSums(self, mbs, keep_outputs)
             if mbs:
                 program = pipe.program(len(mbs), train)
                 riding = started.riding(program) if self.rides else None
@@ -325,26 +318,6 @@ class StepRunner:
                     where.guard("the broadcast of sharded parameters", broadcast)
         return skipped
 
-    def _local_stats(self, mbs: list[MicroBatch], keep_outputs: bool) -> tuple[list[float], list[Any] | None]:
-        """This rank's [sum of loss x rows, (correct, counted) per metric] and kept outputs."""
-        stats = [0.0] * num_stats(self.metrics)
-        outputs = None
-        if self.pipe.is_last:
-            ex = self.pipe.last_executor
-            counted = self.pipe.tp_rank == 0  # the tp ranks of the last stage hold the same loss: one counts it
-            for k, mb in enumerate(mbs):
-                if mb.target is None or not counted:
-                    continue
-                stats[0] += ex.losses.get(k, 0.0) * batching.num_rows(mb.target)
-                for i, name in enumerate(self.metrics):
-                    c, n = METRICS[name](ex.outputs[k], mb.target)
-                    stats[1 + 2 * i] += c
-                    stats[2 + 2 * i] += n
-            if keep_outputs:
-                outputs = [ex.outputs[k] for k in range(len(mbs))]
-            ex.outputs.clear()
-        return stats, outputs
-
 
 def rides(pipe: Pipeline) -> bool:
     """Whether a training step's sums can ride on the pipeline's messages (`RidingSums`): one rank
@@ -353,65 +326,6 @@ def rides(pipe: Pipeline) -> bool:
     return (plan.num_stages > 1 and plan.world_size == plan.num_stages and not pipe.interpreter.crossings
             and all(plan.dp_of(s) == 1 and plan.tp_of(s) == 1 for s in range(plan.num_chunks))
             and all(a != b for a, b in zip(ranks, ranks[1:])))
-
-
-class _Sums:
-    """A step's loss and metric sums and non-finite flags, summed over the job.
-
-    `start` runs once this rank's forwards are done (the interpreter calls it after its last
-    forward): everything it sums is known then, so the all-reduce travels while the backward passes
-    run instead of after them. Every rank issues it before any gradient bucket of the step (the
-    buckets complete only in the last micro-batch's backward, or at `flush`), so where both share
-    the default group, every rank issues them in the same order. In a pipeline (pp > 1) nothing
-    else of the step is on the default group (the buckets and tp's collectives are on groups of
-    one stage), so `start` waits for the rank's first W after its last forward, where there is
-    one: issuing a collective costs the issuing rank's core ~0.25 ms of gloo's thread, which then
-    lands on weight gradients nobody waits for rather than between the last stage's last forward
-    and the input gradient its previous stage waits for.
-    """
-
-    def __init__(self, runner: StepRunner, mbs: list[MicroBatch], keep_outputs: bool) -> None:
-        self.runner, self.mbs, self.keep_outputs = runner, mbs, keep_outputs
-        self.stats: list[float] = []
-        self.outputs: list[Any] | None = None
-        self.total: Callable[[], list[float]] = list
-        self.length = 0  # of the riding vector: the stats, then the flags (`riding`)
-
-    def start(self) -> None:
-        runner = self.runner
-        pipe = runner.pipe
-        self.stats, self.outputs = runner._local_stats(self.mbs, self.keep_outputs)
-        flags = [] if runner.watch is None else runner.watch.finish(
-            pipe.last_executor.losses if pipe.is_last else {})
-        self.total = start_sum_floats(self.stats + flags)
-
-    def riding(self, program: Any) -> RidingSums:
-        """The sums of this step riding on the messages of `program` (in place of `start`)."""
-        runner = self.runner
-        carried = runner._carriers.get(len(self.mbs))
-        if carried is None:
-            carried = runner._carriers[len(self.mbs)] = carriers(program)
-        num_chunks = runner.pipe.plan.num_chunks
-        self.stats = [0.0] * num_stats(runner.metrics)  # a stage before the last adds none
-        self.length = len(self.stats) + (0 if runner.watch is None else num_chunks + 1)
-        sums = RidingSums(carried, num_chunks, self.length, self.own, runner.device)
-        self.total = sums.result
-        return sums
-
-    def own(self, stage_index: int) -> list[float]:
-        """What stage `stage_index` of this rank adds to the step's sums, once its forwards are
-        done: its non-finite flag; the last stage also the loss and metric sums and the loss's flag."""
-        runner = self.runner
-        pipe, watch, n = runner.pipe, runner.watch, len(self.stats)
-        vector = [0.0] * self.length
-        if watch is not None:
-            vector[n + stage_index] = watch.stage_flag(stage_index)
-        if stage_index == pipe.plan.num_chunks - 1:
-            self.stats, self.outputs = runner._local_stats(self.mbs, self.keep_outputs)
-            vector[:n] = self.stats
-            if watch is not None:
-                vector[-1] = watch.loss_flag(pipe.last_executor.losses)
-        return vector
 
 
 class _Where:
