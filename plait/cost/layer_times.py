@@ -12,6 +12,8 @@ from functools import lru_cache
 
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.setting import Setting, microbatch_rows
+from plait.schedule.registry import schedule_spec
+from plait.schedule.spec import ClosedForm
 
 __all__ = ["DEFERRED_HOLD", "layer_times", "flush_times", "latency_terms", "latency_count", "fill_share",
            "recomputed_memory", "hold", "pipeline_lower_bound"]
@@ -67,20 +69,21 @@ def _modes(setting: Setting) -> tuple[str, str]:
     fewer micro-batches than ranks times as a plain pipeline of all its chunks: a micro-batch
     passes every chunk in turn before the next can fill it, (p v + m - 1) chunk times for
     uniform chunks against Megatron's (m v + p - 1) once m >= p (the schedule's simulation
-    gives the larger of the two)."""
-    interleaved = setting.schedule == "interleaved" and setting.num_microbatches >= setting.pp
+    gives the larger of the two). The schedule's spec says how it splits and which form it has."""
+    spec = schedule_spec(setting.schedule)
+    interleaved = spec.closed_form is ClosedForm.INTERLEAVED and setting.num_microbatches >= setting.pp
     if setting.batch_weight_grads:
         mode = "deferred-recompute" if setting.recompute else "deferred"
-        return mode, "interleaved" if interleaved else "plain"
-    mode = "recompute" if setting.recompute else ("split" if setting.schedule == "zbh1" else "whole")
-    if mode == "split":
-        return mode, "zbh1" if setting.num_microbatches >= setting.pp else "zbh1-few"
-    return mode, "interleaved" if interleaved else "plain"
+        return mode, "megatron" if interleaved else "plain"
+    mode = "recompute" if setting.recompute else ("split" if spec.splits_backward else "whole")
+    if mode == "split" and spec.closed_form is ClosedForm.ZERO_BUBBLE:
+        return mode, "zero-bubble" if setting.num_microbatches >= setting.pp else "zero-bubble-few"
+    return mode, "megatron" if interleaved else "plain"
 
 
 def fill_share(setting: Setting) -> float:
     """The share of each chunk's time its fill counts: 1/v where the closed form is Megatron's."""
-    return 1 / setting.num_virtual_stages if _modes(setting)[1] == "interleaved" else 1.0
+    return 1 / setting.num_virtual_stages if _modes(setting)[1] == "megatron" else 1.0
 
 
 def layer_times(costs: LayerCosts, setting: Setting, rows: int) -> tuple[list[float], list[float], list[float]]:
@@ -99,7 +102,7 @@ def latency_terms(costs: LayerCosts, setting: Setting, rows: int) -> tuple[list[
 def latency_count(setting: Setting) -> float:
     """How many times the closed form counts the slowest chunk (`latency_terms`' last value)."""
     m = setting.num_microbatches
-    return float(m * setting.num_virtual_stages - 1 if _modes(setting)[1] == "interleaved" else m - 1)
+    return float(m * setting.num_virtual_stages - 1 if _modes(setting)[1] == "megatron" else m - 1)
 
 
 def _batched_m(setting: Setting) -> int:
@@ -117,14 +120,14 @@ def _terms(same: _Same, rows: int, mode: str, kind: str, v: int,
     if batched_m:
         w = [x / batched_m for x in same.costs.weight(rows * batched_m)]
         busy = [x + y for x, y in zip(f, b)]
-        return [x + z for x, z in zip(busy, w)], [x / v for x in busy] if kind == "interleaved" else busy, w
+        return [x + z for x, z in zip(busy, w)], [x / v for x in busy] if kind == "megatron" else busy, w
     time = [x + y + z for x, y, z in zip(f, b, w)]
-    if kind == "zbh1":
+    if kind == "zero-bubble":
         return time, [x + y - z for x, y, z in zip(f, b, w)], [2 * z for z in w]
-    if kind == "zbh1-few":
+    if kind == "zero-bubble-few":
         busy = [x + y for x, y in zip(f, b)]  # fewer micro-batches than stages: W never waits
         return busy, busy, list(w)
-    if kind == "interleaved":
+    if kind == "megatron":
         return time, [t / v for t in time], [0.0] * len(time)
     return time, list(time), [0.0] * len(time)
 
@@ -152,4 +155,4 @@ def pipeline_lower_bound(costs: LayerCosts, setting: Setting, global_batch: int)
     v, m = setting.num_virtual_stages, setting.num_microbatches
     mode, kind = _modes(setting)
     fill, time = _sums(_Same(costs), rows, mode, kind, v, _batched_m(setting))
-    return fill + float(m * v - 1 if kind == "interleaved" else m - 1) * time / setting.num_chunks
+    return fill + float(m * v - 1 if kind == "megatron" else m - 1) * time / setting.num_chunks

@@ -65,6 +65,7 @@ from plait.cost.recompute_pieces import piece_terms
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.setting import Setting, microbatch_rows, peak_activations
+from plait.schedule.registry import schedule_spec
 from plait.schedule.steptime import compile_schedule, time_step
 
 __all__ = ["Setting", "Cluster", "StageCost", "Prediction", "microbatch_rows", "peak_activations", "partition_problem",
@@ -276,7 +277,7 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
     stages = _stages(costs, setting, cluster, rows, layers_per_stage)
     p, v = setting.pp, setting.num_virtual_stages
     peaks = peak_activations(setting)
-    grad_pass = [st.weight_s if setting.schedule == "zbh1" and not setting.recompute
+    grad_pass = [st.weight_s if schedule_spec(setting.schedule).splits_backward and not setting.recompute
                  else st.backward_s for st in stages]
     flush = [0.0] * p
     for st in stages:

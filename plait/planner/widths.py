@@ -14,6 +14,7 @@ from plait.job.ranks import local_world_size
 from plait.planner.autoplan import PlanResult
 from plait.planner.plan_report import PlanReport
 from plait.planner.tp_shares import tp_shares
+from plait.schedule.registry import schedule_spec, width_schedules
 from plait.search.dp_widths import MixedDp, search_dp_widths
 from plait.search.search import SearchSpace
 from plait.search.width_search import MixedWidths, pipeline_copies, search_widths, stage_widths
@@ -31,7 +32,7 @@ def _allowed(config: Config, world_size: int, probe: dict[str, Any]) -> bool:
     for nothing stages of different widths do not run with: the `probe` field's own check
     (`Config.tp_per_stage`, `Config.dp_per_stage`), on a two-stage cut."""
     if not (config.plans_everything and config.tp_per_stage is None
-            and world_size in WORLD_SIZES and config.schedule in (None, "1f1b", "gpipe")
+            and world_size in WORLD_SIZES and (config.schedule is None or schedule_spec(config.schedule).mixed_widths)
             and config.recompute in (None, False, True) and config.batch_weight_grads in (None, False)):
         return False
     try:
@@ -50,7 +51,7 @@ def mixed_widths_choice(captured: CapturedGraph, config: Config, world_size: int
     if not result.best.feasible:
         return None
     recompute = (False, True) if config.recompute is None else (config.recompute is True,)
-    schedules = (config.schedule,) if config.schedule else ("1f1b", "gpipe")
+    schedules = (config.schedule,) if config.schedule else width_schedules()
     found: list[MixedWidths | MixedDp] = []
     if config.tp is None and _allowed(config, world_size, {"tp_per_stage": (2, 1)}):
         tp = _tp_widths(captured, world_size, result, cluster, recompute, schedules, loss, target)

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from plait.errors import ScheduleError
-from plait.schedule.action import Op, Program
-from plait.schedule.generators import gpipe, one_f_one_b, zbh1
-from plait.schedule.interleaved import interleaved
+from plait.schedule.action import Op
 from plait.schedule.lower import check_sizes
+from plait.schedule.registry import compute_program, schedule_spec
+from plait.schedule.spec import ScheduleSpec
 
 __all__ = ["CompiledSchedule", "StepTime", "compile_schedule", "time_step"]
 
@@ -62,30 +62,18 @@ class StepTime:
     last_grad_start: tuple[float, ...]  # start of the rank's last B (W when split)
 
 
-def _program(name: str, num_ranks: int, m: int, v: int) -> Program:
-    if name == "interleaved":
-        return interleaved(num_ranks * v, m, v)
-    if v != 1:
-        raise ScheduleError(
-            f"schedule {name!r} runs one stage per rank, but num_virtual_stages={v}; use "
-            "'interleaved' for several stages per rank"
-        )
-    makers = {"gpipe": gpipe, "1f1b": one_f_one_b, "zbh1": zbh1}
-    if name not in makers:
-        raise ScheduleError(
-            f"unknown schedule {name!r}; known schedules: 1f1b, gpipe, interleaved, zbh1"
-        )
-    return makers[name](num_ranks, m)
-
-
-@lru_cache(maxsize=16)  # a 64-stage x 1024 micro-batch table holds ~10 MB
 def compile_schedule(
     name: str, num_ranks: int, num_microbatches: int, num_virtual_stages: int = 1
 ) -> CompiledSchedule:
     """The integer tables of schedule `name` on `num_ranks` ranks (stage s on rank s % p)."""
     check_sizes(num_ranks, num_microbatches, "num_ranks")
-    p, m, v = num_ranks, num_microbatches, num_virtual_stages
-    program = _program(name, p, m, v)
+    return _compile(schedule_spec(name), num_ranks, num_microbatches, num_virtual_stages)
+
+
+@lru_cache(maxsize=16)  # a 64-stage x 1024 micro-batch table holds ~10 MB; keyed by the spec, not its name
+def _compile(spec: ScheduleSpec, num_ranks: int, num_microbatches: int, num_virtual_stages: int) -> CompiledSchedule:
+    name, p, m, v = spec.name, num_ranks, num_microbatches, num_virtual_stages
+    program = compute_program(name, p * v, m, num_virtual_stages=v)[0]
     stages = p * v
     split = any(a.op is Op.WEIGHT for actions in program.values() for a in actions)
 

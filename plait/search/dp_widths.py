@@ -47,6 +47,7 @@ from plait.cost.row_blocks import row_crossing_time
 from plait.errors import PartitionError
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.setting import Setting
+from plait.schedule.registry import schedule_spec, width_schedules
 from plait.search.search import SearchSpace
 from plait.search.submesh import WidthCosts, WidthLayout, pipeline_floor, width_partition
 
@@ -114,7 +115,7 @@ def search_dp_widths(costs: LayerCosts, world_size: int, global_batch: int, clus
     found (or `beat`)."""
     widths = dp_widths(world_size)
     counts = space.num_microbatches or [2**k for k in range(global_batch.bit_length()) if 2**k <= global_batch]
-    schedules = [s for s in ("1f1b", "gpipe") if s in space.schedules]
+    schedules = [s for s in width_schedules() if s in space.schedules]
     closing = all_reduce(CLOSING_BYTES, world_size, cluster.network.reduce_link(range(world_size)))
     cases = []
     for m in counts:
@@ -161,7 +162,8 @@ def _layouts(costs: LayerCosts, table: dict[int, WidthCosts], cut_time: Crossing
         while cap is None or cap >= 2:
             try:
                 found = width_partition(costs_at, cut_time[(1, 1)], world_size, setting.num_microbatches,
-                                        gpipe=setting.schedule == "gpipe", memory_limit=cluster.memory_bytes,
+                                        gpipe=schedule_spec(setting.schedule).holds_all_microbatches,
+                                        memory_limit=cluster.memory_bytes,
                                         max_stages=cap, cross=cut_time)
             except PartitionError:
                 break
