@@ -12,7 +12,7 @@ a rank's part is its slice of every block, in block order:
 `propagate` gives every node its layout from its inputs' (operations in graph order) or raises
 `Conflict` naming the node whose operation cannot take a split input (a layer norm over the split
 dimension, a slice across it): the column-parallel operations that split that input are then run
-replicated instead (`plait.capture.tp_layout`). Shapes come from the capture's `meta["val"]`.
+replicated instead (`plait.capture.megatron_layout`). Shapes come from the capture's `meta["val"]`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class Shard:
     """Dimension `dim` split over the tp ranks (in `blocks` equal blocks), started by `sources`;
-    `seq`: split along the tokens by sequence parallelism (`plait.capture.tp_layout`)."""
+    `seq`: split along the tokens by sequence parallelism (`plait.capture.megatron_layout`)."""
 
     dim: int
     blocks: int = 1

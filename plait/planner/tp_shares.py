@@ -1,6 +1,6 @@
 """What tensor parallelism splits in each captured layer, for the cost model (`TpShares`).
 
-The runtime's own layout (`plait.capture.tp_layout`) is found on the whole model as one stage
+The runtime's own layout (`plait.capture.megatron_layout`) is found on the whole model as one stage
 graph, and each of its operations is charged to the layer it belongs to:
 
     a parameter it splits                   -> split_bytes of the parameter's layer
@@ -22,9 +22,9 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 
+from plait.capture.megatron_layout import tp_layouts
 from plait.capture.shard_rules import Shard, linear_parts
 from plait.capture.split import split
-from plait.capture.tp_layout import tp_layouts
 from plait.capture.trace import CapturedGraph
 from plait.cost.tp_costs import TpShares
 from plait.errors import ConfigError

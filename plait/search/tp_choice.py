@@ -1,7 +1,7 @@
 """Which of a stage's splittable operations run split at tp, chosen by the intra-operator ILP.
 
 The runtime can run each linear of a stage graph column-parallel, row-parallel or whole, and the
-word embedding by vocabulary rows or whole (`plait.capture.tp_layout`); a column-parallel linear's
+word embedding by vocabulary rows or whole (`plait.capture.megatron_layout`); a column-parallel linear's
 split travels to the row-parallel ones it reaches, so those run split together or not at all, as
 do two operations reading one tied weight. Each such operation is an operator of an `OpGraph`
 (`plait.search.intra_op`) with two strategies, "replicate" and its role, priced for one training

@@ -1,4 +1,4 @@
-"""Tests for plait.capture.tp_layout and shard_rules: Megatron's layout found on captured graphs
+"""Tests for plait.capture.megatron_layout, tp_layout and shard_rules: Megatron's layout found on captured graphs
 (Hugging Face GPT-2, Llama with grouped-query attention, BERT), what is left whole and why, and
 tp_plan's overrides and errors. Pure: one process, no collectives."""
 
@@ -11,9 +11,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from plait.capture.megatron_layout import tp_layouts
 from plait.capture.shard_rules import reshape_dim
 from plait.capture.split import split
-from plait.capture.tp_layout import TpLayout, module_of, tp_layouts
+from plait.capture.tp_layout import TpLayout, module_of
 from plait.capture.trace import capture_batch
 from plait.errors import ConfigError
 from plait.tensor_parts import part_size

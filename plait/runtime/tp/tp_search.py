@@ -2,7 +2,7 @@
 
 The intra-operator ILP (`plait.search.tp_choice`) chooses when `Config.memory_limit_bytes` is given.
 
-Without a limit every operation that can split does (Megatron's layout, `plait.capture.tp_layout`).
+Without a limit every operation that can split does (Megatron's layout, `plait.capture.megatron_layout`).
 With one, the ILP keeps whole what is cheaper whole -- compute against collectives, priced with
 the device preset of the ranks' device (`plait.cost.devices`: "cpu" for CPU ranks, the GPU's
 class for CUDA ones) -- as long as each stage's parameter state fits its share of the limit (the
@@ -10,7 +10,7 @@ limit over the chunks a rank holds); `tp_plan` entries are pins. The modules kep
 `tp_plan` "replicate" entries from then on, and the choice goes into the plan (the evaluation
 pipeline and `str(plan)` read it there).
 
-`tp_ops`: from the layout with everything split that can be (`plait.capture.tp_layout`): each column- and
+`tp_ops`: from the layout with everything split that can be (`plait.capture.megatron_layout`): each column- and
 row-parallel linear and vocabulary-split embedding is one `TpOp` with its forward FLOPs (2 x the
 output's elements x the contraction), the bytes of the parameters it splits, and the bytes its
 collectives move; ops tied together are the column-parallel ones whose split a row-parallel one
@@ -26,8 +26,9 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from plait.capture.megatron_layout import embedding_nodes, strategy_of, tp_layouts
 from plait.capture.shard_rules import Shard, args_of, linear_parts, shape_of
-from plait.capture.tp_layout import TpLayout, embedding_nodes, module_of, strategy_of, tp_layouts
+from plait.capture.tp_layout import TpLayout, module_of
 from plait.cost.devices import device as device_preset
 from plait.search.tp_choice import TpOp, TpSearch, choose_split
 from plait.search.tp_strategies import TpMesh

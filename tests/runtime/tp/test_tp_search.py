@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from plait.capture.tp_layout import module_of, tp_layouts
+from plait.capture.megatron_layout import tp_layouts
+from plait.capture.tp_layout import module_of
 from plait.cost.devices import device
 from plait.plan import Plan
 from plait.runtime.tp.tp_search import KEPT_WHOLE, runtime_search, searched_layouts, tp_ops
