@@ -1,5 +1,6 @@
 """The plan: how the model is laid out on the ranks, as plain data."""
 
+from plait.plan.mesh import Mesh
 from plait.plan.plan import Plan
 
-__all__ = ["Plan"]
+__all__ = ["Plan", "Mesh"]

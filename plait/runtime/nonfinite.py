@@ -115,7 +115,7 @@ def verdict(flags: list[float], plan: Plan, step: int, action: str, rank: int) -
     if first is None:
         return False
     if first < plan.num_chunks:
-        ranks = sorted({plan.rank_of(first, r) for r in range(plan.dp_of(first))})
+        ranks = plan.mesh.replica_ranks(first)
         where = f"the output of stage {first} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
     else:
         where = f"the loss (every stage output was finite; the loss is computed on stage {plan.num_chunks - 1})"

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.cost.memory import state_bytes
+from plait.cost.memory import optimizer_state_factor, state_bytes
 from plait.runtime.pipeline import Pipeline
 from plait.runtime.step import held_bytes
 
@@ -50,7 +50,8 @@ def memory_stats(pipe: Pipeline, net: nn.Module, readings: dict[str, int | None]
         measured["device_peak_bytes"] = readings["device_peak_bytes"]
     local = pipe.local_parameters
     plan = pipe.plan
-    dp = plan.dp_of(plan.position_of(pipe.rank)[0])  # stage_dp: a stage of one replica shards nothing
+    position = plan.mesh.coordinates(pipe.rank).position
+    dp = plan.dp_of(position)  # stage_dp: a stage of one replica shards nothing
     state = state_bytes(float(sum(p.numel() * p.element_size() for p in local)),
                         float(sum(p.numel() * p.element_size() for p in local if p.requires_grad)),
                         state_factor, dp, plan.zero if dp > 1 else 0)
@@ -60,7 +61,6 @@ def memory_stats(pipe: Pipeline, net: nn.Module, readings: dict[str, int | None]
         "activations_peak_bytes": None,
     }
     if chosen is not None and chosen.get("activation_bytes"):  # the planner's, from its profile
-        position = plan.position_of(pipe.rank)[0]
         for key, planned in _PLANNED.items():
             predicted[key] = float(chosen[planned][position])
     measured["predicted"] = predicted
@@ -79,7 +79,8 @@ def memory_line(stats: dict[str, Any], rank: int) -> str:
 
 
 def state_factor(optimizer: Any) -> float:
-    """Optimizer state bytes per gradient byte (Adam 2, SGD with momentum 1, SGD 0)."""
+    """Optimizer state bytes per fp32 gradient byte of an optimizer instance (`optimizer_state_factor`
+    of its kind: Adam 2, SGD with momentum 1, SGD 0)."""
     if isinstance(optimizer, torch.optim.SGD):
-        return 1.0 if optimizer.defaults.get("momentum") else 0.0
-    return 2.0  # Adam, or a factory we cannot look into: the larger, to be safe
+        return optimizer_state_factor("sgd-momentum" if optimizer.defaults.get("momentum") else "sgd", 4)
+    return optimizer_state_factor("adam", 4)  # Adam, or a factory we cannot look into: the larger, to be safe

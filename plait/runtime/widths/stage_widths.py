@@ -39,26 +39,22 @@ def stage_ranks(plan: Plan, stage_index: int, replica: int = 0) -> list[int]:
     """The ranks of one stage of pipeline replica `replica`, in tp order (with stage_dp: the
     stage's replicas, in order)."""
     if plan.stage_dp:
-        return [plan.rank_of(stage_index, r) for r in range(plan.dp_of(stage_index))]
-    return [plan.rank_of(stage_index, replica, t) for t in range(plan.tp_of(stage_index))]
+        return list(plan.mesh.replica_ranks(stage_index))
+    return list(plan.mesh.stage_ranks(stage_index, replica))
 
 
 def stage_group(plan: Plan, rank: int) -> Any:
     """This rank's stage's tp group (None: its stage has one rank); every rank makes every group,
     replica by replica."""
-    groups = {(r, s): make_group(stage_ranks(plan, s, r)) for r in range(plan.dp) for s in range(plan.num_chunks)
-              if plan.tp_of(s) > 1}
-    stage, replica = plan.position_of(rank)
-    return groups.get((replica, stage))
+    groups = {ranks: make_group(ranks) for ranks in plan.mesh.tp_groups()}
+    return groups.get(plan.mesh.tp_ranks(rank))
 
 
 def lane_ranks(plan: Plan, rank: int) -> list[int]:
     """The rank of each stage on this rank's lane: its own tp rank and replica, or the last of a
     narrower stage (the schedule's programs are made on it; the crossings replace its peers where
     widths differ)."""
-    t, replica = plan.tp_rank_of(rank), plan.position_of(rank)[1]
-    return [plan.rank_of(s, min(replica, plan.dp_of(s) - 1), min(t, plan.tp_of(s) - 1))
-            for s in range(plan.num_chunks)]
+    return list(plan.mesh.lane_ranks(rank))
 
 
 def crossings(plan: Plan, rank: int, group: Any,
@@ -83,7 +79,7 @@ def tie_groups(plan: Plan, holders: Sequence[int]) -> list[tuple[list[int], list
     stages `holders`: per tp rank when their widths agree, else one sum over all their ranks."""
     widths = {plan.tp_of(s) for s in holders}
     if len(widths) == 1:
-        return [(list(dict.fromkeys(plan.rank_of(s, r, t) for s in holders for r in range(plan.dp_of(s)))), [])
+        return [(list(dict.fromkeys(r for s in holders for r in plan.mesh.replica_ranks(s, t))), [])
                 for t in range(widths.pop())]
     ranks = [r for replica in range(plan.dp) for s in holders for r in stage_ranks(plan, s, replica)]
     return [(ranks, [r for r in ranks if plan.tp_rank_of(r) > 0])]
