@@ -36,18 +36,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from plait.capture.shard_rules import (
-    Conflict,
-    Layout,
-    LinearParts,
-    Shard,
-    args_of,
-    kwargs_of,
-    linear_parts,
-    propagate,
-    reshape_dim,
-    shape_of,
-)
+from plait.capture.graph_nodes import LinearParts, args_of, kwargs_of, linear_parts, reshape_dim, shape_of
+from plait.capture.shard_rules import Conflict, Layout, Shard, propagate
 from plait.capture.tp_layout import TP_PLACEMENT, TP_STRATEGIES, TpLayout, module_of
 from plait.errors import ConfigError
 from plait.tensor_parts import uneven_fits

@@ -12,12 +12,12 @@ a rank's part is its slice of every block, in block order:
 `propagate` gives every node its layout from its inputs' (operations in graph order) or raises
 `Conflict` naming the node whose operation cannot take a split input (a layer norm over the split
 dimension, a slice across it): the column-parallel operations that split that input are then run
-replicated instead (`plait.capture.megatron_layout`). Shapes come from the capture's `meta["val"]`.
+replicated instead (`plait.capture.megatron_layout`). Shapes come from the capture's `meta["val"]`
+(`plait.capture.graph_nodes`).
 """
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
@@ -25,8 +25,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-__all__ = ["Shard", "Conflict", "args_of", "kwargs_of", "linear_parts", "LinearParts", "propagate", "shape_of", "reshape_dim",
-           "SAME_LAYOUT", "is_seq", "seq_operands", "attention_dropout"]
+from plait.capture.graph_nodes import args_of, kwargs_of, reshape_dim, shape_of, shape_of_val
+
+__all__ = ["Shard", "Conflict", "propagate", "SAME_LAYOUT", "is_seq", "seq_operands", "attention_dropout"]
 
 aten = torch.ops.aten
 
@@ -51,84 +52,6 @@ class Conflict(Exception):
     def __init__(self, node: fx.Node, sources: frozenset[str], why: str):
         super().__init__(f"{node.name}: {why}")
         self.node, self.sources, self.why = node, sources, why
-
-
-@dataclass(frozen=True)
-class LinearParts:
-    """A matrix product with a parameter: y = x W^T (+ b) (nn.Linear) or x W (+ b) (Conv1D, mm)."""
-
-    x: fx.Node
-    weight: fx.Node  # a get_attr node
-    bias: fx.Node | None
-    out_dim: int  # the weight's output-feature dimension
-    in_dim: int
-
-
-def args_of(node: fx.Node) -> tuple[Any, ...]:
-    """A node's positional arguments (fx types them as a union of every argument kind)."""
-    return tuple(node.args)
-
-
-def kwargs_of(node: fx.Node) -> dict[str, Any]:
-    return dict(node.kwargs)
-
-
-def linear_parts(node: fx.Node) -> LinearParts | None:
-    """The parts of a linear operation on a parameter, or None."""
-    if node.op != "call_function":
-        return None
-    args = args_of(node)
-    if node.target is aten.linear.default and _param(args[1]):
-        bias = args[2] if len(args) > 2 and isinstance(args[2], fx.Node) else None
-        return LinearParts(args[0], args[1], bias, 0, 1)
-    if node.target is aten.addmm.default and _param(args[2]) and _param(args[0]) and not kwargs_of(node):
-        return LinearParts(args[1], args[2], args[0], 1, 0)
-    if node.target is aten.mm.default and _param(args[1]):
-        return LinearParts(args[0], args[1], None, 1, 0)
-    return None
-
-
-def _param(value: Any) -> bool:
-    return isinstance(value, fx.Node) and value.op == "get_attr"
-
-
-def shape_of(node: Any) -> tuple[int, ...] | None:
-    """The traced shape of a node's tensor value (a symbolic size by its sample value)."""
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    if not isinstance(val, torch.Tensor):
-        return None
-    return tuple(_hint(s) for s in val.shape)
-
-
-def _hint(size: Any) -> int:
-    if isinstance(size, int):
-        return size
-    hint = getattr(getattr(size, "node", None), "hint", None)
-    return int(hint) if hint is not None else -2  # unknown: matches nothing
-
-
-def reshape_dim(before: Sequence[int], after: Sequence[int], dim: int, parts: int, blocks: int) -> int | None:
-    """Where split dimension `dim` of `before` lands in `after` (a view of the same elements), or
-    None when the split is not a split of one dimension there.
-
-    The dimension keeps its place when the sizes before it multiply to the same product, and it
-    may be merged with the dimensions after it (heads x head_dim -> features) or split into
-    several, as long as the split stays on the outermost one: [T, 768] -> [T, 12, 64] at tp=2 puts
-    heads 0-5 on rank 0."""
-    prefix = math.prod(before[:dim])
-    n = before[dim]
-    acc = 1
-    for e, size in enumerate(after):
-        if acc == prefix and size != 1:
-            if size == n or (size > n and size % n == 0):
-                return e
-            if size < n and n % size == 0 and size % parts == 0 and blocks == 1:
-                return e
-            return None
-        acc *= size
-        if acc > prefix and prefix > 0:
-            return None
-    return None
 
 
 # Operations whose output is laid out as their (first) input.
@@ -316,10 +239,6 @@ def _split(node: fx.Node, lay: Shard, tp: int) -> Layout:
     if lay.blocks != count or len(sizes) != 1 or (shape_of(args_of(node)[0]) or (0,) * (d + 1))[d] % tp:
         raise _fail(node, lay, f"{count} pieces of a dim split in {lay.blocks} blocks")
     return tuple(Shard(d, 1, lay.sources) for _ in range(count))
-
-
-def shape_of_val(val: Any) -> tuple[int, ...]:
-    return tuple(_hint(s) for s in val.shape)
 
 
 def _other_dim(index: int) -> Callable[[fx.Node, Shard, int], Layout]:

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from plait.capture.shard_rules import Layout, Shard, args_of, linear_parts, seq_operands
+from plait.capture.graph_nodes import args_of, linear_parts
+from plait.capture.shard_rules import Layout, Shard, seq_operands
 
 __all__ = ["TpLayout", "module_of", "TP_STRATEGIES", "TP_PLACEMENT"]
 

@@ -22,8 +22,9 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 
+from plait.capture.graph_nodes import linear_parts
 from plait.capture.megatron_layout import tp_layouts
-from plait.capture.shard_rules import Shard, linear_parts
+from plait.capture.shard_rules import Shard
 from plait.capture.split import split
 from plait.capture.trace import CapturedGraph
 from plait.cost.tp_costs import TpShares

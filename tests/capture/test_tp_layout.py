@@ -1,5 +1,5 @@
-"""Tests for plait.capture.megatron_layout, tp_layout and shard_rules: Megatron's layout found on captured graphs
-(Hugging Face GPT-2, Llama with grouped-query attention, BERT), what is left whole and why, and
+"""Tests for plait.capture.megatron_layout, tp_layout, shard_rules and graph_nodes: Megatron's layout found on
+captured graphs (Hugging Face GPT-2, Llama with grouped-query attention, BERT), what is left whole and why, and
 tp_plan's overrides and errors. Pure: one process, no collectives."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from plait.capture.graph_nodes import reshape_dim
 from plait.capture.megatron_layout import tp_layouts
-from plait.capture.shard_rules import reshape_dim
 from plait.capture.split import split
 from plait.capture.tp_layout import TpLayout, module_of
 from plait.capture.trace import capture_batch

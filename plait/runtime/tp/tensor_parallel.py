@@ -30,16 +30,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from plait.capture.shard_rules import (
-    Shard,
-    args_of,
-    attention_dropout,
-    is_seq,
-    kwargs_of,
-    linear_parts,
-    seq_operands,
-    shape_of,
-)
+from plait.capture.graph_nodes import args_of, kwargs_of, linear_parts, shape_of
+from plait.capture.shard_rules import Shard, attention_dropout, is_seq, seq_operands
 from plait.capture.tp_layout import VIEWS, TpLayout, gathered_for_colwise
 from plait.errors import ConfigError
 from plait.runtime.tp.tp_collectives import SplitAttention, SplitDropout, TpCollective, VocabLookup

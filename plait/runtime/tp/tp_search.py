@@ -26,8 +26,9 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from plait.capture.graph_nodes import args_of, linear_parts, shape_of
 from plait.capture.megatron_layout import embedding_nodes, strategy_of, tp_layouts
-from plait.capture.shard_rules import Shard, args_of, linear_parts, shape_of
+from plait.capture.shard_rules import Shard
 from plait.capture.tp_layout import TpLayout, module_of
 from plait.cost.devices import device as device_preset
 from plait.search.tp_choice import TpOp, TpSearch, choose_split

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from plait.capture.shard_rules import reshape_dim
+from plait.capture.graph_nodes import reshape_dim
 from plait.runtime.comm.waiting import finish
 from plait.runtime.tp.tp_collectives import TpCollective, reduce_sum, sum_both_ways
 from plait.tensor_parts import part_rows, part_size
