@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Hashable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -15,9 +14,10 @@ from torch import nn
 
 from plait import data as batching
 from plait.capture.layers import LayerAssignment, assign_layers
-from plait.capture.opaque import kept_whole, modules_to_keep
-from plait.capture.output import OutputSpec, flatten_output, unflatten_output
+from plait.capture.opaque import modules_to_keep
+from plait.capture.output import OutputSpec, flatten_output
 from plait.capture.stopped import Stop, stopped_in
+from plait.capture.tracers import Traced, trace_export, trace_fx
 from plait.errors import CaptureError, ModelError, PlaitError, model_frame
 from plait.materialize import on_meta
 
@@ -99,7 +99,7 @@ def capture(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     export_error: BaseException | None = None
     for _ in range(RETRIES + 1):
         try:
-            return _capture_export(net, args, kwargs, kept)
+            return _finish_capture(net, trace_export(net, args, kwargs, kept))
         except Exception as error:  # noqa: BLE001 - every tracer failure leads on
             export_error = error
             stop = stopped_in(export_error, net)
@@ -112,7 +112,7 @@ def capture(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 break
             kept = modules_to_keep(net, [*kept, *more])
     try:
-        return _capture_fx(net, kept)
+        return _finish_capture(net, trace_fx(net, kept))
     except Exception as fx_error:  # noqa: BLE001
         assert export_error is not None
         raise CaptureError(_failure(net, export_error, stop, fx_error, kept)) from fx_error
@@ -254,121 +254,10 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0][:300]
 
 
-# -- torch.export front end ---------------------------------------------------------------------
-
-
-_OUT_SPECS: dict[int, OutputSpec] = {}
-
-
-class _FlatCall(nn.Module):
-    """Calls the user's net on flat tensor inputs and returns flat output leaves."""
-
-    def __init__(self, net: nn.Module, in_spec: Any, consts: list[Any], tensor_pos: list[int]):
-        super().__init__()
-        self.net = net
-        self._in_spec = in_spec
-        self._consts = consts
-        self._tensor_pos = tensor_pos
-        # export traces a copy of this module; the spec goes to a table keyed by our id.
-        self._key = id(self)
-
-    def forward(self, *tensors: torch.Tensor) -> tuple[Any, ...]:
-        leaves = list(self._consts)
-        for pos, t in zip(self._tensor_pos, tensors):
-            leaves[pos] = t
-        args, kwargs = pytree.tree_unflatten(leaves, self._in_spec)
-        flat, spec = flatten_output(self.net(*args, **kwargs))
-        _OUT_SPECS[self._key] = spec
-        return tuple(flat)
-
-
-def _capture_export(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    kept: list[str]) -> CapturedGraph:
-    leaves, in_spec = pytree.tree_flatten((args, kwargs))
-    tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    consts = [None if i in tensor_pos else x for i, x in enumerate(leaves)]
-    wrapper = _FlatCall(net, in_spec, consts, tensor_pos)
-    tensors = tuple(leaves[i] for i in tensor_pos)
-    # The batch dimension stays symbolic so micro-batches of any size run on one graph.
-    dynamic = tuple({0: torch.export.Dim.AUTO} if t.dim() > 0 else {} for t in tensors)
-    with kept_whole(net, kept, args, kwargs):
-        ep = torch.export.export(wrapper, tensors, dynamic_shapes=(dynamic,), strict=False)
-    out_spec = _OUT_SPECS.pop(wrapper._key)
-    root = ep.module()
-    graph = root.graph
-    for node in list(graph.nodes):  # export's shape guards: plait checks shapes at the wire
-        if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
-            graph.erase_node(node)
-
-    def leaf_of(node: fx.Node) -> tuple[str, Hashable] | None:
-        stack = node.meta.get("nn_module_stack")
-        if not stack:
-            return None
-        for key, (outer, _) in stack.items():  # a kept module is a leaf, whatever it holds
-            if outer.removeprefix("net").removeprefix(".") in kept and outer.startswith("net"):
-                return outer.removeprefix("net").removeprefix("."), key
-        call, (fqn, _) = list(stack.items())[-1]  # the key names the call: "...block@1" is the 2nd
-        if not fqn.startswith("net"):
-            return None
-        try:
-            module = wrapper.get_submodule(fqn)
-        except AttributeError:
-            return None
-        if any(True for _ in module.children()):
-            return None
-        return fqn.removeprefix("net").removeprefix(".") or "<net>", call
-
-    def bind(call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> list[Any]:
-        flat, spec = pytree.tree_flatten((call_args, call_kwargs))
-        if spec != in_spec:
-            raise CaptureError(
-                f"the model was captured with inputs shaped like {in_spec} but is now called "
-                f"with {spec}; call it with the same structure of tensors every time"
-            )
-        return [flat[i] for i in tensor_pos]
-
-    captured = _finish_capture(
-        "torch.export", graph, root, net, leaf_of, bind, lambda out: unflatten_output(list(out), out_spec)
-    )
-    return replace(captured, kept_whole=tuple(kept), output_spec=out_spec)
-
-
-# -- torch.fx front end -------------------------------------------------------------------------
-
-
-class _LeafTracer(fx.Tracer):
-    """Keeps every module without children, and every kept module, as one call_module node: one
-    layer per call."""
-
-    def __init__(self, kept: Sequence[str] = ()) -> None:
-        super().__init__()
-        self.kept = set(kept)
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.kept or not any(True for _ in m.children())
-
-
-def _capture_fx(net: nn.Module, kept: Sequence[str] = ()) -> CapturedGraph:
-    graph = _LeafTracer(kept).trace(net)
-    signature = inspect.signature(net.forward)
-    names = [n.target for n in graph.nodes if n.op == "placeholder"]
-
-    def leaf_of(node: fx.Node) -> tuple[str, Hashable] | None:
-        return (str(node.target), node.name) if node.op == "call_module" else None  # a node: a call
-
-    def bind(call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> list[Any]:
-        bound = signature.bind(*call_args, **call_kwargs)
-        bound.apply_defaults()
-        return [bound.arguments[str(name).lstrip("*")] for name in names]
-
-    return replace(_finish_capture("torch.fx", graph, net, net, leaf_of, bind, lambda out: out),
-                   kept_whole=tuple(kept))
-
-
 def _capture_fx_again(net: nn.Module, train: bool, keep: Sequence[str | type]) -> CapturedGraph:
     """torch.fx in the other mode, for a model torch.fx captured before; a failure names the mode."""
     try:
-        return _capture_fx(net, modules_to_keep(net, keep))
+        return _finish_capture(net, trace_fx(net, modules_to_keep(net, keep)))
     except Exception as fx_error:  # noqa: BLE001
         mode = "train" if train else "eval"
         raise CaptureError(
@@ -378,18 +267,9 @@ def _capture_fx_again(net: nn.Module, train: bool, keep: Sequence[str | type]) -
         ) from fx_error
 
 
-# -- shared -------------------------------------------------------------------------------------
-
-
-def _finish_capture(
-    method: str,
-    graph: fx.Graph,
-    root: nn.Module,
-    net: nn.Module,
-    leaf_of: Callable[[fx.Node], tuple[str, Hashable] | None],  # (leaf module, which call)
-    bind: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]],
-    finish: Callable[[Any], Any],
-) -> CapturedGraph:
+def _finish_capture(net: nn.Module, traced: Traced) -> CapturedGraph:
+    """The `CapturedGraph` of a tracer's graph of `net`: its operations grouped into layers."""
+    graph, leaf_of = traced.graph, traced.leaf_of
     ops = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
     if not ops:
         raise CaptureError(f"{type(net).__name__}.forward performs no operation; nothing to split")
@@ -401,5 +281,6 @@ def _finish_capture(
         if any(True for _ in module.buffers(recurse=False)) and not any(True for _ in module.children())
     }
     layers = assign_layers(leaves, buffered, calls)
-    log.info("plait: captured %d layers with %s", len(layers.layer_names), method)
-    return CapturedGraph(method, graph, root, ops, layers, bind, finish)
+    log.info("plait: captured %d layers with %s", len(layers.layer_names), traced.method)
+    return CapturedGraph(traced.method, graph, traced.root, ops, layers, traced.bind, traced.finish,
+                         output_spec=traced.output_spec, kept_whole=traced.kept_whole)
