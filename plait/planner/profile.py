@@ -5,7 +5,7 @@ layer (`plait.capture.split`), and each layer runs as the runtime runs a stage: 
 `StageExecutor`, on inputs made as the wire delivers them (`plait.runtime.comm.wire.as_received`), so
 a layer is timed as exactly the code a stage would run, and what crosses a cut after layer i is
 what `split` would send there. For each layer, at the sample's rows and at a quarter of them
-(times are affine in rows, `LayerCosts`):
+(times are affine in rows, `LayerCosts`; the runs: `plait.planner.layer_runs`):
 
     forward   the stage's forward on its inputs (the last layer's with the loss)
     B         its input gradients, from random output gradients, as a zero-bubble stage runs
@@ -45,24 +45,20 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from plait import data as batching
-from plait.capture.split import StageModule, split
+from plait.capture.split import split
 from plait.capture.trace import CapturedGraph, capture, fingerprint, in_mode
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
-from plait.runtime.comm.wire import as_received
-from plait.runtime.executor import StageExecutor, grad_leaves
-from plait.runtime.memory.activation_meter import SavedBytes
+from plait.planner.layer_runs import LayerRuns, tensor_bytes
 
 __all__ = ["LayerProfile", "ProfileOptions", "profile"]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 Slowest = Callable[[list[float]], list[float]]  # every rank's values -> the element-wise maximum
 _CACHE: dict[str, "LayerProfile"] = {}
-HELD = 2  # micro-batches the whole-model pass keeps alive at once, as a pipeline stage does
 WHOLE_STEP_BYTES = 2**30  # parameter bytes, at most, of the optimizer step timed over many layers at once
 
 
@@ -180,11 +176,6 @@ def _signature(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *e
     return hashlib.sha256(repr(stable).encode()).hexdigest()[:20]
 
 
-def _tensor_bytes(values: Any) -> int:
-    leaves = pytree.tree_leaves(values)
-    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-
-
 def _measure(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int,
              options: ProfileOptions) -> LayerCosts:
     """The layers' costs: every layer timed on `rows` and on a quarter of them, fitted affine in rows."""
@@ -192,8 +183,8 @@ def _measure(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows
     names = captured.layers.layer_names
     stages = split(captured, list(range(len(names))))
     small = max(1, rows // 4)
-    big_run = _Run(captured, stages, args, kwargs, rows, options)
-    small_run = big_run if small == rows else _Run(
+    big_run = LayerRuns(captured, stages, args, kwargs, rows, options)
+    small_run = big_run if small == rows else LayerRuns(
         captured, stages, batching.slice_rows(args, 0, small), batching.slice_rows(kwargs, 0, small),
         small, options)
     repeats, slowest, optimizer = options.repeats, options.slowest, options.optimizer
@@ -217,10 +208,10 @@ def _measure(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows
         weight_fixed_s=tuple(fixed["w"]), weight_row_s=tuple(per_row["w"]),
         activation_row_bytes=tuple(s / rows for s in big_run.saved),
         output_row_bytes=tuple(o / rows for o in big_run.sent),
-        param_bytes=tuple(float(_tensor_bytes(p) + _tensor_bytes(b)) for p, b in zip(params, buffers)),
-        grad_bytes=tuple(float(_tensor_bytes([p for p in ps if p.requires_grad])) for ps in params),
+        param_bytes=tuple(float(tensor_bytes(p) + tensor_bytes(b)) for p, b in zip(params, buffers)),
+        grad_bytes=tuple(float(tensor_bytes([p for p in ps if p.requires_grad])) for ps in params),
         optimizer_s=_optimizer_times(params, optimizer, repeats),
-        input_row_bytes=_tensor_bytes(inputs) / rows,
+        input_row_bytes=tensor_bytes(inputs) / rows,
         uncuttable=captured.layers.uncuttable,
         source=f"profiled on {platform.node() or 'this machine'}: {rows} and {small} rows, "
                f"{torch.get_num_threads()} thread(s), median of {repeats}, layer times x "
@@ -228,21 +219,6 @@ def _measure(net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows
                f"{scale_small[1]:.2f} (backward) to the whole model's"
                + (" (the slowest rank's)" if slowest is not None else ""),
     )
-
-
-def _scale(layer_times: list[dict[str, float]], whole: tuple[float, float]) -> tuple[float, float]:
-    """Whole-model forward, and backward, over the sums of the layers' F, and B + W (1 where
-    either is 0).
-
-    A layer timed alone, again and again, finds its inputs and weights in cache; the whole
-    model, on fresh micro-batches whose activations stay alive, streams through memory as a
-    pipeline stage does. Scaling each layer by these factors keeps the layers' relative costs
-    and makes their sums what a stage really spends.
-    """
-    f = sum(t["f"] for t in layer_times)
-    bw = sum(t["b"] + t["w"] for t in layer_times)
-    return (whole[0] / f if f > 0 and whole[0] > 0 else 1.0,
-            whole[1] / bw if bw > 0 and whole[1] > 0 else 1.0)
 
 
 def _affine(t_big: float, t_small: float, rows: int, small: int) -> tuple[float, float]:
@@ -254,125 +230,6 @@ def _affine(t_big: float, t_small: float, rows: int, small: int) -> tuple[float,
     if fixed < 0:
         return 0.0, t_big / rows
     return fixed, per_row
-
-
-class _Run:
-    """The per-layer chain on one sample: each layer's inputs, then its timings on demand.
-
-    Every layer runs as the runtime runs a stage, through `StageExecutor` (in-place writes to
-    received values, modules kept whole, the loss on the last stage, B and W as a zero-bubble
-    schedule splits them), on inputs made as the wire delivers them (`as_received`: detached
-    leaves in the sender's strides); the whole pass is one stage of every layer.
-    """
-
-    def __init__(self, captured: Any, stages: Sequence[StageModule], args: tuple[Any, ...],
-                 kwargs: dict[str, Any], rows: int, options: ProfileOptions) -> None:
-        self.stages, self.repeats, self.rows = stages, options.repeats, rows
-        self.slowest = options.slowest
-        target = options.target
-        if options.loss is not None and target is not None:
-            loss, self.target = options.loss, batching.slice_rows(target, 0, rows)
-        else:  # random output gradients: the gradient of a random projection of the outputs
-            loss, self.target = _projection, torch.zeros(rows)
-        self.executors = [StageExecutor(st, captured.finish, loss) for st in stages]
-        whole = split(captured, [0] * len(captured.layers.layer_names))[0]
-        self.whole_stage = StageExecutor(whole, captured.finish, loss)
-        model_inputs = captured.bind(args, kwargs)
-        self.whole_inputs = [model_inputs[j] for j in whole.input_indices]
-        self.inputs: list[tuple[list[Any], list[Any]]] = []  # (received, model inputs) per layer
-        self.saved: list[float] = []
-        self.sent: list[float] = []
-        received: list[Any] = []
-        for st, ex in zip(stages, self.executors):
-            mine = [model_inputs[j] for j in st.input_indices]
-            self.inputs.append((as_received(received), mine))
-            with SavedBytes(st.module.parameters()) as saved:  # as the runtime's meter counts them
-                out = ex.forward(0, self.inputs[-1][0], mine, self.target)
-            ex.reset()
-            self.saved.append(float(saved.total))
-            if st.is_last:  # nothing crosses; what the stage hands to `finish`
-                with torch.no_grad():
-                    out = ex.module_outputs(self.inputs[-1][0], mine)
-            self.sent.append(float(_tensor_bytes(out)))
-            received = out
-
-    def measure(self) -> tuple[list[dict[str, float]], tuple[float, float]]:
-        """Per layer, the median over repeats of its F, B and W, each repeat's scaled to that
-        repeat's whole-model pass (`_scale`); and the median scales (forward, backward).
-
-        Each repeat times every layer, then the whole model, within a second or so: on a machine
-        whose speed drifts (a shared host), both move alike and the median keeps a typical repeat.
-        With `slowest`, a repeat's whole-model times are the slowest rank's.
-        """
-        self.sample_layers(), self.whole()  # warm-up
-        kept: list[dict[str, list[float]]] = [{k: [] for k in ("f", "b", "w")} for _ in self.stages]
-        scales = []
-        for _ in range(self.repeats):
-            layers = self.sample_layers()
-            forward, backward = self.whole()
-            if self.slowest is not None:
-                forward, backward = self.slowest([forward, backward])
-            scale = _scale(layers, (forward, backward))
-            scales.append(scale)
-            for acc, t in zip(kept, layers):
-                for k in ("f", "b", "w"):
-                    acc[k].append(t[k] * scale[k != "f"])
-        return ([{k: statistics.median(v) for k, v in acc.items()} for acc in kept],
-                (statistics.median(s[0] for s in scales), statistics.median(s[1] for s in scales)))
-
-    def sample_layers(self) -> list[dict[str, float]]:
-        return [self.sample(i) for i in range(len(self.stages))]
-
-    def sample(self, i: int) -> dict[str, float]:
-        """One measurement of layer i alone, as a zero-bubble stage runs it: forward (F), the
-        input gradients (B), then the weight gradients (W), from random output gradients."""
-        ex = self.executors[i]
-        received, mine = self.inputs[i]
-        start = time.perf_counter()
-        out = ex.forward(0, received, mine, self.target)
-        mid = time.perf_counter()
-        grads = [torch.randn_like(t) for t in grad_leaves(out)]
-        ex.backward_input(0, grads)
-        after_b = time.perf_counter()
-        ex.backward_weight(0)
-        end = time.perf_counter()
-        ex.reset()
-        for x in grad_leaves(received):
-            x.grad = None  # a stage that cannot split its backward accumulates into its leaves
-        # by construction: no received gradient leaf, no B (the executor defers the whole
-        # backward to W); no trainable weight, no W (what is left is timer noise)
-        has_b = bool(grad_leaves(received))
-        has_w = any(p.requires_grad for p in ex.stage.module.parameters())
-        return {"f": mid - start, "b": after_b - mid if has_b else 0.0, "w": end - after_b if has_w else 0.0}
-
-    def whole(self, held: int = HELD) -> tuple[float, float]:
-        """Seconds per micro-batch of the forward, and of the backward (input and weight
-        gradients), through every layer as one stage runs them: `held` copies of the sample
-        forward, their graphs kept, then each one's backward."""
-        ex = self.whole_stage
-        copies = [pytree.tree_map(_copy, self.whole_inputs) for _ in range(held)]
-        start = time.perf_counter()
-        for k, mine in enumerate(copies):
-            ex.forward(k, [], mine, self.target)
-        mid = time.perf_counter()
-        for k in range(held):
-            ex.backward(k, [])
-        end = time.perf_counter()
-        ex.reset()
-        return (mid - start) / held, (end - mid) / held
-
-
-def _projection(output: Any, target: Any) -> torch.Tensor:
-    """A random projection of the outputs that carry gradients: its gradient is a random output
-    gradient, the profile's backward when no loss is given."""
-    leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not leaves:
-        return torch.zeros((), requires_grad=True)
-    return torch.stack([(t * torch.randn_like(t)).sum() for t in leaves]).sum()
-
-
-def _copy(x: Any) -> Any:
-    return x.clone() if isinstance(x, torch.Tensor) else x
 
 
 def _optimizer_times(params: Sequence[list[nn.Parameter]], optimizer: OptimizerFactory,
@@ -388,7 +245,7 @@ def _optimizer_times(params: Sequence[list[nn.Parameter]], optimizer: OptimizerF
     count, nbytes = 0, 0
     for ps in params:
         more = {id(p): p for p in ps if p.requires_grad and id(p) not in together}
-        nbytes += _tensor_bytes(list(more.values()))
+        nbytes += tensor_bytes(list(more.values()))
         if count and nbytes > WHOLE_STEP_BYTES:
             break
         together.update(more)

@@ -11,6 +11,7 @@ import plait.planner.profile as profiling
 from plait.capture.split import split
 from plait.capture.trace import capture
 from plait.cli.demo import PaperCNN
+from plait.planner.layer_runs import LayerRuns
 from plait.planner.profile import ProfileOptions, profile
 
 
@@ -112,7 +113,7 @@ def test_layer_times_sum_to_the_whole_model_pass(monkeypatch):
     net = nn.Sequential(nn.Linear(61, 37), nn.ReLU(), nn.Linear(37, 5))  # a signature of its own: not cached
     x = torch.randn(16, 61)
     last: dict[int, tuple[float, float]] = {}
-    real_sample_layers = profiling._Run.sample_layers
+    real_sample_layers = LayerRuns.sample_layers
 
     def sample_layers(self):
         layers = real_sample_layers(self)
@@ -125,8 +126,8 @@ def test_layer_times_sum_to_the_whole_model_pass(monkeypatch):
         f, bw = last[self.rows]
         return 2 * f, 3 * bw
 
-    monkeypatch.setattr(profiling._Run, "sample_layers", sample_layers)
-    monkeypatch.setattr(profiling._Run, "whole", whole)
+    monkeypatch.setattr(LayerRuns, "sample_layers", sample_layers)
+    monkeypatch.setattr(LayerRuns, "whole", whole)
     costs = profile(net, (x,), options=ProfileOptions(repeats=3, threads=1)).costs
     assert sum(costs.forward(16)) == pytest.approx(2 * last[16][0], rel=1e-6)
     assert sum(costs.backward(16)) + sum(costs.weight(16)) == pytest.approx(3 * last[16][1], rel=1e-6)
@@ -150,33 +151,11 @@ def test_a_layer_is_the_median_of_rounds_each_scaled_to_its_own_whole_pass(monke
         n = len(self.stages)
         return now["speed"] * n * 1.5e-3, now["speed"] * n * 2e-3
 
-    monkeypatch.setattr(profiling._Run, "sample_layers", sample_layers)
-    monkeypatch.setattr(profiling._Run, "whole", whole)
+    monkeypatch.setattr(LayerRuns, "sample_layers", sample_layers)
+    monkeypatch.setattr(LayerRuns, "whole", whole)
     costs = profile(net, (x,), options=ProfileOptions(repeats=3, threads=1)).costs
     assert costs.forward(8) == pytest.approx([1.5e-3] * costs.num_layers, rel=1e-6)
     assert costs.backward(8) == pytest.approx([2e-3] * costs.num_layers, rel=1e-6)
-
-
-def test_the_whole_pass_keeps_held_micro_batches_alive(monkeypatch):
-    # A pipeline stage holds several micro-batches' activations; the whole-model pass does too:
-    # every copy's forward runs before the first backward.
-    from plait.capture.split import split, stage_of_layers
-    from plait.capture.trace import capture
-
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
-    x = torch.randn(8, 5)
-    cap = capture(net, (x,), {})
-    run = profiling._Run(cap, split(cap, stage_of_layers([1] * len(cap.layers.layer_names))),
-                         (x,), {}, 8, ProfileOptions(repeats=1))
-    events: list[str] = []
-    stage = run.whole_stage  # the whole model as one stage, run by the runtime's StageExecutor
-    real_forward, real_backward = stage.forward, stage.backward
-    monkeypatch.setattr(stage, "forward", lambda k, *a, **kw: (events.append(f"F{k}"), real_forward(k, *a, **kw))[1])
-    monkeypatch.setattr(stage, "backward", lambda k, g: (events.append(f"B{k}"), real_backward(k, g))[1])
-    f, b = run.whole(held=3)
-    assert events == ["F0", "F1", "F2", "B0", "B1", "B2"]
-    assert f > 0 and b > 0
 
 
 def test_with_slowest_each_round_takes_the_slowest_ranks_whole_pass(monkeypatch):
@@ -199,8 +178,8 @@ def test_with_slowest_each_round_takes_the_slowest_ranks_whole_pass(monkeypatch)
         calls.append(list(values))
         return [1.5 * v for v in values] if len(values) == 2 else list(values)
 
-    monkeypatch.setattr(profiling._Run, "sample_layers", sample_layers)
-    monkeypatch.setattr(profiling._Run, "whole", whole)
+    monkeypatch.setattr(LayerRuns, "sample_layers", sample_layers)
+    monkeypatch.setattr(LayerRuns, "whole", whole)
     costs = profile(net, (x,), options=ProfileOptions(repeats=3, threads=1, slowest=slowest)).costs
     n = costs.num_layers
     assert sum(costs.forward(16)) == pytest.approx(1.5 * 4e-3 * n, rel=1e-6)
