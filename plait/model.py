@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -14,44 +11,34 @@ import torch
 from torch import nn
 
 from plait import data as batching
-from plait.callbacks import History, PlanPrinter, ProgressBar, call_hooks
+from plait.callbacks import History
 from plait.capture.output import unflatten_output
 from plait.capture.trace import CapturedGraph, capture_batch, retarget
 from plait.checkpoint import disk as checkpoint
 from plait.checkpoint import train_state, weights
 from plait.checkpoint.model_checkpoints import ModelCheckpoints
-from plait.checkpoint.resume import ResumePoint, resume_point, resumed_line
-from plait.checkpoint.sharded_export import available_bytes, model_bytes, write_index, write_own_shard
 from plait.config import Config
-from plait.cost.row_blocks import check_rows
-from plait.errors import CheckpointError, ConfigError, PlaitError
-from plait.job.process_group import init_process_group
 from plait.config.run_options import apply_run_options
-from plait.job.together import meet
-from plait.materialize import materialize_tensors, on_meta, release_parameters
+from plait.errors import ConfigError, PlaitError
+from plait.job.process_group import init_process_group
 from plait.metrics import check_metrics, logs_of
 from plait.plan import Plan
 from plait.planner.closed_loop import ClosedLoop
 from plait.planner.layout import Layout, Workload, choose_layout, layout_of
 from plait.planner.plan_report import PlanReport
-from plait.runtime.comm.collectives import (
-    failed_ranks,
-    gather_state_dict,
-    local_device,
-    sum_floats,
-    whole_split_tensors,
-)
-from plait.runtime.failure import failure_error, raised_before_steps
+from plait.runtime.comm.collectives import local_device
+from plait.runtime.failure import raised_before_steps
 from plait.runtime.memory.memory_stats import memory_line, memory_stats, state_factor
 from plait.runtime.output_rows import join_parts
-from plait.runtime.pipeline import Pipeline, build_pipeline, stage_tensors
+from plait.runtime.pipeline import Pipeline
 from plait.runtime.step import OptimizerArg, StepRunner, make_optimizer, num_stats
+from plait.train.export import export_weights, gather_whole_state
+from plait.train.fit_loop import run_fit
+from plait.train.rank_build import build_rank_pipeline
+from plait.train.start import place_net, starting_stages
 
 __all__ = ["Model"]
 
-log = logging.getLogger("plait")
-
-RELEASED = "_plait_released"  # set on a net whose ranks have freed the parameters they do not use
 
 class Model:
     """Train `net` as a pipeline over every rank of the job; the same script runs on each rank.
@@ -81,27 +68,9 @@ class Model:
         self.optimizer: torch.optim.Optimizer | None = None
         self.rank, self.world_size = init_process_group(self.config.timeout_s)
         self.device = local_device()
-        if getattr(net, RELEASED, False):
-            raise ConfigError(f"this {type(net).__name__} was trained by an earlier plait.Model, which freed on "
-                              "each rank the parameters its stages do not use: build the module again for a "
-                              "new Model, or give the earlier one an optimizer instance (nothing is freed then)")
-        self._meta = on_meta(net)  # built on the meta device: each rank materializes its stages
-        if self._meta and isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError("the optimizer was made over parameters on the meta device, which plait "
-                              "replaces by real ones: pass a callable, optimizer=lambda params: "
-                              "torch.optim.Adam(params, ...), and plait makes it over this rank's")
-        if self.device.type != "cpu" and not self._meta:
-            net.to(self.device)
-        if self.world_size == 1:
-            self.num_stages = 1
-            config = self.config
-            asked = max(config.num_stages or 1, len(config.layers_per_proc or ()), len(config.split_points or ()) + 1)
-            if asked > 1 or (config.tp or 1) > 1 or config.tp_per_stage or config.dp_per_stage:  # stages asked for, by size or by cut (Config checks that they agree)
-                log.warning("plait: one process (no launcher): running every layer on one stage")
-                self.config = dataclasses.replace(config, tp=1, tp_plan=None, tp_per_stage=None, dp_per_stage=None)
-        else:  # 0 until planned (`plait.planner.layout`); a size given is checked against the world now
-            lanes = self.config.lanes(self.world_size)  # pp x dp: the ranks of one tensor-parallel part
-            self.num_stages = 0 if self.config.plans_everything else self.config.stages_for(lanes)
+        self._meta = place_net(net, optimizer, self.device)  # on the meta device: each rank materializes its stages
+        # one process: every layer on one stage; else 0 until planned, or the size given, checked against the world
+        self.config, self.num_stages = starting_stages(self.config, self.world_size)
         self._train: StepRunner | None = None
         self._eval: StepRunner | None = None
         self.step = 0  # training steps (global batches) run, counted on from a loaded checkpoint
@@ -160,24 +129,7 @@ class Model:
         """This rank's training pipeline and optimizer for `layout`."""
         assert self._captured is not None
         self.config, self.num_stages = layout.config, layout.num_stages
-        graphs = [g.root for g in (self._captured, self._eval_captured) if g is not None]
-        if self._frees:  # this rank's stages' tensors are real, the others' on meta (freed)
-            mine = stage_tensors(self._captured, layout.plan, self.rank)
-            # A real model's freed tensors come back at a new layout from the carried-over checkpoint.
-            init = self.config.init_fn if self._meta else _allocate_only
-            if materialize_tensors(self.net, mine, self.config.seed, init, self.device, graphs):
-                mine = stage_tensors(self._captured, layout.plan, self.rank)  # the real ones now
-            used = {id(t) for t in stage_tensors(self._captured, layout.plan, None)}  # rank 0 keeps the rest
-            unused: list[torch.Tensor] = [p for p in self.net.parameters() if id(p) not in used] if self.rank == 0 else []
-            if release_parameters(self.net, mine + unused, graphs):
-                setattr(self.net, RELEASED, True)
-        elif self._meta:
-            materialize_tensors(self.net, None, self.config.seed, self.config.init_fn, self.device, graphs)
-        pipe = build_pipeline(self.net, self._captured, layout.plan, self.config.execution(), self.rank, self.loss,
-                              self.device, first=self._train is None and self.world_size > 1 and not self._meta,
-                              state_factor=2.0 + state_factor(self._optimizer_arg))
-        if self._train is None and self.world_size > 1 and not self._meta:  # a meta model's values follow
-            pipe.start_equal()  # from Config.seed; a real one's replicas start equal whatever their seeds
+        pipe = build_rank_pipeline(self, layout)  # this rank's stages made real, the others freed
         self._train, self._eval = StepRunner(pipe, self.net, self.metrics, self.device, train=True), None
         self.optimizer = make_optimizer(self._optimizer_arg, pipe.local_parameters)
 
@@ -275,84 +227,7 @@ class Model:
         latest complete checkpoint there (parameters, optimizer, RNG, data position, history),
         and checkpoints are saved every `checkpoint_every` steps and at the end.
         """
-        if not isinstance(epochs, int) or epochs < 0:
-            raise ConfigError(f"epochs must be a non-negative integer, got {epochs!r}")
-        history = History()
-        batches_per_epoch = batching.count_batches(x, batch_size)
-        order = batching.data_order(x, y, batch_size, shuffle, batches_per_epoch, self.config.seed)
-        cbs: list[Any] = list(callbacks) + [history]
-        if verbose:  # the plan is printed first, then the step's progress
-            cbs.insert(0, PlanPrinter(lambda: (self.plan, self.plan_report), enabled=self.rank == 0))
-            cbs.append(ProgressBar(batches_per_epoch, epochs, enabled=self.rank == 0))
-        fit = _Fit(x, y, batch_size, shuffle, order, history, cbs)
-
-        # resume: a fresh model with a checkpoint_dir goes on from the latest checkpoint there
-        start = self._resume(order, history, epochs, verbose)
-        first = start.epoch if start else 0
-        if self._train is None and first < epochs:  # built before any hook: model.optimizer exists in them
-            self._build_on_first_batch(fit, first, start.batch if start is not None and start.epoch == first else 0)
-
-        # epochs of global batches, a checkpoint every checkpoint_every steps and at the end
-        for epoch in range(first, epochs):
-            call_hooks(fit.callbacks, "on_epoch_begin", epoch, {})
-            logs = self._epoch(fit, epoch, start if start is not None and epoch == start.epoch else None)
-            call_hooks(fit.callbacks, "on_epoch_end", epoch, logs)
-            last = self.config.checkpoint_every is None or epoch == epochs - 1
-            if self.config.checkpoint_dir is not None and last and self._checkpoints.saved_step != self.step:
-                self._save(self.config.checkpoint_dir, fit.position(epoch + 1, 0, None, 0))
-        self.write_trace()
-        return history
-
-    def _build_on_first_batch(self, fit: "_Fit", epoch: int, skip: int) -> None:
-        """Capture, plan and build on the first batch `fit` will train on (the optimizer with them)."""
-        for xb, yb in batching.epoch_batches(fit.x, fit.y, fit.batch_size, fit.shuffle, self.config.seed, epoch, skip):
-            self._runner(xb, train=True, y=yb)
-            break
-
-    def _resume(self, order: dict[str, Any], history: History, epochs: int, verbose: int) -> ResumePoint | None:
-        """Restore the latest checkpoint under Config.checkpoint_dir into a fresh model; where to go on."""
-        root = self.config.checkpoint_dir
-        if root is None or self.step != 0 or self._checkpoints.pending is not None:
-            return None
-        found = self._checkpoints.choose(root)
-        if found is None:
-            return None
-        start = resume_point(found, order)
-        self._restore(found)
-        history.epoch, history.history = start.history_epochs, start.history
-        if self.rank == 0 and verbose:
-            print(resumed_line(found, start, epochs), file=sys.stderr, flush=True)
-        elif self.rank == 0:
-            log.info("%s", resumed_line(found, start, epochs))
-        return start
-
-    def _epoch(self, fit: "_Fit", epoch: int, start: ResumePoint | None) -> dict[str, float]:
-        """One epoch's steps (from a resumed position inside it, if `start`); its logs."""
-        totals, rows_seen, skip = [0.0] * num_stats(self.metrics), 0, 0
-        if start is not None and start.totals is not None:
-            totals, rows_seen, skip = list(start.totals), start.rows_seen, start.batch
-        batches = batching.epoch_batches(fit.x, fit.y, fit.batch_size, fit.shuffle, self.config.seed, epoch, skip)
-        for step, (xb, yb) in enumerate(batches, start=skip):
-            if step <= skip + 1 and self._train is not None and self.plan.stage_dp:  # once the plan is known
-                self._check_batch_sizes(batching.batch_sizes(fit.x, fit.batch_size))
-            stats, _, skipped = self._run(xb, yb, True, False, f"epoch {epoch + 1}, batch {step + 1} (training step {self.step + 1})")
-            if not skipped:  # a skipped step's NaN loss stays out of the epoch's logs
-                rows_seen += batching.num_rows(xb)
-                totals = [t + s for t, s in zip(totals, stats)]
-            call_hooks(fit.callbacks, "on_batch_end", step, logs_of(self.metrics, totals, max(rows_seen, 1)))
-            every, root = self.config.checkpoint_every, self.config.checkpoint_dir
-            if root is not None and every is not None and self.step % every == 0:
-                self._save(root, fit.position(epoch, step + 1, totals, rows_seen))
-        return logs_of(self.metrics, totals, max(rows_seen, 1))
-
-    def _check_batch_sizes(self, sizes: Sequence[int]) -> None:
-        """With stage_dp, before an epoch's last batch fails mid-epoch: every batch size's micro-batches divide."""
-        for size in sizes:
-            for a, b in batching.microbatch_bounds(size, self.plan.num_microbatches):
-                try:
-                    check_rows(b - a, self.plan.stage_dp, f"this epoch has a batch of {size} rows; its micro-batch {a}:{b}")
-                except ConfigError as e:
-                    raise ConfigError(f"{e}, or drop the uneven last batch (a DataLoader with drop_last=True)") from None
+        return run_fit(self, x, y, epochs, batch_size, shuffle, verbose, callbacks)
 
     def write_trace(self) -> str | None:
         """Write this rank's timeline to `Config.trace_dir` (fit does it at its end); returns the path.
@@ -388,22 +263,8 @@ class Model:
         Every rank must call it (it gathers the stages from the ranks that run them); a rank that
         calls it alone gets a ConfigError saying so. `net.load_state_dict(state)` then makes `net`
         whole again on any rank, the parameters its stages freed included."""
-        owners = self._train.pipe.owner_of if self._train is not None else {}
-        parts = self._train.pipe.tp_parts if self._train is not None else {}
-        meet("model.state_dict()", "Call it on every rank and save on one: state = model.state_dict(), "
-             "then if model.rank == 0: torch.save(state, path)", self.config.timeout_s)
-        whole, limit = model_bytes(self.net), self.config.memory_limit_bytes or available_bytes()
-        over = failed_ranks(whole > limit)  # every rank refuses if one must, none waits in the gather
-        if over:
-            raise CheckpointError(
-                f"state_dict() would hold the whole model ({whole / 2**30:.2f} GiB) on every rank, over "
-                f"the limit of ranks {over} (this rank's: {limit / 2**30:.2f} GiB); write it with "
-                "model.export(directory) (each rank its own tensors) or save a sharded checkpoint with model.save()")
-        try:
-            return gather_state_dict(self.net, owners, parts)
-        except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
-            raise failure_error(f"gathering the state dict after step {self.step}", self.rank, e,
-                                self.config.timeout_s) from e
+        pipe = self._train.pipe if self._train is not None else None
+        return gather_whole_state(self.net, pipe, self.config, self.rank, self.step)
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load a plain state dict (net.state_dict(), or `plait export` output) on every rank.
@@ -443,19 +304,7 @@ class Model:
         """Write the weights as Hugging Face sharded safetensors (`from_pretrained` reads them):
         each rank its own tensors, rank 0 the index once all are written. Call it on every rank."""
         pipe = self._train.pipe if self._train is not None else None
-        try:  # a tensor split over tp ranks is written whole by the first of them
-            wholes = whole_split_tensors(self.net, pipe.tp_parts, pipe.tp_group) if pipe and pipe.tp_parts else {}
-            written, error = write_own_shard(self.net, pipe.owner_of if pipe else {}, self.rank, directory, wholes), ""
-        except (CheckpointError, OSError) as e:
-            written, error = {}, f"{type(e).__name__}: {e}"
-        failed = failed_ranks(bool(error))
-        if failed:
-            raise CheckpointError(error or f"ranks {failed} could not write their shard of {directory}")
-        if self.rank == 0:
-            write_index(directory, written, self.net)
-        if self.world_size > 1:
-            sum_floats([0.0])  # the index is written before any rank returns
-        return str(directory)
+        return export_weights(self.net, pipe, self.rank, self.world_size, directory)
 
     def load(self, path: str | os.PathLike[str]) -> int:
         """Load a checkpoint, weights or a plain state-dict file, on every rank; returns its step.
@@ -481,24 +330,3 @@ class Model:
         self._checkpoints.restore(ckpt, pipe, self.optimizer)
         self.step = ckpt.step
 
-
-def _allocate_only(module: nn.Module) -> None:
-    """The initialiser of tensors whose values are about to be restored: none."""
-
-
-@dataclass
-class _Fit:
-    """One call of `fit`: its data, order, history and callbacks, and what it has printed."""
-
-    x: Any
-    y: Any
-    batch_size: int | None
-    shuffle: bool
-    order: dict[str, Any]
-    history: History
-    callbacks: list[Any]
-
-    def position(self, epoch: int, batch: int, totals: list[float] | None, rows_seen: int) -> dict[str, Any]:
-        """The data position a checkpoint saves (`plait.checkpoint.resume` reads it back)."""
-        return {**self.order, "epoch": epoch, "batch": batch, "totals": totals, "rows_seen": rows_seen,
-                "history_epochs": self.history.epoch, "history": self.history.history}

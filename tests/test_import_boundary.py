@@ -12,7 +12,8 @@ along the order written here, so that the packages form a chain, never a loop):
                                                           below the planner reads it, only the Plan)
     job-side    runtime, job -> planner, checkpoint       (planner and checkpoint use runtime's
                                                           collectives; planner reads job's ranks)
-    model       model                                     (the public Model)
+    model       train -> model                            (the public Model; train holds its parts: the start
+                                                          on a rank, the pipeline's build, the fit loop, export)
     cli         cli                                       (the `plait` command)
 """
 
@@ -44,7 +45,8 @@ ALLOWED = {
     "planner": BASE | {"config", "capture", "runtime", "job"} | PURE_PLANNING,
     "checkpoint": BASE | {"config", "runtime"},
     "job": BASE,
-    "model": BASE | {"config", "capture", "runtime", "planner", "checkpoint", "job"} | PURE_PLANNING,
+    "train": BASE | {"config", "capture", "runtime", "planner", "checkpoint", "job"} | PURE_PLANNING,
+    "model": BASE | {"config", "capture", "runtime", "planner", "checkpoint", "job", "train"} | PURE_PLANNING,
     "cli": BASE | {"config", "capture", "runtime", "planner", "checkpoint", "job", "model", "__init__"} | PURE_PLANNING,
     "__init__": BASE | {"config", "model", "plan", "job"},
 }

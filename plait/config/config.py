@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from plait.capture.tp_layout import TP_PLACEMENT, TP_STRATEGIES
+from plait.config.json_form import config_from_dict, config_from_json, config_to_dict, config_to_json
+from plait.config.layout import check_layout, check_recompute, check_schedule, check_tp, check_zero
+from plait.config.settings import check_checkpoints, check_init_fn, check_leaf_modules, check_planning, check_running
 from plait.config.widths import check_dp_per_stage, check_tp_per_stage, stage_lanes
 from plait.errors import ConfigError
-from plait.plan.execution import NONFINITE_ACTIONS, Execution
-from plait.schedule.registry import SCHEDULE_NAMES, SEARCH_ORDER, schedule_spec, virtual_hint
+from plait.plan.execution import Execution
 
 __all__ = ["Config"]
 
@@ -162,199 +162,20 @@ class Config:
     recompute_by_layer: bool | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        self._check_tp()
+        # the checks, in this order (a later one reads fields an earlier one normalised): the layout's
+        # in plait/config/layout.py and widths.py, the settings beside it in plait/config/settings.py
+        check_tp(self)
         check_tp_per_stage(self)
         check_dp_per_stage(self)
-        self._check_leaf_modules()
-        self._check_layout()
-        self._check_zero()
-        self._check_init_fn()
-        self._check_schedule()
-        self._check_recompute()
-        self._check_running()
-        self._check_checkpoints()
-        self._check_planning()
-
-    def _check_tp(self) -> None:
-        """tp: a positive integer; tp_plan: {pattern: strategy} (kept as a tuple of its items)."""
-        if self.tp is not None and (not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1):
-            raise ConfigError(f"tp must be a positive integer (tensor-parallel ranks per stage) or None (the "
-                              f"planner chooses), got {self.tp!r}")
-        if not isinstance(self.sequence_parallel, bool):
-            raise ConfigError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
-        plan = self.tp_plan
-        if plan is None:
-            return
-        items = tuple(plan.items()) if isinstance(plan, dict) else tuple(tuple(x) for x in plan)
-        bad = [(k, v) for k, v in items if not isinstance(k, str) or not isinstance(v, str)
-               or (v not in TP_STRATEGIES and not TP_PLACEMENT.fullmatch(v))]
-        if bad:
-            raise ConfigError(f"tp_plan entries {bad} are not pattern: strategy; a strategy is one of "
-                              f"{TP_STRATEGIES} or the weight's placement ('Shard(0)', 'Shard(1)', 'Replicate()'), "
-                              f"e.g. tp_plan={{'*.mlp.c_fc': 'colwise'}}")
-        if self.tp == 1:
-            raise ConfigError(f"tp_plan={ {k: v for k, v in items} } splits modules over tensor-parallel ranks, but tp=1; set tp > 1")
-        object.__setattr__(self, "tp_plan", items)
-
-    def _check_init_fn(self) -> None:
-        if self.init_fn is not None and not callable(self.init_fn):
-            raise ConfigError(f"init_fn must be a function fn(module) that initialises a module in place, "
-                              f"got {self.init_fn!r}")
-
-    def _check_zero(self) -> None:
-        """zero: None, 0, 1 or 2, and 1 or 2 only with more than one replica."""
-        if self.zero is None:
-            return
-        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2):
-            raise ConfigError(f"zero must be 0, 1, 2 or None, got {self.zero!r}")
-        if self.zero and self.dp == 1 and max(self.dp_per_stage or (1,)) == 1:
-            raise ConfigError(f"zero={self.zero} shards over a stage's replicas, but dp=1 has "
-                              "one replica; set dp > 1 or zero=0")
-
-    def _check_leaf_modules(self) -> None:
-        """leaf_modules: names or classes; a class is kept by its name (the config stays JSON)."""
-        items = self.leaf_modules
-        if isinstance(items, (str, type)) or not isinstance(items, (list, tuple)):
-            raise ConfigError(
-                f"leaf_modules must be a list of module names or classes, got {items!r}; for example "
-                "leaf_modules=['model.layers.0.mlp'] or leaf_modules=[MixtralSparseMoeBlock]"
-            )
-        names = tuple(x.__name__ if isinstance(x, type) else x for x in items)
-        bad = [x for x in names if not isinstance(x, str) or not x]
-        if bad:
-            raise ConfigError(f"leaf_modules={list(items)!r} holds {bad!r}: give module names (as in "
-                              "net.named_modules()), class names or module classes")
-        object.__setattr__(self, "leaf_modules", names)
-
-    def _check_layout(self) -> None:
-        """layers_per_proc, split_points, num_stages and dp: sizes, and the cut against the stages."""
-        if self.layers_per_proc is not None:
-            self._check_layers()
-        if self.split_points is not None:
-            self._check_split_points()
-        if self.num_stages is not None and (not isinstance(self.num_stages, int) or self.num_stages < 1):
-            raise ConfigError(f"num_stages must be a positive integer or None, got {self.num_stages!r}")
-        if self.dp is not None and (not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1):
-            raise ConfigError(f"dp must be a positive integer (data-parallel replicas), got {self.dp!r}")
-
-    def _check_layers(self) -> None:
-        lpp = self.layers_per_proc
-        if lpp is None:
-            return
-        if isinstance(lpp, (str, bytes)) or not hasattr(lpp, "__iter__"):
-            raise ConfigError(f"layers_per_proc must be a list of layer counts, one per stage, got {lpp!r}; "
-                              "for example layers_per_proc=[2, 3, 3]")
-        counts = tuple(lpp)
-        bad = [c for c in counts if not isinstance(c, int) or isinstance(c, bool) or c < 1]
-        if not counts or bad:
-            raise ConfigError(f"layers_per_proc={list(counts)} must hold one positive integer per stage "
-                              f"(bad entries: {bad}); every stage needs at least one layer")
-        object.__setattr__(self, "layers_per_proc", counts)
-        v = self.num_virtual_stages if isinstance(self.num_virtual_stages, int) else 1
-        if v > 1 and len(counts) % v:
-            raise ConfigError(f"layers_per_proc={list(counts)} has {len(counts)} entries, not a multiple of "
-                              f"num_virtual_stages={v}; with interleaving it lists every model chunk "
-                              f"(num_stages x {v} entries)")
-        if v > 1 and self.num_stages is not None and self.num_stages * v != len(counts):
-            raise ConfigError(f"num_stages={self.num_stages} x num_virtual_stages={v} = {self.num_stages * v} "
-                              f"chunks but layers_per_proc={list(counts)} has {len(counts)} entries; make them agree")
-        if v == 1 and self.num_stages is not None and self.num_stages != len(counts):
-            raise ConfigError(f"num_stages={self.num_stages} but layers_per_proc={list(counts)} has "
-                              f"{len(counts)} entries; give one of them, or make them agree")
-
-    def _check_split_points(self) -> None:
-        """split_points: a list of distinct names, not with layers_per_proc, against the stages."""
-        points = self.split_points
-        if points is None:
-            return
-        if isinstance(points, (str, bytes)) or not hasattr(points, "__iter__"):
-            raise ConfigError(f"split_points must be a list of module names, each starting a new stage, got "
-                              f"{points!r}; for example split_points=['model.layers.6'] (names as in net.named_modules())")
-        names = tuple(points)
-        bad = [p for p in names if not isinstance(p, str) or not p]
-        if bad:
-            raise ConfigError(f"split_points={list(names)} must hold module names, non-empty strings as in "
-                              f"net.named_modules() (bad entries: {bad})")
-        twice = sorted({p for p in names if names.count(p) > 1})
-        if twice:
-            raise ConfigError(f"split_points={list(names)} names {twice} more than once; each name starts one "
-                              "stage: list it once")
-        object.__setattr__(self, "split_points", names)
-        if self.layers_per_proc is not None:
-            raise ConfigError(f"split_points={list(names)} and layers_per_proc={list(self.layers_per_proc)} both "
-                              "give the cut; keep one of them (split_points names the module each stage after "
-                              "the first starts at, layers_per_proc counts the layers of each stage)")
-        chunks = len(names) + 1
-        v = self.num_virtual_stages if isinstance(self.num_virtual_stages, int) else 1
-        if v > 1 and chunks % v:
-            raise ConfigError(f"split_points={list(names)} cut the model into {chunks} chunks, not a multiple of "
-                              f"num_virtual_stages={v}; with interleaving name num_stages x {v} - 1 points")
-        if v > 1 and self.num_stages is not None and self.num_stages * v != chunks:
-            raise ConfigError(f"num_stages={self.num_stages} x num_virtual_stages={v} = {self.num_stages * v} "
-                              f"chunks but split_points={list(names)} cut {chunks}; name "
-                              f"{self.num_stages * v - 1} points, or make num_stages agree")
-        if v == 1 and self.num_stages is not None and self.num_stages != chunks:
-            raise ConfigError(f"num_stages={self.num_stages} but split_points={list(names)} cut {chunks} stages "
-                              f"(one more than the points); give one of them, or name {self.num_stages - 1} points")
-
-    def _check_schedule(self) -> None:
-        """num_microbatches, schedule and num_virtual_stages."""
-        m = self.num_microbatches
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
-            raise ConfigError(f"num_microbatches must be a positive integer, got {self.num_microbatches!r}")
-        if self.schedule is not None and self.schedule not in SCHEDULE_NAMES:
-            raise ConfigError(f"schedule={self.schedule!r} is not known; choose one of {list(SCHEDULE_NAMES)}")
-        v = self.num_virtual_stages
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"num_virtual_stages must be a positive integer, got {v!r}")
-        if v > 1 and (self.schedule is None or not schedule_spec(self.schedule).virtual):
-            raise ConfigError(
-                f"num_virtual_stages={v} needs {virtual_hint()}, got schedule="
-                f"{self.schedule or '1f1b'!r}{'' if self.schedule else ' (the default)'}"
-            )
-
-    def _check_running(self) -> None:
-        """trace_dir, grad_reduction, bucket_cap_mb, timeout_s and seed."""
-        if self.trace_dir is not None and not isinstance(self.trace_dir, (str, bytes)) and not hasattr(
-            self.trace_dir, "__fspath__"
-        ):
-            raise ConfigError(f"trace_dir must be a directory path or None, got {self.trace_dir!r}")
-        if self.trace_dir is not None:
-            object.__setattr__(self, "trace_dir", str(self.trace_dir))
-        if self.grad_reduction not in ("mean", "sum"):
-            raise ConfigError(f"grad_reduction={self.grad_reduction!r} is not known; choose 'mean' or 'sum'")
-        if not (_is_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0):
-            raise ConfigError(f"bucket_cap_mb must be a positive number, got {self.bucket_cap_mb!r}")
-        if not (_is_number(self.timeout_s) and self.timeout_s > 0):
-            raise ConfigError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ConfigError(f"seed must be an integer (it seeds the shuffle order), got {self.seed!r}")
-
-    def _path(self, name: str, what: str) -> str | None:
-        """Field `name` as a str path (any os.PathLike is accepted), or None."""
-        value = getattr(self, name)
-        if value is None:
-            return None
-        if not isinstance(value, str) and not hasattr(value, "__fspath__"):
-            raise ConfigError(f"{name} must be {what} or None, got {value!r}")
-        object.__setattr__(self, name, str(value))
-        return str(value)
-
-    def _check_planning(self) -> None:
-        if self._path("plan", "the path of a plan JSON file") is not None and self.layers_per_proc is not None:
-            raise ConfigError(f"plan={self.plan!r} and layers_per_proc={list(self.layers_per_proc)} both give "
-                              "the layers of each stage; keep one of them")
-        if self.plan is not None and self.split_points is not None:
-            raise ConfigError(f"plan={self.plan!r} and split_points={list(self.split_points)} both give the "
-                              "layers of each stage; keep one of them")
-        limit = self.memory_limit_bytes
-        if limit is not None and not (_is_number(limit) and limit > 0):
-            raise ConfigError(f"memory_limit_bytes must be a positive number of bytes or None, got {limit!r}")
-        if self.replan is not None and not isinstance(self.replan, bool):
-            raise ConfigError(f"replan must be True, False or None (as `plait run --replan` says), got {self.replan!r}")
-        if self.batch_weight_grads is not None and not isinstance(self.batch_weight_grads, bool):
-            raise ConfigError(f"batch_weight_grads must be True or False (or None: the planner's choice), "
-                              f"got {self.batch_weight_grads!r}")
+        check_leaf_modules(self)
+        check_layout(self)
+        check_zero(self)
+        check_init_fn(self)
+        check_schedule(self)
+        check_recompute(self)
+        check_running(self)
+        check_checkpoints(self)
+        check_planning(self)
 
     @property
     def plans_everything(self) -> bool:
@@ -371,31 +192,6 @@ class Config:
                        schedule=self.schedule or "1f1b",
                        recompute=False if self.recompute is None else self.recompute,
                        batch_weight_grads=bool(self.batch_weight_grads))
-
-    def _check_checkpoints(self) -> None:
-        self._path("checkpoint_dir", "a directory path")
-        every = self.checkpoint_every
-        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
-            raise ConfigError(f"checkpoint_every must be a positive number of steps or None (every epoch), got {every!r}")
-        keep = self.checkpoint_keep
-        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-            raise ConfigError(f"checkpoint_keep must be a positive integer (2 keeps a fallback), got {keep!r}")
-        if self.on_nonfinite not in NONFINITE_ACTIONS:
-            raise ConfigError(f"on_nonfinite={self.on_nonfinite!r} is not known; choose one of {list(NONFINITE_ACTIONS)}")
-
-    def _check_recompute(self) -> None:
-        for name, words in (("recompute", ("auto",)), ("recompute_by_layer", ())):
-            r = getattr(self, name)
-            if r is None or isinstance(r, bool) or r in words:
-                continue
-            if isinstance(r, (str, bytes)) or not hasattr(r, "__iter__"):
-                known = ", ".join(["True", "False", *(repr(w) for w in words)])
-                raise ConfigError(f"{name}={r!r} is not known; use {known} or a list of stage indices")
-            stages = tuple(r)
-            bad = [s for s in stages if not isinstance(s, int) or isinstance(s, bool) or s < 0]
-            if bad:
-                raise ConfigError(f"{name}={list(stages)} must list stage indices >= 0 (bad entries: {bad})")
-            object.__setattr__(self, name, stages)
 
     def execution(self) -> Execution:
         """The runtime's settings beside the plan (the runtime reads these, not the Config)."""
@@ -448,51 +244,19 @@ class Config:
         return stages
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as plain JSON-ready values."""
-        d = asdict(replace(self, init_fn=None))
-        for name in ("layers_per_proc", "split_points", "leaf_modules", "tp_per_stage", "dp_per_stage"):
-            if d[name] is not None:
-                d[name] = list(d[name])
-        for name in ("recompute", "recompute_by_layer"):
-            if isinstance(d[name], tuple):
-                d[name] = list(d[name])
-        if d["tp_plan"] is not None:
-            d["tp_plan"] = {str(k): str(v) for k, v in d["tp_plan"]}
-        return d
+        """The fields as plain JSON-ready values (`plait.config.json_form`)."""
+        return config_to_dict(self)
 
     @classmethod
     def from_dict(cls, data: Any) -> "Config":
         """The Config of `to_dict()` output (unknown names are an error; missing ones default)."""
-        if not isinstance(data, dict):
-            raise ConfigError(f"a Config is a JSON object of its fields, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in data if k not in known)
-        if unknown:
-            raise ConfigError(f"unknown Config fields {unknown}; known: {sorted(known)}")
-        values = dict(data)
-        for name in ("layers_per_proc", "split_points", "leaf_modules", "recompute", "recompute_by_layer"):
-            if isinstance(values.get(name), list):
-                values[name] = tuple(values[name])
-        try:
-            return cls(**values)
-        except ConfigError:
-            raise
-        except (TypeError, ValueError, OverflowError) as e:  # a field of the wrong type deep inside a check
-            raise ConfigError(f"not a valid Config ({type(e).__name__}: {e}); expected Config.to_dict() output") from None
+        return config_from_dict(cls, data)
 
     def to_json(self) -> str:
         """The fields as a JSON object."""
-        return json.dumps(self.to_dict(), indent=1)
+        return config_to_json(self)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Config":
         """The Config of `to_json()` output; anything else raises ConfigError."""
-        try:
-            data = json.loads(text)
-        except (ValueError, RecursionError) as e:
-            raise ConfigError(f"not a plait Config: not JSON ({type(e).__name__}: {e})") from None
-        return cls.from_dict(data)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return config_from_json(cls, text)

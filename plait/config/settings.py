@@ -1,0 +1,97 @@
+"""Config's checks of the settings beside the layout: the capture, the run's waits and sums, checkpoints and planning."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plait.errors import ConfigError
+from plait.plan.execution import NONFINITE_ACTIONS
+
+__all__ = ["check_leaf_modules", "check_init_fn", "check_running", "check_checkpoints", "check_planning"]
+
+
+# Each check takes the `plait.config.Config` being made (typed Any: plait.config imports this module).
+
+
+def check_leaf_modules(config: Any) -> None:
+    """leaf_modules: names or classes; a class is kept by its name (the config stays JSON)."""
+    items = config.leaf_modules
+    if isinstance(items, (str, type)) or not isinstance(items, (list, tuple)):
+        raise ConfigError(
+            f"leaf_modules must be a list of module names or classes, got {items!r}; for example "
+            "leaf_modules=['model.layers.0.mlp'] or leaf_modules=[MixtralSparseMoeBlock]"
+        )
+    names = tuple(x.__name__ if isinstance(x, type) else x for x in items)
+    bad = [x for x in names if not isinstance(x, str) or not x]
+    if bad:
+        raise ConfigError(f"leaf_modules={list(items)!r} holds {bad!r}: give module names (as in "
+                          "net.named_modules()), class names or module classes")
+    object.__setattr__(config, "leaf_modules", names)
+
+
+def check_init_fn(config: Any) -> None:
+    if config.init_fn is not None and not callable(config.init_fn):
+        raise ConfigError(f"init_fn must be a function fn(module) that initialises a module in place, "
+                          f"got {config.init_fn!r}")
+
+
+def check_running(config: Any) -> None:
+    """trace_dir, grad_reduction, bucket_cap_mb, timeout_s and seed."""
+    if config.trace_dir is not None and not isinstance(config.trace_dir, (str, bytes)) and not hasattr(
+        config.trace_dir, "__fspath__"
+    ):
+        raise ConfigError(f"trace_dir must be a directory path or None, got {config.trace_dir!r}")
+    if config.trace_dir is not None:
+        object.__setattr__(config, "trace_dir", str(config.trace_dir))
+    if config.grad_reduction not in ("mean", "sum"):
+        raise ConfigError(f"grad_reduction={config.grad_reduction!r} is not known; choose 'mean' or 'sum'")
+    if not (_is_number(config.bucket_cap_mb) and config.bucket_cap_mb > 0):
+        raise ConfigError(f"bucket_cap_mb must be a positive number, got {config.bucket_cap_mb!r}")
+    if not (_is_number(config.timeout_s) and config.timeout_s > 0):
+        raise ConfigError(f"timeout_s must be a positive number of seconds, got {config.timeout_s!r}")
+    if not isinstance(config.seed, int) or isinstance(config.seed, bool):
+        raise ConfigError(f"seed must be an integer (it seeds the shuffle order), got {config.seed!r}")
+
+
+def check_checkpoints(config: Any) -> None:
+    _path(config, "checkpoint_dir", "a directory path")
+    every = config.checkpoint_every
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+        raise ConfigError(f"checkpoint_every must be a positive number of steps or None (every epoch), got {every!r}")
+    keep = config.checkpoint_keep
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise ConfigError(f"checkpoint_keep must be a positive integer (2 keeps a fallback), got {keep!r}")
+    if config.on_nonfinite not in NONFINITE_ACTIONS:
+        raise ConfigError(f"on_nonfinite={config.on_nonfinite!r} is not known; choose one of {list(NONFINITE_ACTIONS)}")
+
+
+def check_planning(config: Any) -> None:
+    if _path(config, "plan", "the path of a plan JSON file") is not None and config.layers_per_proc is not None:
+        raise ConfigError(f"plan={config.plan!r} and layers_per_proc={list(config.layers_per_proc)} both give "
+                          "the layers of each stage; keep one of them")
+    if config.plan is not None and config.split_points is not None:
+        raise ConfigError(f"plan={config.plan!r} and split_points={list(config.split_points)} both give the "
+                          "layers of each stage; keep one of them")
+    limit = config.memory_limit_bytes
+    if limit is not None and not (_is_number(limit) and limit > 0):
+        raise ConfigError(f"memory_limit_bytes must be a positive number of bytes or None, got {limit!r}")
+    if config.replan is not None and not isinstance(config.replan, bool):
+        raise ConfigError(f"replan must be True, False or None (as `plait run --replan` says), got {config.replan!r}")
+    if config.batch_weight_grads is not None and not isinstance(config.batch_weight_grads, bool):
+        raise ConfigError(f"batch_weight_grads must be True or False (or None: the planner's choice), "
+                          f"got {config.batch_weight_grads!r}")
+
+
+def _path(config: Any, name: str, what: str) -> str | None:
+    """Field `name` as a str path (any os.PathLike is accepted), or None."""
+    value = getattr(config, name)
+    if value is None:
+        return None
+    if not isinstance(value, str) and not hasattr(value, "__fspath__"):
+        raise ConfigError(f"{name} must be {what} or None, got {value!r}")
+    object.__setattr__(config, name, str(value))
+    return str(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

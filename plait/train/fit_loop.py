@@ -1,0 +1,128 @@
+"""The fit loop: epochs of global batches, resumed from the latest checkpoint, with the checkpoint cadence."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from plait import data as batching
+from plait.callbacks import History, PlanPrinter, ProgressBar, call_hooks
+from plait.checkpoint.resume import ResumePoint, resume_point, resumed_line
+from plait.cost.row_blocks import check_rows
+from plait.errors import ConfigError
+from plait.metrics import logs_of
+from plait.runtime.step import num_stats
+
+__all__ = ["FitRun", "run_fit"]
+
+log = logging.getLogger("plait")
+
+# `model` is the `plait.Model` that fits (typed Any: plait.model imports this module). The loop is
+# Model.fit's, kept apart: it runs the model's own steps (_run, _runner, _save, _restore).
+
+
+@dataclass
+class FitRun:
+    """One call of `fit`: its data, order, history and callbacks, and what it has printed."""
+
+    x: Any
+    y: Any
+    batch_size: int | None
+    shuffle: bool
+    order: dict[str, Any]
+    history: History
+    callbacks: list[Any]
+
+    def position(self, epoch: int, batch: int, totals: list[float] | None, rows_seen: int) -> dict[str, Any]:
+        """The data position a checkpoint saves (`plait.checkpoint.resume` reads it back)."""
+        return {**self.order, "epoch": epoch, "batch": batch, "totals": totals, "rows_seen": rows_seen,
+                "history_epochs": self.history.epoch, "history": self.history.history}
+
+
+def run_fit(model: Any, x: Any, y: Any, epochs: int, batch_size: int | None, shuffle: bool, verbose: int,
+            callbacks: Sequence[Any]) -> History:
+    """`model.fit(x, y, epochs, batch_size, shuffle, verbose, callbacks)`: train, resume, checkpoint."""
+    if not isinstance(epochs, int) or epochs < 0:
+        raise ConfigError(f"epochs must be a non-negative integer, got {epochs!r}")
+    history = History()
+    batches_per_epoch = batching.count_batches(x, batch_size)
+    order = batching.data_order(x, y, batch_size, shuffle, batches_per_epoch, model.config.seed)
+    cbs: list[Any] = list(callbacks) + [history]
+    if verbose:  # the plan is printed first, then the step's progress
+        cbs.insert(0, PlanPrinter(lambda: (model.plan, model.plan_report), enabled=model.rank == 0))
+        cbs.append(ProgressBar(batches_per_epoch, epochs, enabled=model.rank == 0))
+    fit = FitRun(x, y, batch_size, shuffle, order, history, cbs)
+
+    # resume: a fresh model with a checkpoint_dir goes on from the latest checkpoint there
+    start = _resume(model, order, history, epochs, verbose)
+    first = start.epoch if start else 0
+    if model._train is None and first < epochs:  # built before any hook: model.optimizer exists in them
+        _build_on_first_batch(model, fit, first, start.batch if start is not None and start.epoch == first else 0)
+
+    # epochs of global batches, a checkpoint every checkpoint_every steps and at the end
+    for epoch in range(first, epochs):
+        call_hooks(fit.callbacks, "on_epoch_begin", epoch, {})
+        logs = _epoch(model, fit, epoch, start if start is not None and epoch == start.epoch else None)
+        call_hooks(fit.callbacks, "on_epoch_end", epoch, logs)
+        last = model.config.checkpoint_every is None or epoch == epochs - 1
+        if model.config.checkpoint_dir is not None and last and model._checkpoints.saved_step != model.step:
+            model._save(model.config.checkpoint_dir, fit.position(epoch + 1, 0, None, 0))
+    model.write_trace()
+    return history
+
+
+def _build_on_first_batch(model: Any, fit: FitRun, epoch: int, skip: int) -> None:
+    """Capture, plan and build on the first batch `fit` will train on (the optimizer with them)."""
+    for xb, yb in batching.epoch_batches(fit.x, fit.y, fit.batch_size, fit.shuffle, model.config.seed, epoch, skip):
+        model._runner(xb, train=True, y=yb)
+        break
+
+
+def _resume(model: Any, order: dict[str, Any], history: History, epochs: int, verbose: int) -> ResumePoint | None:
+    """Restore the latest checkpoint under Config.checkpoint_dir into a fresh model; where to go on."""
+    root = model.config.checkpoint_dir
+    if root is None or model.step != 0 or model._checkpoints.pending is not None:
+        return None
+    found = model._checkpoints.choose(root)
+    if found is None:
+        return None
+    start = resume_point(found, order)
+    model._restore(found)
+    history.epoch, history.history = start.history_epochs, start.history
+    if model.rank == 0 and verbose:
+        print(resumed_line(found, start, epochs), file=sys.stderr, flush=True)
+    elif model.rank == 0:
+        log.info("%s", resumed_line(found, start, epochs))
+    return start
+
+
+def _epoch(model: Any, fit: FitRun, epoch: int, start: ResumePoint | None) -> dict[str, float]:
+    """One epoch's steps (from a resumed position inside it, if `start`); its logs."""
+    totals, rows_seen, skip = [0.0] * num_stats(model.metrics), 0, 0
+    if start is not None and start.totals is not None:
+        totals, rows_seen, skip = list(start.totals), start.rows_seen, start.batch
+    batches = batching.epoch_batches(fit.x, fit.y, fit.batch_size, fit.shuffle, model.config.seed, epoch, skip)
+    for step, (xb, yb) in enumerate(batches, start=skip):
+        if step <= skip + 1 and model._train is not None and model.plan.stage_dp:  # once the plan is known
+            _check_batch_sizes(model, batching.batch_sizes(fit.x, fit.batch_size))
+        stats, _, skipped = model._run(xb, yb, True, False, f"epoch {epoch + 1}, batch {step + 1} (training step {model.step + 1})")
+        if not skipped:  # a skipped step's NaN loss stays out of the epoch's logs
+            rows_seen += batching.num_rows(xb)
+            totals = [t + s for t, s in zip(totals, stats)]
+        call_hooks(fit.callbacks, "on_batch_end", step, logs_of(model.metrics, totals, max(rows_seen, 1)))
+        every, root = model.config.checkpoint_every, model.config.checkpoint_dir
+        if root is not None and every is not None and model.step % every == 0:
+            model._save(root, fit.position(epoch, step + 1, totals, rows_seen))
+    return logs_of(model.metrics, totals, max(rows_seen, 1))
+
+
+def _check_batch_sizes(model: Any, sizes: Sequence[int]) -> None:
+    """With stage_dp, before an epoch's last batch fails mid-epoch: every batch size's micro-batches divide."""
+    for size in sizes:
+        for a, b in batching.microbatch_bounds(size, model.plan.num_microbatches):
+            try:
+                check_rows(b - a, model.plan.stage_dp, f"this epoch has a batch of {size} rows; its micro-batch {a}:{b}")
+            except ConfigError as e:
+                raise ConfigError(f"{e}, or drop the uneven last batch (a DataLoader with drop_last=True)") from None
