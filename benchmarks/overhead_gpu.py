@@ -33,7 +33,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
-from plait.planner.gpu_probe import SLEEP_CYCLES, ProbeSizes, copy_bandwidth, host_ahead_s, timed  # noqa: E402
+from plait.cli.gpu_probe import SLEEP_CYCLES, ProbeSizes, copy_bandwidth, host_ahead_s, timed  # noqa: E402
 
 
 def sleep_s(cuda: bool) -> float:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from plait.cost.roofline import Gpu, block_times, gemm_s, memory_s
-from plait.planner.gpu_probe import ProbeSizes, best_matmul, copy_bandwidth, norm_throughput, timed
+from plait.cli.gpu_probe import ProbeSizes, best_matmul, copy_bandwidth, norm_throughput, timed
 
 # name, hidden, heads, t, the run script's micro-batch size (examples/sc21/run_table_1.sh)
 ROWS = [("1.7B", 2304, 24, 1, 16), ("18.4B", 6144, 48, 8, 8), ("39.1B", 8192, 64, 8, 4),

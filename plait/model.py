@@ -31,7 +31,8 @@ from plait.runtime.failure import raised_before_steps
 from plait.runtime.memory.memory_stats import memory_line, memory_stats, state_factor
 from plait.runtime.output_rows import join_parts
 from plait.runtime.pipeline import Pipeline
-from plait.runtime.step import OptimizerArg, StepRunner, make_optimizer, num_stats
+from plait.runtime.step import OptimizerArg, StepRunner, make_optimizer
+from plait.runtime.step_sums import num_stats
 from plait.train.export import export_weights, gather_whole_state
 from plait.train.fit_loop import run_fit
 from plait.train.rank_build import build_rank_pipeline

@@ -3,7 +3,7 @@
     plait device --like a100-80gb -o mine.json     # on a machine with the GPU
     plait plan --gpt ... --devices 512 --device mine.json
 
-Times the GPU here (`plait.planner.gpu_probe`: its best matmul, copy bandwidth, layer norm and
+Times the GPU here (`plait.cli.gpu_probe`: its best matmul, copy bandwidth, layer norm and
 kernel gap) and writes the preset `--like` with those figures put in, as JSON
 (`Device.to_dict`). The peak, the data sheet's bandwidth and the links stay the preset's: edit the
 file where your cluster's differ. Prints each measured figure beside the preset's.
@@ -58,7 +58,7 @@ def _rows(like: Any, mine: Any) -> list[tuple[str, str, str]]:
 
 def run_device(args: argparse.Namespace) -> int:
     from plait.cost.devices import device
-    from plait.planner.gpu_probe import measure_device
+    from plait.cli.gpu_probe import measure_device
 
     like = device(args.like)
     mine = measure_device(like, runs=args.runs, reps=args.reps)

@@ -250,7 +250,8 @@ class Config:
     @classmethod
     def from_dict(cls, data: Any) -> "Config":
         """The Config of `to_dict()` output (unknown names are an error; missing ones default)."""
-        return config_from_dict(cls, data)
+        made: Config = config_from_dict(cls, data)
+        return made
 
     def to_json(self) -> str:
         """The fields as a JSON object."""
@@ -259,4 +260,5 @@ class Config:
     @classmethod
     def from_json(cls, text: str | bytes) -> "Config":
         """The Config of `to_json()` output; anything else raises ConfigError."""
-        return config_from_json(cls, text)
+        made: Config = config_from_json(cls, text)
+        return made

@@ -34,9 +34,9 @@ from plait.runtime.interpreter import MicroBatch
 from plait.runtime.nonfinite import NonFiniteWatch, verdict
 from plait.runtime.output_rows import join_microbatches, join_parts, leaf_names, row_leaves
 from plait.runtime.pipeline import Pipeline
-from plait.runtime.step_sums import StepSums, num_stats  # num_stats: plait.model reads it here
+from plait.runtime.step_sums import StepSums
 
-__all__ = ["OptimizerArg", "StepResult", "StepRunner", "held_bytes", "make_optimizer", "num_stats", "rides"]
+__all__ = ["OptimizerArg", "StepResult", "StepRunner", "held_bytes", "make_optimizer", "rides"]
 
 # The user's optimizer: an instance (over the whole net), or a callable made over this rank's parameters.
 OptimizerArg = torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None

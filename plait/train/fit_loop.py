@@ -13,7 +13,7 @@ from plait.checkpoint.resume import ResumePoint, resume_point, resumed_line
 from plait.cost.row_blocks import check_rows
 from plait.errors import ConfigError
 from plait.metrics import logs_of
-from plait.runtime.step import num_stats
+from plait.runtime.step_sums import num_stats
 
 __all__ = ["FitRun", "run_fit"]
 

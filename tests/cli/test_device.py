@@ -10,7 +10,7 @@ import torch
 
 from plait.cli.main import main
 from plait.cost.devices import device
-from plait.planner import gpu_probe
+from plait.cli import gpu_probe
 
 GPT = ("--gpt", "layers=24,hidden=2304,heads=24,seq=2048,vocab=51200", "--batch", "512", "--devices", "32")
 

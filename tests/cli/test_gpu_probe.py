@@ -7,8 +7,8 @@ import torch
 
 from plait.cost.devices import KERNELS_PER_PASS, device
 from plait.errors import ConfigError
-from plait.planner import gpu_probe
-from plait.planner.gpu_probe import ProbeSizes, measure_device, norm_throughput
+from plait.cli import gpu_probe
+from plait.cli.gpu_probe import ProbeSizes, measure_device, norm_throughput
 
 CPU = torch.device("cpu")
 TINY = ProbeSizes(matmuls=((32, 32, 32), (64, 32, 16)), copy_bytes=2**16, norm=(16, 64), launches=20)
