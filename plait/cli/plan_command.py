@@ -220,8 +220,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         tps = tuple(args.tp) if args.tp else tp_degrees(args.devices, dev.network.devices_per_node)
         found = search_tp(gpt_costs(spec, dev, args.optimizer), {t: gpt_tp_shares(spec, dev, t) for t in tps if t > 1},
                           args.devices, args.batch, cluster, _search_space(args), degrees=tps)
-        mixed = _mixed_widths(args, spec, dev, cluster)
-        mixed_dp = _mixed_dp(args, gpt_costs(spec, dev, args.optimizer), args.batch, cluster)
+        widths = _gpt_widths(args, spec, dev, cluster)  # stages of different widths, as Config() searches them
         chosen = None  # a described GPT: no Config() runs it here
         head = {"model": f"GPT {args.gpt} ({spec.parameters / 1e9:.2f}B parameters)",
                 "device": dev.name, "devices": args.devices, "global_batch": args.batch}
@@ -263,12 +262,12 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         found = result.candidates
         chosen = choose(result, config, args.devices, inputs.source, captured).fields \
             if result.best.feasible and args.layout is None else None
-        mixed = _model_widths(args, captured, result, cluster)
-        mixed_dp = _mixed_dp(args, result.profile.costs, result.global_batch, cluster)
+        widths = _model_widths(args, captured, result, cluster)
         head = {"model": args.model, "device": args.device or "this machine",
                 "devices": args.devices, "global_batch": batch}
         costs_source = result.profile.costs.source + (" (cached)" if result.profile.cached else "")
     elapsed = time.perf_counter() - start
+    mixed, mixed_dp = widths.tp, widths.dp  # stages of different tp widths, of different dp widths
     data = found[0].to_dict()
     data.update(head)
     data["planning_time_s"] = elapsed
@@ -306,37 +305,6 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return data, text
 
 
-MIXED_LIMIT = (16, 128)  # devices, layers: beyond, stages of different dp widths are not searched
-# ... nor stages of different tp widths beyond Alpa's 64 GPUs (its GPT-39B: about 4 s of CPU with the copies)
-TP_WIDTHS_LIMIT = (64, 128)
-
-
-def _mixed_widths(args: argparse.Namespace, spec: Any, dev: Any, cluster: Any) -> Any:
-    """The best layout with stages of different tp widths (`plait.search.width_search`), one pipeline or
-    copies of one, for worlds up to TP_WIDTHS_LIMIT devices with no --layout; None otherwise or when
-    none is found."""
-    from plait.cost.analytic import gpt_costs, gpt_tp_shares
-    from plait.search.width_search import pipeline_copies, search_widths, stage_widths
-
-    if args.layout is not None or args.devices > TP_WIDTHS_LIMIT[0] or spec.layers + 2 > TP_WIDTHS_LIMIT[1]:
-        return None
-    widths = tuple(args.tp) if args.tp else stage_widths(args.devices, dev.network.devices_per_node)
-    shares = {w: gpt_tp_shares(spec, dev, w) for w in widths if w > 1}
-    return search_widths(gpt_costs(spec, dev, args.optimizer), shares, args.devices, args.batch, cluster, widths,
-                         args.microbatches, args.recompute, replicas=pipeline_copies(args.devices))
-
-
-def _mixed_dp(args: argparse.Namespace, costs: Any, global_batch: int, cluster: Any) -> Any:
-    """The best one-pipeline layout with stages of different dp widths (`plait.search.dp_widths`), for
-    worlds of 3 to MIXED_LIMIT devices with no --layout and tp=1 among --tp; None otherwise or when none is found."""
-    from plait.search.dp_widths import search_dp_widths
-
-    if args.layout is not None or not 3 <= args.devices <= MIXED_LIMIT[0] or costs.num_layers > MIXED_LIMIT[1] \
-            or (args.tp and 1 not in args.tp):
-        return None
-    return search_dp_widths(costs, args.devices, global_batch, cluster, _search_space(args))
-
-
 def _captured(net: Any, sample: Any, args: argparse.Namespace) -> Any:
     """The model captured once, for pricing tp and stages of different widths; None where neither
     is searched (one device, or --tp 1: no width splits)."""
@@ -347,26 +315,40 @@ def _captured(net: Any, sample: Any, args: argparse.Namespace) -> Any:
     return capture_sample(net, sample)
 
 
-def _model_widths(args: argparse.Namespace, captured: Any, result: Any, cluster: Any) -> Any:
-    """`_mixed_widths` for a captured model: each width's shares read off its graph
-    (`plait.planner.tp_shares`), the layers' costs from the profile."""
-    from plait.planner.tp_shares import tp_shares
-    from plait.search.width_search import pipeline_copies, search_widths, stage_widths
+def _stage_widths(args: argparse.Namespace, costs: Any, shares_at: Any, global_batch: int, cluster: Any) -> Any:
+    """The best layouts of stages of different tp widths (one pipeline, or copies of one) and of
+    different dp widths (one pipeline; where tp = 1 is among --tp): the search `Config()` runs,
+    within the same limits (`plait.search.width_search.search_stage_widths`, `WIDTH_LIMITS`), each
+    kind's best shown whatever its step; nothing with --layout. `shares_at(widths)`: each tp
+    width's shares, read only within the limits."""
+    from plait.search.width_search import (WIDTH_LIMITS, StageWidths, WidthChoices, search_stage_widths,
+                                           stage_widths)
 
-    costs = result.profile.costs
-    if captured is None or args.layout is not None or args.devices > TP_WIDTHS_LIMIT[0] \
-            or costs.num_layers > TP_WIDTHS_LIMIT[1]:
-        return None
+    if args.layout is not None:
+        return StageWidths()
     widths = tuple(args.tp) if args.tp else stage_widths(args.devices, cluster.network.devices_per_node)
-    shares = {}
-    for w in widths:
-        if w > 1:
-            try:
-                shares[w] = tp_shares(captured, w)
-            except ConfigError:  # a graph this width cannot split: not priced
-                continue
-    return search_widths(costs, shares, args.devices, result.global_batch, cluster, widths, args.microbatches,
-                         args.recompute, replicas=pipeline_copies(args.devices))
+    shares = shares_at(widths) if WIDTH_LIMITS.allow(args.devices, costs.num_layers) else {}
+    return search_stage_widths(costs, shares, args.devices, global_batch, cluster,
+                               WidthChoices(widths, 1 in widths, _search_space(args)))
+
+
+def _gpt_widths(args: argparse.Namespace, spec: Any, dev: Any, cluster: Any) -> Any:
+    """`_stage_widths` of a described GPT: each width's shares analytic (`gpt_tp_shares`)."""
+    from plait.cost.analytic import gpt_costs, gpt_tp_shares
+
+    return _stage_widths(args, gpt_costs(spec, dev, args.optimizer),
+                         lambda widths: {w: gpt_tp_shares(spec, dev, w) for w in widths if w > 1}, args.batch, cluster)
+
+
+def _model_widths(args: argparse.Namespace, captured: Any, result: Any, cluster: Any) -> Any:
+    """`_stage_widths` of a captured model: each width's shares read off its graph as `Config()`
+    reads them (`plait.planner.widths.width_shares`; none where it was not captured), the layers'
+    costs from the profile."""
+    from plait.planner.widths import width_shares
+
+    return _stage_widths(args, result.profile.costs,
+                         lambda widths: {} if captured is None else width_shares(captured, widths),
+                         result.global_batch, cluster)
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -1,4 +1,9 @@
-"""Config(): one pipeline of stages of different tp or dp widths, where predicted faster than any uniform layout."""
+"""Config(): one pipeline of stages of different tp or dp widths, where predicted faster than any uniform layout.
+
+The search is `plait.search.width_search.search_stage_widths` within its `WIDTH_LIMITS`, the one
+`plait plan` prints (`plait.cli.plan_command`); here is what a `Config` allows of it, and each tp
+width's shares read off the captured graph (`width_shares`, which `plait plan --model` reads too).
+"""
 
 from __future__ import annotations
 
@@ -9,30 +14,30 @@ from typing import Any, Sequence
 from plait.capture.trace import CapturedGraph
 from plait.config import Config
 from plait.cost.prediction import Cluster
+from plait.cost.tp_costs import TpShares
 from plait.errors import ConfigError
 from plait.job.ranks import local_world_size
 from plait.planner.autoplan import PlanResult
 from plait.planner.plan_report import PlanReport
 from plait.planner.tp_shares import tp_shares
 from plait.schedule.registry import schedule_spec, width_schedules
-from plait.search.dp_widths import MixedDp, search_dp_widths
+from plait.search.dp_widths import MixedDp
 from plait.search.search import SearchSpace
-from plait.search.width_search import MixedWidths, pipeline_copies, search_widths, stage_widths
+from plait.search.width_search import (WIDTH_LIMITS, MixedWidths, WidthChoices, search_stage_widths,
+                                       stage_widths)
 
-__all__ = ["WORLD_SIZES", "mixed_widths_choice"]
+__all__ = ["mixed_widths_choice", "width_shares"]
 
 log = logging.getLogger("plait")
 
-WORLD_SIZES = range(3, 17)  # worlds searched: 2 ranks have no uneven split; beyond 16 the tables grow
 
-
-def _allowed(config: Config, world_size: int, probe: dict[str, Any]) -> bool:
+def _allowed(config: Config, probe: dict[str, Any]) -> bool:
     """Whether the config leaves the layout open to what the widths' passes price (one pipeline,
     1F1B or GPipe, recomputation on every stage or none, weight gradients per micro-batch) and asks
     for nothing stages of different widths do not run with: the `probe` field's own check
     (`Config.tp_per_stage`, `Config.dp_per_stage`), on a two-stage cut."""
     if not (config.plans_everything and config.tp_per_stage is None
-            and world_size in WORLD_SIZES and (config.schedule is None or schedule_spec(config.schedule).mixed_widths)
+            and (config.schedule is None or schedule_spec(config.schedule).mixed_widths)
             and config.recompute in (None, False, True) and config.batch_weight_grads in (None, False)):
         return False
     try:
@@ -45,44 +50,44 @@ def _allowed(config: Config, world_size: int, probe: dict[str, Any]) -> bool:
 def mixed_widths_choice(captured: CapturedGraph, config: Config, world_size: int, result: PlanResult,
                         cluster: Cluster, loss: Any = None, target: Any = None,
                         ) -> tuple[dict[str, Any], PlanReport] | None:
-    """(Config fields, report) of the best pipeline of uneven stage widths (tp, `_tp_widths`, or dp,
-    `search_dp_widths`), when the config allows it and it is predicted faster than the best
+    """(Config fields, report) of the best pipeline of uneven stage widths (tp or dp,
+    `search_stage_widths`), when the config allows it and it is predicted faster than the best
     uniform layout; else None. `loss` and `target`: how a split last stage's loss runs (`tp_shares`)."""
     if not result.best.feasible:
         return None
+    costs = result.profile.costs
     recompute = (False, True) if config.recompute is None else (config.recompute is True,)
     schedules = (config.schedule,) if config.schedule else width_schedules()
-    found: list[MixedWidths | MixedDp] = []
-    if config.tp is None and _allowed(config, world_size, {"tp_per_stage": (2, 1)}):
-        tp = _tp_widths(captured, world_size, result, cluster, recompute, schedules, loss, target)
-        found += [tp] if tp is not None else []
+    # the limits are the search's own; asked here first so that no width's shares are read beyond them
+    tp = config.tp is None and WIDTH_LIMITS.allow(world_size, costs.num_layers) \
+        and _allowed(config, {"tp_per_stage": (2, 1)})
     unsharded = not config.zero  # dp widths are priced without ZeRO: a config asking for it is not searched
-    if config.tp in (None, 1) and unsharded and _allowed(config, world_size, {"dp_per_stage": (2, 1)}):
-        space = SearchSpace(schedules=schedules, recompute=recompute)
-        beat = min([result.best.step_time_s, *(f.step_time_s for f in found)])  # prunes what cannot win
-        dp = search_dp_widths(result.profile.costs, world_size, result.global_batch, cluster, space, beat)
-        found += [dp] if dp is not None else []
-    best = min(found, key=lambda f: f.step_time_s, default=None)
+    dp = config.tp in (None, 1) and unsharded and WIDTH_LIMITS.allow(world_size, costs.num_layers, dp=True) \
+        and _allowed(config, {"dp_per_stage": (2, 1)})
+    degrees = stage_widths(world_size, local_world_size(world_size)) if tp else ()
+    choices = WidthChoices(degrees, dp, SearchSpace(schedules=schedules, recompute=recompute))
+    found = search_stage_widths(costs, width_shares(captured, degrees, loss, target), world_size,
+                                result.global_batch, cluster, choices, beat=result.best.step_time_s)
+    best = found.fastest()
     if best is None or best.step_time_s >= result.best.step_time_s:
         return None
-    names = result.profile.costs.names
+    names = costs.names
     return (_fields(best), _report(best, result, names, cluster)) if isinstance(best, MixedWidths) else \
         (_dp_fields(best), _dp_report(best, result, names, cluster))
 
 
-def _tp_widths(captured: CapturedGraph, world_size: int, result: PlanResult, cluster: Cluster,
-               recompute: Sequence[bool], schedules: Sequence[str], loss: Any, target: Any) -> MixedWidths | None:
-    """The best pipeline of stages of different tp widths, each width priced on what it splits, or
-    copies of one (dp > 1, each on world / dp ranks)."""
-    widths = stage_widths(world_size, local_world_size(world_size))
+def width_shares(captured: CapturedGraph, degrees: Sequence[int], loss: Any = None,
+                 target: Any = None) -> dict[int, TpShares]:
+    """Each tp width's shares of the layers' costs, read off the captured graph (`tp_shares`); a
+    width the graph cannot be split at is left out (not priced)."""
     shares = {}
-    for w in widths[1:]:
-        try:
-            shares[w] = tp_shares(captured, w, None, loss, target)
-        except Exception as e:  # noqa: BLE001 - a graph the layout cannot read: that width is not priced
-            log.debug("plait: tp=%d not priced for stages of different widths (%s)", w, e)
-    return search_widths(result.profile.costs, shares, world_size, result.global_batch, cluster, widths,
-                         recompute=recompute, schedules=schedules, replicas=pipeline_copies(world_size))
+    for w in degrees:
+        if w > 1:
+            try:
+                shares[w] = tp_shares(captured, w, None, loss, target)
+            except Exception as e:  # noqa: BLE001 - a graph the layout cannot read: that width is not priced
+                log.debug("plait: tp=%d not priced for stages of different widths (%s)", w, e)
+    return shares
 
 
 def _fields(found: MixedWidths) -> dict[str, Any]:

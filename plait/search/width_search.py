@@ -10,6 +10,12 @@ two widths it is the crossing's (`plait.cost.tiles.crossing_time`, forward and b
 link and an all-gather on the receiving stage's own, or the whole value to every receiving rank;
 each way is searched (`Config.crossing`: one for every boundary) and the faster kept. The uniform
 layouts are `plait.cost.tp_costs.search_tp`'s; this pass finds whether uneven widths beat them.
+
+`search_stage_widths` runs it and the dp-width pass (`plait.search.dp_widths`) within `WIDTH_LIMITS`,
+the one search `plait plan` and `Config()` both ask:
+
+    costs + each tp width's shares (--gpt: analytic; --model and Config(): read off the graph)
+      + world, rows, cluster, WidthChoices --search_stage_widths--> StageWidths (tp, dp)
 """
 
 from __future__ import annotations
@@ -28,10 +34,43 @@ from plait.errors import PartitionError
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.setting import Setting, microbatch_rows
 from plait.schedule.registry import schedule_spec, width_schedules
-from plait.search.dp_widths import gradient_sum
+from plait.search.dp_widths import MixedDp, gradient_sum, search_dp_widths
+from plait.search.search import SearchSpace
 from plait.search.submesh import WidthCosts, pipeline_floor, width_partition
 
-__all__ = ["MixedWidths", "search_widths", "stage_widths", "pipeline_copies"]
+__all__ = ["MixedWidths", "search_widths", "stage_widths", "pipeline_copies", "WidthLimits", "WIDTH_LIMITS",
+           "WidthChoices", "StageWidths", "search_stage_widths"]
+
+
+@dataclass(frozen=True)
+class WidthLimits:
+    """Where the passes over stage widths run: one rule for `plait plan` and `Config()`, which plans
+    on rank 0 while every other rank waits for it.
+
+    Their cost is the dynamic program's tables (`plait.search.submesh`: layer ranges x devices, for
+    each case and copy of the pipeline), so the bound is on layers^2 x devices and on the devices.
+    CPU seconds measured (docs/planner.md has the table), tp pass with copies / dp pass, on GPTs of
+    26-50 layers in all: 0.4-1.2 / 0.02-0.27 on 16 devices, 4.4-8.4 / 2.2-7.0 on 64, 12.1 / 8.6
+    on 128 (26 layers); 64 layers on 64 devices 18.5-25.2 / 5.9-16.8, 128 layers on 16 25.6 / 2.0.
+    Within these bounds the tp pass took at most 8.4 s and the dp pass 1.9 s; each tp case left
+    out took 12 s or more. The dp pass stops at 16 ranks: on 64 it costs as much again as the tp
+    pass, which would double `plait plan`'s 6.6 s of CPU on Alpa's GPT-39B
+    (`tests/cli/test_plan_command.py` holds that plan under 10 s).
+    """
+
+    min_world_size: int = 3  # 2 ranks have no uneven split
+    max_world_size: int = 64  # the tp-width pass, copies included: Alpa's scale; 128 devices took 12 s
+    max_dp_world_size: int = 16  # the dp-width pass (see above)
+    max_table: int = 50**2 * 64  # layers^2 x devices: Alpa's GPT-39B (50 layers) on 64 devices
+
+    def allow(self, world_size: int, num_layers: int, dp: bool = False) -> bool:
+        """Whether the tp-width pass (`dp` False) or the dp-width pass runs on `world_size` ranks
+        for a model of `num_layers` layers."""
+        top = self.max_dp_world_size if dp else self.max_world_size
+        return self.min_world_size <= world_size <= top and num_layers**2 * world_size <= self.max_table
+
+
+WIDTH_LIMITS = WidthLimits()
 
 
 def stage_widths(world_size: int, devices_per_node: int) -> tuple[int, ...]:
@@ -88,6 +127,52 @@ def search_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size:
         if found is not None and (best is None or found.step_time_s < best.step_time_s):
             best = found
     return best
+
+
+@dataclass(frozen=True)
+class WidthChoices:
+    """What the passes over stage widths may choose: the tp widths a stage may take (`degrees`:
+    `stage_widths`, or the user's; fewer than two: no tp-width pass), whether the dp-width pass runs
+    (tp = 1 on every stage), and `space`'s micro-batch counts (None: powers of two), schedules (those
+    stages of different widths run, `width_schedules`) and recomputation."""
+
+    degrees: tuple[int, ...] = ()
+    dp: bool = False
+    space: SearchSpace = SearchSpace()
+
+
+@dataclass(frozen=True)
+class StageWidths:
+    """The best layout of stages of different tp widths and of different dp widths (None: not
+    searched, or none found)."""
+
+    tp: MixedWidths | None = None
+    dp: MixedDp | None = None
+
+    def fastest(self) -> MixedWidths | MixedDp | None:
+        """The faster of the two (the tp widths' on a tie), None where neither was found."""
+        return min([f for f in (self.tp, self.dp) if f is not None], key=lambda f: f.step_time_s, default=None)
+
+
+def search_stage_widths(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int, global_batch: int,
+                        cluster: Cluster, choices: WidthChoices, beat: float | None = None) -> StageWidths:
+    """The best layouts of stages of different widths for these costs and each tp width's `shares`:
+    tp widths (`search_widths`: one pipeline, or copies of one, `pipeline_copies`) and dp widths
+    (`search_dp_widths`: one pipeline), each pass only within `WIDTH_LIMITS`. `plait plan` and
+    `Config()` both ask here. `beat` None: each pass's best, whatever its step (`plait plan` prints
+    both); a step (the best uniform layout's): the dp pass only looks for layouts faster than it and
+    than the tp pass's best, as `Config()` takes only the fastest (`StageWidths.fastest`) below it."""
+    space, n = choices.space, costs.num_layers
+    schedules = tuple(s for s in width_schedules() if s in space.schedules)
+    tp = None
+    if len(set(choices.degrees)) > 1 and WIDTH_LIMITS.allow(world_size, n):
+        tp = search_widths(costs, shares, world_size, global_batch, cluster, choices.degrees,
+                           space.num_microbatches, space.recompute, schedules, replicas=pipeline_copies(world_size))
+    dp = None
+    if choices.dp and WIDTH_LIMITS.allow(world_size, n, dp=True):
+        bound = math.inf if beat is None else min([beat, *([tp.step_time_s] if tp is not None else [])])
+        dp = search_dp_widths(costs, world_size, global_batch, cluster, replace(space, schedules=schedules), bound)
+    return StageWidths(tp, dp)
 
 
 def _search(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int, dp: int, global_batch: int,

@@ -205,12 +205,14 @@ def test_a_model_s_stages_of_different_widths_come_from_its_graph() -> None:
     from tests.planner.test_widths import _setup
 
     captured, result, cluster = _setup(1e-3)
-    args = argparse.Namespace(layout=None, devices=3, tp=None, microbatches=None, recompute=(False, True))
-    found = _model_widths(args, captured, result, cluster)
+    args = argparse.Namespace(layout=None, devices=3, tp=None, pp=None, zero=None, microbatches=None, schedules=None,
+                              recompute=(False, True), top=5)
+    found = _model_widths(args, captured, result, cluster).tp
     assert found is not None and sorted(found.widths) == [1, 2] and sum(found.layers_per_stage) == 6
     assert found.step_time_s < result.best.step_time_s
-    assert _model_widths(argparse.Namespace(layout="tp=1", devices=3, tp=None, microbatches=None, recompute=(False,)),
-                         captured, result, cluster) is None  # a given layout: nothing else searched
+    given = argparse.Namespace(**{**vars(args), "layout": "tp=1", "recompute": (False,)})
+    nothing = _model_widths(given, captured, result, cluster)  # a given layout: nothing else searched
+    assert nothing.tp is None and nothing.dp is None
 
 
 @pytest.mark.parametrize("argv, message", [

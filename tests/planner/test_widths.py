@@ -150,7 +150,7 @@ def test_copies_of_a_pipeline_of_widths_are_searched_and_run_as_config_fields(mo
     """On 6 ranks the tp-width search also prices 2 and 3 copies of a pipeline; a choice of 2 copies
     of widths (2, 1) becomes Config(tp_per_stage=(2, 1), dp=2) on 6 ranks, and its saved report
     replays it."""
-    import plait.planner.widths as widths
+    import plait.search.width_search as width_search
     from plait.planner.layout import load_plan_file
     from plait.search.width_search import MixedWidths
 
@@ -162,8 +162,8 @@ def test_copies_of_a_pipeline_of_widths_are_searched_and_run_as_config_fields(mo
         asked.append(tuple(replicas))
         return copies
 
-    monkeypatch.setattr(widths, "search_widths", priced)
-    monkeypatch.setattr(widths, "search_dp_widths", lambda *args, **kwargs: None)
+    monkeypatch.setattr(width_search, "search_widths", priced)  # the one search `plait plan` runs too
+    monkeypatch.setattr(width_search, "search_dp_widths", lambda *args, **kwargs: None)
     six = dataclasses.replace(result, world_size=6)
     found = mixed_widths_choice(captured, plait.Config(), 6, six, cluster)
     assert asked == [(1, 2, 3)] and found is not None
@@ -175,3 +175,72 @@ def test_copies_of_a_pipeline_of_widths_are_searched_and_run_as_config_fields(mo
     report.save(tmp_path / "plan.json")
     replayed = load_plan_file(str(tmp_path / "plan.json"), captured.layers.layer_names, 6)[0]
     assert (replayed["tp_per_stage"], replayed["dp"]) == ([2, 1], 2)
+
+
+# -- one search for `plait plan` and Config() -------------------------------------------------------
+
+def _plan_args(devices: int, **given):
+    """`plait plan`'s options as the command parses them with none given but --devices."""
+    import argparse
+
+    return argparse.Namespace(**{"layout": None, "devices": devices, "tp": None, "pp": None, "zero": None,
+                                 "microbatches": None, "schedules": None, "recompute": (False, True), "top": 5,
+                                 **given})
+
+
+def test_plait_plan_and_config_choose_the_same_stages_of_different_widths() -> None:
+    """Issue #45: `plait plan` searched stage widths by its own calls and limits (tp widths up to 64
+    devices, dp widths up to 16 and 128 layers), `Config()` by others (3-16 ranks); both now run
+    `search_stage_widths`. On the same costs, graph and world they find the same layout."""
+    from plait.cli.plan_command import _model_widths
+
+    captured, result, cluster = _setup(1e-3)  # tp widths win
+    fields, _ = mixed_widths_choice(captured, plait.Config(), 3, result, cluster)
+    shown = _model_widths(_plan_args(3), captured, result, cluster).tp
+    assert shown is not None and (fields["tp_per_stage"], fields["layers_per_proc"], fields["dp"]) == (
+        list(shown.widths), list(shown.layers_per_stage), shown.dp)
+    assert (fields["num_microbatches"], fields["schedule"], fields["recompute"], fields["crossing"]) == (
+        shown.num_microbatches, shown.schedule, shown.recompute, shown.crossing)
+    _, captured, costs = _embedding_like()  # dp widths win
+    cluster = Cluster(Network(Link(1e-5, 1e9), Link(1e-5, 1e9), 8), 2**34)
+    uniform = search_tp(costs, {}, 3, 4, cluster, SearchSpace(), degrees=(1,))
+    result = PlanResult(uniform, LayerProfile(costs, 4, 1, 1, 0.0, "test"), cluster, 3, 4)
+    fields, _ = mixed_widths_choice(captured, plait.Config(), 3, result, cluster)
+    shown_dp = _model_widths(_plan_args(3), captured, result, cluster).dp
+    assert shown_dp is not None and (fields["dp_per_stage"], fields["layers_per_proc"], fields["num_microbatches"],
+                                     fields["schedule"], fields["recompute"]) == (
+        list(shown_dp.dp), list(shown_dp.layers_per_stage), shown_dp.num_microbatches, shown_dp.schedule,
+        shown_dp.recompute)
+
+
+def test_plait_plan_and_config_search_the_same_worlds_with_the_same_inputs(monkeypatch) -> None:
+    """Each pass runs on the same worlds for both callers, the `WIDTH_LIMITS` ones (before: tp widths
+    on 17-64 devices in `plait plan` only), asked the same widths, micro-batches, schedules and
+    recomputation."""
+    import plait.search.width_search as width_search
+    from plait.cli.plan_command import _model_widths
+    from plait.search.width_search import WIDTH_LIMITS
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # Config(): every rank on this host
+    captured, result, cluster = _setup(1e-3)
+    asked: list[tuple] = []
+    monkeypatch.setattr(width_search, "search_widths", lambda costs, shares, world, rows, cluster, degrees, m,
+                        recompute, schedules, replicas: asked.append(("tp", world, degrees, m, tuple(recompute),
+                                                                      tuple(schedules), tuple(replicas))))
+    monkeypatch.setattr(width_search, "search_dp_widths", lambda costs, world, rows, cluster, space, beat: asked.append(
+        ("dp", world, space.num_microbatches, tuple(space.recompute), tuple(space.schedules))))
+    worlds = (2, 3, 16, 17, 64, 65)
+    by_caller = {}
+    for caller in ("plan", "config"):
+        asked.clear()
+        for world in worlds:
+            if caller == "plan":
+                _model_widths(_plan_args(world), captured, result, cluster)
+            else:
+                mixed_widths_choice(captured, plait.Config(), world, result, cluster)
+        by_caller[caller] = list(asked)
+    assert by_caller["plan"] == by_caller["config"]
+    assert [w for kind, w, *_ in by_caller["plan"] if kind == "tp"] == [3, 16, 17, 64]
+    assert [w for kind, w, *_ in by_caller["plan"] if kind == "dp"] == [3, 16]
+    n = result.profile.costs.num_layers
+    assert all(WIDTH_LIMITS.allow(w, n, kind == "dp") for kind, w, *_ in by_caller["plan"])

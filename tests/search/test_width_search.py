@@ -181,3 +181,59 @@ def test_copies_of_a_pipeline_add_their_gradient_sum(grad: float) -> None:
     assert found.step_time_s == pytest.approx(30.0 + grad / 2 / 1e3 + all_reduce(CLOSING_BYTES, 6, link))
     assert found.to_dict()["dp"] == 2 and found.to_dict()["allreduce_s"] == list(found.allreduce_s)
     assert search_widths(_with_grads(grad), shares, 6, 8, cluster, (1, 2)) is None  # one pipeline: uniform wins
+
+
+# -- the one search `plait plan` and Config() run, and its limits -----------------------------------
+
+def test_the_limits_bound_the_worlds_and_the_tables() -> None:
+    from plait.search.width_search import WIDTH_LIMITS
+
+    assert [w for w in (2, 3, 16, 17, 64, 65) if WIDTH_LIMITS.allow(w, 26)] == [3, 16, 17, 64]
+    assert [w for w in (2, 3, 16, 17, 64, 65) if WIDTH_LIMITS.allow(w, 26, dp=True)] == [3, 16]
+    assert WIDTH_LIMITS.allow(64, 50) and not WIDTH_LIMITS.allow(64, 51)  # Alpa's GPT-39B is the largest table
+    assert WIDTH_LIMITS.allow(9, 128) and not WIDTH_LIMITS.allow(10, 128)  # 128 layers: 9 devices at most
+    assert WIDTH_LIMITS.allow(16, 100, dp=True) and not WIDTH_LIMITS.allow(16, 101, dp=True)
+
+
+def test_the_one_search_is_each_pass_within_the_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from plait.search.dp_widths import search_dp_widths
+    from plait.search.search import SearchSpace
+    from plait.search.width_search import StageWidths, WidthChoices, pipeline_copies, search_stage_widths
+
+    costs, cluster = _costs((4.0, 1.0, 1.0)), Cluster(FREE, math.inf)
+    shares = {2: _shares(3, 2, (1.0, 0.0, 0.0))}
+    choices = WidthChoices((1, 2), dp=True, space=SearchSpace(num_microbatches=(4,)))
+    found = search_stage_widths(costs, shares, 3, 4, cluster, choices)
+    assert found.tp == search_widths(costs, shares, 3, 4, cluster, (1, 2), (4,), replicas=pipeline_copies(3))
+    assert found.tp is not None and found.dp == search_dp_widths(costs, 3, 4, cluster, SearchSpace(num_microbatches=(4,)))
+    assert found.fastest() is min([f for f in (found.tp, found.dp) if f is not None], key=lambda f: f.step_time_s)
+    # only the schedules stages of different widths run: none asked, nothing searched
+    assert search_stage_widths(costs, shares, 3, 4, cluster, WidthChoices((1, 2), True, SearchSpace(
+        schedules=("zbh1",)))) == StageWidths()
+    # beyond the limits neither pass runs
+    import plait.search.width_search as width_search
+
+    ran: list[str] = []
+    monkeypatch.setattr(width_search, "search_widths", lambda *args, **kwargs: ran.append("tp"))
+    monkeypatch.setattr(width_search, "search_dp_widths", lambda *args, **kwargs: ran.append("dp"))
+    for world in (2, 17, 65):
+        search_stage_widths(costs, shares, world, 4, cluster, choices)
+    assert ran == ["tp"]  # 17 ranks: the tp pass only
+    search_stage_widths(_costs((1.0,) * 51), {}, 64, 4, cluster, choices)  # 51 layers on 64: over the table
+    assert ran == ["tp"]
+
+
+def test_a_step_to_beat_prunes_the_dp_pass_by_the_tp_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Config() gives the best uniform step: the dp pass need only beat it and the tp pass's best
+    import plait.search.width_search as width_search
+    from plait.search.search import SearchSpace
+    from plait.search.width_search import WidthChoices, search_stage_widths
+
+    costs, cluster = _costs((4.0, 1.0, 1.0)), Cluster(FREE, math.inf)
+    shares = {2: _shares(3, 2, (1.0, 0.0, 0.0))}
+    beats: list[float] = []
+    monkeypatch.setattr(width_search, "search_dp_widths", lambda *args: beats.append(args[-1]))
+    choices = WidthChoices((1, 2), dp=True, space=SearchSpace(num_microbatches=(4,)))
+    tp = search_stage_widths(costs, shares, 3, 4, cluster, choices, beat=1e9).tp
+    search_stage_widths(costs, shares, 3, 4, cluster, choices)  # `plait plan`: each pass's best
+    assert tp is not None and beats == [tp.step_time_s, math.inf]
