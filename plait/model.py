@@ -101,7 +101,7 @@ class Model:
                     captured = retarget(captured, self.device)
                 elif self._frees:  # eval too, while every tensor is real: the build frees the others
                     self._eval_captured = capture_batch(self.net, x, False, captured.method, captured.kept_whole)
-                work = Workload(self.net, captured, x, y, self.loss, self._optimizer_arg)
+                work = Workload(self.net, captured, x, y, self.loss, self._optimizer_arg, self.device)
                 self._layout = choose_layout(work, self.config, self.world_size, self.rank,
                                              self._checkpoints.resumed_plan)
                 if self._layout.report is not None:
@@ -194,7 +194,7 @@ class Model:
         assert self._train is not None
         assert self._captured is not None
         layers = tuple(int(n) for n in report.chosen["layers_per_stage"])
-        work = Workload(self.net, self._captured, x)
+        work = Workload(self.net, self._captured, x, optimizer=self._optimizer_arg, device=self.device)
         layout = layout_of(dataclasses.replace(self.config, layers_per_proc=layers), work, self.world_size, report)
 
         def rebuild() -> tuple[Pipeline, torch.optim.Optimizer | None]:

@@ -37,7 +37,7 @@ from plait.capture.mutation import written_placeholders
 from plait.capture.trace import CapturedGraph, is_local
 from plait.errors import PartitionError
 
-__all__ = ["LAYER", "StageModule", "split", "stage_of_layers"]
+__all__ = ["LAYER", "StageModule", "split", "stage_of_layers", "stage_holders", "tied_parameters"]
 
 LAYER = "plait_layer"  # a stage graph node's meta key: the captured layer it belongs to
 
@@ -205,3 +205,25 @@ def _attribute(root: nn.Module, target: str) -> torch.Tensor | None:
     for part in target.split("."):
         value = getattr(value, part, None)
     return value if isinstance(value, torch.Tensor) else None
+
+
+def stage_holders(stages: Sequence[StageModule]) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
+    """Which stages hold each parameter/buffer (by id; more than one: a tied, reused tensor), and the tensors."""
+    holders: dict[int, list[int]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for st in stages:
+        for t in list(st.module.parameters()) + list(st.module.buffers()):
+            if st.stage_index not in holders.setdefault(id(t), []):
+                holders[id(t)].append(st.stage_index)
+            tensors[id(t)] = t
+    return holders, tensors
+
+
+def tied_parameters(stages: Sequence[StageModule], root: nn.Module) -> list[tuple[str, nn.Parameter, tuple[int, ...]]]:
+    """The parameters more than one stage holds (a reused layer, weights tied across stages): (the
+    user's name, the parameter, its stages), in name order."""
+    holders, tensors = stage_holders(stages)
+    names = {id(p): n for n, p in root.named_parameters()}
+    tied = [(names.get(i, ""), t, tuple(ss)) for i, ss in holders.items()
+            if len(ss) > 1 and isinstance(t := tensors[i], nn.Parameter)]
+    return [((name or "?").removeprefix("net."), p, ss) for name, p, ss in sorted(tied, key=lambda item: item[0])]

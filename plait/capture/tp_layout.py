@@ -42,7 +42,7 @@ class TpLayout:
     params: dict[str, tuple[int, int]] = field(default_factory=dict)
     values: dict[str, Layout] = field(default_factory=dict)
     replicated: tuple[tuple[str, str], ...] = ()
-    search: dict[str, Any] = field(default_factory=dict)  # the tp search's choice (plait.runtime.tp.tp_search)
+    search: dict[str, Any] = field(default_factory=dict)  # the tp search's choice (plait.planner.tp_search)
     seq_entries: dict[str, tuple[str, int]] = field(default_factory=dict)  # rowwise -> (value, dim) reduce-scattered
     gathers: frozenset[str] = frozenset()  # nodes whose token-split inputs are gathered first
 

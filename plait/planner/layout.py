@@ -47,7 +47,7 @@ from plait.planner.autoplan import PlanOptions, plan_model, profile_sample
 from plait.planner.calibrate import calibrate
 from plait.planner.choice import SearchInputs, candidate_fields, choose, search_inputs
 from plait.planner.plan_report import PlanReport
-from plait.planner.resolve import resolve_plan
+from plait.planner.resolve import complete_plan, resolve_plan
 from plait.runtime.agree import agree
 from plait.runtime.comm.collectives import max_floats
 from plait.runtime.failure import failure_error
@@ -61,7 +61,8 @@ log = logging.getLogger("plait")
 @dataclass(frozen=True)
 class Workload:
     """What a run plans for: the model, its capture (train mode), a sample batch as `fit` takes it
-    (its rows are the global batch), the targets, the loss and the user's optimizer argument."""
+    (its rows are the global batch), the targets, the loss, the user's optimizer argument and the
+    ranks' device."""
 
     net: nn.Module
     captured: CapturedGraph
@@ -69,6 +70,7 @@ class Workload:
     y: Any = None
     loss: Callable[[Any, Any], torch.Tensor] | None = None
     optimizer: Any = None
+    device: torch.device = torch.device("cpu")  # the ranks' device: the tp search prices its preset
 
     @property
     def layer_names(self) -> tuple[str, ...]:
@@ -92,7 +94,9 @@ class Layout:
 
 def layout_of(config: Config, work: Workload, world_size: int, report: PlanReport | None = None) -> Layout:
     """`config` (its sizes set) with the complete plan it gives on `world_size` ranks."""
-    return Layout(config, resolve_plan(config, world_size, work.captured, work.net), report)
+    plan = resolve_plan(config, world_size, work.captured, work.net)
+    return Layout(config, complete_plan(plan, work.captured, config.memory_limit_bytes, work.device,
+                                        2.0 + state_factor(work.optimizer)), report)
 
 
 def choose_layout(work: Workload, config: Config, world_size: int, rank: int,

@@ -12,17 +12,23 @@ assembles: no partition, no default and no recomputation decision is left to it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import torch
 from torch import nn
 
+from plait.capture.split import split, stage_of_layers, tied_parameters
 from plait.capture.trace import CapturedGraph
 from plait.config import Config
 from plait.errors import ConfigError, PartitionError
 from plait.plan import Plan
+from plait.planner.tp_search import device_search, searched_layouts
+from plait.runtime.tp.layouts import layouts_data, width_groups
 from plait.schedule import simulate
 from plait.search.partition import balance, check_partition
 from plait.search.split_points import cut_at
 
-__all__ = ["resolve_plan", "recomputed_stages"]
+__all__ = ["resolve_plan", "complete_plan", "recomputed_stages"]
 
 
 def _zero(config: Config, world_size: int) -> int:
@@ -85,6 +91,25 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         recompute_by_layer=_by_layer(config, recomputed),
     )
 
+
+
+def complete_plan(plan: Plan, captured: CapturedGraph, memory_limit_bytes: float | None = None,
+                  device: torch.device = torch.device("cpu"), state_factor: float = 4.0) -> Plan:
+    """`plan` with what follows from its stage graphs: the parameters tied across stages, and with
+    tp > 1 each stage's tp layout -- under `memory_limit_bytes` what the tp search splits, priced
+    with `device`'s preset and `state_factor` bytes of state per parameter byte
+    (`plait.planner.tp_search`), else everything that splits. The runtime lays the stages out as
+    these say (`plait.runtime.tp.layouts`): it chooses nothing."""
+    stages = split(captured, stage_of_layers(plan.layers_per_stage))
+    plan = replace(plan, tied_parameters=tuple((name, ss) for name, _, ss in tied_parameters(stages, captured.root)))
+    if plan.tp == 1:
+        return plan
+    layouts = {}
+    for width, chosen, tp_plan in width_groups(stages, plan):
+        search = device_search(memory_limit_bytes, width, plan.num_virtual_stages, device, state_factor)
+        layouts.update(zip(chosen, searched_layouts([stages[s].module for s in chosen], width, tp_plan, search,
+                                                    sequence_parallel=plan.sequence_parallel)))
+    return replace(plan, tp_layouts=layouts_data(stages, layouts))
 
 def recomputed_stages(config: Config, num_chunks: int, num_virtual_stages: int) -> tuple[int, ...]:
     """The stages that recompute their forward, from `config.recompute` (see Config).

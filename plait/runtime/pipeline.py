@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from plait.capture.output import OutputSpec
-from plait.capture.split import StageModule, split, stage_of_layers
+from plait.capture.split import StageModule, split, stage_holders, stage_of_layers, tied_parameters
 from plait.capture.tp_layout import TpLayout
 from plait.capture.trace import CapturedGraph
 from plait.cost.recompute_pieces import pieces
@@ -29,10 +29,10 @@ from plait.runtime.interpreter import Interpreter
 from plait.runtime.memory.activation_meter import ActivationMeter
 from plait.runtime.tp.tensor_parallel import shard_stage
 from plait.runtime.tp.tp_collectives import same_generators
-from plait.runtime.tp.tp_search import runtime_search, searched_layouts
+from plait.runtime.tp.layouts import layouts_data, stage_layouts
 from plait.runtime.tp.vocab_loss import SplitLoss
 from plait.runtime.tracer import NULL_TRACER, NullTracer, Tracer
-from plait.runtime.widths.stage_widths import crossings, kept_whole, lane_ranks, stage_group, tie_groups
+from plait.runtime.widths.stage_widths import crossings, lane_ranks, stage_group, tie_groups
 from plait.schedule import Program, generate
 
 __all__ = ["Pipeline", "build_pipeline", "stage_tensors"]
@@ -60,7 +60,6 @@ class Pipeline:
     zero: ShardedOptimizerState | None = None  # optimizer state sharded over the replicas (plan.zero)
     meter: ActivationMeter | None = None  # bytes held for backward passes (training pipeline)
     tp_group: Any = None  # this rank's tensor-parallel group (plan.tp > 1)
-    state_factor: float = 4.0  # bytes of parameter, gradient and optimizer state per parameter byte
     tp_parts: dict[int, tuple[int, int, list[int]]] = field(default_factory=dict)  # id(tensor) -> dim, blocks, ranks
     _programs: dict[tuple[int, bool], Program] = field(default_factory=dict)
 
@@ -118,7 +117,7 @@ class Pipeline:
             layer_stage.append(current)
         parts = _Parts(self.plan, self.rank, loss, self.execution, self.interpreter.wire,
                        self.interpreter.tracer, self.output_spec, self.tp_group)
-        held_by, _ = _holders(self.stages)
+        held_by, _ = stage_holders(self.stages)
         return _assemble(captured, layer_stage, parts, make_ties=False, held_by=held_by)
 
     def gather_outputs(self, leaves: list[Any] | None, shard_rows: Sequence[int], key: Any) -> list[list[Any]]:
@@ -163,14 +162,13 @@ def stage_tensors(captured: CapturedGraph, plan: Plan, rank: int | None) -> list
 
 def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, execution: Execution, rank: int,
                    loss: Callable[[Any, Any], torch.Tensor] | None, device: torch.device,
-                   first: bool = False, state_factor: float = 4.0) -> Pipeline:
+                   first: bool = False) -> Pipeline:
     """This rank's share of running `plan` on the captured model: its stage modules, executors,
     interpreter, gradient buckets and tied-parameter sums (`net` owns the parameters).
 
-    The plan is complete (`plait.planner.resolve`): nothing is decided here. The `first` build of
-    a real model with tp > 1 takes its stages' values from the tp group's first rank before they
-    are cut (ranks that drew different values cut parts of one model). `state_factor`: bytes of
-    parameter, gradient and optimizer state per parameter byte, for the tp search's memory limit.
+    The plan is complete (`plait.planner.resolve`: its tp layouts chosen there): nothing is decided
+    here. The `first` build of a real model with tp > 1 takes its stages' values from the tp group's
+    first rank before they are cut (ranks that drew different values cut parts of one model).
     """
     assert captured.output_spec is not None, "capture with capture_batch: the pipeline rebuilds outputs"
     tracer: Tracer | NullTracer = NULL_TRACER
@@ -182,7 +180,7 @@ def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, executio
             "stage_to_rank": list(plan.stage_to_rank), "recompute": list(plan.recompute),
         })
     parts = _Parts(plan, rank, loss, execution, Wire(execution.timeout_s, device), tracer, captured.output_spec,
-                   _tp_group(plan, rank), state_factor)
+                   _tp_group(plan, rank))
     return _assemble(captured, stage_of_layers(plan.layers_per_stage), parts, make_ties=True, equal_tp=first)
 
 
@@ -198,7 +196,6 @@ class _Parts:
     tracer: Tracer | NullTracer
     output_spec: OutputSpec
     tp_group: Any = None  # this rank's tensor-parallel group (plan.tp > 1)
-    state_factor: float = 4.0  # bytes of parameter, gradient and optimizer state per parameter byte
 
 
 def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, make_ties: bool,
@@ -212,10 +209,9 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     t = plan.tp_rank_of(rank)
     layouts: dict[int, TpLayout] = {}
     split_loss = None
-    if plan.tp > 1:  # every stage's layout (a tied parameter is cut alike), this rank's stages cut
-        layouts = _layouts(stages, plan, parts)
-        plan = replace(plan, tp_layouts=tuple(layouts[s].data(st.module) if s in layouts else dict(_WHOLE)
-                                              for s, st in enumerate(stages)))  # before the cut
+    if plan.tp > 1:  # every stage's layout as the plan chose it (data of these graphs), this rank's stages cut
+        layouts = stage_layouts(stages, plan)
+        plan = replace(plan, tp_layouts=layouts_data(stages, layouts))  # before the cut
     if plan.tp_of(plan.position_of(rank)[0]) > 1:  # this rank's stage is split
         first = plan.mesh.tp_ranks(rank)[0]  # the tp group's first rank
         if equal_tp:
@@ -229,7 +225,7 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
             left = shard_stage(stages[s].module, layouts[s], t, parts.tp_group, gather_outputs=not keep)
             if left and parts.loss is not None:
                 split_loss = SplitLoss(captured.finish, parts.loss, left, parts.tp_group, t, plan.tp_of(s))
-    holders, tensors = _holders(stages)
+    holders, _ = stage_holders(stages)
     owners = _zero_owners(stages, plan, holders)
     owner_of = {i: plan.rank_of(min(s), owners.get(i, 0)) for i, s in holders.items()}  # tp rank 0
     tp_parts: dict[int, tuple[int, int, list[int]]] = {}  # id(parameter) -> dim, blocks, the rank of each part
@@ -244,8 +240,7 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
         replicas = list(plan.mesh.dp_ranks(rank))  # this rank's place on each replica of its stage
         sharded = {id(p): owners[id(p)] for p in local if id(p) in owners}  # this rank's stage's
         owner_rank = {i: replicas[r] for i, r in sharded.items()} if plan.zero == 2 else None
-        plan, ties, sync = _ties_and_buckets(captured, replace(parts, plan=plan), holders, tensors, local,
-                                             owner_rank)
+        plan, ties, sync = _ties_and_buckets(captured, stages, replace(parts, plan=plan), local, owner_rank)
         if sharded:
             assert sync is not None
             zero = ShardedOptimizerState([p for p in local if id(p) in sharded], sharded, replicas, rank,
@@ -263,26 +258,6 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     return Pipeline(captured, stages, plan, rank, executors, interpreter, ties, local, owner_of,
                     parts.output_spec, layer_stage, sync, parts.execution, zero, meter, tp_group=parts.tp_group,
                     tp_parts=tp_parts)
-
-
-_WHOLE: dict[str, Any] = {"parameters": {}, "collectives": [], "replicated": {}}  # the layout of a stage of one rank
-
-
-def _layouts(stages: list[StageModule], plan: Plan, parts: _Parts) -> dict[int, TpLayout]:
-    """The tp layout of every stage of more than one rank: searched together per width (a parameter
-    tied across stages of one width is cut alike; across widths it stays whole, `kept_whole`)."""
-    out = dict[int, TpLayout]()
-    whole = kept_whole(stages, plan) if plan.stage_tp else {}
-    for width in sorted({plan.tp_of(s) for s in range(plan.num_chunks)} - {1}):
-        chosen = [s for s in range(plan.num_chunks) if plan.tp_of(s) == width]
-        search = runtime_search(parts.execution.memory_limit_bytes, width, plan.num_virtual_stages, parts.wire.device,
-                                parts.state_factor)
-        tp_plan = {**dict(plan.tp_plan), **{m: "replicate" for s in chosen for m in whole.get(s, ())}}
-        earlier = [plan.tp_layouts[s] for s in chosen] if plan.tp_layouts else []
-        found = searched_layouts([stages[s].module for s in chosen], width, tp_plan, search, earlier,
-                                 plan.sequence_parallel)
-        out.update(zip(chosen, found))
-    return out
 
 
 def _tp_group(plan: Plan, rank: int) -> Any:
@@ -308,32 +283,15 @@ def _zero_owners(stages: Sequence[StageModule], plan: Plan, holders: dict[int, l
     return owners
 
 
-def _holders(stages: Sequence[StageModule]) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
-    """Which stages hold each parameter/buffer (by id; more than one: a tied, reused tensor)."""
-    holders: dict[int, list[int]] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for st in stages:
-        for t in list(st.module.parameters()) + list(st.module.buffers()):
-            if st.stage_index not in holders.setdefault(id(t), []):
-                holders[id(t)].append(st.stage_index)
-            tensors[id(t)] = t
-    return holders, tensors
-
-
-def _ties_and_buckets(captured: CapturedGraph, parts: _Parts, holders: dict[int, list[int]],
-                      tensors: dict[int, torch.Tensor],
+def _ties_and_buckets(captured: CapturedGraph, stages: Sequence[StageModule], parts: _Parts,
                       local: list[nn.Parameter], owner_rank: dict[int, int] | None,
                       ) -> tuple[Plan, TiedGradients | None, GradientBuckets | None]:
     """The plan with its tied parameters named, their gradient sums, and the data-parallel buckets
     (ZeRO-2, `owner_rank`: each parameter's gradient reduced to the rank that steps it)."""
     plan, rank, execution = parts.plan, parts.rank, parts.execution
-    params = {i: t for i, t in tensors.items() if isinstance(t, nn.Parameter)}
-    names = {id(p): n for n, p in captured.root.named_parameters()}
-    tied = sorted(
-        ((params[i], ss) for i, ss in holders.items() if len(ss) > 1 and i in params),
-        key=lambda item: names.get(id(item[0]), ""),
-    )
-    plan = replace(plan, tied_parameters=tuple((_user_name(names.get(id(p), "?")), tuple(ss)) for p, ss in tied))
+    found = tied_parameters(stages, captured.root)
+    tied = [(p, ss) for _, p, ss in found]
+    plan = replace(plan, tied_parameters=tuple((name, ss) for name, _, ss in found))  # as the planner named them
     ties = None
     if plan.world_size > 1:
         # One all-reduce over every stage and every replica holding a tied parameter
@@ -353,7 +311,3 @@ def _ties_and_buckets(captured: CapturedGraph, parts: _Parts, holders: dict[int,
             sync = GradientBuckets(bucketed, group, execution.bucket_bytes, execution.timeout_s, owner_rank,
                                    rank)
     return plan, ties, sync
-
-
-def _user_name(name: str) -> str:
-    return name.removeprefix("net.")

@@ -9,7 +9,6 @@ from torch import nn
 
 from plait.materialize import materialize_tensors, release_parameters
 from plait.planner.layout import Layout
-from plait.runtime.memory.memory_stats import state_factor
 from plait.runtime.pipeline import Pipeline, build_pipeline, stage_tensors
 
 __all__ = ["RELEASED", "build_rank_pipeline"]
@@ -39,7 +38,7 @@ def build_rank_pipeline(model: Any, layout: Layout) -> Pipeline:
         materialize_tensors(net, None, config.seed, config.init_fn, model.device, graphs)
     first = model._train is None and model.world_size > 1 and not model._meta
     pipe = build_pipeline(net, captured, layout.plan, config.execution(), model.rank, model.loss,
-                          model.device, first=first, state_factor=2.0 + state_factor(model._optimizer_arg))
+                          model.device, first=first)
     if first:  # a meta model's values follow from Config.seed; a real one's replicas start equal whatever their seeds
         pipe.start_equal()
     return pipe

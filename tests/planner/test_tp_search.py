@@ -1,4 +1,4 @@
-"""Tests for plait.runtime.tp.tp_search: the splittable ops of a Hugging Face GPT-2 stage graph, and the
+"""Tests for plait.planner.tp_search: the splittable ops of a Hugging Face GPT-2 stage graph, and the
 layouts the tp search gives under memory limits -- the ILP's choice (brute force's), the modules it
 keeps whole, tp_plan pins, the choice replayed from the plan. One process, no collectives."""
 
@@ -13,7 +13,8 @@ from plait.capture.megatron_layout import tp_layouts
 from plait.capture.tp_layout import module_of
 from plait.cost.devices import device
 from plait.plan import Plan
-from plait.runtime.tp.tp_search import KEPT_WHOLE, runtime_search, searched_layouts, tp_ops
+from plait.planner.tp_search import device_search, searched_layouts, tp_ops
+from plait.runtime.tp.layouts import KEPT_WHOLE
 from plait.search.intra_op import brute_force
 from plait.search.tp_choice import TpSearch, tp_graph
 from tests.capture.test_tp_layout import _graphs, gpt2
@@ -24,7 +25,7 @@ FACTOR = 4.0  # parameter, gradient and Adam's two moments
 
 
 def _search(limit: float) -> TpSearch:
-    search = runtime_search(limit, 2, 1, torch.device("cpu"), FACTOR)
+    search = device_search(limit, 2, 1, torch.device("cpu"), FACTOR)
     assert search is not None
     return search
 
@@ -55,9 +56,9 @@ def test_gpt2_ops_are_its_linears_and_word_embedding_with_their_collectives_and_
 
 
 def test_no_limit_or_one_rank_is_no_search() -> None:
-    assert runtime_search(None, 2, 1, torch.device("cpu"), FACTOR) is None
-    assert runtime_search(1e9, 1, 1, torch.device("cpu"), FACTOR) is None
-    search = runtime_search(1e6, 2, 2, torch.device("cpu"), FACTOR)
+    assert device_search(None, 2, 1, torch.device("cpu"), FACTOR) is None
+    assert device_search(1e9, 1, 1, torch.device("cpu"), FACTOR) is None
+    search = device_search(1e6, 2, 2, torch.device("cpu"), FACTOR)
     assert search is not None and search.memory_limit_bytes == 5e5  # shared by the rank's 2 chunks
     assert search.mesh.link == CPU.network.intra and search.mesh.flops_per_s == CPU.flops
 
@@ -116,3 +117,33 @@ def test_the_choice_is_replayed_from_the_plan_and_printed() -> None:
     shards = sum(p.startswith("Shard") for p in data["activations"].values())
     assert shards > 0 and f"stage 0 activations: {shards} split (Shard)" in text
     assert json.loads(plan.to_json())["tp_layouts"][0]["search"]["split"] == layout.search["split"]
+
+
+def test_the_planner_completes_the_plan_and_the_runtime_applies_it() -> None:
+    # The story: the runtime ran the tp search inside build_pipeline and named the tied parameters
+    # itself, so the Plan it was given was not the whole layout. Now the planner completes the plan
+    # (`complete_plan`) and the runtime only makes each stage's layout from it (`stage_layouts`).
+    from plait.capture.split import split, stage_of_layers
+    from plait.capture.trace import capture_batch
+    from plait.planner.resolve import complete_plan
+    from plait.runtime.tp.layouts import stage_layouts
+    from tests.capture.test_tp_layout import VOCAB
+
+    net = gpt2()
+    captured = capture_batch(net, {"input_ids": torch.randint(0, VOCAB, (2, 8))})
+    names = tuple(captured.layers.layer_names)
+    plan = Plan(layer_names=names, layers_per_stage=(2, len(names) - 2), num_microbatches=1, schedule="1f1b",
+                world_size=4, capture_method=captured.method, tp=2)
+    whole = complete_plan(plan, captured)  # no memory limit: everything that splits does
+    assert whole.tied_parameters == (("transformer.wte.weight", (0, 1)),)  # the embedding and the LM head
+    assert len(whole.tp_layouts) == 2 and not any(lay.get("search") for lay in whole.tp_layouts)
+    limit = 0.8 * sum(FACTOR * p.numel() * p.element_size() for p in net.parameters())
+    searched = complete_plan(plan, captured, limit, torch.device("cpu"), FACTOR)
+    chosen = [lay.get("search", {}) for lay in searched.tp_layouts]
+    assert any(c.get("whole") for c in chosen), chosen  # the ILP kept something whole under the limit
+    stages = split(captured, stage_of_layers(plan.layers_per_stage))
+    applied = stage_layouts(stages, searched)  # what the runtime lays out: the planner's choice, as it is
+    for s, st in enumerate(stages):
+        assert applied[s].data(st.module) == searched.tp_layouts[s]
+    assert stage_layouts(stages, whole)[1].params != applied[1].params or \
+        stage_layouts(stages, whole)[0].params != applied[0].params  # the choice changed what is cut

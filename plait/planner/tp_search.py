@@ -7,8 +7,9 @@ With one, the ILP keeps whole what is cheaper whole -- compute against collectiv
 the device preset of the ranks' device (`plait.cost.devices`: "cpu" for CPU ranks, the GPU's
 class for CUDA ones) -- as long as each stage's parameter state fits its share of the limit (the
 limit over the chunks a rank holds); `tp_plan` entries are pins. The modules kept whole are
-`tp_plan` "replicate" entries from then on, and the choice goes into the plan (the evaluation
-pipeline and `str(plan)` read it there).
+`tp_plan` "replicate" entries from then on, and the choice goes into the plan when it is resolved
+(`plait.planner.resolve.complete_plan`); the runtime makes each stage's layout from it
+(`plait.runtime.tp.layouts`), the evaluation pipeline too.
 
 `tp_ops`: from the layout with everything split that can be (`plait.capture.megatron_layout`): each column- and
 row-parallel linear and vocabulary-split embedding is one `TpOp` with its forward FLOPs (2 x the
@@ -19,25 +20,23 @@ collectives move; ops tied together are the column-parallel ones whose split a r
 
 from __future__ import annotations
 
-import glob
-from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
 from plait.capture.graph_nodes import args_of, linear_parts, shape_of
-from plait.capture.megatron_layout import embedding_nodes, strategy_of, tp_layouts
+from plait.capture.megatron_layout import strategy_of, tp_layouts
 from plait.capture.shard_rules import Shard
 from plait.capture.tp_layout import TpLayout, module_of
 from plait.cost.devices import device as device_preset
+from plait.runtime.tp.layouts import planned_layouts
 from plait.search.tp_choice import TpOp, TpSearch, choose_split
 from plait.search.tp_strategies import TpMesh
 
-__all__ = ["tp_ops", "searched_layouts", "runtime_search"]
+__all__ = ["tp_ops", "searched_layouts", "device_search"]
 
 aten = torch.ops.aten
-KEPT_WHOLE = "kept whole by the tp search: cheaper whole, and the stage fits memory_limit_bytes"
 
 
 def _bytes(node: fx.Node) -> float:
@@ -117,7 +116,7 @@ def tp_ops(gm: fx.GraphModule, layout: TpLayout) -> tuple[list[TpOp], float]:
     return ops, whole
 
 
-def runtime_search(memory_limit_bytes: float | None, tp: int, chunks_per_rank: int, device: torch.device,
+def device_search(memory_limit_bytes: float | None, tp: int, chunks_per_rank: int, device: torch.device,
                    state_factor: float) -> TpSearch | None:
     """The tp search for ranks on `device` (None without a memory limit: everything that splits does)."""
     if memory_limit_bytes is None or tp == 1:
@@ -141,16 +140,12 @@ def searched_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping
                      search: TpSearch | None, earlier: Sequence[Mapping[str, Any]] = (),
                      sequence_parallel: bool = False) -> list[TpLayout]:
     """Each stage's layout: everything split that can be, or (a `search`) what the ILP splits;
-    `earlier`: a plan's tp layouts whose search is taken as it is (the evaluation pipeline)."""
+    `earlier`: a plan's tp layouts whose search is taken as it is (`planned_layouts`)."""
     plan = dict(tp_plan or {})
-    layouts = tp_layouts(graphs, tp, plan, sequence_parallel)
     chosen: list[dict[str, Any]] = [dict(lay.get("search") or {}) for lay in earlier]
-    if not any(chosen) and search is None:
-        return layouts
-    if not any(chosen):
-        assert search is not None
+    if search is not None and not any(chosen):
         chosen = []
-        for g, lay in zip(graphs, layouts):
+        for g, lay in zip(graphs, tp_layouts(graphs, tp, plan, sequence_parallel)):
             ops, fixed = tp_ops(g, lay)
             if not ops:
                 chosen.append({})
@@ -161,11 +156,4 @@ def searched_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping
                            "whole": sorted({op.module for op in ops if op.name not in split}), "ops": len(ops),
                            "state_bytes": solution.memory_bytes + fixed * search.state_factor,
                            "limit_bytes": search.memory_limit_bytes, "seconds": solution.total_s})
-    whole = {m for c in chosen for m in c.get("whole", ())}
-    vocab = {module_of(str(args_of(n)[0].target)) for g, lay in zip(graphs, layouts)
-             for n in g.graph.nodes if lay.roles.get(n.name) == "vocab"}
-    unsplit = {module_of(str(args_of(n)[0].target)) for g in graphs for n in embedding_nodes(g)} - vocab  # stay whole when the search drops the vocab split
-    extended = {**plan, **{glob.escape(m): "replicate" for m in sorted(whole | unsplit) if m not in plan}}
-    final = tp_layouts(graphs, tp, extended, sequence_parallel)
-    return [replace(lay, replicated=lay.replicated + tuple((m, KEPT_WHOLE) for m in c.get("whole", ())), search=c)
-            for lay, c in zip(final, chosen)]
+    return planned_layouts(graphs, tp, plan, chosen, sequence_parallel)
