@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.cli.gantt import LANES, Panel, render
+from plait.plan.mesh import Mesh
 from plait.runtime.tracer import FORMAT_VERSION
 
 __all__ = ["Span", "Trace", "load", "merge", "bubble_fraction", "stage_times", "send_times",
@@ -41,6 +42,16 @@ class Trace:
     trace_dir: Path
     meta: dict[str, Any]
     spans: dict[int, list[Span]]
+
+    @cached_property
+    def mesh(self) -> Mesh:
+        """Where the run's ranks sat (`Mesh`), from the runtime's meta (a trace written before tp and
+        the stages' widths were recorded: tp = 1)."""
+        meta = self.meta
+        v = int(meta.get("num_virtual_stages", 1))
+        pp = int(meta.get("pp") or int(meta.get("num_stages", 1)) // v)
+        return Mesh(int(meta.get("world_size") or len(self.spans)), pp, int(meta.get("dp", 1)), int(meta.get("tp", 1)),
+                    v, tuple(meta.get("stage_tp", ())), tuple(meta.get("stage_dp", ())))
 
     @cached_property
     def _by_step(self) -> dict[int, dict[int, list[Span]]]:
@@ -205,7 +216,7 @@ def transfer_time(trace: Trace, step: int | None = None) -> float:
     when the message arrived. 0.0 when no receive waited (ranks on one host, one clock).
     """
     step = trace.resolve_step(step)
-    pp = int(trace.meta.get("pp") or trace.meta.get("num_stages", 1))
+    mesh = trace.mesh
     sends: dict[tuple[int, str, int, int], Span] = {}
     receives: list[Span] = []
     for spans in trace.spans.values():
@@ -220,7 +231,7 @@ def transfer_time(trace: Trace, step: int | None = None) -> float:
     for r in receives:
         stage, mb = int(r.args["stage"]), int(r.args["mb"])
         sender = stage - 1 if r.op == "RF" else stage + 1
-        peer = r.rank // pp * pp + sender % pp
+        peer = mesh.lane_ranks(r.rank)[sender]  # the rank of that stage on this rank's lane
         sent = sends.get((peer, "SF" if r.op == "RF" else "SB", sender, mb))
         if sent is not None and r.start < sent.end:
             waits.append(max(0.0, r.end - sent.end))
@@ -278,9 +289,9 @@ def _measured_panel(trace: Trace, step: int) -> Panel:
     work = trace.compute(step, (*COMPUTE_OPS, "opt"))
     stop = max(s.end for spans in work.values() for s in spans)
     panel = Panel("", [], [], t1 - t0)
-    meta, pp = trace.meta, trace.meta.get("pp")  # rank = replica x pp + stage position
+    meta = trace.meta
     for row, rank in enumerate(sorted(trace.spans)):
-        replica = f", replica {rank // pp}" if meta.get("dp", 1) > 1 and pp else ""
+        replica = f", replica {trace.mesh.coordinates(rank).replica}" if meta.get("dp", 1) > 1 else ""
         panel.rows.append(_row_label(rank, {s.args["stage"] for s in work[rank]
                                             if "stage" in s.args}, True, replica))
         panel.boxes += [(row, s.start - t0, s.end - t0, str(s.op), s.args.get("stage", -1),

@@ -175,7 +175,8 @@ def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, executio
     if execution.trace_dir is not None:
         tracer = Tracer(rank, {
             "schedule": plan.schedule, "num_stages": plan.num_stages, "num_chunks": plan.num_chunks, "pp": plan.pp,
-            "num_virtual_stages": plan.num_virtual_stages, "dp": plan.dp,
+            "num_virtual_stages": plan.num_virtual_stages, "dp": plan.dp, "tp": plan.tp,
+            "stage_tp": list(plan.stage_tp), "stage_dp": list(plan.stage_dp),
             "world_size": plan.world_size, "num_microbatches": plan.num_microbatches,
             "stage_to_rank": list(plan.stage_to_rank), "recompute": list(plan.recompute),
         })

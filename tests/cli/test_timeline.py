@@ -257,6 +257,31 @@ def test_send_times_and_transfer_time_of_a_known_trace(tmp_path: Path) -> None:
     5.5 and RB0 (waiting since 4) ends at 6.5: 1 ms. RF1 started after SF1 ended, so it tells
     nothing; RB1 started at 7.5, before SB1 ended at 8.5, and ended at 9.5: 1 ms again.
     """
+    rank0, rank1 = _hand_overs()
+    write_rank(tmp_path, 0, rank0)
+    write_rank(tmp_path, 1, rank1)
+    trace = timeline.load(tmp_path)
+    assert timeline.transfer_time(trace, 0) == pytest.approx(1.0)
+    sends = timeline.send_times(trace, 0)
+    assert sends["F"] == pytest.approx([0.5, 0.0])  # two SF of 0.5 ms over two micro-batches
+    assert sends["B"] == pytest.approx([0.125, 0.5])  # one posted RB of 0.25 ms; SB 0.5 each
+
+
+def test_each_rank_hears_from_its_own_lane_with_tp(tmp_path: Path) -> None:
+    # The story: the timeline found a receive's sender as rank // pp * pp + stage % pp, which is a
+    # rank of the receiver's own stage once tp > 1 (at pp = tp = 2, rank 3's sender is rank 1, not
+    # rank 2), so every hand-over went unmatched and the transfer time read 0. It asks the mesh now.
+    rank0, rank1 = _hand_overs()  # stage 0 on ranks 0 1 (its tp ranks), stage 1 on ranks 2 3
+    meta = {**META, "world_size": 4, "tp": 2, "stage_to_rank": [0, 2]}
+    for rank, spans in ((0, rank0), (1, rank0), (2, rank1), (3, rank1)):
+        write_rank(tmp_path, rank, spans, meta)
+    trace = timeline.load(tmp_path)
+    assert trace.mesh.lane_ranks(3) == (1, 3)
+    assert timeline.transfer_time(trace, 0) == pytest.approx(1.0)
+
+
+def _hand_overs() -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """The two ranks' spans of `test_send_times_and_transfer_time_of_a_known_trace`'s picture."""
     def io(step: int, stage: int, name: str, mb: int, a: float, b: float, stream: str) -> tuple[Any, ...]:
         return (stream, f"{stage}{name}{mb}", a, b, {"step": step, "stage": stage, "op": name, "mb": mb})
 
@@ -269,10 +294,4 @@ def test_send_times_and_transfer_time_of_a_known_trace(tmp_path: Path) -> None:
              op(0, 1, "B", 0, 3.5, 5), io(0, 1, "SB", 0, 5, 5.5, "send"),
              io(0, 1, "RF", 1, 5.5, 5.6, "recv"), op(0, 1, "F", 1, 5.6, 6.5),
              op(0, 1, "B", 1, 6.5, 8), io(0, 1, "SB", 1, 8, 8.5, "send")]
-    write_rank(tmp_path, 0, rank0)
-    write_rank(tmp_path, 1, rank1)
-    trace = timeline.load(tmp_path)
-    assert timeline.transfer_time(trace, 0) == pytest.approx(1.0)
-    sends = timeline.send_times(trace, 0)
-    assert sends["F"] == pytest.approx([0.5, 0.0])  # two SF of 0.5 ms over two micro-batches
-    assert sends["B"] == pytest.approx([0.125, 0.5])  # one posted RB of 0.25 ms; SB 0.5 each
+    return rank0, rank1
