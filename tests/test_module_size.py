@@ -1,6 +1,6 @@
-"""Module size, for every module of every package: at most 500 lines; over 300 is noted, not failed.
+"""Module size, for every module of every package: at most 400 lines; over 300 is noted, not failed.
 
-The house rule: one noun per module, aim for <= 300 lines, look hard at anything over 500. The
+The house rule: one noun per module, aim for <= 300 lines, look hard at anything over 500; this package holds itself to 400 (the folders split by concern keep modules small). The
 note lists the modules between the two, longest first (pytest -s or -rA shows it; it is also a
 warning in the summary), so growth is seen before it reaches the limit.
 """
@@ -13,7 +13,7 @@ import warnings
 import plait
 
 ROOT = pathlib.Path(plait.__file__).parent
-AIM, LIMIT = 300, 500
+AIM, LIMIT = 300, 400
 TOP_LEVEL, PER_FOLDER = 10, 15  # modules at the top of plait/, and in any one folder
 
 
