@@ -50,7 +50,8 @@ def _kill_at(target, name, when, sig, stamp):
 def _arm(where, sig, stamp):
     """Kill this rank at `where`, in step 7 of 10 (checkpoints every 2 steps: step 6 is the latest)."""
     from plait.checkpoint import disk as checkpoint
-    from plait.runtime import executor, grad_sync
+    from plait.runtime import executor
+    from plait.runtime.dp import grad_sync
 
     target, name, when = {
         "forward": (executor.StageExecutor, "forward", lambda n, a: n == 2 * 6 + 2),  # 2 micro-batches a step
@@ -67,7 +68,7 @@ def fit(rank, world, root, dp, pp, victim=None, where=None, sig=None, stamp=None
     x, y = data()
     torch.manual_seed(0)
     # The cut is given: the uninterrupted run and the resumed one must cut alike.
-    config = plait.Config(num_microbatches=2, timeout_s=TIMEOUT_S, dp=dp, layers_per_proc=even_cut(11, pp),
+    config = plait.Config(num_microbatches=2, timeout_s=TIMEOUT_S, dp=dp, layers_per_stage=even_cut(11, pp),
                           bucket_cap_mb=1e-4, checkpoint_dir=root, checkpoint_every=2)
     model = plait.Model(mlp(), config, optimizer=lambda p: torch.optim.Adam(p, lr=1e-2, eps=1e-4),
                         loss=nn.CrossEntropyLoss())
@@ -161,7 +162,7 @@ g = torch.Generator().manual_seed(1)
 x, y = torch.randn(23, 8, generator=g), torch.randint(0, 4, (23,), generator=g)
 # The cut is given: runs compared bit for bit must cut alike (dropout follows the cut), and a
 # planned cut follows timings that vary from run to run.
-model = plait.Model(net, plait.Config(layers_per_proc=(3, 3), num_microbatches=2, checkpoint_dir=root,
+model = plait.Model(net, plait.Config(layers_per_stage=(3, 3), num_microbatches=2, checkpoint_dir=root,
                                       checkpoint_every=2, timeout_s=10),
                     optimizer=lambda p: torch.optim.Adam(p, lr=1e-2), loss=nn.CrossEntropyLoss())
 history = model.fit(x, y, epochs=2, batch_size=5, verbose=0)
