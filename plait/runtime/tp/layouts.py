@@ -37,7 +37,7 @@ def planned_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping[
     unsplit = {module_of(str(args_of(n)[0].target)) for g in graphs for n in embedding_nodes(g)} - vocab  # stay whole when the search drops the vocab split
     extended = {**plan, **{glob.escape(m): "replicate" for m in sorted(whole | unsplit) if m not in plan}}
     final = tp_layouts(graphs, tp, extended, sequence_parallel)
-    return [replace(lay, replicated=lay.replicated + tuple((m, KEPT_WHOLE) for m in c.get("whole", ())), search=c)
+    return [replace(lay, replicated=lay.replicated + tuple((m, KEPT_WHOLE) for m in c.get("whole", ())), search=dict(c))
             for lay, c in zip(final, chosen)]
 
 
