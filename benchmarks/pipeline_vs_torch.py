@@ -146,7 +146,7 @@ class PlaitRunner:
 
     def __init__(self, net: nn.Sequential, setting: Setting, schedule: str, rank: int, lr: float = LR):
         self.net = net
-        config = plait.Config(layers_per_proc=_layers_per_proc(setting),
+        config = plait.Config(layers_per_stage=_layers_per_stage(setting),
                               num_microbatches=setting.microbatches, schedule=schedule,
                               batch_weight_grads=setting.batch_weight_grads)
         self.model = plait.Model(net, config=config,
@@ -160,7 +160,7 @@ class PlaitRunner:
         return [p.detach() for p in self.net[self.local].parameters()]
 
 
-def _layers_per_proc(setting: Setting) -> tuple[int, ...]:
+def _layers_per_stage(setting: Setting) -> tuple[int, ...]:
     # plait captures each Linear and each ReLU as one layer; cut where the peer is cut.
     return tuple(len(range(*stage_slice(setting, s).indices(2 * setting.layers)))
                  for s in range(NUM_STAGES))

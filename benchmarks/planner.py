@@ -151,7 +151,7 @@ def planned_split(net_fn, x, y) -> tuple[int, int]:
 def part_a(rounds: int, out: list[str]) -> None:
     x, y = cnn_batch()
     n, auto = planned_split(cnn, x, y)
-    models = {k: make(cnn, plait.Config(layers_per_proc=[k, n - k], num_microbatches=MICROBATCHES,
+    models = {k: make(cnn, plait.Config(layers_per_stage=[k, n - k], num_microbatches=MICROBATCHES,
                                         schedule=SCHEDULE))
               for k in range(1, n)}
     times = timed_rounds(models, x, y, rounds)
@@ -187,7 +187,7 @@ def part_b(rounds: int, out: list[str]) -> None:
     if auto == equal:
         out.append("planner split == equal split: PASS")
         return
-    models = {k: make(mlp, plait.Config(layers_per_proc=[k, n - k], num_microbatches=MICROBATCHES,
+    models = {k: make(mlp, plait.Config(layers_per_stage=[k, n - k], num_microbatches=MICROBATCHES,
                                         schedule=SCHEDULE))
               for k in sorted({auto, equal})}
     # Two models whose true ratio is near 1: 30 rounds left the paired median swinging +-5% from

@@ -95,7 +95,7 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, result: str) -> No
     for key, c in best.items():
         fields = candidate_fields(c)
         fields.pop("num_stages")
-        config = plait.Config(**{**fields, "layers_per_proc": tuple(fields["layers_per_proc"])})
+        config = plait.Config(**{**fields, "layers_per_stage": tuple(fields["layers_per_stage"])})
         models[key] = plait.Model(workload(args.model)[0], config, optimizer=sgd, loss=loss)
     measured: dict[Any, list[float]] = {key: [] for key in best}
     for r in range(args.warmup + args.rounds):

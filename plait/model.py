@@ -149,7 +149,7 @@ class Model:
     @property
     def plan_report(self) -> PlanReport | None:
         """The planner's choice (table, alternatives, JSON) and, after the first steps, the
-        measured-vs-predicted check; None when the layout was given (layers_per_proc)."""
+        measured-vs-predicted check; None when the layout was given (layers_per_stage)."""
         self._built()
         return self._loop.report if self._loop is not None else None
 
@@ -195,7 +195,7 @@ class Model:
         assert self._captured is not None
         layers = tuple(int(n) for n in report.chosen["layers_per_stage"])
         work = Workload(self.net, self._captured, x, optimizer=self._optimizer_arg, device=self.device)
-        layout = layout_of(dataclasses.replace(self.config, layers_per_proc=layers), work, self.world_size, report)
+        layout = layout_of(dataclasses.replace(self.config, layers_per_stage=layers), work, self.world_size, report)
 
         def rebuild() -> tuple[Pipeline, torch.optim.Optimizer | None]:
             self._layout = layout

@@ -4,7 +4,7 @@ Each architecture (`tests/architectures.py`) trains 3 SGD steps with momentum (b
 and 4 rows) with plait and, on the side, a deep copy in one process. Compared: each step's
 loss, the full `state_dict` after the steps (atol 2e-5: sums over micro-batches in another order)
 and `predict`'s logits. A run is a `Config`'s fields: the path users take (`num_stages=2`, the
-planner cutting), or a pinned cut (`layers_per_proc`) to reproduce a failure.
+planner cutting), or a pinned cut (`layers_per_stage`) to reproduce a failure.
 
 Run as a module, it trains a list of architectures on N local ranks and writes the report as JSON,
 so the suite can run it under another transformers release (`tests/test_architectures.py`):
@@ -35,7 +35,7 @@ EVERY_LAYER = "every layer"  # fields value: a chunk after every cuttable bounda
 
 def valid_cut(layers: LayerAssignment, parts: int) -> tuple[int, ...]:
     """The even cut of the layers into `parts` stages, each boundary moved past any uncuttable
-    region it falls into: a pinned cut (`layers_per_proc`) to reproduce a failure."""
+    region it falls into: a pinned cut (`layers_per_stage`) to reproduce a failure."""
     from tests.models import even_cut
 
     sizes = even_cut(len(layers.layer_names), parts)
@@ -73,10 +73,10 @@ def _rows(x: Any, a: int, b: int) -> Any:
 
 def _config(arch: Any, fields: dict[str, Any], leaf_modules: tuple[str, ...]) -> plait.Config:
     """The run's Config: its fields, and for EVERY_LAYER the interleaved chunks of `every_layer`."""
-    if fields.get("layers_per_proc") == EVERY_LAYER:
+    if fields.get("layers_per_stage") == EVERY_LAYER:
         num_stages = fields.get("num_stages", 2)
         chunks = every_layer(capture_batch(arch.net, arch.x, keep=leaf_modules).layers, num_stages)
-        fields = {**fields, "layers_per_proc": chunks, "num_virtual_stages": len(chunks) // num_stages,
+        fields = {**fields, "layers_per_stage": chunks, "num_virtual_stages": len(chunks) // num_stages,
                   "schedule": "interleaved" if len(chunks) > num_stages else "1f1b"}
     fields = {"num_microbatches": MICROBATCHES, "timeout_s": 60.0, **fields}
     return plait.Config(leaf_modules=leaf_modules, **fields)

@@ -147,7 +147,7 @@ LAYERS = {"mlp": 11, "cnn": 7, "skip": 6, "tupledict": 4, "gpt": 16}  # captured
 
 def even_cut(layers: int, parts: int) -> tuple[int, ...]:
     """`layers` layers in `parts` consecutive groups of sizes differing by at most one, larger
-    ones last: Config(layers_per_proc=even_cut(...)) gives a test a fixed cut, where the
+    ones last: Config(layers_per_stage=even_cut(...)) gives a test a fixed cut, where the
     planner's cut would follow the timings of the run (even_cut(6, 4) == (1, 1, 2, 2))."""
     base, extra = divmod(layers, parts)
     return tuple(base + (i >= parts - extra) for i in range(parts))

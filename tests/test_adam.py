@@ -47,7 +47,7 @@ def train(rank: int, world: int) -> dict[str, dict[str, Any]]:
         cut = even_cut(layers, world * extra.get("num_virtual_stages", 1))
         ref, init = copy.deepcopy(arch.net), copy.deepcopy(arch.net.state_dict())
         ref_opt = _adam(ref.parameters())
-        config = plait.Config(num_stages=world, layers_per_proc=cut, num_microbatches=3, schedule=schedule,
+        config = plait.Config(num_stages=world, layers_per_stage=cut, num_microbatches=3, schedule=schedule,
                               timeout_s=60.0, **extra)
         model = plait.Model(arch.net, config=config, optimizer=_adam, loss=arch.loss)
         a = 0

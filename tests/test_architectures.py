@@ -100,7 +100,7 @@ def _layer_counts() -> dict[str, int]:
 @pytest.fixture(scope="module")
 def every_layer() -> tuple[list[str], list[dict[str, Any]]]:
     names = [n for n, count in _layer_counts().items() if count <= EVERY_LAYER_MAX]
-    return names, run_ranks(2, train_all, names, {"layers_per_proc": EVERY_LAYER}, timeout=1200)
+    return names, run_ranks(2, train_all, names, {"layers_per_stage": EVERY_LAYER}, timeout=1200)
 
 
 @pytest.mark.timeout(1260)

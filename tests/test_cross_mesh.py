@@ -1,4 +1,4 @@
-"""Stages of different tp widths (Config.tp_per_stage, Alpa's cross-mesh resharding) train exactly
+"""Stages of different tp widths (Config.stage_tp, Alpa's cross-mesh resharding) train exactly
 as one process: 3 ranks, stage 0 at tp=2 and stage 1 at tp=1, and the reverse, on Hugging Face
 GPT-2 and Llama (tied word embedding and head: kept whole on both stages, its gradient summed
 once), with 1F1B, GPipe and ZB-H1, and recomputed; cut between blocks and inside one.
@@ -23,13 +23,13 @@ from tests.test_tensor_parallel import train_and_compare
 Run = tuple[str, dict[str, Any], bool]  # model, Config settings, Adam (else SGD with momentum)
 
 RUNS: list[Run] = [
-    ("gpt2", {"tp_per_stage": (2, 1), "layers_per_proc": (12, 11)}, False),  # between blocks, 1F1B
-    ("gpt2", {"tp_per_stage": (1, 2), "layers_per_proc": (9, 14), "schedule": "gpipe"}, True),  # after the GELU
-    ("llama", {"tp_per_stage": (2, 1), "layers_per_proc": (10, 14), "schedule": "gpipe"}, True),
-    ("llama", {"tp_per_stage": (1, 2), "layers_per_proc": (10, 14)}, False),
-    ("gpt2", {"tp_per_stage": (2, 1), "layers_per_proc": (12, 11), "schedule": "zbh1", "batch_weight_grads": True},
+    ("gpt2", {"stage_tp": (2, 1), "layers_per_stage": (12, 11)}, False),  # between blocks, 1F1B
+    ("gpt2", {"stage_tp": (1, 2), "layers_per_stage": (9, 14), "schedule": "gpipe"}, True),  # after the GELU
+    ("llama", {"stage_tp": (2, 1), "layers_per_stage": (10, 14), "schedule": "gpipe"}, True),
+    ("llama", {"stage_tp": (1, 2), "layers_per_stage": (10, 14)}, False),
+    ("gpt2", {"stage_tp": (2, 1), "layers_per_stage": (12, 11), "schedule": "zbh1", "batch_weight_grads": True},
      True),
-    ("gpt2", {"tp_per_stage": (2, 1), "layers_per_proc": (12, 11), "recompute": True}, True),  # as the planner may choose
+    ("gpt2", {"stage_tp": (2, 1), "layers_per_stage": (12, 11), "recompute": True}, True),  # as the planner may choose
 ]
 
 
@@ -44,20 +44,20 @@ def test_stages_of_tp_2_and_1_and_of_1_and_2_equal_one_process() -> None:
         for (name, config, adam), (problems, split, plan) in zip(RUNS, results):
             what = f"rank {rank} {name} {config} {'Adam' if adam else 'SGD'}"
             assert not problems, f"{what}:\n" + "\n".join(problems)
-            widths = config["tp_per_stage"]
+            widths = config["stage_tp"]
             assert f"x tp={list(widths)} (per stage, crossing as tiles) on 3 rank(s)" in plan, what
             alone = rank == 2 if widths == (2, 1) else rank == 0  # the rank of the tp=1 stage splits nothing
             assert split == 0 if alone else split >= 4, (what, split)
 
 
 def _four_ranks(rank: int, world: int) -> tuple[list[str], int, str]:
-    return train_and_compare("gpt2", {"tp_per_stage": (1, 2, 1), "layers_per_proc": (8, 8, 7), "crossing": "whole"},
+    return train_and_compare("gpt2", {"stage_tp": (1, 2, 1), "layers_per_stage": (8, 8, 7), "crossing": "whole"},
                              True, split_loss=False)
 
 
 @pytest.mark.timeout(300)
 def test_a_wide_stage_between_two_narrow_ones_equals_one_process() -> None:
-    """tp_per_stage=(1, 2, 1) on 4 ranks: the middle stage receives and sends across a change of
+    """stage_tp=(1, 2, 1) on 4 ranks: the middle stage receives and sends across a change of
     width; the word embedding and head (stages 0 and 2, one rank each) sum their gradient alone.
     Values cross whole (crossing="whole"): rank 0 sends its output to both ranks of stage 1, rank 3
     its gradient to both, and nothing is all-gathered."""
@@ -67,24 +67,24 @@ def test_a_wide_stage_between_two_narrow_ones_equals_one_process() -> None:
         assert "x tp=[1, 2, 1] (per stage, crossing as whole) on 4 rank(s)" in plan
 
 
-@pytest.mark.parametrize("field", ["tp_per_stage", "dp_per_stage"])
+@pytest.mark.parametrize("field", ["stage_tp", "stage_dp"])
 def test_one_process_runs_every_layer_on_one_stage(field: str) -> None:
     """Without a launcher the widths (tp or replicas), like the cut, are set aside (a warning), and
     the model trains."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    model = plait.Model(net, plait.Config(layers_per_proc=(2, 1), **{field: (2, 1)}),
+    model = plait.Model(net, plait.Config(layers_per_stage=(2, 1), **{field: (2, 1)}),
                         optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=nn.MSELoss())
     assert model.train_on_batch(torch.randn(4, 8), torch.randn(4, 4)) > 0
     assert model.plan.stage_tp == () == model.plan.stage_dp and model.plan.world_size == 1
 
 
 SIX: list[Run] = [  # two replicas of the whole pipeline: ranks 0 1 | 2 and 3 4 | 5 (or 0 | 1 2 and 3 | 4 5)
-    ("gpt2", {"tp_per_stage": (2, 1), "layers_per_proc": (12, 11), "dp": 2}, False),
-    ("llama", {"tp_per_stage": (1, 2), "layers_per_proc": (10, 14), "dp": 2, "schedule": "gpipe",
+    ("gpt2", {"stage_tp": (2, 1), "layers_per_stage": (12, 11), "dp": 2}, False),
+    ("llama", {"stage_tp": (1, 2), "layers_per_stage": (10, 14), "dp": 2, "schedule": "gpipe",
                "crossing": "whole"}, True),
-    ("gpt2", {"tp_per_stage": (2, 1), "layers_per_proc": (12, 11), "dp": 2, "zero": 1}, True),
-    ("gpt2", {"tp_per_stage": (1, 2), "layers_per_proc": (9, 14), "dp": 2, "zero": 2, "schedule": "zbh1",
+    ("gpt2", {"stage_tp": (2, 1), "layers_per_stage": (12, 11), "dp": 2, "zero": 1}, True),
+    ("gpt2", {"stage_tp": (1, 2), "layers_per_stage": (9, 14), "dp": 2, "zero": 2, "schedule": "zbh1",
               "batch_weight_grads": True}, True),
 ]
 
@@ -124,10 +124,10 @@ def _planned_copies(rank: int, world: int) -> dict[str, Any]:
 def _six_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     from tests.test_tensor_parallel import _save_and_resume
 
-    saved = {"tp_per_stage": (2, 1), "layers_per_proc": (12, 11), "dp": 2, "zero": 1}
+    saved = {"stage_tp": (2, 1), "layers_per_stage": (12, 11), "dp": 2, "zero": 1}
     return {"runs": [train_and_compare(name, config, adam, split_loss=False) for name, config, adam in SIX],
-            "resumed": _save_and_resume(rank, world, root, saved, {"layers_per_proc": (8, 8, 7), "dp": 2},
-                                        {"tp_per_stage": (1, 2), "layers_per_proc": (9, 14), "dp": 2}),
+            "resumed": _save_and_resume(rank, world, root, saved, {"layers_per_stage": (8, 8, 7), "dp": 2},
+                                        {"stage_tp": (1, 2), "layers_per_stage": (9, 14), "dp": 2}),
             "planned": _planned_copies(rank, world)}
 
 
@@ -143,7 +143,7 @@ def test_replicas_of_a_pipeline_of_stages_of_different_widths_equal_one_process(
         for (name, config, adam), (problems, split, plan) in zip(SIX, results["runs"]):
             what = f"rank {rank} {name} {config} {'Adam' if adam else 'SGD'}"
             assert not problems, f"{what}:\n" + "\n".join(problems)
-            widths = config["tp_per_stage"]
+            widths = config["stage_tp"]
             assert f"x 2 replica(s) x tp={list(widths)}" in plan and "on 6 rank(s)" in plan, what
             assert ("ZeRO-" in plan) == ("zero" in config), what
             alone = rank % 3 == (2 if widths == (2, 1) else 0)  # the rank of a tp=1 stage splits nothing

@@ -1,4 +1,4 @@
-"""Checkpoints and exports of stages of different widths (Config.tp_per_stage, Config.dp_per_stage)
+"""Checkpoints and exports of stages of different widths (Config.stage_tp, Config.stage_dp)
 load into any layout, and any layout's into them: 3 ranks, Hugging Face GPT-2 with Adam.
 
 Each case trains 2 steps in one layout, saves a checkpoint and exports Hugging Face sharded
@@ -16,11 +16,11 @@ import pytest
 from tests.harness import run_ranks
 from tests.test_tensor_parallel import _save_and_resume
 
-TP_2_1 = {"tp_per_stage": (2, 1), "layers_per_proc": (12, 11)}
-TP_1_2 = {"tp_per_stage": (1, 2), "layers_per_proc": (9, 14), "crossing": "whole"}
-DP_2_1 = {"dp_per_stage": (2, 1), "layers_per_proc": (12, 11), "zero": 1}  # 6-row steps: 1 row a replica; ZeRO-1
-DP_1_2 = {"dp_per_stage": (1, 2), "layers_per_proc": (9, 14), "num_microbatches": 2}  # 4 rows: 2 a micro-batch
-PP_3 = {"layers_per_proc": (8, 8, 7)}
+TP_2_1 = {"stage_tp": (2, 1), "layers_per_stage": (12, 11)}
+TP_1_2 = {"stage_tp": (1, 2), "layers_per_stage": (9, 14), "crossing": "whole"}
+DP_2_1 = {"stage_dp": (2, 1), "layers_per_stage": (12, 11), "zero": 1}  # 6-row steps: 1 row a replica; ZeRO-1
+DP_1_2 = {"stage_dp": (1, 2), "layers_per_stage": (9, 14), "num_microbatches": 2}  # 4 rows: 2 a micro-batch
+PP_3 = {"layers_per_stage": (8, 8, 7)}
 
 CASES = {  # saved in, resumed in, the export loaded into
     "tp21-to-pp3": (TP_2_1, PP_3, DP_1_2),

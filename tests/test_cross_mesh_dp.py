@@ -1,4 +1,4 @@
-"""Stages of different data-parallel widths (Config.dp_per_stage, Alpa's cross-mesh resharding along
+"""Stages of different data-parallel widths (Config.stage_dp, Alpa's cross-mesh resharding along
 the batch) train exactly as one process: 3 ranks, stage 0 as 2 replicas (each running half the
 rows of every micro-batch) and stage 1 on one rank, and the reverse, on Hugging Face GPT-2 and
 Llama (tied word embedding and head: its gradient summed over every replica of both stages), with
@@ -32,14 +32,14 @@ STEPS = (8, 4, 4)  # rows of each step (of the case's 16): micro-batches of 4/4,
 EVEN = {"num_microbatches": 2}
 
 JOINING: list[Run] = [  # stage 0 as 2 replicas, stage 1 on one rank: the rows join at the boundary
-    ("gpt2", {"dp_per_stage": (2, 1), "layers_per_proc": (12, 11), **EVEN}, False),  # between blocks, 1F1B
-    ("llama", {"dp_per_stage": (2, 1), "layers_per_proc": (10, 14), "schedule": "gpipe", **EVEN}, True),
-    ("gpt2", {"dp_per_stage": (2, 1), "layers_per_proc": (9, 14), "schedule": "zbh1", **EVEN}, True),  # after the GELU
-    ("gpt2", {"dp_per_stage": (2, 1), "layers_per_proc": (12, 11), "zero": 2, **EVEN}, True),  # stage 0's state sharded
+    ("gpt2", {"stage_dp": (2, 1), "layers_per_stage": (12, 11), **EVEN}, False),  # between blocks, 1F1B
+    ("llama", {"stage_dp": (2, 1), "layers_per_stage": (10, 14), "schedule": "gpipe", **EVEN}, True),
+    ("gpt2", {"stage_dp": (2, 1), "layers_per_stage": (9, 14), "schedule": "zbh1", **EVEN}, True),  # after the GELU
+    ("gpt2", {"stage_dp": (2, 1), "layers_per_stage": (12, 11), "zero": 2, **EVEN}, True),  # stage 0's state sharded
 ]
 SPLITTING: list[Run] = [  # stage 0 on one rank, stage 1 as 2 replicas: the rows split at the boundary
-    ("gpt2", {"dp_per_stage": (1, 2), "layers_per_proc": (9, 14), "schedule": "gpipe", **EVEN}, True),
-    ("llama", {"dp_per_stage": (1, 2), "layers_per_proc": (10, 14), **EVEN}, False),
+    ("gpt2", {"stage_dp": (1, 2), "layers_per_stage": (9, 14), "schedule": "gpipe", **EVEN}, True),
+    ("llama", {"stage_dp": (1, 2), "layers_per_stage": (10, 14), **EVEN}, False),
 ]
 
 
@@ -53,7 +53,7 @@ def _check(runs: list[Run], report: list[Any]) -> None:
             what = f"rank {rank} {name} {config} {'Adam' if adam else 'SGD'}"
             assert not problems, f"{what}:\n" + "\n".join(problems)
             assert split == 0, what  # nothing is split by tensor parallelism
-            assert f"x dp={list(config['dp_per_stage'])} (per stage) on 3 rank(s)" in plan, what
+            assert f"x dp={list(config['stage_dp'])} (per stage) on 3 rank(s)" in plan, what
 
 
 @pytest.mark.timeout(280)
@@ -116,7 +116,7 @@ def _shared_bias(rank: int, world: int, widths: tuple[int, int]) -> list[str]:
     net = _SharedBias()
     ref = copy.deepcopy(net)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    model = plait.Model(net, plait.Config(layers_per_proc=(2, 1), dp_per_stage=widths, num_microbatches=2,
+    model = plait.Model(net, plait.Config(layers_per_stage=(2, 1), stage_dp=widths, num_microbatches=2,
                                           timeout_s=60.0),
                         optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), loss=nn.MSELoss())
     return _two_steps(model, net, ref, ref_opt)
@@ -130,11 +130,11 @@ def test_a_value_of_no_rows_crosses_whole_and_its_gradient_counts_once(widths: t
 
 
 def _refusals(rank: int, world: int) -> dict[str, Any]:
-    """A small MLP at dp_per_stage=(2, 1) trains; a micro-batch of odd rows is refused by name, on
+    """A small MLP at stage_dp=(2, 1) trains; a micro-batch of odd rows is refused by name, on
     every rank, before any step."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
-    model = plait.Model(net, plait.Config(layers_per_proc=(3, 2), dp_per_stage=(2, 1), num_microbatches=2,
+    model = plait.Model(net, plait.Config(layers_per_stage=(3, 2), stage_dp=(2, 1), num_microbatches=2,
                                           timeout_s=60.0),
                         optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=nn.MSELoss())
     loss = model.train_on_batch(torch.randn(4, 8), torch.randn(4, 4))
@@ -166,7 +166,7 @@ def test_what_stages_of_different_dp_refuse(small_models: list[dict[str, Any]]) 
     for rank, result in enumerate(r["refusals"] for r in small_models):
         assert all(x > 0 for x in result["losses"]), (rank, result)
         rows, last = result["refused"]
-        assert "of 3 rows does not divide by dp=[2] of dp_per_stage=[2, 1]" in rows, (rank, rows)
+        assert "of 3 rows does not divide by dp=[2] of stage_dp=[2, 1]" in rows, (rank, rows)
         assert "num_microbatches x a multiple of 2" in rows, (rank, rows)
         # fit refuses an epoch whose last batch (2 rows: micro-batches of 1) cannot run, before its first step
         assert "this epoch has a batch of 2 rows; its micro-batch 0:1 of 1 rows does not divide" in last, (rank, last)
@@ -174,30 +174,30 @@ def test_what_stages_of_different_dp_refuse(small_models: list[dict[str, Any]]) 
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tp", 2), ("tp_per_stage", (2, 1)), ("num_virtual_stages", 2), ("sequence_parallel", True),
+    ("tp", 2), ("stage_tp", (2, 1)), ("num_virtual_stages", 2), ("sequence_parallel", True),
     ("tp_plan", {"*.fc": "colwise"}), ("replan", True), ("plan", "plan.json"),
     ("dp", 2), ("grad_reduction", "sum"),
 ])
-def test_config_refuses_what_dp_per_stage_does_not_run_with(field: str, value: Any) -> None:
-    settings: dict[str, Any] = {"layers_per_proc": (2, 2), "dp_per_stage": (2, 1), field: value}
+def test_config_refuses_what_stage_dp_does_not_run_with(field: str, value: Any) -> None:
+    settings: dict[str, Any] = {"layers_per_stage": (2, 2), "stage_dp": (2, 1), field: value}
     if field == "num_virtual_stages":
-        settings.update(layers_per_proc=(1, 1, 1, 1), schedule="interleaved")
+        settings.update(layers_per_stage=(1, 1, 1, 1), schedule="interleaved")
     if field == "tp_plan":
         settings.update(tp=2)
-    with pytest.raises(ConfigError, match=r"dp_per_stage=\[2, 1\].*" + field) as e:
+    with pytest.raises(ConfigError, match=r"stage_dp=\[2, 1\].*" + field) as e:
         plait.Config(**settings)
-    assert "leave those fields at their defaults" in str(e.value) or "tp_per_stage" in str(e.value)
+    assert "leave those fields at their defaults" in str(e.value) or "stage_tp" in str(e.value)
 
 
-def test_config_needs_one_dp_per_stage_of_the_cut_and_the_ranks_they_add_up_to() -> None:
-    with pytest.raises(ConfigError, match=r"dp_per_stage=\[2, 1, 1\] gives 3 stages but the cut gives 2"):
-        plait.Config(layers_per_proc=(2, 2), dp_per_stage=(2, 1, 1))
-    with pytest.raises(ConfigError, match="dp_per_stage must list one positive dp"):
-        plait.Config(layers_per_proc=(2, 2), dp_per_stage=(2, 0))
-    config = plait.Config(layers_per_proc=(2, 2), dp_per_stage=[2, 1])
-    assert config.dp_per_stage == (2, 1) and config.tp == 1 and plait.Config.from_json(config.to_json()) == config
+def test_config_needs_one_stage_dp_of_the_cut_and_the_ranks_they_add_up_to() -> None:
+    with pytest.raises(ConfigError, match=r"stage_dp=\[2, 1, 1\] gives 3 stages but the cut gives 2"):
+        plait.Config(layers_per_stage=(2, 2), stage_dp=(2, 1, 1))
+    with pytest.raises(ConfigError, match="stage_dp must list one positive dp"):
+        plait.Config(layers_per_stage=(2, 2), stage_dp=(2, 0))
+    config = plait.Config(layers_per_stage=(2, 2), stage_dp=[2, 1])
+    assert config.stage_dp == (2, 1) and config.tp == 1 and plait.Config.from_json(config.to_json()) == config
     assert config.lanes(3) == 2
-    with pytest.raises(ConfigError, match=r"needs 3 ranks \(their sum\) but the world size is 4; launch 3 ranks"):
+    with pytest.raises(ConfigError, match=r"stage_dp=\[2, 1\], 3 ranks in all, on world_size=4; .*: launch 3 ranks"):
         config.lanes(4)
 
 
@@ -237,7 +237,7 @@ def _planned(rank: int, world: int, root: str) -> dict[str, Any]:
     problems += [f"replayed: {p}" for p in _two_steps(replayed, replayed_net, fresh,
                                                       torch.optim.SGD(fresh.parameters(), lr=0.1))]
     assert replayed.plan_report is not None
-    return {"problems": problems, "plan": str(model.plan), "dp_per_stage": model.plan.stage_dp,
+    return {"problems": problems, "plan": str(model.plan), "stage_dp": model.plan.stage_dp,
             "layers": model.plan.layers_per_stage, "step": step,
             "resumed": (resumed.plan.stage_dp, resumed.plan.layers_per_stage, resumed.plan_report is None),
             "replayed": (replayed.plan.stage_dp, replayed.plan.layers_per_stage, replayed.plan_report.source)}
@@ -247,6 +247,6 @@ def _planned(rank: int, world: int, root: str) -> dict[str, Any]:
 def test_config_plans_stages_of_different_dp_widths_that_equal_one_process(small_models: list[dict[str, Any]]) -> None:
     for rank, result in enumerate(r["planned"] for r in small_models):
         assert not result["problems"], f"rank {rank}:\n" + "\n".join(result["problems"])
-        assert (result["dp_per_stage"], result["layers"]) == ((2, 1), (1, 3)), (rank, result["plan"])
+        assert (result["stage_dp"], result["layers"]) == ((2, 1), (1, 3)), (rank, result["plan"])
         assert result["step"] == 2 and result["resumed"] == ((2, 1), (1, 3), True), (rank, result)
         assert result["replayed"][:2] == ((2, 1), (1, 3)) and "plan file" in result["replayed"][2], (rank, result)

@@ -31,7 +31,7 @@ def train_and_compare(rank: int, world: int) -> dict[str, Any]:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     # layers: a, moe1 | b, moe2, head
-    model = plait.Model(net, plait.Config(layers_per_proc=[2, 3], num_microbatches=3, timeout_s=30.0),
+    model = plait.Model(net, plait.Config(layers_per_stage=[2, 3], num_microbatches=3, timeout_s=30.0),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), loss=loss_fn)
     batches = [(x[a:a + 6], y[a:a + 6]) for a in (0, 6, 12)]
     with torch.no_grad():  # rows per expert of each batch, at the initial weights

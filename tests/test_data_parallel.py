@@ -45,7 +45,7 @@ def compare(rank, world, name, dp, pp, made, **extra):
     torch.manual_seed(1000 + rank)  # replicas must agree whatever their own seeds
     cut = even_cut(LAYERS[name], pp * extra.get("num_virtual_stages", 1))
     model = plait.Model(net, plait.Config(dp=dp, num_stages=pp, num_microbatches=3, bucket_cap_mb=0.01,
-                                          layers_per_proc=cut, **extra),
+                                          layers_per_stage=cut, **extra),
                         optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), loss=loss_fn)
     model.fit(x, y, epochs=2, batch_size=BATCH, shuffle=False, verbose=0)
     reference_fit(ref, x, y, loss_fn, epochs=2)
@@ -98,7 +98,7 @@ def sum_reduction(rank, world):
     """grad_reduction="sum": the gradient is the sum of each replica's own mean-loss gradient."""
     net, x, y, loss_fn = make("mlp")
     ref = copy.deepcopy(net)
-    model = plait.Model(net, plait.Config(dp=2, layers_per_proc=(11,), num_microbatches=2, grad_reduction="sum"),
+    model = plait.Model(net, plait.Config(dp=2, layers_per_stage=(11,), num_microbatches=2, grad_reduction="sum"),
                         optimizer=torch.optim.SGD(net.parameters(), lr=0.1), loss=loss_fn)
     model.train_on_batch(x[:10], y[:10])
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -135,7 +135,7 @@ def test_layout_keeps_pipeline_neighbours_adjacent():
 
 def overlap(rank, world):
     net, x, y, loss_fn = make("mlp")
-    model = plait.Model(net, plait.Config(dp=2, layers_per_proc=(11,), num_microbatches=3, bucket_cap_mb=0.001),
+    model = plait.Model(net, plait.Config(dp=2, layers_per_stage=(11,), num_microbatches=3, bucket_cap_mb=0.001),
                         optimizer=torch.optim.SGD(net.parameters(), lr=0.1), loss=loss_fn)
     model.train_on_batch(x[:10], y[:10])
     sync = model._train.pipe.sync
@@ -207,7 +207,7 @@ def shuffled_sources(rank, world):
         data = TensorDataset(x, y)
         source = data if kind == "dataset" else DataLoader(data, batch_size=batch, shuffle=True)
         loss = _RowRecordingLoss()
-        model = plait.Model(net, plait.Config(dp=2, layers_per_proc=(3,), num_microbatches=1, seed=3),
+        model = plait.Model(net, plait.Config(dp=2, layers_per_stage=(3,), num_microbatches=1, seed=3),
                             optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=loss)
         model.fit(source, epochs=2, batch_size=batch, shuffle=True, verbose=0, callbacks=[loss])
         everyone = [None] * world

@@ -5,7 +5,7 @@ holds and returns the mismatches. fp32 tolerances: rtol 1e-5, atol 1e-6 on param
 outputs; gradients are sums over micro-batches in another order, so they get atol 1e-5.
 
 Every case gives its cut (`tests.models.even_cut`), so a failure reproduces: with no
-layers_per_proc the planner would profile and cut by this run's timings. The planner's own cuts
+layers_per_stage the planner would profile and cut by this run's timings. The planner's own cuts
 are checked against one process in tests/planner/test_layout.py.
 """
 
@@ -63,7 +63,7 @@ def check_case(rank, world, name, schedule, microbatches, opt_kind, check_output
     # The cut is given, so a failure reproduces: a planned cut would follow this run's timings.
     cut = even_cut(LAYERS[name], world * config.get("num_virtual_stages", 1))
     model = plait.Model(net, config=plait.Config(num_stages=world, num_microbatches=microbatches,
-                                                 schedule=schedule, layers_per_proc=cut, **config),
+                                                 schedule=schedule, layers_per_stage=cut, **config),
                         optimizer=_optimizer(opt_kind, net.parameters()), loss=loss_fn)
     problems = []
     rows = y.shape[0]

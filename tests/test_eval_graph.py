@@ -80,7 +80,7 @@ def fit_evaluate_predict(rank: int, world: int, method: str) -> dict[str, object
     out: dict[str, object] = {}
     for p in (0.0, 0.5):  # p = 0: training is deterministic, and only the training branches differ
         net = FunctionalDropout(p)
-        model = plait.Model(net, plait.Config(layers_per_proc=CUT, num_microbatches=2),
+        model = plait.Model(net, plait.Config(layers_per_stage=CUT, num_microbatches=2),
                             optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=nn.CrossEntropyLoss())
         history = model.fit(x, y, epochs=2, batch_size=10, shuffle=False, verbose=0)
         first = model.predict(x, batch_size=7)  # in train mode: 23 rows in batches of 7, 7, 7, 2
@@ -189,7 +189,7 @@ def train_read_by_mode(rank: int, world: int, instance: bool) -> dict[str, objec
     net = ReadByMode()
     optimizer: object = torch.optim.SGD(net.parameters(), lr=0.5) if instance else (
         lambda params: torch.optim.SGD(params, lr=0.5))
-    model = plait.Model(net, plait.Config(layers_per_proc=(1, 1), num_microbatches=2), optimizer=optimizer,
+    model = plait.Model(net, plait.Config(layers_per_stage=(1, 1), num_microbatches=2), optimizer=optimizer,
                         loss=nn.CrossEntropyLoss())
     model.fit(x, y, epochs=2, batch_size=10, shuffle=False, verbose=0)
     return {"predict": model.predict(x, batch_size=7), "loss": model.evaluate(x, y, batch_size=5)["loss"]}

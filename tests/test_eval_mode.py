@@ -36,7 +36,7 @@ def flags(net: nn.Module) -> dict[str, bool]:
 def predict_and_evaluate(rank: int, world: int) -> dict:
     x, y = data()
     net = dropout_mlp()
-    model = plait.Model(net, plait.Config(layers_per_proc=CUT, num_microbatches=2),
+    model = plait.Model(net, plait.Config(layers_per_stage=CUT, num_microbatches=2),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
     model.fit(x, y, epochs=1, batch_size=10, shuffle=False, verbose=0)  # trains in train mode
     out: dict = {"after_fit": flags(net)}
@@ -100,7 +100,7 @@ def train_with_frozen_dropouts(rank: int, world: int) -> dict:
     net = dropout_mlp()
     net.train()
     net[2].eval(), net[5].eval()  # frozen: a training model whose dropouts the user switched off
-    model = plait.Model(net, plait.Config(layers_per_proc=CUT, num_microbatches=2),
+    model = plait.Model(net, plait.Config(layers_per_stage=CUT, num_microbatches=2),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
     losses = [model.train_on_batch(x, y) for _ in range(2)]
     return {"losses": losses, "state": model.state_dict(), "flags": flags(net)}

@@ -233,7 +233,7 @@ def test_fuzz_the_checkpoint_reader_and_loader():
 def fuzz_configs(seed: int, rounds: int) -> None:
     import plait
 
-    valid = plait.Config(layers_per_proc=(2, 3), schedule="interleaved", num_virtual_stages=2, dp=2,
+    valid = plait.Config(layers_per_stage=(2, 3), schedule="interleaved", num_virtual_stages=2, dp=2,
                          checkpoint_dir="ckpt", checkpoint_every=5, recompute=(0, 1)).to_json()
 
     def make(rng: random.Random) -> bytes:

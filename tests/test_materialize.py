@@ -60,7 +60,7 @@ def test_a_submodule_load_brings_back_its_own_and_leaves_what_the_state_lacks():
 def fit_then_load(rank, world):
     torch.manual_seed(0)
     net, x, y, loss = make("gpt")
-    model = plait.Model(net, plait.Config(layers_per_proc=even_cut(LAYERS["gpt"], 2), num_microbatches=2),
+    model = plait.Model(net, plait.Config(layers_per_stage=even_cut(LAYERS["gpt"], 2), num_microbatches=2),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=loss)
     model.fit(x, y, epochs=1, batch_size=len(x) // 2, verbose=0)
     freed = on_meta(net)

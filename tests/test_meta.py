@@ -119,7 +119,7 @@ def train_and_compare(rank: int, world: int, name: str, stages: int, zero: int) 
     ref = plait.materialize(build(), seed=SEED)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     total = len({id(t) for t in list(net.parameters()) + list(net.buffers())})
-    model = plait.Model(net, plait.Config(layers_per_proc=even_cut(layers, stages), dp=world // stages, zero=zero,
+    model = plait.Model(net, plait.Config(layers_per_stage=even_cut(layers, stages), dp=world // stages, zero=zero,
                                           num_microbatches=2, seed=SEED, timeout_s=30.0),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), loss=loss_fn)
     batches = [({k: v[a:a + 4] for k, v in x.items()} if isinstance(x, dict) else x[a:a + 4], y[a:a + 4])
@@ -148,7 +148,7 @@ def test_each_rank_materializes_its_stages_and_trains_equal_to_one_process(name:
 def save_then_resume(rank: int, world: int, directory: str) -> list[str]:
     x, y, loss_fn = _data("mlp")
     batches = [(x[a:a + 4], y[a:a + 4]) for a in (0, 4, 8)]
-    config = plait.Config(layers_per_proc=even_cut(11, 2), num_microbatches=2, seed=SEED, timeout_s=30.0)
+    config = plait.Config(layers_per_stage=even_cut(11, 2), num_microbatches=2, seed=SEED, timeout_s=30.0)
 
     def model() -> plait.Model:
         return plait.Model(_mlp_on_meta(), config, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),

@@ -38,7 +38,7 @@ def fit_three_ways(rank, world):
         torch.manual_seed(1)
         net = mlp()
         ref = copy.deepcopy(net)
-        model = plait.Model(net, plait.Config(layers_per_proc=even_cut(11, world), num_microbatches=3),
+        model = plait.Model(net, plait.Config(layers_per_stage=even_cut(11, world), num_microbatches=3),
                             optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
                             loss=nn.CrossEntropyLoss(), metrics=["accuracy"])
         if form == "tensors":
@@ -114,17 +114,17 @@ def test_loss_that_is_not_a_scalar():
      r"schedule='zigzag' is not known; choose one of \['gpipe', '1f1b', 'interleaved', 'zbh1'\]"),
     ({"num_virtual_stages": 2}, "num_virtual_stages=2 needs schedule='interleaved', got schedule='1f1b'"),
     ({"num_virtual_stages": 0, "schedule": "interleaved"}, "num_virtual_stages must be a positive integer"),
-    ({"schedule": "interleaved", "num_virtual_stages": 2, "layers_per_proc": [1, 2, 3]},
+    ({"schedule": "interleaved", "num_virtual_stages": 2, "layers_per_stage": [1, 2, 3]},
      r"has 3 entries, not a multiple of num_virtual_stages=2"),
     ({"recompute": "sometimes"}, r"recompute='sometimes' is not known; use True, False, 'auto'"),
     ({"recompute": [0, -1]}, r"bad entries: \[-1\]"),
     ({"batch_weight_grads": 1}, "batch_weight_grads must be True or False .or None: the planner's choice., got 1"),
-    ({"layers_per_proc": [2, 0]}, r"bad entries: \[0\]"),
-    ({"layers_per_proc": [2, 2], "num_stages": 3}, "num_stages=3 but layers_per_proc=\\[2, 2\\]"),
+    ({"layers_per_stage": [2, 0]}, r"bad entries: \[0\]"),
+    ({"layers_per_stage": [2, 2], "num_stages": 3}, "num_stages=3 but layers_per_stage=\\[2, 2\\]"),
     ({"timeout_s": -1}, "timeout_s must be a positive number"),
     ({"checkpoint_dir": 3}, "checkpoint_dir must be a directory path or None, got 3"),
     ({"plan": 3}, "plan must be the path of a plan JSON file or None, got 3"),
-    ({"plan": "p.json", "layers_per_proc": [1, 1]}, r"plan='p.json' and layers_per_proc=\[1, 1\] both give"),
+    ({"plan": "p.json", "layers_per_stage": [1, 1]}, r"plan='p.json' and layers_per_stage=\[1, 1\] both give"),
     ({"replan": "yes"}, r"replan must be True, False or None \(as `plait run --replan` says\), got 'yes'"),
 ])
 def test_config_errors_name_the_value(kwargs, message):
@@ -153,9 +153,9 @@ def user_errors(rank, world):
     x, y = data()
     errors = {}
     cases = {
-        "sum": (mlp(), plait.Config(layers_per_proc=[2, 2])),
-        "world": (mlp(), plait.Config(layers_per_proc=[4, 4, 3])),
-        "region": (Reuse(), plait.Config(layers_per_proc=[1, 3])),
+        "sum": (mlp(), plait.Config(layers_per_stage=[2, 2])),
+        "world": (mlp(), plait.Config(layers_per_stage=[4, 4, 3])),
+        "region": (Reuse(), plait.Config(layers_per_stage=[1, 3])),
         "stages": (nn.Sequential(nn.Linear(8, 4)), plait.Config(num_stages=2)),
     }
     for name, (net, config) in cases.items():

@@ -187,7 +187,7 @@ def train_and_compare(name: str, world: int) -> dict[str, Any]:
     ref = copy.deepcopy(case.net)
     ref_opt = _sgd(ref.parameters())
     # A short wire timeout: a hang shows as a report naming rank, action and peer, not as a kill.
-    config = plait.Config(layers_per_proc=even_cut(LAYERS[name], world), num_microbatches=MICROBATCHES,
+    config = plait.Config(layers_per_stage=even_cut(LAYERS[name], world), num_microbatches=MICROBATCHES,
                           schedule="1f1b", timeout_s=60.0)
     model = plait.Model(case.net, config=config, optimizer=_sgd(case.net.parameters()), loss=case.loss)
     problems = []

@@ -85,7 +85,7 @@ def train_and_compare(name: str, setting: str) -> list[str]:
     ref = copy.deepcopy(net)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    model = plait.Model(net, plait.Config(layers_per_proc=cut, num_microbatches=2, timeout_s=30.0,
+    model = plait.Model(net, plait.Config(layers_per_stage=cut, num_microbatches=2, timeout_s=30.0,
                                           **SETTINGS[setting]),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), loss=loss_fn)
     problems = train_alongside(model, ref, ref_opt, loss_fn, [(x[a:a + 4], y[a:a + 4]) for a in (0, 4, 8)])

@@ -49,7 +49,7 @@ def train(rank: int, world: int) -> dict:
     for schedule in SCHEDULES:
         for recompute in (False, True, "by layer"):
             net = dropout_mlp()
-            model = plait.Model(net, plait.Config(layers_per_proc=CUT, num_microbatches=MICROBATCHES,
+            model = plait.Model(net, plait.Config(layers_per_stage=CUT, num_microbatches=MICROBATCHES,
                                                   schedule=schedule, recompute=bool(recompute),
                                                   recompute_by_layer=recompute == "by layer"),
                                 optimizer=sgd, loss=nn.CrossEntropyLoss())

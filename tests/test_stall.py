@@ -62,7 +62,7 @@ def _stall_at(name: str, call: int, stamp: str, released: str) -> None:
 def train(rank: int, world: int, victim: int, name: str, stamp: str, released: str):
     x, y = data(30)
     torch.manual_seed(0)
-    model = plait.Model(mlp(), plait.Config(layers_per_proc=(5, 6), num_microbatches=MICROBATCHES,
+    model = plait.Model(mlp(), plait.Config(layers_per_stage=(5, 6), num_microbatches=MICROBATCHES,
                                             timeout_s=TIMEOUT_S),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
     if rank == victim:
@@ -126,7 +126,7 @@ def stalled_step(rank: int, config: plait.Config, silent: int, sleep_s: float) -
 def stall(rank, world):
     """Rank 2 never runs its part: ranks 0 and 1 fail within timeout_s, each report marks both."""
     # timeout_s: long enough that the healthy ranks' own first messages arrive on a loaded machine
-    return stalled_step(rank, plait.Config(layers_per_proc=(3, 4, 4), num_microbatches=2, timeout_s=6),
+    return stalled_step(rank, plait.Config(layers_per_stage=(3, 4, 4), num_microbatches=2, timeout_s=6),
                         silent=2, sleep_s=16)
 
 
@@ -143,7 +143,7 @@ def test_a_stalled_peer_gives_a_report_not_a_hang():
 
 def stall_zero_bubble(rank, world):
     """ZB-H1 on 2 ranks, rank 1 never runs: rank 0's wait ends in a report, not a hang."""
-    return stalled_step(rank, plait.Config(layers_per_proc=(5, 6), num_microbatches=3, timeout_s=6,
+    return stalled_step(rank, plait.Config(layers_per_stage=(5, 6), num_microbatches=3, timeout_s=6,
                                            schedule="zbh1"), silent=1, sleep_s=18)
 
 

@@ -38,7 +38,7 @@ def build_with_own_seed(rank: int, world: int) -> dict[str, Any]:
 
     dist.broadcast = counting  # type: ignore[assignment]
     try:
-        model = plait.Model(net, plait.Config(layers_per_proc=even_cut(LAYERS["gpt"], 2), dp=2, timeout_s=30.0),
+        model = plait.Model(net, plait.Config(layers_per_stage=even_cut(LAYERS["gpt"], 2), dp=2, timeout_s=30.0),
                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss=loss)
         model.build(x[:4])
     finally:

@@ -265,7 +265,7 @@ DP2 = {"tp": 2, "dp": 2, "num_stages": 1}
 def pp2(*layers: int) -> dict[str, Any]:
     """2 stages x tp=2 cut after the given layers (a cut inside a block gathers the split value
     crossing it, and the rest of the block runs whole); the tied word embedding and head on both."""
-    return {"tp": 2, "layers_per_proc": layers}
+    return {"tp": 2, "layers_per_stage": layers}
 
 
 @pytest.mark.timeout(400)
@@ -276,7 +276,7 @@ def pp2(*layers: int) -> dict[str, Any]:
     [("gpt2", DP2, False), ("gpt2", {**DP2, "zero": 1}, True), ("llama", {**DP2, "zero": 1}, False),
      ("llama", DP2, True), ("bert-mlm", {**DP2, "zero": 1}, False), ("bert-mlm", DP2, True),
      ("llama", {**DP2, "zero": 1, "sequence_parallel": True}, True)],
-    [("llama", {"tp": 2, "layers_per_proc": (12, 12), "schedule": "zbh1", "batch_weight_grads": True}, False)],
+    [("llama", {"tp": 2, "layers_per_stage": (12, 12), "schedule": "zbh1", "batch_weight_grads": True}, False)],
     [("gpt2-odd", pp2(12, 11), True), ("gpt2-odd", {**DP2, "zero": 1}, True), ("gpt2-odd", {**DP2, "zero": 2}, False)],
 ], ids=["pp2xtp2", "dp2xtp2-zero0-zero1", "pp2xtp2-zbh1-batched-wgrad-llama", "odd-vocabulary-pp2xtp2-zero1-zero2"])
 def test_four_ranks_equal_one_process(runs: list[Run]) -> None:
@@ -299,7 +299,7 @@ ODD_RUNS = [({"tp": 2}, False), ({"tp": 2}, True), ({"tp": 2, "sequence_parallel
 
 def _odd(rank: int, world: int, root: str) -> dict[Any, Any]:
     out: dict[Any, Any] = {i: train_and_compare("gpt2-odd", config, adam) for i, (config, adam) in enumerate(ODD_RUNS)}
-    out["checkpoint"] = _save_and_resume(rank, world, root, {"tp": 2}, {"layers_per_proc": (12, 11)}, name="gpt2-odd")
+    out["checkpoint"] = _save_and_resume(rank, world, root, {"tp": 2}, {"layers_per_stage": (12, 11)}, name="gpt2-odd")
     return out
 
 
@@ -385,8 +385,8 @@ def _read(path: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world, first, second", [
-    (2, {"tp": 2}, {"layers_per_proc": (12, 11)}),                               # tp=2 -> 2 stages
-    (4, {"tp": 2, "layers_per_proc": (12, 11)}, {"layers_per_proc": (6, 6, 6, 5)}),  # pp=2 x tp=2 -> pp=4
+    (2, {"tp": 2}, {"layers_per_stage": (12, 11)}),                               # tp=2 -> 2 stages
+    (4, {"tp": 2, "layers_per_stage": (12, 11)}, {"layers_per_stage": (6, 6, 6, 5)}),  # pp=2 x tp=2 -> pp=4
 ], ids=["tp2-to-pp2", "pp2xtp2-to-pp4"])
 def test_checkpoint_of_a_tp_run_resumes_in_another_layout(world: int, first: dict[str, Any],
                                                           second: dict[str, Any], tmp_path: Any) -> None:

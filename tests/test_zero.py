@@ -39,7 +39,7 @@ def _model(name: str, stages: int, dp: int, zero: int, kind: str, net: Any = Non
            **fields: Any) -> tuple[plait.Model, Any]:
     net = net if net is not None else make(name)[0]
     loss = make(name)[3]
-    config = plait.Config(**{"layers_per_proc": even_cut(LAYERS[name], stages), "dp": dp, "zero": zero,
+    config = plait.Config(**{"layers_per_stage": even_cut(LAYERS[name], stages), "dp": dp, "zero": zero,
                              "num_microbatches": 2, "timeout_s": 30.0, **fields})
     return plait.Model(net, config, optimizer=_optimizer(kind), loss=loss), net
 
@@ -143,9 +143,9 @@ def test_owners_follow_whole_shapes_so_a_tp_cut_stage_agrees_with_the_others() -
 @pytest.mark.parametrize("widths", [(2, 1), (1, 2)])
 @pytest.mark.timeout(300)
 def test_stages_of_different_dp_shard_over_their_own_replicas(widths: tuple[int, int], zero: int) -> None:
-    """dp_per_stage: the stage of two replicas shards its state (2: and gradients) over them; the
+    """stage_dp: the stage of two replicas shards its state (2: and gradients) over them; the
     stage of one keeps all of its own; the GPT's tied embedding and head is stepped by every holder."""
-    report = run_ranks(3, train_and_compare, "gpt", 2, "adam", zero, 4, {"dp_per_stage": widths}, timeout=280)
+    report = run_ranks(3, train_and_compare, "gpt", 2, "adam", zero, 4, {"stage_dp": widths}, timeout=280)
     for r in report:
         assert not r["problems"], "\n".join(r["problems"])
         assert r["zero"] == zero

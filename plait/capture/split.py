@@ -194,7 +194,7 @@ def _read_on_holders(captured: CapturedGraph, node_stage: Mapping[fx.Node, int],
             raise PartitionError(
                 f"{node.target} is read on stage {used[0]} in this graph, before stage {min(holders)} that "
                 f"holds it in the training graph (stages {sorted(holders)}), and values only flow forward: "
-                "cut elsewhere (Config(layers_per_proc=...)), so the layers that read it share a stage")
+                "cut elsewhere (Config(layers_per_stage=...)), so the layers that read it share a stage")
         out[node] = max(before)
     return out
 

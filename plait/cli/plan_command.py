@@ -291,14 +291,14 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if chosen is not None:
         text += f"\nConfig() on {args.devices} rank(s) here runs: {chosen}"
     if mixed is not None:
-        copies = f"{mixed.dp} copies of a pipeline; Config(layers_per_proc, tp_per_stage, dp={mixed.dp})" \
-            if mixed.dp > 1 else "one pipeline; Config(layers_per_proc, tp_per_stage)"
+        copies = f"{mixed.dp} copies of a pipeline; Config(layers_per_stage, stage_tp, dp={mixed.dp})" \
+            if mixed.dp > 1 else "one pipeline; Config(layers_per_stage, stage_tp)"
         text += (f"\nstages of different tp widths ({copies}): tp "
                  f"{list(mixed.widths)}, layers {list(mixed.layers_per_stage)}, {mixed.num_microbatches} "
                  f"micro-batches, {mixed.schedule}{', recomputed' if mixed.recompute else ''}, crossing as "
                  f"{mixed.crossing}: {mixed.step_time_s:.4f} s a step")
     if mixed_dp is not None:
-        text += (f"\nstages of different dp widths (one pipeline; Config(layers_per_proc, dp_per_stage)): dp "
+        text += (f"\nstages of different dp widths (one pipeline; Config(layers_per_stage, stage_dp)): dp "
                  f"{list(mixed_dp.dp)}, layers {list(mixed_dp.layers_per_stage)}, {mixed_dp.num_microbatches} "
                  f"micro-batches, {mixed_dp.schedule}{', recomputed' if mixed_dp.recompute else ''}: "
                  f"{mixed_dp.step_time_s:.4f} s a step")

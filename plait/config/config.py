@@ -5,35 +5,40 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from plait.config.aliases import taking_old_names
 from plait.config.json_form import config_from_dict, config_from_json, config_to_dict, config_to_json
 from plait.config.layout import check_layout, check_recompute, check_schedule, check_tp, check_zero
 from plait.config.settings import check_checkpoints, check_init_fn, check_leaf_modules, check_planning, check_running
-from plait.config.widths import check_dp_per_stage, check_tp_per_stage, stage_lanes
+from plait.config.widths import check_stage_dp, check_stage_tp, stage_lanes
 from plait.errors import ConfigError
 from plait.plan.execution import Execution
 
 __all__ = ["Config"]
 
 
+@taking_old_names
 @dataclass(frozen=True)
 class Config:
     """How to split and run the model.
 
     What is left open is planned when the model first sees data (`plait.planner.layout`): with no
-    size at all (none of layers_per_proc, split_points, num_stages, dp, num_microbatches, plan)
+    size at all (none of layers_per_stage, split_points, num_stages, dp, num_microbatches, plan)
     rank 0 profiles the model and the cost model chooses pp, dp, micro-batches, schedule and
     recomputation (the search honours a schedule or recompute given); with a size but no cut
-    (layers_per_proc or split_points), the layers are cut by the cost model's optimal partition
+    (layers_per_stage or split_points), the layers are cut by the cost model's optimal partition
     for that layout.
     Every rank gets rank 0's choice. One process (no launcher) runs one stage, unplanned.
 
-    layers_per_proc: captured layers on each pipeline stage, in order (None: planned).
+    The layout's fields have the Plan's names (layers_per_stage, stage_tp, stage_dp); the old ones
+    (layers_per_proc, tp_per_stage, dp_per_stage) still work, made and read (`plait.config.aliases`).
+
+    layers_per_stage: captured layers on each pipeline stage, in order (None: planned).
         With num_virtual_stages = v > 1 it lists every model chunk, num_stages x v entries.
     split_points: the cut given by module names instead of counts (None: planned): qualified
         names as in `net.named_modules()` (e.g. ["model.layers.6"] or ["transformer.h.2"]), each
         starting a new stage at the first captured layer that runs in that module, in the
         model's order: len + 1 stages (with v > 1, len + 1 = num_stages x v chunks). Like
-        torch.distributed.pipelining's SplitPoint.BEGINNING. Not with layers_per_proc or plan.
+        torch.distributed.pipelining's SplitPoint.BEGINNING. Not with layers_per_stage or plan.
     leaf_modules: modules to keep whole, not traced into (one opaque layer each, its own forward
         run as it is): qualified names as in `net.named_modules()`, or class names (or classes)
         for every instance. plait keeps a module whole by itself where torch.export stops in it.
@@ -41,12 +46,12 @@ class Config:
         steps its share of the parameters, whole ones, then broadcasts them); 2 also shards the
         gradients (each bucket reduced to the owners of its parameters instead of all-reduced,
         and the others' gradients freed before the optimizer step); 0 replicates both. None
-        (default): the planner chooses, else 0. Needs dp > 1 (or a dp_per_stage of a stage > 1).
+        (default): the planner chooses, else 0. Needs dp > 1 (or a stage_dp of a stage > 1).
     init_fn: for a model built on the meta device, fn(module) initialising one module's own
         tensors in place (None: a Hugging Face model's `_init_weights`, else each module's
         `reset_parameters()`), called under an RNG seeded by (seed, module name) so values do not
         depend on the layout (`plait.materialize`). A function: `to_dict` leaves it out.
-    num_stages: pipeline stages, i.e. ranks per pipeline (None: the length of `layers_per_proc`
+    num_stages: pipeline stages, i.e. ranks per pipeline (None: the length of `layers_per_stage`
         or of `split_points` + 1, divided by v, else the world size / dp, or planned when no
         size is given).
     num_microbatches: micro-batches each global batch is cut into (clamped to the batch size;
@@ -90,25 +95,25 @@ class Config:
         pairs column- then row-parallel, attention by heads, the word embedding and the LM head
         by vocabulary rows); tp ranks are consecutive (one node). Default None: the planner chooses
         it (1, 2, 4 or 8 within a node) where it plans the whole layout by timing, else 1.
-    tp_per_stage: one tp per pipeline stage, for stages of different widths (Alpa's cross-mesh
-        resharding), e.g. (2, 1) with layers_per_proc=(a, b): stage 0 on ranks 0 1, stage 1 on rank 2
+    stage_tp: one tp per pipeline stage, for stages of different widths (Alpa's cross-mesh
+        resharding), e.g. (2, 1) with layers_per_stage=(a, b): stage 0 on ranks 0 1, stage 1 on rank 2
         (the stages' ranks in order; world size = their sum x dp: with dp=2, a second copy of the
         pipeline on ranks 3 4 | 5, each stage's gradients all-reduced over the copies, and ZeRO
         sharding over them). A stage output crosses as `crossing` says (`plait.cost.tiles`). Needs
-        the cut (layers_per_proc or split_points); not with interleaving, tp_plan, sequence
+        the cut (layers_per_stage or split_points); not with interleaving, tp_plan, sequence
         parallelism, a plan file or replan (refused by name). Checkpoints and exports are by name,
         as for any layout: they load into any other, and any other's into these. None: one tp for
         every stage (`tp`).
-    crossing: with tp_per_stage, how a value crosses between stages of different widths: "tiles"
+    crossing: with stage_tp, how a value crosses between stages of different widths: "tiles"
         (once over the link, tile by tile; the receiving stage all-gathers it, Alpa's) or "whole"
         (every receiving rank gets all of it; nothing gathered). None: "tiles", or the planner's
         choice by its cost model where it chose the widths.
-    dp_per_stage: one dp per pipeline stage, for stages of different data-parallel widths, e.g.
-        (2, 1) with layers_per_proc=(a, b): stage 0 on ranks 0 1 (two replicas, each running half
+    stage_dp: one dp per pipeline stage, for stages of different data-parallel widths, e.g.
+        (2, 1) with layers_per_stage=(a, b): stage 0 on ranks 0 1 (two replicas, each running half
         the rows of every micro-batch), stage 1 on rank 2 (world size = their sum). Activations cross
         by row blocks and their gradients back (`plait.cost.row_blocks`); each micro-batch's rows
         must divide by every stage's dp. Needs the cut and tp=1; not with grad_reduction="sum" nor
-        what tp_per_stage refuses but ZeRO (refused by name); with zero, each stage of replicas
+        what stage_tp refuses but ZeRO (refused by name); with zero, each stage of replicas
         shards its optimizer state (2: and gradients) over them. None: one dp for every stage.
     tp_plan: {module-name pattern: "colwise" | "rowwise" | "vocab" | "replicate"} fixing the
         strategy of the linears and embeddings it names (fnmatch patterns such as
@@ -129,7 +134,7 @@ class Config:
         rank) or "ignore" (no check at all).
     """
 
-    layers_per_proc: tuple[int, ...] | None = None
+    layers_per_stage: tuple[int, ...] | None = None
     split_points: tuple[str, ...] | None = None
     leaf_modules: tuple[str, ...] = ()
     zero: int | None = None
@@ -156,17 +161,17 @@ class Config:
     tp: int | None = None
     tp_plan: tuple[tuple[str, str], ...] | None = None  # given as a dict; kept as its items, in order
     sequence_parallel: bool = False
-    tp_per_stage: tuple[int, ...] | None = None
+    stage_tp: tuple[int, ...] | None = None
     crossing: str | None = None
-    dp_per_stage: tuple[int, ...] | None = None
+    stage_dp: tuple[int, ...] | None = None
     recompute_by_layer: bool | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # the checks, in this order (a later one reads fields an earlier one normalised): the layout's
         # in plait/config/layout.py and widths.py, the settings beside it in plait/config/settings.py
         check_tp(self)
-        check_tp_per_stage(self)
-        check_dp_per_stage(self)
+        check_stage_tp(self)
+        check_stage_dp(self)
         check_leaf_modules(self)
         check_layout(self)
         check_zero(self)
@@ -177,11 +182,27 @@ class Config:
         check_checkpoints(self)
         check_planning(self)
 
+    # the old names, read (`Config(layers_per_proc=...)` sets the new field: `taking_old_names`)
+    @property
+    def layers_per_proc(self) -> tuple[int, ...] | None:
+        """`layers_per_stage`'s old name."""
+        return self.layers_per_stage
+
+    @property
+    def tp_per_stage(self) -> tuple[int, ...] | None:
+        """`stage_tp`'s old name."""
+        return self.stage_tp
+
+    @property
+    def dp_per_stage(self) -> tuple[int, ...] | None:
+        """`stage_dp`'s old name."""
+        return self.stage_dp
+
     @property
     def plans_everything(self) -> bool:
-        """No size given (layers_per_proc, split_points, num_stages, dp, num_microbatches, plan):
+        """No size given (layers_per_stage, split_points, num_stages, dp, num_microbatches, plan):
         the planner chooses the whole layout."""
-        return (self.layers_per_proc is None and self.split_points is None and self.num_stages is None
+        return (self.layers_per_stage is None and self.split_points is None and self.num_stages is None
                 and self.dp is None and self.num_microbatches is None and self.plan is None)
 
     def with_defaults(self) -> "Config":
@@ -202,9 +223,11 @@ class Config:
     def lanes(self, world_size: int) -> int:
         """Ranks per tensor-parallel part (world size / tp): the pp x dp ranks the layout is planned on
         (tp=None: the world, until the planner chooses tp)."""
-        lanes = stage_lanes(self, world_size)  # stages of different widths: one lane per stage
+        lanes = stage_lanes(self, world_size)  # stages of different widths: their Mesh's pp x dp
         if lanes is not None:
             return lanes
+        # A uniform layout's Mesh is the Plan's, made once pp and dp are known (`plait.planner.resolve`); one
+        # of them may still be open here: tp alone is checked against the world, and `stages_for` derives pp.
         if self.tp is None:
             return world_size
         if world_size % self.tp:
@@ -216,8 +239,8 @@ class Config:
 
     def stages_for(self, world_size: int) -> int:
         """Pipeline stages (ranks per pipeline) on `world_size` ranks; world size must be dp x stages."""
-        if self.layers_per_proc is not None:
-            stages: int | None = len(self.layers_per_proc) // self.num_virtual_stages
+        if self.layers_per_stage is not None:
+            stages: int | None = len(self.layers_per_stage) // self.num_virtual_stages
         elif self.split_points is not None:
             stages = (len(self.split_points) + 1) // self.num_virtual_stages
         else:
@@ -231,8 +254,8 @@ class Config:
                 )
             return world_size // dp
         if stages * dp != world_size:
-            lpp = None if self.layers_per_proc is None else list(self.layers_per_proc)
-            cut = (f"layers_per_proc={lpp}" if self.split_points is None
+            layers = None if self.layers_per_stage is None else list(self.layers_per_stage)
+            cut = (f"layers_per_stage={layers}" if self.split_points is None
                    else f"split_points={list(self.split_points)}")
             tp = self.tp or 1
             raise ConfigError(

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, fields, replace
 from typing import Any
 
+from plait.config.aliases import OLD_NAMES, new_names
 from plait.errors import ConfigError
 
 __all__ = ["config_to_dict", "config_from_dict", "config_to_json", "config_from_json"]
@@ -17,7 +18,7 @@ __all__ = ["config_to_dict", "config_from_dict", "config_to_json", "config_from_
 def config_to_dict(config: Any) -> dict[str, Any]:
     """The fields as plain JSON-ready values."""
     d = asdict(replace(config, init_fn=None))
-    for name in ("layers_per_proc", "split_points", "leaf_modules", "tp_per_stage", "dp_per_stage"):
+    for name in ("layers_per_stage", "split_points", "leaf_modules", "stage_tp", "stage_dp"):
         if d[name] is not None:
             d[name] = list(d[name])
     for name in ("recompute", "recompute_by_layer"):
@@ -33,11 +34,11 @@ def config_from_dict(cls: Any, data: Any) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"a Config is a JSON object of its fields, got {type(data).__name__}")
     known = {f.name for f in fields(cls)}
-    unknown = sorted(str(k) for k in data if k not in known)
+    unknown = sorted(str(k) for k in data if k not in known and k not in OLD_NAMES)
     if unknown:
         raise ConfigError(f"unknown Config fields {unknown}; known: {sorted(known)}")
-    values = dict(data)
-    for name in ("layers_per_proc", "split_points", "leaf_modules", "recompute", "recompute_by_layer"):
+    values = new_names(data)  # a Config saved before the layout's fields took the Plan's names
+    for name in ("layers_per_stage", "split_points", "leaf_modules", "recompute", "recompute_by_layer"):
         if isinstance(values.get(name), list):
             values[name] = tuple(values[name])
     try:

@@ -37,8 +37,8 @@ def check_tp(config: Any) -> None:
 
 
 def check_layout(config: Any) -> None:
-    """layers_per_proc, split_points, num_stages and dp: sizes, and the cut against the stages."""
-    if config.layers_per_proc is not None:
+    """layers_per_stage, split_points, num_stages and dp: sizes, and the cut against the stages."""
+    if config.layers_per_stage is not None:
         _check_layers(config)
     if config.split_points is not None:
         _check_split_points(config)
@@ -49,33 +49,33 @@ def check_layout(config: Any) -> None:
 
 
 def _check_layers(config: Any) -> None:
-    lpp = config.layers_per_proc
-    if lpp is None:
+    given = config.layers_per_stage
+    if given is None:
         return
-    if isinstance(lpp, (str, bytes)) or not hasattr(lpp, "__iter__"):
-        raise ConfigError(f"layers_per_proc must be a list of layer counts, one per stage, got {lpp!r}; "
-                          "for example layers_per_proc=[2, 3, 3]")
-    counts = tuple(lpp)
+    if isinstance(given, (str, bytes)) or not hasattr(given, "__iter__"):
+        raise ConfigError(f"layers_per_stage must be a list of layer counts, one per stage, got {given!r}; "
+                          "for example layers_per_stage=[2, 3, 3]")
+    counts = tuple(given)
     bad = [c for c in counts if not isinstance(c, int) or isinstance(c, bool) or c < 1]
     if not counts or bad:
-        raise ConfigError(f"layers_per_proc={list(counts)} must hold one positive integer per stage "
+        raise ConfigError(f"layers_per_stage={list(counts)} must hold one positive integer per stage "
                           f"(bad entries: {bad}); every stage needs at least one layer")
-    object.__setattr__(config, "layers_per_proc", counts)
+    object.__setattr__(config, "layers_per_stage", counts)
     v = config.num_virtual_stages if isinstance(config.num_virtual_stages, int) else 1
     if v > 1 and len(counts) % v:
-        raise ConfigError(f"layers_per_proc={list(counts)} has {len(counts)} entries, not a multiple of "
+        raise ConfigError(f"layers_per_stage={list(counts)} has {len(counts)} entries, not a multiple of "
                           f"num_virtual_stages={v}; with interleaving it lists every model chunk "
                           f"(num_stages x {v} entries)")
     if v > 1 and config.num_stages is not None and config.num_stages * v != len(counts):
         raise ConfigError(f"num_stages={config.num_stages} x num_virtual_stages={v} = {config.num_stages * v} "
-                          f"chunks but layers_per_proc={list(counts)} has {len(counts)} entries; make them agree")
+                          f"chunks but layers_per_stage={list(counts)} has {len(counts)} entries; make them agree")
     if v == 1 and config.num_stages is not None and config.num_stages != len(counts):
-        raise ConfigError(f"num_stages={config.num_stages} but layers_per_proc={list(counts)} has "
+        raise ConfigError(f"num_stages={config.num_stages} but layers_per_stage={list(counts)} has "
                           f"{len(counts)} entries; give one of them, or make them agree")
 
 
 def _check_split_points(config: Any) -> None:
-    """split_points: a list of distinct names, not with layers_per_proc, against the stages."""
+    """split_points: a list of distinct names, not with layers_per_stage, against the stages."""
     points = config.split_points
     if points is None:
         return
@@ -92,10 +92,10 @@ def _check_split_points(config: Any) -> None:
         raise ConfigError(f"split_points={list(names)} names {twice} more than once; each name starts one "
                           "stage: list it once")
     object.__setattr__(config, "split_points", names)
-    if config.layers_per_proc is not None:
-        raise ConfigError(f"split_points={list(names)} and layers_per_proc={list(config.layers_per_proc)} both "
+    if config.layers_per_stage is not None:
+        raise ConfigError(f"split_points={list(names)} and layers_per_stage={list(config.layers_per_stage)} both "
                           "give the cut; keep one of them (split_points names the module each stage after "
-                          "the first starts at, layers_per_proc counts the layers of each stage)")
+                          "the first starts at, layers_per_stage counts the layers of each stage)")
     chunks = len(names) + 1
     v = config.num_virtual_stages if isinstance(config.num_virtual_stages, int) else 1
     if v > 1 and chunks % v:
@@ -116,7 +116,7 @@ def check_zero(config: Any) -> None:
         return
     if isinstance(config.zero, bool) or config.zero not in (0, 1, 2):
         raise ConfigError(f"zero must be 0, 1, 2 or None, got {config.zero!r}")
-    if config.zero and config.dp == 1 and max(config.dp_per_stage or (1,)) == 1:
+    if config.zero and config.dp == 1 and max(config.stage_dp or (1,)) == 1:
         raise ConfigError(f"zero={config.zero} shards over a stage's replicas, but dp=1 has "
                           "one replica; set dp > 1 or zero=0")
 

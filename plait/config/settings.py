@@ -66,8 +66,8 @@ def check_checkpoints(config: Any) -> None:
 
 
 def check_planning(config: Any) -> None:
-    if _path(config, "plan", "the path of a plan JSON file") is not None and config.layers_per_proc is not None:
-        raise ConfigError(f"plan={config.plan!r} and layers_per_proc={list(config.layers_per_proc)} both give "
+    if _path(config, "plan", "the path of a plan JSON file") is not None and config.layers_per_stage is not None:
+        raise ConfigError(f"plan={config.plan!r} and layers_per_stage={list(config.layers_per_stage)} both give "
                           "the layers of each stage; keep one of them")
     if config.plan is not None and config.split_points is not None:
         raise ConfigError(f"plan={config.plan!r} and split_points={list(config.split_points)} both give the "

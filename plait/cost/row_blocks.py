@@ -31,11 +31,11 @@ def row_block(rows: int, replicas: int, replica: int) -> tuple[int, int]:
 
 
 def check_rows(rows: int, widths: Sequence[int], what: str = "a micro-batch") -> None:
-    """Raise ConfigError unless `rows` divides by every stage's replicas (`widths`, dp_per_stage)."""
+    """Raise ConfigError unless `rows` divides by every stage's replicas (`widths`, stage_dp)."""
     bad = sorted({w for w in widths if rows % w})
     if bad:
         multiple = math.lcm(*widths)
-        raise ConfigError(f"{what} of {rows} rows does not divide by dp={bad} of dp_per_stage={list(widths)} "
+        raise ConfigError(f"{what} of {rows} rows does not divide by dp={bad} of stage_dp={list(widths)} "
                           f"(each replica of a stage runs an equal block of every micro-batch's rows); use a "
                           f"batch size that is num_microbatches x a multiple of {multiple}")
 

@@ -101,7 +101,8 @@ class Mesh:
         if sum(widths) * copies != self.world_size:
             times = f" x dp={copies}" if copies > 1 else ""
             raise ConfigError(f"{name}={shown}{times}, {sum(widths) * copies} ranks in all, on world_size="
-                              f"{self.world_size}; the stages' {what}{times} must add up to the world size")
+                              f"{self.world_size}; the stages' {what}{times} must add up to the world size: "
+                              f"launch {sum(widths) * copies} ranks, or change {name}")
 
     def _check_stage_tp(self) -> None:
         """stage_tp: one positive width per stage, their sum x dp the world size; tp the widest."""

@@ -108,7 +108,7 @@ def choose(result: PlanResult, config: Config, world_size: int, source: str, cap
         chosen.pop("tp")
     if not config.plans_everything:  # the user's layout, with the planner's layers (and ZeRO) only
         by_layer = chosen["recompute_by_layer"] if config.recompute is True else []
-        chosen = {"layers_per_proc": chosen["layers_per_proc"], "zero": chosen["zero"], "recompute_by_layer": by_layer}
+        chosen = {"layers_per_stage": chosen["layers_per_stage"], "zero": chosen["zero"], "recompute_by_layer": by_layer}
     if config.recompute_by_layer is not None:  # the user's, priced as given when False (`Cluster`)
         chosen.pop("recompute_by_layer", None)
     report = PlanReport(best.to_dict(), result.to_dict()["alternatives"], result.table(), source,
@@ -118,7 +118,7 @@ def choose(result: PlanResult, config: Config, world_size: int, source: str, cap
 
 def candidate_fields(candidate: dict[str, Any]) -> dict[str, Any]:
     """A planner candidate (`Candidate.to_dict()`) as Config fields."""
-    return {"layers_per_proc": list(candidate["layers_per_stage"]), "num_stages": int(candidate["pp"]),
+    return {"layers_per_stage": list(candidate["layers_per_stage"]), "num_stages": int(candidate["pp"]),
             "dp": int(candidate["dp"]), "num_microbatches": int(candidate["num_microbatches"]),
             "schedule": str(candidate["schedule"]),
             "num_virtual_stages": int(candidate.get("num_virtual_stages", 1)),

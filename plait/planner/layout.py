@@ -3,8 +3,8 @@
 Which layout a run gets, first match wins (`choose_layout`):
 
     1. one process, or the cut given           the config as it is (defaults for what is open);
-       (layers_per_proc or split_points)       split_points become layers_per_proc here (stages
-                                               of different widths, Config.tp_per_stage, give it)
+       (layers_per_stage or split_points)      split_points become layers_per_stage here (stages
+                                               of different widths, Config.stage_tp, give it)
     2. Config(plan=path)                       the plan file, checked against world and layers
     3. resuming a checkpoint, layers open      the checkpoint's layout (so a resume is exact)
     4. no size given (Config())                profile, search pp x dp, micro-batches, schedule,
@@ -37,6 +37,7 @@ from torch import nn
 from plait import data as batching
 from plait.capture.trace import CapturedGraph
 from plait.config import Config
+from plait.config.aliases import new_names
 from plait.schedule.registry import SCHEDULE_NAMES
 from plait.cost.network import Network
 from plait.errors import ConfigError, PartitionError
@@ -102,10 +103,10 @@ def layout_of(config: Config, work: Workload, world_size: int, report: PlanRepor
 def choose_layout(work: Workload, config: Config, world_size: int, rank: int,
                   resumed_plan: dict[str, Any] | None = None) -> Layout:
     """The layout of this run (see the module's list); every rank returns the same one."""
-    if config.tp_per_stage is not None:  # stages of different widths: the user's cut, not planned
-        layers = config.layers_per_proc or cut_at(config.split_points or (), work.layer_names,
+    if config.stage_tp is not None:  # stages of different widths: the user's cut, not planned
+        layers = config.layers_per_stage or cut_at(config.split_points or (), work.layer_names,
                                                   work.captured.layers.uncuttable)
-        return layout_of(replace(config.with_defaults(), split_points=None, layers_per_proc=layers), work, world_size)
+        return layout_of(replace(config.with_defaults(), split_points=None, layers_per_stage=layers), work, world_size)
     if config.tp is None:  # the planner's choice, where it plans the whole layout by timing
         tp = _fixed_tp(work, config, world_size, resumed_plan)
         if tp is not None:
@@ -115,18 +116,18 @@ def choose_layout(work: Workload, config: Config, world_size: int, rank: int,
         lanes = choose_layout(work, replace(config, tp=1, tp_plan=None), config.lanes(world_size), rank, resumed_plan)
         return layout_of(replace(lanes.config, tp=config.tp, tp_plan=config.tp_plan), work, world_size, lanes.report)
     if world_size == 1:
-        return layout_of(replace(config.with_defaults(), layers_per_proc=None, split_points=None,
+        return layout_of(replace(config.with_defaults(), layers_per_stage=None, split_points=None,
                                  num_stages=None), work, 1)
     if config.split_points is not None:  # the layout's config counts layers, as a planned one does
         layers = cut_at(config.split_points, work.layer_names, work.captured.layers.uncuttable)
-        config = replace(config, split_points=None, layers_per_proc=layers)
-    if config.layers_per_proc is not None:
+        config = replace(config, split_points=None, layers_per_stage=layers)
+    if config.layers_per_stage is not None:
         return layout_of(config.with_defaults(), work, world_size)
     if config.plan is None and on_meta(work.net):  # nothing to time: cut by parameter counts
         if config.plans_everything:
             raise ConfigError(
                 "the model is on the meta device, so plait cannot time its layers to plan the layout; "
-                "give the layout: num_stages (and dp), layers_per_proc or split_points"
+                "give the layout: num_stages (and dp), layers_per_stage or split_points"
             )
         return layout_of(config.with_defaults(), work, world_size)
 
@@ -146,7 +147,7 @@ def choose_layout(work: Workload, config: Config, world_size: int, rank: int,
     # Rank 0's profile may take longer than a step's waits: give it ten times as long.
     answer = agree(rank, decide, "layout plan", max(10 * config.timeout_s, 120.0))
     fields = dict(answer["fields"])
-    for name in ("layers_per_proc", "recompute", "recompute_by_layer"):
+    for name in ("layers_per_stage", "recompute", "recompute_by_layer"):
         if isinstance(fields.get(name), list):
             fields[name] = tuple(fields[name])
     if fields.get("tp", 1) == 1:
@@ -257,7 +258,7 @@ def _resumed_fields(plan: dict[str, Any], config: Config, world_size: int,
             return None
         layers = [int(c) for c in plan["layers_per_stage"]]
         v, dp = int(plan.get("num_virtual_stages", 1)), int(plan.get("dp", 1))
-        full: dict[str, Any] = {"layers_per_proc": layers, "num_stages": len(layers) // v, "dp": dp,
+        full: dict[str, Any] = {"layers_per_stage": layers, "num_stages": len(layers) // v, "dp": dp,
                 "num_microbatches": int(plan["num_microbatches"]), "schedule": str(plan["schedule"]),
                 "num_virtual_stages": v, "recompute": [int(s) for s in plan.get("recompute", [])],
                 "recompute_by_layer": [int(s) for s in plan.get("recompute_by_layer", [])],
@@ -274,7 +275,7 @@ def _resumed_fields(plan: dict[str, Any], config: Config, world_size: int,
         return full
     c = config.with_defaults()
     if c.num_virtual_stages == v and c.stages_for(world_size) * v == len(layers):
-        return {"layers_per_proc": layers, "zero": full["zero"]}  # the same pp, so the same dp
+        return {"layers_per_stage": layers, "zero": full["zero"]}  # the same pp, so the same dp
     return None
 
 
@@ -289,13 +290,15 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
     except ValueError as e:
         raise ConfigError(f"{where}: the file is not JSON ({e}); expected model.plan_report.save() "
                           "or `plait plan -o` output") from None
+    if isinstance(data, dict):  # a file saved before the planner's JSON took the Plan's names (tp_per_stage, ...)
+        data = new_names(data, where)
     if not isinstance(data, dict) or "layers_per_stage" not in data:
         raise ConfigError(f"{where}: not a plait plan (no layers_per_stage); expected "
                           "model.plan_report.save(), `plait plan -o` or model.plan.to_json() output")
     fields: dict[str, Any]
     try:
         if "layer_names" in data:  # Plan.to_json()
-            fields = {"layers_per_proc": [int(c) for c in data["layers_per_stage"]],
+            fields = {"layers_per_stage": [int(c) for c in data["layers_per_stage"]],
                       "dp": int(data.get("dp", 1)), "num_microbatches": int(data["num_microbatches"]),
                       "schedule": str(data["schedule"]),
                       "num_virtual_stages": int(data.get("num_virtual_stages", 1)),
@@ -313,9 +316,9 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
             fields.pop("tp")  # a plan file gives the pp x dp layout; Config.tp gives tp
             saved_names = tuple(str(n) for s in data.get("stages", []) for n in s.get("layers", []))
             saved_world = fields["num_stages"] * fields["dp"]
-            widths = _width_fields(data.get("tp_per_stage"), data.get("dp_per_stage"), data.get("crossing", "tiles"))
+            widths = _width_fields(data.get("stage_tp"), data.get("stage_dp"), data.get("crossing", "tiles"))
         fields.update(widths)  # a pipeline of stages of different widths: on their ranks
-        for field, copies in (("tp_per_stage", fields["dp"]), ("dp_per_stage", 1)):
+        for field, copies in (("stage_tp", fields["dp"]), ("stage_dp", 1)):
             if field in widths:
                 saved_world = sum(widths[field]) * copies
     except (KeyError, TypeError, ValueError) as e:
@@ -326,7 +329,7 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
     if saved_world != world_size:
         raise ConfigError(f"{where}: the plan is for {saved_world} ranks but the world size is "
                           f"{world_size}; launch {saved_world} ranks or plan again for {world_size}")
-    count = sum(fields["layers_per_proc"])
+    count = sum(fields["layers_per_stage"])
     if count != len(names) or (saved_names and saved_names != names):
         raise ConfigError(
             f"{where}: the plan cuts {count} layers ({', '.join(saved_names[:6]) or 'names not saved'}"
@@ -348,15 +351,15 @@ def _width_fields(tp: Any, dp: Any, crossing: Any) -> dict[str, Any]:
     crossing), or dp per stage; {} for a uniform one (neither saved)."""
     out: dict[str, Any] = {}
     if tp:
-        out.update(tp_per_stage=[int(w) for w in tp], crossing=str(crossing))
+        out.update(stage_tp=[int(w) for w in tp], crossing=str(crossing))
     if dp:
-        out["dp_per_stage"] = [int(w) for w in dp]
+        out["stage_dp"] = [int(w) for w in dp]
     return out
 
 
 def _stage_table(chosen: dict[str, Any]) -> str:
     """The replayed candidate's stages, one a line (the profile behind it is not in the file)."""
-    widths = "".join(f" {k}={chosen[k]}" for k in ("tp_per_stage", "dp_per_stage") if chosen.get(k))
+    widths = "".join(f" {k}={chosen[k]}" for k in ("stage_tp", "stage_dp") if chosen.get(k))
     lines = [f"pp={chosen['pp']} dp={chosen['dp']}{widths} {chosen['num_microbatches']} micro-batches "
              f"{chosen['schedule']} recompute={chosen.get('recompute', False)} "
              f"zero={chosen.get('zero', 0) or 0}, predicted step "

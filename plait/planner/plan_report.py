@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from plait.config.aliases import new_names
 from plait.cost.buckets import DEFAULT_BUCKET_BYTES
 from plait.cost.network import Network
 from plait.cost.prediction import Cluster, Prediction, Setting, predict
@@ -90,8 +91,8 @@ class PlanReport:
     @classmethod
     def from_dict(cls, data: dict[str, Any], table: str) -> "PlanReport":
         """The inverse of `to_dict` (the check is not read back: it belongs to the run)."""
-        chosen = {k: v for k, v in data.items() if k not in (
-            "alternatives", "global_batch", "source", "costs", "cluster", "feedback", "earlier_layouts")}
+        chosen = new_names({k: v for k, v in data.items() if k not in (  # a report saved with tp_per_stage, ...
+            "alternatives", "global_batch", "source", "costs", "cluster", "feedback", "earlier_layouts")}, "plan report")
         costs = LayerCosts.from_dict(data["costs"]) if "costs" in data else None
         cluster = None
         if "cluster" in data:

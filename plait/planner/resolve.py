@@ -5,7 +5,7 @@ and the captured layers into the `Plan` the runtime builds from, so that pipelin
 assembles: no partition, no default and no recomputation decision is left to it.
 
     one process          one stage of every layer (a size given is ignored, with a warning)
-    layers_per_proc      the user's or the planner's cut, checked against the uncuttable regions
+    layers_per_stage     the user's or the planner's cut, checked against the uncuttable regions
     split_points         the user's cut by module names, to layer counts (`plait.search.split_points`)
     none (one rank each) a balanced cut by parameter count (num_stages given, search not possible)
 """
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from plait.capture.split import split, stage_of_layers, tied_parameters
+from plait.capture.tp_layout import TpLayout
 from plait.capture.trace import CapturedGraph
 from plait.config import Config
 from plait.errors import ConfigError, PartitionError
@@ -34,10 +35,10 @@ __all__ = ["resolve_plan", "complete_plan", "recomputed_stages"]
 def _zero(config: Config, world_size: int) -> int:
     """Config.zero on the resolved layout: the user's level, or the planner's choice (a planned
     layout's config sets it, `plait.planner.layout`); None (not planned) is 0; 1 and 2 need more
-    than one replica (of some stage, with dp_per_stage)."""
+    than one replica (of some stage, with stage_dp)."""
     if not config.zero or world_size == 1:
         return 0
-    if config.dp == 1 and max(config.dp_per_stage or (1,)) == 1:
+    if config.dp == 1 and max(config.stage_dp or (1,)) == 1:
         raise ConfigError(f"zero={config.zero} shards over a stage's replicas, but the layout "
                           f"has dp=1 on {world_size} ranks; set dp > 1 or zero=0")
     return config.zero
@@ -58,15 +59,15 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
             f"but the model has only {len(names)} layers ({', '.join(names)}); use at most "
             f"{len(names) // virtual} ranks per pipeline or fewer virtual stages"
         )
-    if config.layers_per_proc is not None and pp > 1:
-        layers = tuple(config.layers_per_proc)
+    if config.layers_per_stage is not None and pp > 1:
+        layers = tuple(config.layers_per_stage)
         check_partition(layers, names, regions)
     elif config.split_points is not None and pp > 1:
         layers = cut_at(config.split_points, names, regions)
     else:
         layers = tuple(balance([1.0 + _layer_params(net, name) for name in names], num_chunks, regions))
     assert config.num_microbatches is not None and config.schedule is not None and config.dp is not None
-    widths = tuple(config.tp_per_stage or ())  # stages of different widths (Config.tp_per_stage)
+    widths = tuple(config.stage_tp or ())  # stages of different widths (Config.stage_tp)
     recomputed = recomputed_stages(config, num_chunks, virtual)
     return Plan(
         layer_names=names,
@@ -80,7 +81,7 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         tp=max(widths) if widths else config.tp or 1,
         stage_tp=widths if len(set(widths)) > 1 else (),  # equal widths: the uniform grid
         crossing=config.crossing or "tiles",
-        stage_dp=tuple(config.dp_per_stage or ()),  # stages of their own replica counts (Config.dp_per_stage)
+        stage_dp=tuple(config.stage_dp or ()),  # stages of their own replica counts (Config.stage_dp)
         batch_weight_grads=bool(config.batch_weight_grads),
         tp_plan=tuple(config.tp_plan or ()),
         sequence_parallel=config.sequence_parallel,
@@ -104,7 +105,7 @@ def complete_plan(plan: Plan, captured: CapturedGraph, memory_limit_bytes: float
     plan = replace(plan, tied_parameters=tuple((name, ss) for name, _, ss in tied_parameters(stages, captured.root)))
     if plan.tp == 1:
         return plan
-    layouts = {}
+    layouts: dict[int, TpLayout] = {}
     for width, chosen, tp_plan in width_groups(stages, plan):
         search = device_search(memory_limit_bytes, width, plan.num_virtual_stages, device, state_factor)
         layouts.update(zip(chosen, searched_layouts([stages[s].module for s in chosen], width, tp_plan, search,

@@ -35,13 +35,13 @@ def _allowed(config: Config, probe: dict[str, Any]) -> bool:
     """Whether the config leaves the layout open to what the widths' passes price (one pipeline,
     1F1B or GPipe, recomputation on every stage or none, weight gradients per micro-batch) and asks
     for nothing stages of different widths do not run with: the `probe` field's own check
-    (`Config.tp_per_stage`, `Config.dp_per_stage`), on a two-stage cut."""
-    if not (config.plans_everything and config.tp_per_stage is None
+    (`Config.stage_tp`, `Config.stage_dp`), on a two-stage cut."""
+    if not (config.plans_everything and config.stage_tp is None
             and (config.schedule is None or schedule_spec(config.schedule).mixed_widths)
             and config.recompute in (None, False, True) and config.batch_weight_grads in (None, False)):
         return False
     try:
-        replace(config, layers_per_proc=(1, 1), **probe)
+        replace(config, layers_per_stage=(1, 1), **probe)
     except ConfigError:
         return False
     return True
@@ -60,10 +60,10 @@ def mixed_widths_choice(captured: CapturedGraph, config: Config, world_size: int
     schedules = (config.schedule,) if config.schedule else width_schedules()
     # the limits are the search's own; asked here first so that no width's shares are read beyond them
     tp = config.tp is None and WIDTH_LIMITS.allow(world_size, costs.num_layers) \
-        and _allowed(config, {"tp_per_stage": (2, 1)})
+        and _allowed(config, {"stage_tp": (2, 1)})
     unsharded = not config.zero  # dp widths are priced without ZeRO: a config asking for it is not searched
     dp = config.tp in (None, 1) and unsharded and WIDTH_LIMITS.allow(world_size, costs.num_layers, dp=True) \
-        and _allowed(config, {"dp_per_stage": (2, 1)})
+        and _allowed(config, {"stage_dp": (2, 1)})
     degrees = stage_widths(world_size, local_world_size(world_size)) if tp else ()
     choices = WidthChoices(degrees, dp, SearchSpace(schedules=schedules, recompute=recompute))
     found = search_stage_widths(costs, width_shares(captured, degrees, loss, target), world_size,
@@ -91,13 +91,13 @@ def width_shares(captured: CapturedGraph, degrees: Sequence[int], loss: Any = No
 
 
 def _fields(found: MixedWidths) -> dict[str, Any]:
-    return {"layers_per_proc": list(found.layers_per_stage), "tp_per_stage": list(found.widths), "dp": found.dp,
+    return {"layers_per_stage": list(found.layers_per_stage), "stage_tp": list(found.widths), "dp": found.dp,
             "num_microbatches": found.num_microbatches, "schedule": found.schedule, "num_virtual_stages": 1,
             "recompute": found.recompute, "zero": 0, "batch_weight_grads": False, "crossing": found.crossing}
 
 
 def _dp_fields(found: MixedDp) -> dict[str, Any]:
-    return {"layers_per_proc": list(found.layers_per_stage), "dp_per_stage": list(found.dp), "dp": 1,
+    return {"layers_per_stage": list(found.layers_per_stage), "stage_dp": list(found.dp), "dp": 1,
             "num_microbatches": found.num_microbatches, "schedule": found.schedule, "num_virtual_stages": 1,
             "recompute": found.recompute, "zero": 0, "batch_weight_grads": False}
 
@@ -108,7 +108,7 @@ def _report(found: MixedWidths, result: PlanResult, names: tuple[str, ...], clus
             f"{found.num_microbatches} micro-batches, {found.schedule}{', recomputed' if found.recompute else ''}, "
             f"crossing as {found.crossing}: {found.step_time_s:.4f} s a step, "
             f"faster than the best uniform layout above ({result.best.step_time_s:.4f} s)")
-    return _widths_report(found, {"tp_per_stage": list(found.widths), "crossing": found.crossing},
+    return _widths_report(found, {"stage_tp": list(found.widths), "crossing": found.crossing},
                           [{"dp": found.dp, "tp": w} for w in found.widths],
                           line, result, names, cluster, found.dp)
 
@@ -119,7 +119,7 @@ def _dp_report(found: MixedDp, result: PlanResult, names: tuple[str, ...], clust
             f"micro-batches, {found.schedule}{', recomputed' if found.recompute else ''}: "
             f"{found.step_time_s:.4f} s a step, "
             f"faster than the best uniform layout above ({result.best.step_time_s:.4f} s)")
-    return _widths_report(found, {"dp_per_stage": list(found.dp)}, [{"dp": w, "tp": 1} for w in found.dp],
+    return _widths_report(found, {"stage_dp": list(found.dp)}, [{"dp": w, "tp": 1} for w in found.dp],
                           line, result, names, cluster)
 
 

@@ -58,7 +58,7 @@ class MicroBatch:
     target: Any
     scale: float  # rows in this micro-batch / rows in the global batch
     key: Hashable  # input shapes: equal keys mean equal activation shapes
-    rows: int = 0  # rows of the whole micro-batch, over every replica of a stage (dp_per_stage cuts it by them)
+    rows: int = 0  # rows of the whole micro-batch, over every replica of a stage (stage_dp cuts it by them)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

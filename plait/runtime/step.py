@@ -158,7 +158,7 @@ class StepRunner:
             names = leaf_names(pipe.output_spec)
             shapes = [tuple(v.shape) for v in joined[apart[0]]]
             raise ConfigError(f"{names[apart[0]]} is not per row (its shape per micro-batch block: {shapes}), "
-                              "and stage_dp splits each micro-batch's rows: predict with dp_per_stage=None, "
+                              "and stage_dp splits each micro-batch's rows: predict with stage_dp=None, "
                               "or return per-row outputs")
         return joined
 

@@ -1,6 +1,6 @@
 """Pipelines whose stages have different data-parallel widths: Alpa's inter-operator pass over sub-meshes (dp, 1).
 
-One pipeline on all the devices, stage s on w_s ranks (`Config.dp_per_stage`; w in 1, 2, 4, ...
+One pipeline on all the devices, stage s on w_s ranks (`Config.stage_dp`; w in 1, 2, 4, ...
 below the world size, their sum the world size, tp = 1). Each replica of a stage runs an equal block
 of every micro-batch's r = global_batch / m rows, so a stage of width w costs each layer what a
 layout of dp = w costs it (`partition_problem` at `Setting(1, w, m)`: r / w rows), and each replica
@@ -68,7 +68,7 @@ class MixedDp:
     """A pipeline of stages of their own data-parallel widths, and its predicted step."""
 
     layers_per_stage: tuple[int, ...]
-    dp: tuple[int, ...]  # replicas of each stage (Config.dp_per_stage)
+    dp: tuple[int, ...]  # replicas of each stage (Config.stage_dp)
     num_microbatches: int
     schedule: str
     recompute: bool

@@ -87,9 +87,9 @@ def check_partition(
         )
     if sum(layers_per_stage) != n:
         raise PartitionError(
-            f"layers_per_proc={list(layers_per_stage)} sums to {sum(layers_per_stage)} but the "
+            f"layers_per_stage={list(layers_per_stage)} sums to {sum(layers_per_stage)} but the "
             f"model has {n} layers: {listing}. Give counts that sum to {n}, or "
-            "layers_per_proc=None to balance automatically"
+            "layers_per_stage=None to balance automatically"
         )
     end = -1
     for size in layers_per_stage[:-1]:
@@ -98,7 +98,7 @@ def check_partition(
             if a <= end < b:
                 region = ", ".join(layer_names[a : b + 1])
                 raise PartitionError(
-                    f"layers_per_proc={list(layers_per_stage)} cuts after layer {end} "
+                    f"layers_per_stage={list(layers_per_stage)} cuts after layer {end} "
                     f"({layer_names[end]}), inside an uncuttable region: layers {a}..{b} "
                     f"({region}) reuse a module and must stay on one stage. Move the cut before "
                     f"layer {a} or after layer {b}"

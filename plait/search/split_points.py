@@ -106,5 +106,5 @@ def cut_at(
     try:
         check_partition(counts, layer_names, uncuttable)
     except PartitionError as error:
-        raise PartitionError(f"split_points={points} (the cut layers_per_proc={list(counts)}): {error}") from None
+        raise PartitionError(f"split_points={points} (the cut layers_per_stage={list(counts)}): {error}") from None
     return counts

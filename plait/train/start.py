@@ -41,10 +41,10 @@ def starting_stages(config: Config, world_size: int) -> tuple[Config, int]:
     every layer on one stage; several ranks have 0 until planned (`plait.planner.layout`), or the
     size given, checked against the world now."""
     if world_size == 1:
-        asked = max(config.num_stages or 1, len(config.layers_per_proc or ()), len(config.split_points or ()) + 1)
-        if asked > 1 or (config.tp or 1) > 1 or config.tp_per_stage or config.dp_per_stage:  # stages asked for, by size or by cut (Config checks that they agree)
+        asked = max(config.num_stages or 1, len(config.layers_per_stage or ()), len(config.split_points or ()) + 1)
+        if asked > 1 or (config.tp or 1) > 1 or config.stage_tp or config.stage_dp:  # stages asked for, by size or by cut (Config checks that they agree)
             log.warning("plait: one process (no launcher): running every layer on one stage")
-            config = dataclasses.replace(config, tp=1, tp_plan=None, tp_per_stage=None, dp_per_stage=None)
+            config = dataclasses.replace(config, tp=1, tp_plan=None, stage_tp=None, stage_dp=None)
         return config, 1
     lanes = config.lanes(world_size)  # pp x dp: the ranks of one tensor-parallel part
     return config, 0 if config.plans_everything else config.stages_for(lanes)

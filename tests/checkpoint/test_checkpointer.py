@@ -69,7 +69,7 @@ def train(rank, world, root, dp, pp, epochs, stop_after=None, every=2, net_fn=dr
     # so both must cut the same way; the planner's cut follows timings that vary run to run.
     layers = (5, 4) if world > 1 and pp == 2 and net_fn is dropout_mlp else None
     config = plait.Config(num_microbatches=3, dp=dp, num_stages=pp if world > 1 else None,
-                          layers_per_proc=layers, checkpoint_dir=root, checkpoint_every=every)
+                          layers_per_stage=layers, checkpoint_dir=root, checkpoint_every=every)
     model = plait.Model(net, config, optimizer=adam, loss=nn.CrossEntropyLoss(), metrics=["accuracy"])
     callbacks = [StopAfter(model, stop_after)] if stop_after is not None else []
     try:

@@ -45,11 +45,11 @@ def export_on_two_stages(rank: int, world: int, out: str) -> dict[str, Any]:
     tokens = torch.randint(2, 64, (4, 8), generator=torch.Generator().manual_seed(1))
     loss = lambda o, y: nn.functional.cross_entropy(o.logits.flatten(0, 1), y.flatten())  # noqa: E731
     cut = valid_cut(capture_batch(net, {"input_ids": tokens}).layers, 2)
-    model = plait.Model(net, plait.Config(layers_per_proc=cut, num_microbatches=2, timeout_s=30.0),
+    model = plait.Model(net, plait.Config(layers_per_stage=cut, num_microbatches=2, timeout_s=30.0),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=loss)
     model.train_on_batch({"input_ids": tokens}, torch.roll(tokens, -1, 1))
     model.export(out)
-    small = plait.Model(_llama(), plait.Config(layers_per_proc=cut, memory_limit_bytes=1000.0, timeout_s=30.0),
+    small = plait.Model(_llama(), plait.Config(layers_per_stage=cut, memory_limit_bytes=1000.0, timeout_s=30.0),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=loss)
     try:
         small.state_dict()

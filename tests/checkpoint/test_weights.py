@@ -277,7 +277,7 @@ def load_lacking(rank, world, path):
     import plait
     from tests.models import mlp
 
-    model = plait.Model(mlp(), plait.Config(layers_per_proc=(6, 5), num_microbatches=2, timeout_s=30.0),
+    model = plait.Model(mlp(), plait.Config(layers_per_stage=(6, 5), num_microbatches=2, timeout_s=30.0),
                         optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=torch.nn.MSELoss())
     model.build(torch.zeros(4, 8))
     try:
@@ -318,7 +318,7 @@ def load_and_train(rank, world, directory, cut):
     arch = make("llama")
     torch.manual_seed(100 + rank)
     net = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(directory))
-    model = plait.Model(net, plait.Config(layers_per_proc=cut, num_microbatches=3, schedule="1f1b", timeout_s=60.0),
+    model = plait.Model(net, plait.Config(layers_per_stage=cut, num_microbatches=3, schedule="1f1b", timeout_s=60.0),
                         loss=arch.loss, optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
     model.build(arch.x)
     recorder = Spy(safetensors.safe_open)

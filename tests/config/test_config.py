@@ -17,7 +17,7 @@ from plait.errors import ConfigError
 
 def test_defaults_leave_the_layout_to_the_planner() -> None:
     config = Config()
-    assert (config.layers_per_proc, config.num_stages, config.dp, config.num_microbatches, config.schedule,
+    assert (config.layers_per_stage, config.num_stages, config.dp, config.num_microbatches, config.schedule,
             config.recompute, config.plan) == (None,) * 7
     assert (config.num_virtual_stages, config.seed, config.timeout_s, config.grad_reduction, config.bucket_cap_mb,
             config.checkpoint_keep, config.on_nonfinite, config.replan, config.batch_weight_grads) == (
@@ -28,7 +28,7 @@ def test_defaults_leave_the_layout_to_the_planner() -> None:
     assert NONFINITE_ACTIONS == ("stop", "skip", "ignore")
 
 
-@pytest.mark.parametrize("size", [{"layers_per_proc": [1, 1]}, {"split_points": ["h.1"]}, {"num_stages": 2}, {"dp": 1},
+@pytest.mark.parametrize("size", [{"layers_per_stage": [1, 1]}, {"split_points": ["h.1"]}, {"num_stages": 2}, {"dp": 1},
                                   {"num_microbatches": 4}, {"plan": "plan.json"}])
 def test_any_size_given_means_the_planner_does_not_choose_everything(size: dict) -> None:
     assert not Config(**size).plans_everything
@@ -55,8 +55,8 @@ def test_replan_is_not_read_from_the_environment(monkeypatch: pytest.MonkeyPatch
 
 
 def test_lists_and_paths_are_normalised(tmp_path: Path) -> None:
-    config = Config(layers_per_proc=[2, 3], recompute=[1], trace_dir=tmp_path / "t", checkpoint_dir=tmp_path / "c")
-    assert config.layers_per_proc == (2, 3) and config.recompute == (1,)
+    config = Config(layers_per_stage=[2, 3], recompute=[1], trace_dir=tmp_path / "t", checkpoint_dir=tmp_path / "c")
+    assert config.layers_per_stage == (2, 3) and config.recompute == (1,)
     assert (config.trace_dir, config.checkpoint_dir) == (str(tmp_path / "t"), str(tmp_path / "c"))
     assert Config(plan=tmp_path / "p.json").plan == str(tmp_path / "p.json")
     assert Config(split_points=["h.1", "ln_f"]).split_points == ("h.1", "ln_f")
@@ -68,14 +68,14 @@ def test_a_config_is_frozen() -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"layers_per_proc": "2,3"}, "layers_per_proc must be a list of layer counts, one per stage, got '2,3'; "
-                                 "for example layers_per_proc=[2, 3, 3]"),
-    ({"layers_per_proc": []}, "layers_per_proc=[] must hold one positive integer per stage (bad entries: []); "
+    ({"layers_per_stage": "2,3"}, "layers_per_stage must be a list of layer counts, one per stage, got '2,3'; "
+                                 "for example layers_per_stage=[2, 3, 3]"),
+    ({"layers_per_stage": []}, "layers_per_stage=[] must hold one positive integer per stage (bad entries: []); "
                               "every stage needs at least one layer"),
-    ({"layers_per_proc": [2, True]}, "layers_per_proc=[2, True] must hold one positive integer per stage "
+    ({"layers_per_stage": [2, True]}, "layers_per_stage=[2, True] must hold one positive integer per stage "
                                      "(bad entries: [True]); every stage needs at least one layer"),
-    ({"layers_per_proc": [1, 1, 1, 1], "schedule": "interleaved", "num_virtual_stages": 2, "num_stages": 3},
-     "num_stages=3 x num_virtual_stages=2 = 6 chunks but layers_per_proc=[1, 1, 1, 1] has 4 entries; "
+    ({"layers_per_stage": [1, 1, 1, 1], "schedule": "interleaved", "num_virtual_stages": 2, "num_stages": 3},
+     "num_stages=3 x num_virtual_stages=2 = 6 chunks but layers_per_stage=[1, 1, 1, 1] has 4 entries; "
      "make them agree"),
     ({"split_points": "h.1"}, "split_points must be a list of module names, each starting a new stage, got "
                               "'h.1'; for example split_points=['model.layers.6'] (names as in net.named_modules())"),
@@ -85,9 +85,9 @@ def test_a_config_is_frozen() -> None:
                                    "net.named_modules() (bad entries: [2])"),
     ({"split_points": ["h.1", "h.1"]}, "split_points=['h.1', 'h.1'] names ['h.1'] more than once; each name "
                                        "starts one stage: list it once"),
-    ({"split_points": ["h.1"], "layers_per_proc": [8, 8]},
-     "split_points=['h.1'] and layers_per_proc=[8, 8] both give the cut; keep one of them (split_points names "
-     "the module each stage after the first starts at, layers_per_proc counts the layers of each stage)"),
+    ({"split_points": ["h.1"], "layers_per_stage": [8, 8]},
+     "split_points=['h.1'] and layers_per_stage=[8, 8] both give the cut; keep one of them (split_points names "
+     "the module each stage after the first starts at, layers_per_stage counts the layers of each stage)"),
     ({"split_points": ["h.1"], "plan": "plan.json"},
      "plan='plan.json' and split_points=['h.1'] both give the layers of each stage; keep one of them"),
     ({"split_points": ["h.1"], "num_stages": 3},
@@ -129,10 +129,10 @@ def test_errors_name_the_bad_value(kwargs: dict, message: str) -> None:
 def test_stages_for_a_world_size() -> None:
     assert Config().stages_for(4) == 4  # nothing given: one pipeline over every rank
     assert Config(dp=2).stages_for(6) == 3
-    assert Config(layers_per_proc=[2, 3, 3]).stages_for(3) == 3
-    assert Config(layers_per_proc=[2, 3, 3], dp=2).stages_for(6) == 3
+    assert Config(layers_per_stage=[2, 3, 3]).stages_for(3) == 3
+    assert Config(layers_per_stage=[2, 3, 3], dp=2).stages_for(6) == 3
     assert Config(num_stages=2, dp=2).stages_for(4) == 2
-    interleaved = Config(layers_per_proc=[1, 1, 1, 1], schedule="interleaved", num_virtual_stages=2)
+    interleaved = Config(layers_per_stage=[1, 1, 1, 1], schedule="interleaved", num_virtual_stages=2)
     assert interleaved.stages_for(2) == 2  # 4 chunks, 2 per rank
     assert Config(split_points=["h.1", "ln_f"]).stages_for(3) == 3  # a stage before each point, and one more
     assert Config(split_points=["h.1"], num_stages=2, dp=2).stages_for(4) == 2
@@ -141,9 +141,9 @@ def test_stages_for_a_world_size() -> None:
 
 def test_stages_for_a_world_that_does_not_fit_prints_every_factor() -> None:
     with pytest.raises(ConfigError) as info:
-        Config(layers_per_proc=[2, 3, 3], dp=2).stages_for(4)
+        Config(layers_per_stage=[2, 3, 3], dp=2).stages_for(4)
     assert str(info.value) == (
-        "the config asks for 3 pipeline stages x dp=2 replicas = 6 ranks (layers_per_proc=[2, 3, 3], "
+        "the config asks for 3 pipeline stages x dp=2 replicas = 6 ranks (layers_per_stage=[2, 3, 3], "
         "num_stages=None, dp=2) but the world size is 4; launch 6 ranks (plait run -n 6 ...) or change the config")
     with pytest.raises(ConfigError) as info:
         Config(dp=2).stages_for(5)
@@ -160,10 +160,10 @@ def test_stages_for_a_world_that_does_not_fit_prints_every_factor() -> None:
 
 
 def test_to_dict_is_json_ready_and_round_trips() -> None:
-    config = Config(layers_per_proc=[2, 3], num_microbatches=4, schedule="zbh1", recompute=[0],
+    config = Config(layers_per_stage=[2, 3], num_microbatches=4, schedule="zbh1", recompute=[0],
                     dp=2, bucket_cap_mb=1.5, checkpoint_dir="ckpt", on_nonfinite="skip", replan=True)
     data = config.to_dict()
-    assert data["layers_per_proc"] == [2, 3] and data["recompute"] == [0]
+    assert data["layers_per_stage"] == [2, 3] and data["recompute"] == [0]
     assert json.loads(json.dumps(data)) == data
     assert sorted(data) == sorted(f.name for f in dataclasses.fields(Config))
     assert Config.from_dict(data) == config
@@ -258,35 +258,35 @@ def test_tp_lanes_and_errors() -> None:
 
 # -- stages of different tp widths ----------------------------------------------------------------
 
-def test_tp_per_stage_gives_one_lane_per_stage_on_the_sum_of_the_widths() -> None:
-    config = Config(layers_per_proc=[3, 4], tp_per_stage=[2, 1])
-    assert config.tp_per_stage == (2, 1)
+def test_stage_tp_gives_one_lane_per_stage_on_the_sum_of_the_widths() -> None:
+    config = Config(layers_per_stage=[3, 4], stage_tp=[2, 1])
+    assert config.stage_tp == (2, 1)
     assert config.lanes(3) == 2 and config.stages_for(config.lanes(3)) == 2
-    with pytest.raises(ConfigError, match=r"tp_per_stage=\[2, 1\] needs 3 ranks \(their sum\) but the world size is 4"):
+    with pytest.raises(ConfigError, match=r"stage_tp=\[2, 1\], 3 ranks in all, on world_size=4; .*: launch 3 ranks"):
         config.lanes(4)
     assert Config.from_json(config.to_json()) == config
-    assert Config(split_points=["h.1"], tp_per_stage=(1, 2)).tp_per_stage == (1, 2)
-    assert Config(layers_per_proc=(3, 4), tp_per_stage=(2, 1), checkpoint_dir="c").checkpoint_dir == "c"
-    copies = Config(layers_per_proc=(3, 4), tp_per_stage=(2, 1), dp=2, zero=1)  # two copies of the pipeline
+    assert Config(split_points=["h.1"], stage_tp=(1, 2)).stage_tp == (1, 2)
+    assert Config(layers_per_stage=(3, 4), stage_tp=(2, 1), checkpoint_dir="c").checkpoint_dir == "c"
+    copies = Config(layers_per_stage=(3, 4), stage_tp=(2, 1), dp=2, zero=1)  # two copies of the pipeline
     assert copies.lanes(6) == 4 and copies.stages_for(copies.lanes(6)) == 2
-    with pytest.raises(ConfigError, match=r"tp_per_stage=\[2, 1\] needs 6 ranks \(their sum x dp=2\) but the world "
-                                          r"size is 3; launch 6 ranks"):
+    with pytest.raises(ConfigError, match=r"stage_tp=\[2, 1\] x dp=2, 6 ranks in all, on world_size=3; "
+                                          r".*: launch 6 ranks"):
         copies.lanes(3)
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"tp_per_stage": (2, 1)}, r"gives 2 stages but the cut gives none; give layers_per_proc"),
-    ({"tp_per_stage": (2, 1, 1), "layers_per_proc": (3, 4)}, "gives 3 stages but the cut gives 2"),
-    ({"tp_per_stage": (2, 0), "layers_per_proc": (3, 4)}, r"one positive tp per stage, e.g. \(2, 1\), got \(2, 0\)"),
-    ({"tp_per_stage": "21", "layers_per_proc": (3, 4)}, "one positive tp per stage"),
-    ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "zero": 1}, r"does not run with \{'zero': 1\}.*zero needs dp > 1"),
-    ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "tp": 2}, r"\{'tp': 2\}"),
-    ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "replan": True}, "replan"),
-    ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "zero": 1}, r"\{'zero': 1\}"),
-    ({"tp_per_stage": (2, 1, 2, 1), "layers_per_proc": (1, 1, 1, 1), "schedule": "interleaved",
+    ({"stage_tp": (2, 1)}, r"gives 2 stages but the cut gives none; give layers_per_stage"),
+    ({"stage_tp": (2, 1, 1), "layers_per_stage": (3, 4)}, "gives 3 stages but the cut gives 2"),
+    ({"stage_tp": (2, 0), "layers_per_stage": (3, 4)}, r"one positive tp per stage, e.g. \(2, 1\), got \(2, 0\)"),
+    ({"stage_tp": "21", "layers_per_stage": (3, 4)}, "one positive tp per stage"),
+    ({"stage_tp": (2, 1), "layers_per_stage": (3, 4), "zero": 1}, r"does not run with \{'zero': 1\}.*zero needs dp > 1"),
+    ({"stage_tp": (2, 1), "layers_per_stage": (3, 4), "tp": 2}, r"\{'tp': 2\}"),
+    ({"stage_tp": (2, 1), "layers_per_stage": (3, 4), "replan": True}, "replan"),
+    ({"stage_tp": (2, 1), "layers_per_stage": (3, 4), "zero": 1}, r"\{'zero': 1\}"),
+    ({"stage_tp": (2, 1, 2, 1), "layers_per_stage": (1, 1, 1, 1), "schedule": "interleaved",
       "num_virtual_stages": 2}, "num_virtual_stages"),
-    ({"tp_per_stage": (2, 1), "layers_per_proc": (3, 4), "sequence_parallel": True}, "sequence_parallel"),
+    ({"stage_tp": (2, 1), "layers_per_stage": (3, 4), "sequence_parallel": True}, "sequence_parallel"),
 ])
-def test_tp_per_stage_refuses_what_it_does_not_run(kwargs: dict, message: str) -> None:
+def test_stage_tp_refuses_what_it_does_not_run(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Config(**kwargs)

@@ -50,7 +50,7 @@ def test_every_row_crosses_once_and_the_pairs_do_not_depend_on_the_size(senders:
 def test_rows_that_do_not_divide_are_refused_with_the_fix() -> None:
     check_rows(4, (2, 1))
     with pytest.raises(ConfigError, match=r"micro-batch of 3 rows does not divide by dp=\[2\] of "
-                                          r"dp_per_stage=\[2, 1\].*num_microbatches x a multiple of 2"):
+                                          r"stage_dp=\[2, 1\].*num_microbatches x a multiple of 2"):
         check_rows(3, (2, 1))
     with pytest.raises(ConfigError, match=r"dp=\[2, 3\].*a multiple of 6"):
         RowMap(2, 3).overlap(0, 0, 5)

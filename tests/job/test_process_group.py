@@ -159,7 +159,7 @@ from torch import nn
 import plait
 torch.manual_seed(0)
 model = plait.Model(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)),
-                    plait.Config(layers_per_proc=[2, 1], num_microbatches=2),
+                    plait.Config(layers_per_stage=[2, 1], num_microbatches=2),
                     optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
 model.train_on_batch(torch.randn(6, 8), torch.randint(0, 2, (6,)))
 model.state_dict()  # broadcasts: the last collectives before the interpreter ends

@@ -26,7 +26,7 @@ TIMEOUT_S = 3.0
 def save_on_rank_0_only(rank, world, peer_ends):
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(12, 8, generator=g), torch.randint(0, 4, (12,), generator=g)
-    model = plait.Model(mlp(), plait.Config(layers_per_proc=even_cut(11, 2), num_microbatches=2, timeout_s=TIMEOUT_S),
+    model = plait.Model(mlp(), plait.Config(layers_per_stage=even_cut(11, 2), num_microbatches=2, timeout_s=TIMEOUT_S),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
     model.fit(x, y, epochs=1, batch_size=6, verbose=0)
     state = model.state_dict()  # every rank: works as before

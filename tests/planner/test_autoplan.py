@@ -30,8 +30,8 @@ def test_plan_model_gives_a_config_layout_and_json():
     assert best.feasible and best.setting.pp == 2 and result.profile.rows == 64
     fields = candidate_fields(best.to_dict())  # what the run's layout takes from the planner
     config = dataclasses.replace(Config(), **fields)  # a valid Config
-    assert config.stages_for(2) == 2 and sum(config.layers_per_proc) == 11
-    assert tuple(fields["layers_per_proc"]) == best.layers_per_stage
+    assert config.stages_for(2) == 2 and sum(config.layers_per_stage) == 11
+    assert tuple(fields["layers_per_stage"]) == best.layers_per_stage
     data = json.loads(result.to_json())
     assert data["pp"] == 2 and data["world_size"] == 2 and len(data["alternatives"]) >= 1
     assert "stage  0 (rank 0)" in result.table()

@@ -89,5 +89,5 @@ def test_the_command_and_config_choose_the_same_layout_on_the_same_profile(
 
     command = data.get("config")
     assert command == planned["fields"], (command, planned["fields"])
-    if "tp_per_stage" not in command and "dp_per_stage" not in command:  # a uniform layout: the same prediction
+    if "stage_tp" not in command and "stage_dp" not in command:  # a uniform layout: the same prediction
         assert data["predicted_step_time_s"] == pytest.approx(planned["report"]["predicted_step_time_s"])

@@ -99,7 +99,7 @@ def test_config_with_no_sizes_plans_and_trains_like_one_process():
 
 @pytest.mark.timeout(180)
 def test_split_points_cut_where_they_name_and_train_like_one_process():
-    # mlp(): layers "0".."10"; split_points=["6"] starts stage 1 at module "6", as layers_per_proc=[6, 5]
+    # mlp(): layers "0".."10"; split_points=["6"] starts stage 1 at module "6", as layers_per_stage=[6, 5]
     results = run_ranks(2, train, plait.Config(split_points=["6"], num_microbatches=2), timeout=170)
     assert_equal_to_one_process(results)
     plans = [json.loads(r["plan"]) for r in results]
@@ -201,7 +201,7 @@ def test_plan_files_that_do_not_fit_say_what_and_where(tmp_path):
     good = tmp_path / "good.json"
     good.write_text(json.dumps(plan))
     fields, _ = load_plan_file(str(good), names, 2)
-    assert fields["layers_per_proc"] == [5, 6] and fields["num_microbatches"] == 2
+    assert fields["layers_per_stage"] == [5, 6] and fields["num_microbatches"] == 2
     with pytest.raises(plait.ConfigError, match=r"good.json.*for 2 ranks but the world size is 4"):
         load_plan_file(str(good), names, 4)
     with pytest.raises(plait.ConfigError, match=r"good.json.*cuts 11 layers.*this model has 12"):
@@ -219,7 +219,7 @@ def test_plan_files_that_do_not_fit_say_what_and_where(tmp_path):
     with pytest.raises(plait.ConfigError, match=r"other.json.*another model"):
         load_plan_file(str(other), names, 2)
     with pytest.raises(plait.ConfigError, match="keep one of them"):
-        plait.Config(plan=str(good), layers_per_proc=[5, 6])
+        plait.Config(plan=str(good), layers_per_stage=[5, 6])
 
 
 def test_plan_files_carry_zero_and_old_ones_read_as_zero_0(tmp_path):
@@ -242,7 +242,7 @@ def test_plan_files_of_stages_of_different_widths_replay_them(tmp_path):
     """A saved report of a pipeline of uneven widths (as `plait.planner.widths` writes its choice) and
     such a Plan.to_json() give Config fields for that pipeline, on the ranks the widths add up to."""
     names = tuple(str(i) for i in range(11))
-    chosen = {"pp": 2, "dp": 1, "tp": 1, "tp_per_stage": [2, 1], "crossing": "whole", "num_microbatches": 2,
+    chosen = {"pp": 2, "dp": 1, "tp": 1, "stage_tp": [2, 1], "crossing": "whole", "num_microbatches": 2,
               "schedule": "gpipe", "num_virtual_stages": 1, "recompute": True, "zero": 0,
               "batch_weight_grads": False, "layers_per_stage": [5, 6], "feasible": True,
               "stages": [{"stage": s, "tp": w, "num_layers": n, "first_layer": 5 * s, "time_s": 0.1}
@@ -250,27 +250,27 @@ def test_plan_files_of_stages_of_different_widths_replay_them(tmp_path):
     report = tmp_path / "report.json"
     report.write_text(json.dumps(chosen))
     fields, replayed = load_plan_file(str(report), names, 3)
-    assert (fields["tp_per_stage"], fields["crossing"], fields["layers_per_proc"]) == ([2, 1], "whole", [5, 6])
-    assert replayed is not None and "tp_per_stage=[2, 1]" in replayed.table
+    assert (fields["stage_tp"], fields["crossing"], fields["layers_per_stage"]) == ([2, 1], "whole", [5, 6])
+    assert replayed is not None and "stage_tp=[2, 1]" in replayed.table
     assert "stage  1: 6 layers from 5  F+B+W 100.000 ms" in replayed.table
     with pytest.raises(plait.ConfigError, match="the plan is for 3 ranks but the world size is 2"):
         load_plan_file(str(report), names, 2)
     rows = tmp_path / "rows.json"
-    rows.write_text(json.dumps({**{k: v for k, v in chosen.items() if k not in ("tp_per_stage", "crossing")},
-                                "dp_per_stage": [1, 3]}))
+    rows.write_text(json.dumps({**{k: v for k, v in chosen.items() if k not in ("stage_tp", "crossing")},
+                                "stage_dp": [1, 3]}))
     fields = load_plan_file(str(rows), names, 4)[0]
-    assert fields["dp_per_stage"] == [1, 3] and "crossing" not in fields
+    assert fields["stage_dp"] == [1, 3] and "crossing" not in fields
     saved = tmp_path / "saved_plan.json"  # Plan.to_json()
     saved.write_text(plait.Plan(layer_names=names, layers_per_stage=(5, 6), num_microbatches=2, schedule="1f1b",
                                 world_size=3, capture_method="torch.export", stage_tp=(1, 2)).to_json())
     fields = load_plan_file(str(saved), names, 3)[0]
-    assert (fields["tp_per_stage"], fields["crossing"], fields["dp"]) == ([1, 2], "tiles", 1)
+    assert (fields["stage_tp"], fields["crossing"], fields["dp"]) == ([1, 2], "tiles", 1)
     copies = tmp_path / "copies.json"  # two replicas of that pipeline
     copies.write_text(dataclasses.replace(plait.Plan.from_json(saved.read_text()), dp=2, world_size=6).to_json())
     assert load_plan_file(str(copies), names, 6)[0]["dp"] == 2
-    config = dataclasses.replace(plait.Config(), **{**fields, "layers_per_proc": tuple(fields["layers_per_proc"]),
+    config = dataclasses.replace(plait.Config(), **{**fields, "layers_per_stage": tuple(fields["layers_per_stage"]),
                                                    "recompute": tuple(fields["recompute"])})
-    assert config.tp_per_stage == (1, 2) and config.lanes(3) == 2  # a config the runtime takes
+    assert config.stage_tp == (1, 2) and config.lanes(3) == 2  # a config the runtime takes
 
 
 def test_config_zero_is_the_only_level_searched_and_none_searches_all():
@@ -329,7 +329,7 @@ def test_a_resume_on_the_same_world_keeps_the_checkpoints_cut_instead_of_replann
     saved = {"world_size": 4, "layer_names": list(names), "layers_per_stage": [6, 3], "dp": 2,
              "num_virtual_stages": 1, "num_microbatches": 3, "schedule": "gpipe", "recompute": []}
     assert _resumed_fields(saved, plait.Config(), 4, names) == {
-        "layers_per_proc": [6, 3], "num_stages": 2, "dp": 2, "num_microbatches": 3, "schedule": "gpipe",
+        "layers_per_stage": [6, 3], "num_stages": 2, "dp": 2, "num_microbatches": 3, "schedule": "gpipe",
         "num_virtual_stages": 1, "recompute": [], "recompute_by_layer": [], "zero": 0,
         "batch_weight_grads": False}  # the planner chose everything: all of it is kept
     by_layer = {**saved, "recompute": [0, 1], "recompute_by_layer": [1]}
@@ -337,7 +337,7 @@ def test_a_resume_on_the_same_world_keeps_the_checkpoints_cut_instead_of_replann
     assert _resumed_fields({**saved, "zero": 2}, plait.Config(), 4, names)["zero"] == 2  # and its ZeRO
     fixed = plait.Config(num_stages=2, dp=2, num_microbatches=3)
     # only the cut (and ZeRO, a checkpoint saved before plait priced it: 0) was planned
-    assert _resumed_fields(saved, fixed, 4, names) == {"layers_per_proc": [6, 3], "zero": 0}
+    assert _resumed_fields(saved, fixed, 4, names) == {"layers_per_stage": [6, 3], "zero": 0}
     one_replica = {**saved, "layers_per_stage": [3, 3, 2, 1], "dp": 1}
     assert _resumed_fields(one_replica, plait.Config(zero=1), 4, names) is None  # ZeRO needs replicas
     assert _resumed_fields(saved, plait.Config(num_stages=4, dp=1), 4, names) is None  # config says otherwise
@@ -346,8 +346,8 @@ def test_a_resume_on_the_same_world_keeps_the_checkpoints_cut_instead_of_replann
     assert _resumed_fields({**saved, "layers_per_stage": "x"}, fixed, 4, names) is None  # damaged meta
 
 
-@pytest.mark.parametrize("key, field", [("stage_tp", "tp_per_stage"), ("stage_dp", "dp_per_stage")])
-def test_a_resumed_pipeline_of_stages_of_different_widths_keeps_its_widths(key, field):
+@pytest.mark.parametrize("key", ["stage_tp", "stage_dp"])  # the plan's key is the Config field's name
+def test_a_resumed_pipeline_of_stages_of_different_widths_keeps_its_widths(key):
     """Config() had chosen stages of different widths and saved a checkpoint: the resume runs
     that pipeline again (not a uniform one of its cut, which 3 ranks could not run)."""
     from plait.planner.layout import _fixed_tp, _resumed_fields
@@ -359,10 +359,10 @@ def test_a_resumed_pipeline_of_stages_of_different_widths_keeps_its_widths(key, 
     if key == "stage_tp":
         saved["tp"] = 2
     fields = _resumed_fields(saved, plait.Config(), 3, names)
-    assert fields is not None and fields[field] == [2, 1] and fields["num_stages"] is None
+    assert fields is not None and fields[key] == [2, 1] and fields["num_stages"] is None
     assert ("crossing" in fields) == (key == "stage_tp") and fields.get("crossing", "whole") == "whole"
     assert _fixed_tp(SimpleNamespace(net=nn.Linear(2, 2)), plait.Config(), 3, saved) == (
         None if key == "stage_tp" else 1)  # the widest stage's tp is not the resumed layout's
-    config = dataclasses.replace(plait.Config(), **{**fields, "layers_per_proc": tuple(fields["layers_per_proc"]),
+    config = dataclasses.replace(plait.Config(), **{**fields, "layers_per_stage": tuple(fields["layers_per_stage"]),
                                                    "recompute": tuple(fields["recompute"])})
-    assert getattr(config, field) == (2, 1) and config.lanes(3) == 2  # a config the runtime takes
+    assert getattr(config, key) == (2, 1) and config.lanes(3) == 2  # a config the runtime takes

@@ -30,7 +30,7 @@ def test_one_process_is_one_stage_of_every_layer_with_the_defaults_filled():
 def test_a_given_cut_is_kept_and_the_sizes_come_from_the_config():
     net, graph = net_and_graph()
     n = len(graph.layers.layer_names)
-    config = Config(layers_per_proc=(2, n - 2), dp=2, num_microbatches=4, schedule="gpipe", recompute=True)
+    config = Config(layers_per_stage=(2, n - 2), dp=2, num_microbatches=4, schedule="gpipe", recompute=True)
     plan = resolve_plan(config, 4, graph, net)
     assert plan.layers_per_stage == (2, n - 2)
     assert (plan.num_stages, plan.dp, plan.world_size, plan.num_microbatches, plan.schedule) == (2, 2, 4, 4, "gpipe")
@@ -103,4 +103,4 @@ def test_the_planners_zero_level_reaches_the_plan():
     del chosen["zero"]  # a candidate saved before the planner priced ZeRO
     assert candidate_fields(chosen)["zero"] == 0
     with pytest.raises(plait.ConfigError, match="set dp > 1 or zero=0"):
-        resolve_plan(Config(layers_per_proc=(2, 1, 1, n - 4), zero=1), 4, graph, net)
+        resolve_plan(Config(layers_per_stage=(2, 1, 1, n - 4), zero=1), 4, graph, net)

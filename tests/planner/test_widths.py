@@ -46,12 +46,12 @@ def test_a_heavy_pair_that_splits_gets_two_ranks_of_three() -> None:
     found = mixed_widths_choice(captured, plait.Config(), 3, result, cluster)
     assert found is not None
     fields, report = found
-    assert sorted(fields["tp_per_stage"]) == [1, 2] and sum(fields["layers_per_proc"]) == 6
+    assert sorted(fields["stage_tp"]) == [1, 2] and sum(fields["layers_per_stage"]) == 6
     assert report.predicted_step_s is not None and report.predicted_step_s < result.best.step_time_s
-    assert len(report.predicted_stage_s) == len(fields["tp_per_stage"])
+    assert len(report.predicted_stage_s) == len(fields["stage_tp"])
     assert "stages of different tp widths" in report.table
-    config = dataclasses.replace(plait.Config(), **{**fields, "layers_per_proc": tuple(fields["layers_per_proc"])})
-    assert config.tp_per_stage == tuple(fields["tp_per_stage"])  # a config the runtime takes
+    config = dataclasses.replace(plait.Config(), **{**fields, "layers_per_stage": tuple(fields["layers_per_stage"])})
+    assert config.stage_tp == tuple(fields["stage_tp"])  # a config the runtime takes
 
 
 def test_not_where_the_config_asks_for_what_it_cannot_run_or_two_ranks() -> None:
@@ -107,12 +107,12 @@ def test_a_heavy_layer_without_gradients_gets_two_replicas() -> None:
     found = mixed_widths_choice(captured, plait.Config(), 3, result, cluster)
     assert found is not None
     fields, report = found
-    assert (fields["dp_per_stage"], fields["layers_per_proc"]) == ([2, 1], [1, 3]) and "tp_per_stage" not in fields
+    assert (fields["stage_dp"], fields["layers_per_stage"]) == ([2, 1], [1, 3]) and "stage_tp" not in fields
     assert fields["num_microbatches"] in (1, 2)  # 4 or 2 rows a micro-batch: each divides by 2
     assert report.predicted_step_s is not None and report.predicted_step_s < result.best.step_time_s
     assert report.chosen["stages"][0]["mesh"] == {"dp": 2, "tp": 1} and "stages of different dp widths" in report.table
-    config = dataclasses.replace(plait.Config(), **{**fields, "layers_per_proc": tuple(fields["layers_per_proc"])})
-    assert config.dp_per_stage == (2, 1) and config.lanes(3) == 2  # a config the runtime takes
+    config = dataclasses.replace(plait.Config(), **{**fields, "layers_per_stage": tuple(fields["layers_per_stage"])})
+    assert config.stage_dp == (2, 1) and config.lanes(3) == 2  # a config the runtime takes
     assert mixed_widths_choice(captured, plait.Config(schedule="gpipe"), 3, result, cluster)[0]["schedule"] == "gpipe"
     for refused in (plait.Config(zero=1), plait.Config(grad_reduction="sum"), plait.Config(num_stages=2),
                     plait.Config(replan=True)):
@@ -125,7 +125,7 @@ def test_the_faster_of_the_tp_and_the_dp_widths_is_taken() -> None:
     dp = search_dp_widths(result.profile.costs, 3, BATCH, cluster)
     assert dp is not None and dp.step_time_s > result.best.step_time_s  # found, and slower than uniform
     fields, _ = mixed_widths_choice(captured, plait.Config(), 3, result, cluster)
-    assert "tp_per_stage" in fields
+    assert "stage_tp" in fields
 
 
 def test_the_training_loss_reaches_each_widths_pricing(monkeypatch) -> None:
@@ -148,7 +148,7 @@ def test_the_training_loss_reaches_each_widths_pricing(monkeypatch) -> None:
 
 def test_copies_of_a_pipeline_of_widths_are_searched_and_run_as_config_fields(monkeypatch, tmp_path) -> None:
     """On 6 ranks the tp-width search also prices 2 and 3 copies of a pipeline; a choice of 2 copies
-    of widths (2, 1) becomes Config(tp_per_stage=(2, 1), dp=2) on 6 ranks, and its saved report
+    of widths (2, 1) becomes Config(stage_tp=(2, 1), dp=2) on 6 ranks, and its saved report
     replays it."""
     import plait.search.width_search as width_search
     from plait.planner.layout import load_plan_file
@@ -168,13 +168,13 @@ def test_copies_of_a_pipeline_of_widths_are_searched_and_run_as_config_fields(mo
     found = mixed_widths_choice(captured, plait.Config(), 6, six, cluster)
     assert asked == [(1, 2, 3)] and found is not None
     fields, report = found
-    assert (fields["tp_per_stage"], fields["dp"], fields["layers_per_proc"]) == ([2, 1], 2, [3, 3])
+    assert (fields["stage_tp"], fields["dp"], fields["layers_per_stage"]) == ([2, 1], 2, [3, 3])
     assert report.chosen["dp"] == 2 and "x dp=2 copies of the pipeline" in report.table
-    config = dataclasses.replace(plait.Config(), **{**fields, "layers_per_proc": tuple(fields["layers_per_proc"])})
+    config = dataclasses.replace(plait.Config(), **{**fields, "layers_per_stage": tuple(fields["layers_per_stage"])})
     assert config.lanes(6) == 4 and config.stages_for(config.lanes(6)) == 2  # a config 6 ranks run
     report.save(tmp_path / "plan.json")
     replayed = load_plan_file(str(tmp_path / "plan.json"), captured.layers.layer_names, 6)[0]
-    assert (replayed["tp_per_stage"], replayed["dp"]) == ([2, 1], 2)
+    assert (replayed["stage_tp"], replayed["dp"]) == ([2, 1], 2)
 
 
 # -- one search for `plait plan` and Config() -------------------------------------------------------
@@ -197,7 +197,7 @@ def test_plait_plan_and_config_choose_the_same_stages_of_different_widths() -> N
     captured, result, cluster = _setup(1e-3)  # tp widths win
     fields, _ = mixed_widths_choice(captured, plait.Config(), 3, result, cluster)
     shown = _model_widths(_plan_args(3), captured, result, cluster).tp
-    assert shown is not None and (fields["tp_per_stage"], fields["layers_per_proc"], fields["dp"]) == (
+    assert shown is not None and (fields["stage_tp"], fields["layers_per_stage"], fields["dp"]) == (
         list(shown.widths), list(shown.layers_per_stage), shown.dp)
     assert (fields["num_microbatches"], fields["schedule"], fields["recompute"], fields["crossing"]) == (
         shown.num_microbatches, shown.schedule, shown.recompute, shown.crossing)
@@ -207,7 +207,7 @@ def test_plait_plan_and_config_choose_the_same_stages_of_different_widths() -> N
     result = PlanResult(uniform, LayerProfile(costs, 4, 1, 1, 0.0, "test"), cluster, 3, 4)
     fields, _ = mixed_widths_choice(captured, plait.Config(), 3, result, cluster)
     shown_dp = _model_widths(_plan_args(3), captured, result, cluster).dp
-    assert shown_dp is not None and (fields["dp_per_stage"], fields["layers_per_proc"], fields["num_microbatches"],
+    assert shown_dp is not None and (fields["stage_dp"], fields["layers_per_stage"], fields["num_microbatches"],
                                      fields["schedule"], fields["recompute"]) == (
         list(shown_dp.dp), list(shown_dp.layers_per_stage), shown_dp.num_microbatches, shown_dp.schedule,
         shown_dp.recompute)

@@ -40,7 +40,7 @@ def fit_until_it_raises(rank, world):
     x, y = torch.randn(15, 8, generator=g), torch.randint(0, 4, (15,), generator=g)
     x[7, 0] = 1e6  # batch 2 of 3 (rows 5-9)
     net = nn.Sequential(Check(), nn.Linear(8, 8), nn.Linear(8, 4))
-    model = plait.Model(net, plait.Config(layers_per_proc=[1, 2], num_microbatches=2, timeout_s=TIMEOUT_S),
+    model = plait.Model(net, plait.Config(layers_per_stage=[1, 2], num_microbatches=2, timeout_s=TIMEOUT_S),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
     model.build(x[:5])
     start = time.monotonic()
@@ -58,7 +58,7 @@ def test_a_forward_that_raises_is_named_on_every_rank_and_every_rank_ends_at_onc
         2, fit_until_it_raises, timeout=110)
     assert kind == "ModelError" and cause == "ValueError", (kind, message)
     assert message.startswith("rank 0: the model's code raised ValueError: a marked value reached the check")
-    assert 'test_report.py", line' in message and "in forward: raise ValueError(" in message, message
+    assert 'test_failure.py", line' in message and "in forward: raise ValueError(" in message, message
     assert "epoch 1, batch 2 (training step 2)" in message, message
     assert peer_kind == "ModelError", peer_message
     assert "rank 1 stopped" in peer_message and "rank 0 raised ValueError: a marked value" in peer_message

@@ -42,7 +42,7 @@ def run(rank, world, net_fn, layers, on_nonfinite, data, dp=1, loss=None):
     torch.manual_seed(0)
     net = net_fn()
     initial = copy.deepcopy(net.state_dict())
-    config = plait.Config(num_microbatches=2, layers_per_proc=layers, dp=dp, on_nonfinite=on_nonfinite)
+    config = plait.Config(num_microbatches=2, layers_per_stage=layers, dp=dp, on_nonfinite=on_nonfinite)
     model = plait.Model(net, config, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                         loss=loss or nn.CrossEntropyLoss())
     losses = []

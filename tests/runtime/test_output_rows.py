@@ -60,7 +60,7 @@ def test_per_row_leaves_join_along_the_rows_and_the_others_per_microbatch() -> N
 
 
 def predict_two_towers(rank: int, world: int, fail_join: bool) -> dict[str, object]:
-    model = plait.Model(TwoTowers(), plait.Config(layers_per_proc=(1, 1), num_microbatches=3, timeout_s=60.0))
+    model = plait.Model(TwoTowers(), plait.Config(layers_per_stage=(1, 1), num_microbatches=3, timeout_s=60.0))
     if fail_join:  # this process only (spawned): the last stage's rank fails joining its outputs
         import plait.runtime.step as step
 

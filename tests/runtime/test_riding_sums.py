@@ -148,8 +148,8 @@ def _reference(initial, data, net_fn=mlp):
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("config", [
-    dict(layers_per_proc=(5, 6), num_microbatches=2, schedule="zbh1"),
-    dict(layers_per_proc=(3, 3, 2, 3), num_stages=2, num_microbatches=4, schedule="interleaved",
+    dict(layers_per_stage=(5, 6), num_microbatches=2, schedule="zbh1"),
+    dict(layers_per_stage=(3, 3, 2, 3), num_stages=2, num_microbatches=4, schedule="interleaved",
          num_virtual_stages=2),
 ], ids=["zbh1", "interleaved"])
 def test_a_pipeline_of_one_rank_per_stage_steps_without_an_all_reduce_and_equals_one_process(config):
@@ -166,7 +166,7 @@ def test_a_pipeline_of_one_rank_per_stage_steps_without_an_all_reduce_and_equals
 @pytest.mark.timeout(150)
 def test_with_replicas_the_sums_still_take_the_all_reduce():
     data = _batches()
-    config = dict(layers_per_proc=(11,), num_microbatches=2, dp=2)
+    config = dict(layers_per_stage=(11,), num_microbatches=2, dp=2)
     for losses, counts, error, _, _, _ in run_ranks(2, train, config, data, timeout=140):
         assert error is None and all(c >= 1 for c in counts), counts
 
@@ -187,7 +187,7 @@ def test_an_overflow_in_the_third_of_four_interleaved_stages_is_named_on_both_ra
     # stage 2's last activations, and the verdict came back to rank 0 on stage 3's last gradients.
     data = [(x * 0.1, y) for x, y in _batches()]
     data[1][0][1, 2] = 1e4
-    config = dict(layers_per_proc=(1, 1, 1, 1), num_stages=2, num_microbatches=4, schedule="interleaved",
+    config = dict(layers_per_stage=(1, 1, 1, 1), num_stages=2, num_microbatches=4, schedule="interleaved",
                   num_virtual_stages=2)
     for losses, counts, error, state, step, initial in run_ranks(2, train, config, data, exp_net, timeout=140):
         assert step == 1 and counts == [0]
@@ -201,7 +201,7 @@ def fit_with_accuracy(rank, world, data):
     torch.manual_seed(0)
     net = mlp()
     initial = copy.deepcopy(net.state_dict())
-    config = plait.Config(layers_per_proc=(5, 6), num_microbatches=2, schedule="1f1b", on_nonfinite="ignore")
+    config = plait.Config(layers_per_stage=(5, 6), num_microbatches=2, schedule="1f1b", on_nonfinite="ignore")
     model = plait.Model(net, config, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                         loss=nn.CrossEntropyLoss(), metrics=["accuracy"])
     x, y = torch.cat([x for x, _ in data]), torch.cat([y for _, y in data])

@@ -92,6 +92,6 @@ def test_a_cut_inside_an_uncuttable_region_is_reported_by_check_partition() -> N
     with pytest.raises(PartitionError) as info:
         cut_at(["block"], names, uncuttable=[(1, 3)])
     assert str(info.value) == (
-        "split_points=['block'] (the cut layers_per_proc=[2, 3]): layers_per_proc=[2, 3] cuts after "
+        "split_points=['block'] (the cut layers_per_stage=[2, 3]): layers_per_stage=[2, 3] cuts after "
         "layer 1 (norm), inside an uncuttable region: layers 1..3 (norm, block, norm#1) reuse a module "
         "and must stay on one stage. Move the cut before layer 1 or after layer 3")

@@ -98,8 +98,8 @@ class RowCrossing:
                 if batched and isinstance(value, torch.Tensor) and tensor and x.shape[0] != share:
                     raise ConfigError(
                         f"stage {self.boundary} sends a tensor of shape {list(x.shape)} whose first dimension "
-                        f"grows with the batch but is not the {share} rows of this replica; dp_per_stage can "
-                        f"cut only batch-major values there: move the cut (layers_per_proc) or give one dp")
+                        f"grows with the batch but is not the {share} rows of this replica; stage_dp can "
+                        f"cut only batch-major values there: move the cut (layers_per_stage) or give one dp")
                 cut = bool(batched) if batched is not None and isinstance(value, torch.Tensor) else \
                     tensor and x.shape[0] == share
                 flags.append(int(cut))

@@ -84,7 +84,7 @@ def train_and_count(rank: int, world: int) -> list[list[tuple[torch.dtype, int]]
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(30, 8, generator=g), torch.randint(0, 4, (30,), generator=g)
     torch.manual_seed(0)
-    model = plait.Model(mlp(), plait.Config(layers_per_proc=(5, 6), num_microbatches=2),
+    model = plait.Model(mlp(), plait.Config(layers_per_stage=(5, 6), num_microbatches=2),
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
     model.build(x[:10])
     posted: list[tuple[torch.dtype, int]] = []

@@ -89,7 +89,7 @@ def test_only_graphs_of_torch_operations_save_the_same_for_the_same_shapes() -> 
 
 def train(rank: int, world: int, zero: int, planned: bool) -> dict[str, Any]:
     net, x, y, loss = make("gpt")
-    layout = {"num_stages": 2} if planned else {"layers_per_proc": even_cut(LAYERS["gpt"], 2)}
+    layout = {"num_stages": 2} if planned else {"layers_per_stage": even_cut(LAYERS["gpt"], 2)}
     config = plait.Config(dp=2, zero=zero, num_microbatches=2, timeout_s=60.0, **layout)
     model = plait.Model(net, config, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3), loss=loss)
     for a in range(0, 20, 10):
