@@ -137,15 +137,14 @@ def _preset_name(device: torch.device) -> str:
 
 
 def searched_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping[str, str] | None,
-                     search: TpSearch | None, earlier: Sequence[Mapping[str, Any]] = (),
-                     sequence_parallel: bool = False) -> list[TpLayout]:
-    """Each stage's layout: everything split that can be, or (a `search`) what the ILP splits;
-    `earlier`: a plan's tp layouts whose search is taken as it is (`planned_layouts`)."""
+                     search: TpSearch | None, sequence_parallel: bool = False) -> list[TpLayout]:
+    """Each stage's layout: everything split that can be, or (a `search`) what the ILP splits. A plan's
+    choice is made again, without a search, by `plait.runtime.tp.layouts.planned_layouts`."""
     plan = dict(tp_plan or {})
-    chosen: list[dict[str, Any]] = [dict(lay.get("search") or {}) for lay in earlier]
-    if search is not None and not any(chosen):
-        chosen = []
-        for g, lay in zip(graphs, tp_layouts(graphs, tp, plan, sequence_parallel)):
+    all_split = tp_layouts(graphs, tp, plan, sequence_parallel)  # everything split that can be
+    chosen: list[dict[str, Any]] = []
+    if search is not None:
+        for g, lay in zip(graphs, all_split):
             ops, fixed = tp_ops(g, lay)
             if not ops:
                 chosen.append({})
@@ -156,4 +155,4 @@ def searched_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping
                            "whole": sorted({op.module for op in ops if op.name not in split}), "ops": len(ops),
                            "state_bytes": solution.memory_bytes + fixed * search.state_factor,
                            "limit_bytes": search.memory_limit_bytes, "seconds": solution.total_s})
-    return planned_layouts(graphs, tp, plan, chosen, sequence_parallel)
+    return planned_layouts(graphs, tp, plan, chosen, sequence_parallel, all_split)

@@ -14,7 +14,7 @@ from plait.capture.tp_layout import module_of
 from plait.cost.devices import device
 from plait.plan import Plan
 from plait.planner.tp_search import device_search, searched_layouts, tp_ops
-from plait.runtime.tp.layouts import KEPT_WHOLE
+from plait.runtime.tp.layouts import KEPT_WHOLE, planned_layouts
 from plait.search.intra_op import brute_force
 from plait.search.tp_choice import TpSearch, tp_graph
 from tests.capture.test_tp_layout import _graphs, gpt2
@@ -106,7 +106,7 @@ def test_the_choice_is_replayed_from_the_plan_and_printed() -> None:
     [full] = tp_layouts([g], 2)
     [layout] = searched_layouts([g], 2, {}, _search(_state(g, full.params) * 1.3))
     data = layout.data(g)
-    [again] = searched_layouts(_graphs(gpt2()), 2, {}, None, [data])  # the eval pipeline: no new search
+    [again] = planned_layouts(_graphs(gpt2()), 2, {}, [data["search"]])  # the eval pipeline: no new search
     assert again.params == layout.params and again.search == layout.search
     plan = Plan(layer_names=("all",), layers_per_stage=(1,), num_microbatches=1, schedule="1f1b", world_size=2,
                 capture_method="torch.export", tp=2, tp_layouts=(data,))

@@ -21,13 +21,15 @@ KEPT_WHOLE = "kept whole by the tp search: cheaper whole, and the stage fits mem
 
 
 def planned_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping[str, str] | None,
-                    chosen: Sequence[Mapping[str, Any]] = (), sequence_parallel: bool = False) -> list[TpLayout]:
+                    chosen: Sequence[Mapping[str, Any]] = (), sequence_parallel: bool = False,
+                    split: Sequence[TpLayout] | None = None) -> list[TpLayout]:
     """Each stage's layout: everything split that can be (Megatron's layout, with `tp_plan`'s pins), or,
     where the tp search chose (`chosen`: each stage's {"split", "whole", ...}, as the plan holds it),
     its whole modules kept whole. Deterministic: every rank, and the evaluation pipeline, make the
-    same layouts from the same plan; nothing is decided here."""
+    same layouts from the same plan; nothing is decided here. `split`: `tp_layouts` of these graphs
+    and `tp_plan` (everything split that can be), where the caller has made them already."""
     plan = dict(tp_plan or {})
-    layouts = tp_layouts(graphs, tp, plan, sequence_parallel)
+    layouts = list(split) if split is not None else tp_layouts(graphs, tp, plan, sequence_parallel)
     chosen = [dict(c) for c in chosen] or [{} for _ in graphs]
     if not any(chosen):
         return layouts
