@@ -47,7 +47,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 from job import join_job, leave_job, run_job, timed  # noqa: E402 - benchmarks/ is on sys.path
 
 from plait.cost.prediction import Setting, predict  # noqa: E402
-from plait.planner.layout import candidate_fields  # noqa: E402
+from plait.planner.choice import candidate_fields  # noqa: E402
 
 
 def workload(name: str) -> tuple[nn.Module, Any, torch.Tensor, Any]:

@@ -24,7 +24,7 @@ from plait.job.process_group import init_process_group
 from plait.metrics import check_metrics, logs_of
 from plait.plan import Plan
 from plait.planner.closed_loop import ClosedLoop
-from plait.planner.layout import Layout, Workload, choose_layout, layout_of
+from plait.planner.layout import Layout, Workload, choose_layout, replanned
 from plait.planner.plan_report import PlanReport
 from plait.runtime.comm.collectives import local_device
 from plait.runtime.failure import raised_before_steps
@@ -35,7 +35,7 @@ from plait.runtime.step import OptimizerArg, StepRunner, make_optimizer
 from plait.runtime.step_sums import num_stats
 from plait.train.export import export_weights, gather_whole_state
 from plait.train.fit_loop import run_fit
-from plait.train.rank_build import build_rank_pipeline
+from plait.train.rank_build import RankPlace, build_rank_pipeline
 from plait.train.start import place_net, starting_stages
 
 __all__ = ["Model"]
@@ -129,8 +129,10 @@ class Model:
     def _build(self, layout: Layout) -> None:
         """This rank's training pipeline and optimizer for `layout`."""
         assert self._captured is not None
-        self.config, self.num_stages = layout.config, layout.num_stages
-        pipe = build_rank_pipeline(self, layout)  # this rank's stages made real, the others freed
+        self.num_stages = layout.num_stages
+        first = self._train is None and self.world_size > 1 and not self._meta
+        pipe = build_rank_pipeline(self.net, (self._captured, self._eval_captured), layout.plan, self.config,
+                                   RankPlace(self.rank, self.device, self._meta, self._frees, first), self.loss)  # this rank's stages made real, the others freed
         self._train, self._eval = StepRunner(pipe, self.net, self.metrics, self.device, train=True), None
         self.optimizer = make_optimizer(self._optimizer_arg, pipe.local_parameters)
 
@@ -193,9 +195,9 @@ class Model:
         """Move the model to the replanned layout: save -> rebuild -> restore (checkpoint machinery)."""
         assert self._train is not None
         assert self._captured is not None
-        layers = tuple(int(n) for n in report.chosen["layers_per_stage"])
+        assert self._layout is not None
         work = Workload(self.net, self._captured, x, optimizer=self._optimizer_arg, device=self.device)
-        layout = layout_of(dataclasses.replace(self.config, layers_per_stage=layers), work, self.world_size, report)
+        layout = replanned(self._layout, work, self.config, report)
 
         def rebuild() -> tuple[Pipeline, torch.optim.Optimizer | None]:
             self._layout = layout

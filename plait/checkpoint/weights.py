@@ -214,7 +214,7 @@ def _check(path: str | os.PathLike[str], state: Mapping[str, torch.Tensor], sour
         parts.append(f"{len(shapes)} shapes differ: {_listed(shapes)}")
     if parts:
         raise CheckpointError(f"{path} does not fit the model: " + "; ".join(parts) + ". Load the weights "
-                              f"saved from this architecture and size (the names of net.state_dict())")
+                              "saved from this architecture and size (the names of net.state_dict())")
 
 
 def _prefix_hint(missing: list[str], files: Collection[str]) -> str:

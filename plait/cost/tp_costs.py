@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from plait.cost.network import Link, Network
+from plait.cost.network import Link
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
 

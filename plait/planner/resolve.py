@@ -1,7 +1,7 @@
 """Resolving a run's layout into a complete `Plan`: every stage's layers, micro-batches, schedule, recomputation.
 
-The planner's answer is a `Config` with every size set (`plait.planner.layout`); this turns it
-and the captured layers into the `Plan` the runtime builds from, so that pipeline assembly only
+The user's `Config` and the planner's choice (a candidate as Config fields, `plait.planner.layout`)
+and the captured layers become the `Plan` the runtime builds from, so that pipeline assembly only
 assembles: no partition, no default and no recomputation decision is left to it.
 
     one process          one stage of every layer (a size given is ignored, with a warning)
@@ -13,6 +13,7 @@ assembles: no partition, no default and no recomputation decision is left to it.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -44,9 +45,12 @@ def _zero(config: Config, world_size: int) -> int:
     return config.zero
 
 
-def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: nn.Module) -> Plan:
-    """The complete plan of `config` (every size set) on `world_size` ranks for `captured`."""
-    config = config.with_defaults()
+def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: nn.Module,
+                 chosen: Mapping[str, Any] | None = None) -> Plan:
+    """The plan of `config` on `world_size` ranks for `captured`, with the planner's `chosen` layout
+    (a candidate as Config fields, `plait.planner.choice.candidate_fields`; JSON lists taken) in
+    place of what the config leaves open or lets it choose; what neither sets takes its default."""
+    config = _with_choice(config, chosen or {})
     lanes = config.lanes(world_size)  # the pp x dp ranks of each tensor-parallel part
     pp = config.stages_for(lanes) if lanes > 1 else 1
     virtual = config.num_virtual_stages if lanes > 1 else 1
@@ -92,6 +96,17 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         recompute_by_layer=_by_layer(config, recomputed),
     )
 
+
+
+def _with_choice(config: Config, chosen: Mapping[str, Any]) -> Config:
+    """`config` with the chosen fields, every size set."""
+    fields: dict[str, Any] = {name: tuple(value) if isinstance(value, list) else value
+                              for name, value in chosen.items()}
+    if not fields:
+        return config.with_defaults()
+    if fields.get("tp", 1) == 1:  # no tp chosen: no tp plan
+        fields["tp_plan"] = None
+    return replace(config, **fields, plan=None).with_defaults()  # a plan file is applied
 
 
 def complete_plan(plan: Plan, captured: CapturedGraph, memory_limit_bytes: float | None = None,

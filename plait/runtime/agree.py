@@ -14,13 +14,13 @@ Every rank calls `agree` the same number of times in the same order (one key per
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from typing import Any, Callable
 
 import torch.distributed as dist
 
+from plait import errors
 from plait.errors import ConfigError, ModelError, PipelineError, PlaitError, model_frame
 from plait.runtime.failure import gather_failures, posted, stopped_by
 
@@ -41,7 +41,7 @@ def agree(rank: int, make: Callable[[], Any], what: str, wait_s: float) -> Any:
             value = make()
         except Exception as e:
             frame = None if isinstance(e, PlaitError) else model_frame(e)  # the model's own code raised
-            store.set(key, json.dumps({"error": f"{type(e).__name__}: {e}", "frame": frame}))
+            store.set(key, json.dumps({"error": f"{type(e).__name__}: {e}", "frame": frame, "kind": type(e).__name__}))
             if frame is not None:
                 raise ModelError(f"the model's code raised {type(e).__name__}: {e}\n  at {frame}\n  while "
                                  f"rank 0 ran it to make the {what}") from e
@@ -63,8 +63,10 @@ def agree(rank: int, make: Callable[[], Any], what: str, wait_s: float) -> Any:
     if message.get("frame"):
         raise ModelError(f"rank 0 stopped: the model's code raised {message['error']}\n  at {message['frame']}\n  "
                          f"while rank 0 ran it to make the {what} (rank 0's output shows its traceback)")
-    if "error" in message:
-        raise ConfigError(f"rank 0 failed while making the {what}: {message['error']}")
+    if "error" in message:  # the class rank 0 raised, where it is plait's (a wrong layout: ConfigError, PartitionError)
+        kind = getattr(errors, str(message.get("kind")), None)
+        kind = kind if isinstance(kind, type) and issubclass(kind, PlaitError) else ConfigError
+        raise kind(f"rank 0 failed while making the {what}: {message['error']}")
     return message["ok"]
 
 

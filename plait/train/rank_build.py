@@ -1,45 +1,60 @@
-"""The build of a rank's pipeline for a layout: its stages' tensors made real, the others freed, the pipeline over them."""
+"""The build of a rank's pipeline for a plan: its stages' tensors made real, the others freed, the pipeline over them."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from plait.capture.trace import CapturedGraph
+from plait.config import Config
 from plait.materialize import materialize_tensors, release_parameters
-from plait.planner.layout import Layout
+from plait.plan import Plan
 from plait.runtime.pipeline import Pipeline, build_pipeline, stage_tensors
 
-__all__ = ["RELEASED", "build_rank_pipeline"]
+__all__ = ["RELEASED", "RankPlace", "build_rank_pipeline"]
 
 RELEASED = "_plait_released"  # set on a net whose ranks have freed the parameters they do not use
 
 
-def build_rank_pipeline(model: Any, layout: Layout) -> Pipeline:
-    """This rank's training pipeline for `layout`, its stages' tensors real on it.
+@dataclass(frozen=True)
+class RankPlace:
+    """Where a rank builds: its rank and device, whether the net is on meta (each rank makes its
+    stages real), whether it frees the tensors its stages do not use, and whether this is the
+    first build of a real net (its replicas then start equal)."""
 
-    `model` is the `plait.Model` building it (typed Any: plait.model imports this module), its
-    config already the layout's; its net captured (`_captured`, `_eval_captured`), not yet rebuilt.
-    """
-    captured, config, net = model._captured, model.config, model.net
-    graphs = [g.root for g in (captured, model._eval_captured) if g is not None]
-    if model._frees:  # this rank's stages' tensors are real, the others' on meta (freed)
-        mine = stage_tensors(captured, layout.plan, model.rank)
+    rank: int
+    device: torch.device
+    meta: bool
+    frees: bool
+    first: bool
+
+
+def build_rank_pipeline(net: nn.Module, graphs: tuple[CapturedGraph | None, CapturedGraph | None], plan: Plan,
+                        config: Config, place: RankPlace, loss: Callable[[Any, Any], torch.Tensor] | None) -> Pipeline:
+    """This rank's training pipeline for `plan`, its stages' tensors real on it.
+
+    `graphs`: the net captured for training and, where made (a meta net), for evaluation; `config`
+    gives the initialiser, the seed and the runtime's settings (`Config.execution`)."""
+    captured, _ = graphs
+    assert captured is not None
+    roots = [g.root for g in graphs if g is not None]
+    if place.frees:  # this rank's stages' tensors are real, the others' on meta (freed)
+        mine = stage_tensors(captured, plan, place.rank)
         # A real model's freed tensors come back at a new layout from the carried-over checkpoint.
-        init = config.init_fn if model._meta else _allocate_only
-        if materialize_tensors(net, mine, config.seed, init, model.device, graphs):
-            mine = stage_tensors(captured, layout.plan, model.rank)  # the real ones now
-        used = {id(t) for t in stage_tensors(captured, layout.plan, None)}  # rank 0 keeps the rest
-        unused: list[torch.Tensor] = [p for p in net.parameters() if id(p) not in used] if model.rank == 0 else []
-        if release_parameters(net, mine + unused, graphs):
+        init = config.init_fn if place.meta else _allocate_only
+        if materialize_tensors(net, mine, config.seed, init, place.device, roots):
+            mine = stage_tensors(captured, plan, place.rank)  # the real ones now
+        used = {id(t) for t in stage_tensors(captured, plan, None)}  # rank 0 keeps the rest
+        unused: list[torch.Tensor] = [p for p in net.parameters() if id(p) not in used] if place.rank == 0 else []
+        if release_parameters(net, mine + unused, roots):
             setattr(net, RELEASED, True)
-    elif model._meta:
-        materialize_tensors(net, None, config.seed, config.init_fn, model.device, graphs)
-    first = model._train is None and model.world_size > 1 and not model._meta
-    pipe = build_pipeline(net, captured, layout.plan, config.execution(), model.rank, model.loss,
-                          model.device, first=first)
-    if first:  # a meta model's values follow from Config.seed; a real one's replicas start equal whatever their seeds
+    elif place.meta:
+        materialize_tensors(net, None, config.seed, config.init_fn, place.device, roots)
+    pipe = build_pipeline(net, captured, plan, config.execution(), place.rank, loss, place.device, first=place.first)
+    if place.first:  # a meta model's values follow from Config.seed; a real one's replicas start equal whatever their seeds
         pipe.start_equal()
     return pipe
 

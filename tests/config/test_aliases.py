@@ -8,7 +8,7 @@ import pytest
 
 from plait.config import Config
 from plait.errors import ConfigError
-from plait.planner.layout import load_plan_file
+from plait.planner.replay import load_plan_file
 from plait.planner.plan_report import PlanReport
 
 # old name -> new name, and a value each takes with layers (3, 4)

@@ -13,7 +13,7 @@ from plait.cli.demo import PaperCNN
 from plait.config import Config
 from plait.job.ranks import threads_per_rank
 from plait.planner.autoplan import PlanOptions, local_cluster, plan_model
-from plait.planner.layout import candidate_fields
+from plait.planner.choice import candidate_fields
 from plait.search.search import SearchSpace
 
 

@@ -88,8 +88,8 @@ def test_recompute_lists_and_errors():
 
 
 def test_the_planners_zero_level_reaches_the_plan():
-    # the planner's answer is a Config with every size set, ZeRO included (plait.planner.layout)
-    from plait.planner.layout import candidate_fields
+    # the planner's answer is a candidate as Config fields, ZeRO included (plait.planner.layout)
+    from plait.planner.choice import candidate_fields
 
     net, graph = net_and_graph()
     n = len(graph.layers.layer_names)
@@ -99,8 +99,24 @@ def test_the_planners_zero_level_reaches_the_plan():
     assert fields["zero"] == 2
     plan = resolve_plan(Config(**fields), 4, graph, net)
     assert plan.zero == 2 and plan.dp == 2
+    assert resolve_plan(Config(), 4, graph, net, fields) == plan  # the choice over the user's open Config
     assert resolve_plan(Config(**{**fields, "zero": None}), 4, graph, net).zero == 0  # not planned: 0
     del chosen["zero"]  # a candidate saved before the planner priced ZeRO
     assert candidate_fields(chosen)["zero"] == 0
     with pytest.raises(plait.ConfigError, match="set dp > 1 or zero=0"):
         resolve_plan(Config(layers_per_stage=(2, 1, 1, n - 4), zero=1), 4, graph, net)
+
+
+def test_the_choice_fills_what_the_users_config_leaves_open():
+    """resolve_plan(config, ..., chosen): the planner's fields (JSON lists) over the user's Config;
+    the user's settings beside the layout stay, and a choice of tp=1 drops the tp plan."""
+    net, graph = net_and_graph()
+    n = len(graph.layers.layer_names)
+    user = Config(recompute_by_layer=False, tp_plan={"*": "replicate"})
+    chosen = {"layers_per_stage": [2, n - 2], "num_stages": 2, "dp": 1, "num_microbatches": 3, "schedule": "gpipe",
+              "recompute": [1], "tp": 1}
+    plan = resolve_plan(user, 2, graph, net, chosen)
+    assert (plan.layers_per_stage, plan.num_microbatches, plan.schedule, plan.recompute) == ((2, n - 2), 3, "gpipe", (1,))
+    assert plan.recompute_by_layer == () and plan.tp_plan == ()
+    assert resolve_plan(Config(layers_per_stage=(2, n - 2)), 2, graph, net, {}) == resolve_plan(
+        Config(layers_per_stage=(2, n - 2)), 2, graph, net)  # nothing chosen: the config as given

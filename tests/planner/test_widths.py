@@ -151,7 +151,7 @@ def test_copies_of_a_pipeline_of_widths_are_searched_and_run_as_config_fields(mo
     of widths (2, 1) becomes Config(stage_tp=(2, 1), dp=2) on 6 ranks, and its saved report
     replays it."""
     import plait.search.width_search as width_search
-    from plait.planner.layout import load_plan_file
+    from plait.planner.replay import load_plan_file
     from plait.search.width_search import MixedWidths
 
     captured, result, cluster = _setup(1e-3)

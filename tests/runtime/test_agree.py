@@ -23,10 +23,14 @@ def bad_config():
     raise plait.ConfigError("num_stages=3 does not fit")
 
 
+def bad_cut():
+    raise plait.PartitionError("3 stages but the model has 2 layers")
+
+
 def make_both(rank, world):
     plait.init_process_group(30.0)
     out = []
-    for make in (profile_the_model, bad_config):
+    for make in (profile_the_model, bad_config, bad_cut):
         try:
             agree(rank, make, "layout plan", wait_s=30.0)
         except plait.PlaitError as e:
@@ -36,7 +40,7 @@ def make_both(rank, world):
 
 @pytest.mark.timeout(60)
 def test_the_model_raising_on_rank_0_is_named_on_every_rank():
-    (mine, config), (peers, peer_config) = run_ranks(2, make_both, timeout=50)
+    (mine, config, cut), (peers, peer_config, peer_cut) = run_ranks(2, make_both, timeout=50)
     for kind, message in (mine, peers):
         assert kind == "ModelError", message
         assert "the model's code raised ValueError: the forward found a NaN" in message, message
@@ -45,6 +49,9 @@ def test_the_model_raising_on_rank_0_is_named_on_every_rank():
     assert peers[1].startswith("rank 0 stopped")
     assert config[0] == "ConfigError" and peer_config == ("ConfigError", "rank 0 failed while making the "
                                                           "layout plan: ConfigError: num_stages=3 does not fit")
+    # plait's error keeps its class on every rank: a wrong cut is a PartitionError on both
+    assert cut[0] == "PartitionError" and peer_cut == ("PartitionError", "rank 0 failed while making the "
+                                                       "layout plan: PartitionError: 3 stages but the model has 2 layers")
 
 
 def rank_0_fails_before_agreeing(rank, world):
