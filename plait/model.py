@@ -13,6 +13,7 @@ from torch import nn
 from plait import data as batching
 from plait.callbacks import History
 from plait.capture.output import unflatten_output
+from plait.capture.compute_dtype import cast_floating, dtype_of, held_in
 from plait.capture.trace import CapturedGraph, capture_batch, retarget
 from plait.checkpoint import disk as checkpoint
 from plait.checkpoint import train_state, weights
@@ -94,13 +95,13 @@ class Model:
                 if not self._meta:  # traced where the model lives (a meta model: on meta, retargeted)
                     x, y = batching.to_device(x, self.device), batching.to_device(y, self.device)
                 with raised_before_steps(self.rank, "while capturing the model"):  # the peers stop too
-                    captured = capture_batch(self.net, x, train=True, keep=self.config.leaf_modules)
+                    captured = self._capture(x, True, keep=self.config.leaf_modules)
                 if self._meta:  # eval too, while every tensor is on meta; device constants made real
-                    self._eval_captured = retarget(capture_batch(self.net, x, False, captured.method,
-                                                                 captured.kept_whole), self.device)
+                    self._eval_captured = retarget(self._capture(x, False, captured.method, captured.kept_whole),
+                                                   self.device)
                     captured = retarget(captured, self.device)
                 elif self._frees:  # eval too, while every tensor is real: the build frees the others
-                    self._eval_captured = capture_batch(self.net, x, False, captured.method, captured.kept_whole)
+                    self._eval_captured = self._capture(x, False, captured.method, captured.kept_whole)
                 work = Workload(self.net, captured, x, y, self.loss, self._optimizer_arg, self.device)
                 self._layout = choose_layout(work, self.config, self.world_size, self.rank,
                                              self._checkpoints.resumed_plan)
@@ -116,9 +117,16 @@ class Model:
             return self._train
         if self._eval is None:
             self._eval = self._train.for_eval(
-                self.loss, lambda method: self._eval_captured or capture_batch(
-                    self.net, x, train=False, method=method, keep=self._captured.kept_whole if self._captured else ()))
+                self.loss, lambda method: self._eval_captured or self._capture(
+                    x, False, method, self._captured.kept_whole if self._captured else ()))
         return self._eval
+
+    def _capture(self, x: Any, train: bool, method: str | None = None, keep: Sequence[Any] = ()) -> CapturedGraph:
+        """`net` captured on `x` in the dtype its stages compute in (Config.precision: torch.export
+        records the dtypes it sees), its parameters' values as they were after."""
+        dtype = dtype_of(self.config.precision)
+        with held_in(self.net, dtype):
+            return capture_batch(self.net, x if dtype == torch.float32 else cast_floating(x, dtype), train, method, keep)
 
     @property
     def _frees(self) -> bool:

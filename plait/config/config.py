@@ -8,7 +8,8 @@ from typing import Any, Callable
 from plait.config.aliases import taking_old_names
 from plait.config.json_form import config_from_dict, config_from_json, config_to_dict, config_to_json
 from plait.config.layout import check_layout, check_recompute, check_schedule, check_tp, check_zero
-from plait.config.settings import check_checkpoints, check_init_fn, check_leaf_modules, check_planning, check_running
+from plait.config.settings import (check_checkpoints, check_init_fn, check_leaf_modules, check_planning,
+                                   check_precision, check_running)
 from plait.config.widths import check_stage_dp, check_stage_tp, stage_lanes
 from plait.errors import ConfigError
 from plait.plan.execution import Execution
@@ -132,6 +133,15 @@ class Config:
         (raise NonFiniteError naming the step and the first stage where it appeared, on every
         rank, before the optimizer step), "skip" (no optimizer step for that batch, on every
         rank) or "ignore" (no check at all).
+    precision: the dtype the stages compute in: "fp32" (default) or "bf16" -- as FSDP2's
+        MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32): each stage computes
+        with a bf16 copy of its parameters (its activations, and what crosses between stages, in
+        bf16), floating inputs are cast to bf16 and the model's floating outputs to fp32 before
+        the loss; each micro-batch's gradients are added into fp32 gradients of the fp32 master
+        parameters (the model's own), which the data-parallel sum, the optimizer, checkpoints
+        and state_dict() use; the copies are refreshed from them before every step. "fp16" (with
+        loss scaling) is not available yet; bf16 does not combine with tp, stage_tp, stage_dp or
+        batch_weight_grads yet.
     """
 
     layers_per_stage: tuple[int, ...] | None = None
@@ -165,6 +175,7 @@ class Config:
     crossing: str | None = None
     stage_dp: tuple[int, ...] | None = None
     recompute_by_layer: bool | tuple[int, ...] | None = None
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         # the checks, in this order (a later one reads fields an earlier one normalised): the layout's
@@ -181,6 +192,7 @@ class Config:
         check_running(self)
         check_checkpoints(self)
         check_planning(self)
+        check_precision(self)
 
     # the old names, read (`Config(layers_per_proc=...)` sets the new field: `taking_old_names`)
     @property

@@ -6,8 +6,10 @@ from typing import Any
 
 from plait.errors import ConfigError
 from plait.plan.execution import NONFINITE_ACTIONS
+from plait.plan.plan import PRECISIONS
 
-__all__ = ["check_leaf_modules", "check_init_fn", "check_running", "check_checkpoints", "check_planning"]
+__all__ = ["check_leaf_modules", "check_init_fn", "check_running", "check_checkpoints", "check_planning",
+           "check_precision"]
 
 
 # Each check takes the `plait.config.Config` being made (typed Any: plait.config imports this module).
@@ -80,6 +82,23 @@ def check_planning(config: Any) -> None:
     if config.batch_weight_grads is not None and not isinstance(config.batch_weight_grads, bool):
         raise ConfigError(f"batch_weight_grads must be True or False (or None: the planner's choice), "
                           f"got {config.batch_weight_grads!r}")
+
+
+def check_precision(config: Any) -> None:
+    """precision: one of PRECISIONS; what low precision does not combine with yet is refused."""
+    if config.precision not in PRECISIONS:
+        raise ConfigError(f"precision={config.precision!r} is not known; choose one of {list(PRECISIONS)}")
+    if config.precision == "fp16":
+        raise ConfigError("precision='fp16' needs loss scaling, which plait does not have yet; use "
+                          "precision='bf16' (no scaling needed) or 'fp32'")
+    if config.precision == "fp32":
+        return
+    given = {"tp": (config.tp or 1) > 1, "stage_tp": config.stage_tp is not None,
+             "stage_dp": config.stage_dp is not None, "batch_weight_grads": config.batch_weight_grads is True}
+    bad = [name for name, on in given.items() if on]
+    if bad:
+        raise ConfigError(f"precision={config.precision!r} does not combine with {', '.join(bad)} yet; "
+                          f"leave {' and '.join(bad)} at the default or use precision='fp32'")
 
 
 def _path(config: Any, name: str, what: str) -> str | None:

@@ -10,9 +10,10 @@ from typing import Any
 from plait.errors import ConfigError
 from plait.plan.mesh import Mesh
 
-__all__ = ["Plan", "CROSSINGS"]
+__all__ = ["Plan", "CROSSINGS", "PRECISIONS"]
 
 CROSSINGS = ("tiles", "whole")  # how a value crosses between stages of different tp widths (Config.crossing)
+PRECISIONS = ("fp32", "bf16", "fp16")  # the dtype stages compute in (Config.precision)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class Plan:
     # "replicate"), in order) that the tp layout search keeps, and Megatron's sequence parallelism
     tp_plan: tuple[tuple[str, str], ...] = ()
     sequence_parallel: bool = False
+    # the dtype stages compute in: "bf16" / "fp16" copies of fp32 master parameters (Config.precision)
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         for name in ("num_virtual_stages", "num_microbatches"):  # the mesh checks its degrees
@@ -82,6 +85,8 @@ class Plan:
         if self.stage_dp and self.zero and max(self.stage_dp) == 1:
             raise ConfigError(f"plan has stage_dp={list(self.stage_dp)} with zero={self.zero}; ZeRO shards a stage's "
                               "state over its replicas and no stage has two: use zero=0")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"plan has precision={self.precision!r}; it must be one of {list(PRECISIONS)}")
         if self.crossing not in CROSSINGS:
             raise ConfigError(f"plan has crossing={self.crossing!r}; it must be one of {list(CROSSINGS)}")
         if not self.stage_to_rank:
@@ -182,6 +187,7 @@ class Plan:
                 stage_dp=tuple(int(w) for w in data.get("stage_dp", ())),
                 tp_plan=tuple((str(p), str(s)) for p, s in data.get("tp_plan", ())),
                 sequence_parallel=bool(data.get("sequence_parallel", False)),
+                precision=str(data.get("precision", "fp32")),
             )
         except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as e:
             raise ConfigError(f"not a plait plan ({type(e).__name__}: {e}); expected Plan.to_json() output") from e
@@ -192,7 +198,8 @@ class Plan:
             f"{f' ({self.num_virtual_stages} per rank)' if self.num_virtual_stages > 1 else ''}"
             f"{'' if self.stage_dp else f' x {self.dp} replica(s)'}{self._widths_text()} on {self.world_size} rank(s), schedule "
             f"{self.schedule}, {self.num_microbatches} micro-batch(es)"
-            f"{', weight gradients batched' if self.batch_weight_grads else ''}, captured with "
+            f"{', weight gradients batched' if self.batch_weight_grads else ''}"
+            f"{f', computed in {self.precision} over fp32 master weights' if self.precision != 'fp32' else ''}, captured with "
             f"{self.capture_method}, {len(self.layer_names)} layers"
         ]
         for s in range(self.num_chunks):

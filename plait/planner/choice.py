@@ -63,6 +63,8 @@ def search_inputs(config: Config, world_size: int, global_batch: int, local_rank
     if config.recompute_by_layer is False:
         cluster = replace(cluster, recompute_by_layer=False)
     tp = tp_degrees(world_size, local_ranks) if config.tp is None else (1,)  # a given tp: planned on its lanes
+    if config.precision != "fp32":  # low precision runs without tensor parallelism for now (Config.precision)
+        tp = (1,)
     return SearchInputs(space, cluster, tp, source)
 
 
@@ -73,6 +75,8 @@ def search_space(config: Config, world_size: int, global_batch: int) -> tuple[Se
     if config.plans_everything:
         schedules = (config.schedule,) if config.schedule else tuple(SEARCH_ORDER)
         batched = (False, True) if config.batch_weight_grads is None else (config.batch_weight_grads,)
+        if config.precision != "fp32":  # not with low precision yet (Config.precision)
+            batched = (False,)
         return SearchSpace(schedules=schedules, recompute=recompute, zero=zero,
                            batch_weight_grads=batched), "planned"
     c = config.with_defaults()
@@ -99,7 +103,7 @@ def choose(result: PlanResult, config: Config, world_size: int, source: str, cap
             f"no layout of {world_size} ranks fits {cluster.memory_bytes / 2**30:.2f} GiB per rank "
             f"(Config.memory_limit_bytes={config.memory_limit_bytes}): {best.reason}"
         )
-    mixed = None if captured is None else mixed_widths_choice(captured, config, world_size, result, cluster,
+    mixed = None if captured is None or config.precision != "fp32" else mixed_widths_choice(captured, config, world_size, result, cluster,
                                                               loss, target)
     if mixed is not None:  # one pipeline of uneven stage widths, predicted faster than any uniform one
         return Choice(mixed[0], mixed[1])

@@ -89,6 +89,7 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         batch_weight_grads=bool(config.batch_weight_grads),
         tp_plan=tuple(config.tp_plan or ()),
         sequence_parallel=config.sequence_parallel,
+        precision=config.precision,
         uncuttable=regions,
         dp=config.dp,
         num_virtual_stages=virtual,

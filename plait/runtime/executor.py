@@ -24,6 +24,7 @@ from plait.errors import LossError
 from plait.runtime.backward_split import SplitPlans, WeightGradients, backward_input
 from plait.runtime.batched_wgrad import defer_linear_weight_grads
 from plait.runtime.layer_checkpoint import layer_checkpointed
+from plait.runtime.precision.compute_copies import ComputeCopies
 from plait.runtime.memory.activation_meter import ActivationMeter, SavedBytes, SavedShapes, hooks_in_use
 
 __all__ = ["StageExecutor", "grad_leaves"]
@@ -48,8 +49,10 @@ class StageExecutor:
         meter: ActivationMeter | None = None,
         split_loss: Any = None,
         layer_pieces: Sequence[int] | None = None,
+        copies: ComputeCopies | None = None,
     ):
         self.stage = stage
+        self.copies = copies  # low precision: the batch's floating inputs cast in, the model's outputs to fp32
         # tp > 1, the training pipeline's last stage: its split outputs' loss (`plait.runtime.tp.vocab_loss`)
         self.split_loss = split_loss
         self.meter = meter  # this rank's bytes held for backward passes (training forwards add to it)
@@ -102,6 +105,8 @@ class StageExecutor:
 
     def _forward(self, microbatch_index: int, received: list[Any], inputs: list[Any], target: Any,
                  scale: float, train: bool, keep_output: bool) -> list[Any]:
+        if self.copies is not None:
+            inputs = self.copies.inputs(inputs)
         with torch.set_grad_enabled(train):
             if train and self._layered is not None:
                 out = self._run(*received, *inputs, module=self._layered)
@@ -115,6 +120,8 @@ class StageExecutor:
                     self._inputs[microbatch_index] = grad_leaves(received)
                     self._outputs[microbatch_index] = grad_leaves(values)
                 return values
+            if self.copies is not None:
+                out = self.copies.outputs(out)
             split = self.split_loss
             if split is not None and (keep_output or self.loss_fn is None or target is None):
                 out, split = split.gathered(list(out)), None  # the outputs are wanted whole

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from plait.capture.compute_dtype import dtype_of
 from plait.capture.output import OutputSpec
 from plait.capture.split import StageModule, split, stage_holders, stage_of_layers, tied_parameters
 from plait.capture.tp_layout import TpLayout
@@ -24,6 +25,7 @@ from plait.runtime.comm.collectives import TiedGradients, broadcast_tensors, mak
 from plait.runtime.comm.wire import Wire
 from plait.runtime.dp.grad_sync import GradientBuckets
 from plait.runtime.dp.zero import ShardedOptimizerState, zero_owners
+from plait.runtime.precision.compute_copies import ComputeCopies
 from plait.runtime.executor import StageExecutor
 from plait.runtime.interpreter import Interpreter
 from plait.runtime.memory.activation_meter import ActivationMeter
@@ -61,6 +63,7 @@ class Pipeline:
     meter: ActivationMeter | None = None  # bytes held for backward passes (training pipeline)
     tp_group: Any = None  # this rank's tensor-parallel group (plan.tp > 1)
     tp_parts: dict[int, tuple[int, int, list[int]]] = field(default_factory=dict)  # id(tensor) -> dim, blocks, ranks
+    copies: ComputeCopies | None = None  # the low-precision copies the stages compute with (plan.precision)
     _programs: dict[tuple[int, bool], Program] = field(default_factory=dict)
 
     def start_equal(self) -> None:
@@ -116,7 +119,7 @@ class Pipeline:
             current = by_name.get(name, current)
             layer_stage.append(current)
         parts = _Parts(self.plan, self.rank, loss, self.execution, self.interpreter.wire,
-                       self.interpreter.tracer, self.output_spec, self.tp_group)
+                       self.interpreter.tracer, self.output_spec, self.tp_group, self.copies)
         held_by, _ = stage_holders(self.stages)
         return _assemble(captured, layer_stage, parts, make_ties=False, held_by=held_by)
 
@@ -180,8 +183,9 @@ def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, executio
             "world_size": plan.world_size, "num_microbatches": plan.num_microbatches,
             "stage_to_rank": list(plan.stage_to_rank), "recompute": list(plan.recompute),
         })
+    copies = ComputeCopies(dtype_of(plan.precision)) if plan.precision != "fp32" else None
     parts = _Parts(plan, rank, loss, execution, Wire(execution.timeout_s, device), tracer, captured.output_spec,
-                   _tp_group(plan, rank))
+                   _tp_group(plan, rank), copies)
     return _assemble(captured, stage_of_layers(plan.layers_per_stage), parts, make_ties=True, equal_tp=first)
 
 
@@ -197,6 +201,7 @@ class _Parts:
     tracer: Tracer | NullTracer
     output_spec: OutputSpec
     tp_group: Any = None  # this rank's tensor-parallel group (plan.tp > 1)
+    copies: ComputeCopies | None = None  # plan.precision below fp32: the copies of this rank's parameters
 
 
 def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, make_ties: bool,
@@ -236,6 +241,8 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
             tp_parts.setdefault(i, (dim, blocks, list(plan.mesh.stage_ranks(min(holders[i]), owners.get(i, 0)))))
     mine = plan.stages_of(rank)
     local = list({id(p): p for s in mine for p in stages[s].module.parameters()}.values())
+    # what the executors run: the stages, or their copies computing in plan.precision (made before the buckets listen)
+    computed = {s: parts.copies.stage(stages[s]) if parts.copies is not None else stages[s] for s in mine}
     ties, sync, zero = None, None, None
     if make_ties:
         replicas = list(plan.mesh.dp_ranks(rank))  # this rank's place on each replica of its stage
@@ -248,17 +255,18 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
                                          sync.group)
     meter = ActivationMeter() if make_ties else None
     executors = {
-        s: StageExecutor(stages[s], captured.finish, parts.loss, recompute=s in plan.recompute,
+        s: StageExecutor(computed[s], captured.finish, parts.loss, recompute=s in plan.recompute,
                          batch_weight_grads=plan.batch_weight_grads, meter=meter,
                          split_loss=split_loss if s == plan.num_chunks - 1 else None,
-                         layer_pieces=pieces(plan.layer_names) if s in plan.recompute_by_layer else None) for s in mine
+                         layer_pieces=pieces(plan.layer_names) if s in plan.recompute_by_layer else None,
+                         copies=parts.copies) for s in mine
     }
     interpreter = Interpreter(rank, executors, lane_ranks(plan, rank), parts.wire, parts.tracer,
                               crossings(plan, rank, parts.tp_group, stages) if plan.stage_tp or plan.stage_dp
                               else None)
     return Pipeline(captured, stages, plan, rank, executors, interpreter, ties, local, owner_of,
                     parts.output_spec, layer_stage, sync, parts.execution, zero, meter, tp_group=parts.tp_group,
-                    tp_parts=tp_parts)
+                    tp_parts=tp_parts, copies=parts.copies)
 
 
 def _tp_group(plan: Plan, rank: int) -> Any:
@@ -309,6 +317,7 @@ def _ties_and_buckets(captured: CapturedGraph, stages: Sequence[StageModule], pa
             first = plan.mesh.dp_ranks(rank)[0]
             owner_rank = {id(p): owner_rank.get(id(p), first) for p in bucketed}
         if group is not None:
+            after = parts.copies.after_grad if parts.copies is not None else None
             sync = GradientBuckets(bucketed, group, execution.bucket_bytes, execution.timeout_s, owner_rank,
-                                   rank)
+                                   rank, after)
     return plan, ties, sync

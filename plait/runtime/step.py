@@ -234,6 +234,8 @@ class StepRunner:
         pipe, train = self.pipe, self.train
         mbs = self.microbatches(x, y)
         with in_mode(self.net, train):  # each module's own flag comes back after
+            if pipe.copies is not None:  # the stages compute with the masters' current values
+                pipe.copies.refresh()
             if train:
                 self._zero_grads(len(mbs))
             for ex in pipe.executors.values():

@@ -290,3 +290,20 @@ def test_stage_tp_gives_one_lane_per_stage_on_the_sum_of_the_widths() -> None:
 def test_stage_tp_refuses_what_it_does_not_run(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Config(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(precision="bfloat16"), "precision='bfloat16' is not known; choose one of"),
+    (dict(precision="fp16"), "precision='fp16' needs loss scaling"),
+    (dict(precision="bf16", tp=2), "does not combine with tp yet"),
+    (dict(precision="bf16", stage_tp=(2, 1), layers_per_stage=(1, 1)), "does not combine with stage_tp yet"),
+    (dict(precision="bf16", batch_weight_grads=True), "does not combine with batch_weight_grads yet"),
+])
+def test_precision_errors_name_the_value_and_the_fix(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Config(**kwargs)
+
+
+def test_precision_defaults_to_fp32_and_round_trips() -> None:
+    assert Config().precision == "fp32"
+    assert Config.from_json(Config(precision="bf16").to_json()).precision == "bf16"

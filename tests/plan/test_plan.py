@@ -38,6 +38,7 @@ def test_bad_json_is_a_config_error():
     ("layers_per_stage", [0, 4], "positive whole number"),
     ("uncuttable", [[1]], "not a plait plan"),
     ("num_microbatches", 1e400, "not a plait plan"),
+    ("precision", "fp8", "precision='fp8'"),
 ])
 def test_impossible_values_in_a_plan_file_are_config_errors(field, value, message):
     import json
@@ -187,3 +188,15 @@ def test_bad_stage_dp_is_named(stage_dp, fields, message) -> None:
 
 def test_stage_dp_shards_over_the_replicas_of_a_stage_that_has_them() -> None:
     assert replicas((2, 1), zero=2).zero == 2
+
+
+def test_precision_round_trips_prints_and_old_plans_read_as_fp32() -> None:
+    import dataclasses
+    import json
+
+    low = dataclasses.replace(plan(), precision="bf16")
+    assert Plan.from_json(low.to_json()) == low
+    assert "computed in bf16 over fp32 master weights" in str(low) and "computed in" not in str(plan())
+    old = json.loads(plan().to_json())
+    del old["precision"]  # a plan saved before plait computed in low precision
+    assert Plan.from_json(json.dumps(old)).precision == "fp32"

@@ -20,7 +20,7 @@ all-reduce starts early in the backward pass whatever the cap.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,8 @@ class GradientBuckets:
     """
 
     def __init__(self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int,
-                 timeout_s: float, owner_rank: dict[int, int] | None = None, rank: int = 0):
+                 timeout_s: float, owner_rank: dict[int, int] | None = None, rank: int = 0,
+                 after_grad: Callable[[nn.Parameter, Callable[[torch.Tensor], None]], None] | None = None):
         self.group = group
         self.timeout = timedelta(seconds=timeout_s)
         self.rank = rank
@@ -76,10 +77,14 @@ class GradientBuckets:
         self._next = 0  # the next bucket to launch
         self._works: list[tuple[int, Any]] = []
         self.launched_during_backward = 0  # buckets of the last step launched from the hooks
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
-            for p in ordered
-        ]
+        # each parameter's gradient, as it is accumulated (`after_grad`: where the stages compute with
+        # low-precision copies, once it is added into the parameter's fp32 gradient)
+        self._handles: list[Any] = []
+        for p in ordered:
+            if after_grad is not None:
+                after_grad(p, self._on_grad)
+            else:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))  # type: ignore[no-untyped-call]
 
     def _allocate(self) -> None:
         """A flat buffer for every segment of several parameters that has none (all at first; the

@@ -1,0 +1,1 @@
+"""Low-precision compute over fp32 master weights (`Plan.precision`)."""

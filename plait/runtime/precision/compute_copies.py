@@ -1,0 +1,109 @@
+"""`ComputeCopies`: the low-precision copies of a rank's parameters its stages compute with, over fp32 master weights.
+
+Mixed precision as FSDP2's `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)` and
+Megatron's bf16 training have it (`Plan.precision`):
+
+    master  the model's own fp32 parameter: the optimizer steps it, the data-parallel and tied
+            sums, ZeRO, checkpoints and state_dict() see it, as in an fp32 run
+    copy    a bf16 parameter of the same shape, in a copy of the stage module's tree (the
+            model's modules are never touched), refreshed from the master before every step
+    grad    each backward that reaches a copy adds its gradient into the master's fp32 `.grad`
+            (a post-accumulate hook: once per micro-batch, as autograd accumulates) and clears the
+            copy's; then the master's gradient listeners run (`after_grad`: the buckets)
+
+The copies' values are the masters' rounded: the stages compute exactly what a bf16 copy of the
+model computes in one process, and the update is the fp32 one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from plait.capture.compute_dtype import cast_floating
+from plait.capture.split import StageModule
+
+__all__ = ["ComputeCopies", "GradListener"]
+
+GradListener = Callable[[torch.Tensor], None]
+
+
+class ComputeCopies:
+    """The copies of one rank (shared by its training and evaluation stages), by master."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._copies: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(master) -> (master, copy)
+        self._listeners: dict[int, list[GradListener]] = {}
+
+    def stage(self, stage: StageModule) -> StageModule:
+        """`stage` computing with the copies: its module tree copied (every module a new object with
+        its own parameter dict; buffers shared with the model, so in-place updates reach it)."""
+        return replace(stage, module=self._tree(stage.module, {}))
+
+    def _tree(self, module: nn.Module, memo: dict[int, nn.Module]) -> Any:
+        if id(module) in memo:  # a module reached twice (reused) stays one module
+            return memo[id(module)]
+        made = object.__new__(type(module))  # a plain shallow copy (GraphModule's __copy__ would re-own its graph)
+        made.__dict__.update(module.__dict__)
+        memo[id(module)] = made
+        made.__dict__["_parameters"] = {name: None if p is None else self._copy_of(p)
+                                        for name, p in module._parameters.items()}
+        made.__dict__["_buffers"] = dict(module._buffers)
+        made.__dict__["_modules"] = {name: None if m is None else self._tree(m, memo)
+                                     for name, m in module._modules.items()}
+        return made
+
+    def _copy_of(self, master: nn.Parameter) -> nn.Parameter:
+        if id(master) in self._copies:
+            return self._copies[id(master)][1]
+        if not master.is_floating_point():
+            return master
+        low = nn.Parameter(master.detach().to(self.dtype), requires_grad=master.requires_grad)
+        if master.requires_grad:
+            low.register_post_accumulate_grad_hook(lambda p, m=master: self._to_master(m, p))  # type: ignore[no-untyped-call]
+        self._copies[id(master)] = (master, low)
+        return low
+
+    def _to_master(self, master: nn.Parameter, low: torch.Tensor) -> None:
+        """Add the copy's gradient into the master's fp32 one, then run the master's listeners."""
+        grad, low.grad = low.grad, None
+        if grad is None:
+            return
+        if master.grad is None:
+            master.grad = grad.to(master.dtype)
+        else:
+            master.grad.add_(grad)
+        for listen in self._listeners.get(id(master), ()):
+            listen(master)
+
+    def after_grad(self, param: nn.Parameter, listen: GradListener) -> None:
+        """Call `listen(param)` each time a gradient is added into `param`'s `.grad` (what a
+        post-accumulate hook on an fp32 run's parameter sees)."""
+        if id(param) in self._copies:
+            self._listeners.setdefault(id(param), []).append(listen)
+        else:  # a parameter without a copy (not floating, or on no stage of this rank) computes itself
+            param.register_post_accumulate_grad_hook(listen)  # type: ignore[no-untyped-call]
+
+    def refresh(self) -> None:
+        """Every copy takes its master's current value (after an optimizer step, a load, a replan)."""
+        with torch.no_grad():
+            for master, low in self._copies.values():
+                low.copy_(master)
+
+    def inputs(self, values: Any) -> Any:
+        """A stage's inputs from the batch, floating ones in the compute dtype."""
+        return cast_floating(values, self.dtype)
+
+    @staticmethod
+    def outputs(values: Any) -> Any:
+        """The model's outputs, floating ones in fp32 (the loss and the user see fp32)."""
+        return cast_floating(values, torch.float32)
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of the copies held (the memory low precision adds beside the masters)."""
+        return sum(low.numel() * low.element_size() for _, low in self._copies.values())

@@ -1,0 +1,188 @@
+"""Mixed precision (Config(precision="bf16")) trains as a bf16 copy over fp32 master weights does in one process.
+
+The reference is plain PyTorch by hand, in one process: a copy of the model with bf16 parameters
+(buffers as they are) computes each micro-batch (floating inputs cast to bf16, logits to fp32 before the loss), its gradients are added
+into fp32 gradients of the fp32 master model after each micro-batch, the optimizer steps the
+masters and the copy takes their values before the next step. plait must land close to that and
+at least 10x closer to it than to fp32 training of the same model (the issue's bar).
+
+Tolerance: after three Adam steps (lr 1e-2) the parameters differ from the reference by at most
+BF16_ATOL. What plait changes is only where the fp32 gradient sums are added (micro-batches per
+replica, replicas summed in fp32: another order of fp32 additions, a few fp32 ulps of a gradient).
+Measured on this machine after three SGD steps (lr 0.1): GPT-2, Llama and BERT, on 2 stages and on
+2 stages x 2 replicas, equal to the reference (0.0), while fp32 training was 6.4e-5 .. 5.6e-4 away.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import plait
+from tests.architectures import make
+from tests.harness import run_ranks
+
+STEPS, MICROBATCHES, LR = 3, 2, 0.1
+BF16_ATOL = 1e-6  # see the module docstring
+MODELS = ["gpt2", "llama", "bert"]
+
+
+def sgd(params):
+    # SGD keeps each update proportional to its gradient, so a difference measures the gradients
+    # (Adam's first steps are about lr * sign(g): any gradient near 0 turns into a full lr step)
+    return torch.optim.SGD(params, lr=LR)
+
+
+def by_hand(net: nn.Module, x, y, loss, steps: int, rows_per_microbatch: int, dtype, untie: bool) -> nn.Module:
+    """The one-process reference: a `dtype` copy computes, fp32 masters step (see the docstring).
+
+    A weight tied across stages (`untie`: the embedding and the LM head, on the first stage and
+    the last) has one copy on each stage's rank, and each copy's gradient is added into the fp32
+    master on its own -- as Megatron sums the embedding's gradients in fp32. So the copy here unties
+    it: each module that holds it gets a copy of its own, and both gradients are added into the one
+    master. On one stage, the one copy's gradient sums both uses in bf16, as here without `untie`."""
+    master = copy.deepcopy(net)
+    low = copy.deepcopy(net)
+    for p in low.parameters():  # the parameters only: buffers keep their dtype, as FSDP2's policy casts
+        p.data = p.data.to(dtype)  # (Llama's rotary inv_freq stays fp32; rounded to bf16 it moves every logit)
+    pairs, seen = [], set()  # (copy, master) for every module's own parameter entry
+    for (_, mm), (_, lm) in zip(master.named_modules(remove_duplicate=False), low.named_modules(remove_duplicate=False)):
+        for name, mp in mm._parameters.items():
+            lp = lm._parameters[name]
+            if mp is None:
+                continue
+            if id(lp) in seen and untie:  # tied: this module's own copy
+                lp = lm._parameters[name] = nn.Parameter(lp.detach().clone())
+            if id(lp) not in seen:
+                pairs.append((lp, mp))
+            seen.add(id(lp))
+    opt = sgd(master.parameters())
+    rows = len(y)
+    for _ in range(steps):
+        with torch.no_grad():
+            for pl, pm in pairs:
+                pl.copy_(pm)
+        for start in range(0, rows, rows_per_microbatch):
+            part = slice(start, start + rows_per_microbatch)
+            xb = {k: v[part].to(dtype) if v.is_floating_point() else v[part] for k, v in x.items()}
+            out = low(**xb)
+            out.logits = out.logits.float()
+            (loss(out, y[part]) * (len(y[part]) / rows)).backward()
+            for pl, pm in pairs:
+                if pl.grad is not None:
+                    pm.grad = pl.grad.float() if pm.grad is None else pm.grad + pl.grad.float()
+                    pl.grad = None
+        opt.step()
+        opt.zero_grad()
+    return master
+
+
+def fp32(net: nn.Module, x, y, loss, steps: int) -> nn.Module:
+    """fp32 training of the same model (what bf16 must be far from)."""
+    master = copy.deepcopy(net)
+    opt = sgd(master.parameters())
+    for _ in range(steps):
+        loss(master(**x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return master
+
+
+def train_bf16(rank, world, name, config):
+    arch = make(name)
+    initial = copy.deepcopy(arch.net)  # the reference starts here (the build frees what other ranks hold)
+    model = plait.Model(arch.net, config, optimizer=sgd, loss=arch.loss)
+    plan = model.build(arch.x)  # the micro-batches as plait cuts them (planned, or as given)
+    assert len(arch.y) % (plan.num_microbatches * plan.dp) == 0, plan
+    for _ in range(STEPS):
+        model.train_on_batch(arch.x, arch.y)
+    state = model.state_dict()
+    # each micro-batch's bf16 gradient is rounded once before it is added in fp32: the reference's
+    # micro-batches are plait's (16 rows: 8 a micro-batch on one replica of two micro-batches)
+    reference = by_hand(initial, arch.x, arch.y, arch.loss, STEPS, len(arch.y) // (plan.num_microbatches * plan.dp),
+                        torch.bfloat16, untie=bool(plan.tied_parameters))
+    full = fp32(initial, arch.x, arch.y, arch.loss, STEPS)
+
+    def diff(other: nn.Module) -> float:
+        return max(float((state[k] - v).abs().max()) for k, v in other.state_dict().items() if v.is_floating_point())
+
+    return {"to_reference": diff(reference), "to_fp32": diff(full), "plan": model.plan.to_json(),
+            "dtypes": sorted({str(v.dtype) for v in state.values() if v.is_floating_point()})}
+
+
+LAYOUTS = {  # world size, config
+    "2 stages": (2, dict(num_stages=2, num_microbatches=MICROBATCHES)),
+    "2 stages x 2 replicas": (4, dict(num_stages=2, dp=2, num_microbatches=MICROBATCHES)),
+}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", MODELS)
+def test_bf16_trains_as_a_bf16_copy_over_fp32_masters(name, layout):
+    world, fields = LAYOUTS[layout]
+    results = run_ranks(world, train_bf16, name, plait.Config(precision="bf16", **fields), timeout=380)
+    for r in results:
+        plan = plait.Plan.from_json(r["plan"])
+        assert plan.precision == "bf16" and plan.num_stages == 2
+        assert r["dtypes"] == ["torch.float32"]  # the masters: state_dict() is fp32
+        assert r["to_reference"] <= BF16_ATOL, r
+        assert r["to_fp32"] >= 10 * max(r["to_reference"], 1e-7), r  # far closer to bf16 than to fp32
+
+
+@pytest.mark.timeout(400)
+def test_config_with_precision_alone_plans_a_bf16_run_that_trains_as_the_reference():
+    """The path users take: Config(precision="bf16") on 2 ranks, the planner choosing the rest."""
+    results = run_ranks(2, train_bf16, "gpt2", plait.Config(precision="bf16"), timeout=380)
+    assert results[0]["plan"] == results[1]["plan"]
+    plan = plait.Plan.from_json(results[0]["plan"])
+    assert plan.precision == "bf16" and plan.tp == 1 and not plan.batch_weight_grads  # what bf16 runs with now
+    for r in results:
+        assert r["to_reference"] <= BF16_ATOL and r["to_fp32"] >= 10 * max(r["to_reference"], 1e-7), r
+
+
+COMPOSED = {  # world size, config: bf16 beside the schedules, recomputation and ZeRO
+    "zbh1 (split backward)": (2, dict(num_stages=2, num_microbatches=2, schedule="zbh1")),
+    "interleaved": (2, dict(num_stages=2, num_microbatches=2, schedule="interleaved", num_virtual_stages=2)),
+    "recompute by layer": (2, dict(num_stages=2, num_microbatches=2, recompute=True, recompute_by_layer=True)),
+    "zero 2": (4, dict(num_stages=2, dp=2, num_microbatches=2, zero=2)),
+}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", sorted(COMPOSED))
+def test_bf16_composes_with_schedules_recomputation_and_zero(case):
+    world, fields = COMPOSED[case]
+    results = run_ranks(world, train_bf16, "gpt2", plait.Config(precision="bf16", **fields), timeout=380)
+    for r in results:
+        assert plait.Plan.from_json(r["plan"]).precision == "bf16"
+        assert r["to_reference"] <= BF16_ATOL and r["to_fp32"] >= 10 * max(r["to_reference"], 1e-7), r
+
+
+def save_bf16_then_load_fp32(rank, world, root):
+    """A bf16 run on 2 stages saves; an fp32 run on 2 replicas of one stage loads it and goes on."""
+    arch = make("gpt2")
+    trained = plait.Model(copy.deepcopy(arch.net), plait.Config(precision="bf16", num_stages=2, num_microbatches=2),
+                          optimizer=sgd, loss=arch.loss)
+    for _ in range(2):
+        trained.train_on_batch(arch.x, arch.y)
+    trained.save(root)
+    saved = trained.state_dict()
+    again = plait.Model(copy.deepcopy(arch.net), plait.Config(num_stages=1, dp=2), optimizer=sgd, loss=arch.loss)
+    again.build(arch.x)
+    step = again.load(root)
+    loaded = again.state_dict()
+    return {"step": step, "equal": all(torch.equal(loaded[k], v) for k, v in saved.items()),
+            "dtypes": sorted({str(v.dtype) for v in loaded.values() if v.is_floating_point()}),
+            "loss": again.train_on_batch(arch.x, arch.y)}
+
+
+@pytest.mark.timeout(300)
+def test_a_bf16_checkpoint_holds_the_fp32_masters_and_loads_into_an_fp32_run_of_another_layout(tmp_path):
+    results = run_ranks(2, save_bf16_then_load_fp32, str(tmp_path / "ckpt"), timeout=280)
+    for r in results:
+        assert r["step"] == 2 and r["equal"] and r["dtypes"] == ["torch.float32"], r
+    assert results[0]["loss"] == results[1]["loss"]
