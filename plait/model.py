@@ -157,6 +157,12 @@ class Model:
         return plan
 
     @property
+    def grad_norm(self) -> float | None:
+        """The last training step's global gradient norm before clipping (Config.clip_grad_norm;
+        None without it, or before a step)."""
+        return self._train.grad_norm if self._train is not None else None
+
+    @property
     def plan_report(self) -> PlanReport | None:
         """The planner's choice (table, alternatives, JSON) and, after the first steps, the
         measured-vs-predicted check; None when the layout was given (layers_per_stage)."""

@@ -142,6 +142,11 @@ class Config:
         and state_dict() use; the copies are refreshed from them before every step. "fp16" (with
         loss scaling) is not available yet; bf16 does not combine with tp, stage_tp, stage_dp or
         batch_weight_grads yet.
+    clip_grad_norm: clip the global gradient norm to this value before each optimizer step, as
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm) does in one process: the
+        norm of the whole model's gradient, each element counted once (over stages, tp shards,
+        replicas, ZeRO-2 shards and tied parameters). `model.grad_norm` and fit's batch logs
+        ("grad_norm") give the last step's norm before clipping. None (default): no clipping.
     """
 
     layers_per_stage: tuple[int, ...] | None = None
@@ -176,6 +181,7 @@ class Config:
     stage_dp: tuple[int, ...] | None = None
     recompute_by_layer: bool | tuple[int, ...] | None = None
     precision: str = "fp32"
+    clip_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         # the checks, in this order (a later one reads fields an earlier one normalised): the layout's
@@ -230,7 +236,7 @@ class Config:
         """The runtime's settings beside the plan (the runtime reads these, not the Config)."""
         return Execution(timeout_s=float(self.timeout_s), trace_dir=self.trace_dir, on_nonfinite=self.on_nonfinite,
                          grad_reduction=self.grad_reduction, bucket_bytes=int(self.bucket_cap_mb * 2**20),
-                         memory_limit_bytes=self.memory_limit_bytes)
+                         memory_limit_bytes=self.memory_limit_bytes, clip_grad_norm=self.clip_grad_norm)
 
     def lanes(self, world_size: int) -> int:
         """Ranks per tensor-parallel part (world size / tp): the pp x dp ranks the layout is planned on

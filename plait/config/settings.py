@@ -38,7 +38,7 @@ def check_init_fn(config: Any) -> None:
 
 
 def check_running(config: Any) -> None:
-    """trace_dir, grad_reduction, bucket_cap_mb, timeout_s and seed."""
+    """trace_dir, grad_reduction, bucket_cap_mb, clip_grad_norm, timeout_s and seed."""
     if config.trace_dir is not None and not isinstance(config.trace_dir, (str, bytes)) and not hasattr(
         config.trace_dir, "__fspath__"
     ):
@@ -49,6 +49,9 @@ def check_running(config: Any) -> None:
         raise ConfigError(f"grad_reduction={config.grad_reduction!r} is not known; choose 'mean' or 'sum'")
     if not (_is_number(config.bucket_cap_mb) and config.bucket_cap_mb > 0):
         raise ConfigError(f"bucket_cap_mb must be a positive number, got {config.bucket_cap_mb!r}")
+    clip = config.clip_grad_norm
+    if clip is not None and not (_is_number(clip) and clip > 0 and clip != float("inf")):
+        raise ConfigError(f"clip_grad_norm must be a positive number (the largest gradient norm) or None, got {clip!r}")
     if not (_is_number(config.timeout_s) and config.timeout_s > 0):
         raise ConfigError(f"timeout_s must be a positive number of seconds, got {config.timeout_s!r}")
     if not isinstance(config.seed, int) or isinstance(config.seed, bool):

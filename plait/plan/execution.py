@@ -23,6 +23,7 @@ class Execution:
     grad_reduction: "mean" (what one process computes) or "sum" of the replicas' means.
     bucket_bytes: bytes of one gradient bucket summed over replicas.
     memory_limit_bytes: the tensor-parallel search's budget for a rank's parameter state (None: the device's).
+    clip_grad_norm: the largest global gradient norm; above it every gradient is scaled down to it (None: no clipping).
     """
 
     timeout_s: float = 300.0
@@ -31,6 +32,7 @@ class Execution:
     grad_reduction: str = "mean"
     bucket_bytes: int = 25 * 2**20
     memory_limit_bytes: float | None = None
+    clip_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -40,5 +42,7 @@ class Execution:
         if self.grad_reduction not in GRAD_REDUCTIONS:
             raise ConfigError(f"Execution has grad_reduction={self.grad_reduction!r}; choose one of "
                               f"{list(GRAD_REDUCTIONS)}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ConfigError(f"Execution has clip_grad_norm={self.clip_grad_norm!r}; it must be a positive number or None")
         if not (isinstance(self.bucket_bytes, int) and self.bucket_bytes > 0):
             raise ConfigError(f"Execution has bucket_bytes={self.bucket_bytes!r}; it must be a positive integer")

@@ -31,7 +31,8 @@ from plait.cost.row_blocks import check_rows, row_block
 from plait.errors import ConfigError, PipelineError, PlaitError, first_line
 from plait.runtime.failure import failure_error, gather_failures, report_wait
 from plait.runtime.interpreter import MicroBatch
-from plait.runtime.nonfinite import NonFiniteWatch, verdict
+from plait.runtime.update.grad_norm import clip_to, global_norm
+from plait.runtime.update.nonfinite import NonFiniteWatch, verdict
 from plait.runtime.output_rows import join_microbatches, join_parts, leaf_names, row_leaves
 from plait.runtime.pipeline import Pipeline
 from plait.runtime.step_sums import StepSums
@@ -95,6 +96,7 @@ class StepRunner:
         self.rides = train and rides(pipe)  # the step's sums ride on the pipeline's messages
         self.carried: dict[int, tuple[dict[int, int], dict[int, int]]] = {}  # micro-batches -> carriers
         self.memory: dict[str, int | None] = {}  # the last training step's readings, bytes (`memory_stats`)
+        self.grad_norm: float | None = None  # the last step's global gradient norm, before clipping (clip_grad_norm)
         if train:
             mine = {id(p) for p in pipe.local_parameters}
             for p in net.parameters():  # stale gradients elsewhere would make the
@@ -298,6 +300,10 @@ class StepRunner:
             skipped = verdict(flags, pipe.plan, where.steps_done + 1, pipe.execution.on_nonfinite, pipe.rank)
         assert optimizer is not None
         if not skipped:
+            clip = pipe.execution.clip_grad_norm
+            if clip is not None:  # the whole model's norm (one all-reduce), then every gradient scaled to it
+                self.grad_norm = where.guard("the gradient norm's all-reduce", lambda: [global_norm(pipe)])[0]
+                clip_to(pipe, self.grad_norm, clip)
             if pipe.zero is not None:  # others' shares: no gradient, no step, no state here
                 pipe.zero.drop_foreign_gradients()
             self.memory["gradients_at_step_bytes"] = gradient_bytes(pipe)

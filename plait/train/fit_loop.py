@@ -111,7 +111,10 @@ def _epoch(model: Any, fit: FitRun, epoch: int, start: ResumePoint | None) -> di
         if not skipped:  # a skipped step's NaN loss stays out of the epoch's logs
             rows_seen += batching.num_rows(xb)
             totals = [t + s for t, s in zip(totals, stats)]
-        call_hooks(fit.callbacks, "on_batch_end", step, logs_of(model.metrics, totals, max(rows_seen, 1)))
+        logs = logs_of(model.metrics, totals, max(rows_seen, 1))
+        if model.grad_norm is not None:  # Config.clip_grad_norm: this step's norm before clipping
+            logs["grad_norm"] = model.grad_norm
+        call_hooks(fit.callbacks, "on_batch_end", step, logs)
         every, root = model.config.checkpoint_every, model.config.checkpoint_dir
         if root is not None and every is not None and model.step % every == 0:
             model._save(root, fit.position(epoch, step + 1, totals, rows_seen))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import plait
-from plait.runtime.nonfinite import NonFiniteWatch, all_finite, first_nonfinite
+from plait.runtime.update.nonfinite import NonFiniteWatch, all_finite, first_nonfinite
 from tests.harness import run_ranks
 from tests.models import mlp
 
