@@ -34,6 +34,7 @@ from plait.runtime.output_rows import join_parts
 from plait.runtime.pipeline import Pipeline
 from plait.runtime.step import OptimizerArg, StepRunner, make_optimizer
 from plait.runtime.step_sums import num_stats
+from plait.runtime.update.loss_scale import LossScale
 from plait.train.export import export_weights, gather_whole_state
 from plait.train.fit_loop import run_fit
 from plait.train.rank_build import RankPlace, build_rank_pipeline
@@ -161,6 +162,12 @@ class Model:
         """The last training step's global gradient norm before clipping (Config.clip_grad_norm;
         None without it, or before a step)."""
         return self._train.grad_norm if self._train is not None else None
+
+    @property
+    def loss_scale(self) -> LossScale | None:
+        """fp16's dynamic loss scale (`.scale`, `.skipped_steps`), the same on every rank; None
+        for another precision or before the build."""
+        return self._train.pipe.loss_scale if self._train is not None else None
 
     @property
     def plan_report(self) -> PlanReport | None:

@@ -81,8 +81,9 @@ class ModelCheckpoints:
 
         def meta() -> dict[str, Any]:
             plan = json.loads(pipe.plan.to_json()) if pipe is not None else None
+            scale = pipe.loss_scale.state_dict() if pipe is not None and pipe.loss_scale is not None else None
             return {"step": step, "world_size": self.world_size, "plan": plan, "config": config.to_dict(),
-                    **shard.index, "data": data, "torch": torch.__version__}
+                    **shard.index, "data": data, "torch": torch.__version__, "loss_scale": scale}
 
         path = self.checkpointer.save(root, step, shard.tensors, shard.metadata, meta, config.checkpoint_keep)
         self.saved_step = step
@@ -111,6 +112,8 @@ class ModelCheckpoints:
         same_layout = ckpt.same_layout(json.loads(pipe.plan.to_json()))
         stepped = [p for p in pipe.local_parameters if pipe.zero is None or pipe.zero.owned(p)]  # ZeRO: its share
         train_state.restore(ckpt, self.net, optimizer, stepped, self.rank, same_layout)
+        if pipe.loss_scale is not None and ckpt.meta.get("loss_scale"):  # fp16 resumes with its scale
+            pipe.loss_scale.load_state_dict(ckpt.meta["loss_scale"])
         if not same_layout and self.rank == 0:
             log.info("plait: %s was saved with another layout: RNG states not restored", ckpt.path)
 

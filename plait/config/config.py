@@ -139,9 +139,11 @@ class Config:
         bf16), floating inputs are cast to bf16 and the model's floating outputs to fp32 before
         the loss; each micro-batch's gradients are added into fp32 gradients of the fp32 master
         parameters (the model's own), which the data-parallel sum, the optimizer, checkpoints
-        and state_dict() use; the copies are refreshed from them before every step. "fp16" (with
-        loss scaling) is not available yet; bf16 does not combine with tp, stage_tp, stage_dp or
-        batch_weight_grads yet.
+        and state_dict() use; the copies are refreshed from them before every step. "fp16": the
+        same in fp16, with dynamic loss scaling as torch.amp.GradScaler's defaults (initial scale
+        2**16, halved when a gradient on any rank overflows -- every rank then skips that step --
+        doubled after 2000 good steps; kept in checkpoints; `model.loss_scale`). Neither combines
+        with tp, stage_tp, stage_dp or batch_weight_grads yet.
     clip_grad_norm: clip the global gradient norm to this value before each optimizer step, as
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm) does in one process: the
         norm of the whole model's gradient, each element counted once (over stages, tp shards,

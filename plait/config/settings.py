@@ -91,9 +91,6 @@ def check_precision(config: Any) -> None:
     """precision: one of PRECISIONS; what low precision does not combine with yet is refused."""
     if config.precision not in PRECISIONS:
         raise ConfigError(f"precision={config.precision!r} is not known; choose one of {list(PRECISIONS)}")
-    if config.precision == "fp16":
-        raise ConfigError("precision='fp16' needs loss scaling, which plait does not have yet; use "
-                          "precision='bf16' (no scaling needed) or 'fp32'")
     if config.precision == "fp32":
         return
     given = {"tp": (config.tp or 1) > 1, "stage_tp": config.stage_tp is not None,

@@ -53,6 +53,7 @@ class StageExecutor:
     ):
         self.stage = stage
         self.copies = copies  # low precision: the batch's floating inputs cast in, the model's outputs to fp32
+        self.loss_scale = 1.0  # fp16: each loss's multiplier before its backward (`plait.runtime.update.loss_scale`)
         # tp > 1, the training pipeline's last stage: its split outputs' loss (`plait.runtime.tp.vocab_loss`)
         self.split_loss = split_loss
         self.meter = meter  # this rank's bytes held for backward passes (training forwards add to it)
@@ -141,7 +142,7 @@ class StageExecutor:
                 self.losses[microbatch_index] = float(loss.detach())
                 if train:
                     self._inputs[microbatch_index] = grad_leaves(received)
-                    self._losses[microbatch_index] = loss * scale
+                    self._losses[microbatch_index] = loss * (scale * self.loss_scale)
             return []
 
     def _run(self, *args: Any, module: Any = None) -> Any:

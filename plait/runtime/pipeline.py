@@ -26,6 +26,7 @@ from plait.runtime.comm.wire import Wire
 from plait.runtime.dp.grad_sync import GradientBuckets
 from plait.runtime.dp.zero import ShardedOptimizerState, zero_owners
 from plait.runtime.precision.compute_copies import ComputeCopies
+from plait.runtime.update.loss_scale import LossScale
 from plait.runtime.executor import StageExecutor
 from plait.runtime.interpreter import Interpreter
 from plait.runtime.memory.activation_meter import ActivationMeter
@@ -64,6 +65,7 @@ class Pipeline:
     tp_group: Any = None  # this rank's tensor-parallel group (plan.tp > 1)
     tp_parts: dict[int, tuple[int, int, list[int]]] = field(default_factory=dict)  # id(tensor) -> dim, blocks, ranks
     copies: ComputeCopies | None = None  # the low-precision copies the stages compute with (plan.precision)
+    loss_scale: LossScale | None = None  # fp16's dynamic loss scale (training pipeline)
     _programs: dict[tuple[int, bool], Program] = field(default_factory=dict)
 
     def start_equal(self) -> None:
@@ -266,7 +268,8 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
                               else None)
     return Pipeline(captured, stages, plan, rank, executors, interpreter, ties, local, owner_of,
                     parts.output_spec, layer_stage, sync, parts.execution, zero, meter, tp_group=parts.tp_group,
-                    tp_parts=tp_parts, copies=parts.copies)
+                    tp_parts=tp_parts, copies=parts.copies,
+                    loss_scale=LossScale() if make_ties and plan.precision == "fp16" else None)
 
 
 def _tp_group(plan: Plan, rank: int) -> Any:

@@ -32,6 +32,7 @@ from plait.errors import ConfigError, PipelineError, PlaitError, first_line
 from plait.runtime.failure import failure_error, gather_failures, report_wait
 from plait.runtime.interpreter import MicroBatch
 from plait.runtime.update.grad_norm import clip_to, global_norm
+from plait.runtime.update.loss_scale import LossScale
 from plait.runtime.update.nonfinite import NonFiniteWatch, verdict
 from plait.runtime.output_rows import join_microbatches, join_parts, leaf_names, row_leaves
 from plait.runtime.pipeline import Pipeline
@@ -238,6 +239,9 @@ class StepRunner:
         with in_mode(self.net, train):  # each module's own flag comes back after
             if pipe.copies is not None:  # the stages compute with the masters' current values
                 pipe.copies.refresh()
+            if train and pipe.loss_scale is not None:  # fp16: this step's losses scaled before their backward
+                for ex in pipe.executors.values():
+                    ex.loss_scale = pipe.loss_scale.scale
             if train:
                 self._zero_grads(len(mbs))
             for ex in pipe.executors.values():
@@ -277,6 +281,17 @@ class StepRunner:
         if self.pipe.sync is not None:
             self.pipe.sync.prepare(num_microbatches)
 
+    def _overflowed(self, scale: LossScale, where: "_Where") -> bool:
+        """fp16: whether any rank's gradients overflowed (then every rank skips the step and the
+        scale backs off), else the gradients unscaled for the step; GradScaler's update either way."""
+        grads = [p.grad for p in self.pipe.local_parameters]
+        found = where.guard("the loss scale's overflow check",
+                            lambda: [float(scale.found_nonfinite(grads, self.pipe.plan.world_size))])[0] > 0
+        if not found:
+            scale.unscale(grads)
+        scale.update(found)
+        return found
+
     def _finish_gradients(self, where: "_Where") -> None:
         """The data-parallel buckets' and the tied parameters' all-reduces, waited for."""
         pipe = self.pipe
@@ -299,6 +314,8 @@ class StepRunner:
         if self.watch is not None:
             skipped = verdict(flags, pipe.plan, where.steps_done + 1, pipe.execution.on_nonfinite, pipe.rank)
         assert optimizer is not None
+        if not skipped and pipe.loss_scale is not None and self._overflowed(pipe.loss_scale, where):
+            return False  # fp16: a gradient overflowed on some rank: no step anywhere, a smaller scale
         if not skipped:
             clip = pipe.execution.clip_grad_norm
             if clip is not None:  # the whole model's norm (one all-reduce), then every gradient scaled to it
