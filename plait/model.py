@@ -57,6 +57,7 @@ class Model:
         optimizer: OptimizerArg = None,
         loss: Callable[[Any, Any], torch.Tensor] | None = None,
         metrics: Sequence[str] | None = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     ):
         if not isinstance(net, nn.Module):
             raise ConfigError(f"plait.Model needs a torch.nn.Module, got {type(net).__name__}")
@@ -69,6 +70,12 @@ class Model:
         self.metrics = check_metrics(metrics)
         self._optimizer_arg = optimizer
         self.optimizer: torch.optim.Optimizer | None = None
+        if lr_scheduler is not None and not callable(lr_scheduler):
+            raise ConfigError(f"lr_scheduler must be a function of the optimizer, e.g. lambda opt: "
+                              f"torch.optim.lr_scheduler.StepLR(opt, 100), got {lr_scheduler!r}")
+        self._scheduler_arg = lr_scheduler  # made over this rank's optimizer, stepped after every training step
+        self.lr_scheduler: Any = None
+        self._scheduler_state: dict[str, Any] | None = None  # a restored checkpoint's, until the scheduler exists
         self.rank, self.world_size = init_process_group(self.config.timeout_s)
         self.device = local_device()
         self._meta = place_net(net, optimizer, self.device)  # on the meta device: each rank materializes its stages
@@ -113,6 +120,7 @@ class Model:
             self._build(self._layout)
             assert self._train is not None
             self._checkpoints.apply_pending(self._train.pipe, self.optimizer)  # one loaded before the build
+            self._load_scheduler()
         assert self._train is not None
         if train:
             return self._train
@@ -144,6 +152,11 @@ class Model:
                                    RankPlace(self.rank, self.device, self._meta, self._frees, first), self.loss)  # this rank's stages made real, the others freed
         self._train, self._eval = StepRunner(pipe, self.net, self.metrics, self.device, train=True), None
         self.optimizer = make_optimizer(self._optimizer_arg, pipe.local_parameters)
+        carried = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None  # a rebuild (replan)
+        made = self._scheduler_arg is not None and self.optimizer is not None
+        self.lr_scheduler = self._scheduler_arg(self.optimizer) if made else None  # type: ignore[misc]
+        if carried is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(carried)
 
     @property
     def plan(self) -> Plan:
@@ -201,11 +214,14 @@ class Model:
                 missing = "loss" if self.loss is None else "optimizer"
                 raise ConfigError(f"training needs a {missing}: pass {missing}=... to plait.Model")
             self._checkpoints.apply_pending(runner.pipe, self.optimizer)
+            self._load_scheduler()
             if self._loop is not None:
                 self._loop.before_step(runner.pipe.interpreter, self.step + 1)
         result = runner.run(x, y, keep_outputs, self.step, self.optimizer if train else None, where)
         if train:
             self.step += 1
+            if self.lr_scheduler is not None:  # every rank, once per optimizer step
+                self.lr_scheduler.step()
             if self._loop is not None and not self._loop.done:
                 replanned = self._loop.after_step(runner.pipe.interpreter, self.step)
                 if replanned is not None:
@@ -322,7 +338,9 @@ class Model:
 
     def _save(self, root: str | os.PathLike[str], data: dict[str, Any] | None) -> Path:
         pipe = self._train.pipe if self._train is not None else None
-        return self._checkpoints.save(root, self.step, pipe, self.optimizer, self.config, data)
+        scheduler = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
+        return self._checkpoints.save(root, self.step, pipe, self.optimizer, self.config, data,
+                                      {"lr_scheduler": scheduler})
 
     def export(self, directory: str | os.PathLike[str]) -> str:
         """Write the weights as Hugging Face sharded safetensors (`from_pretrained` reads them):
@@ -349,8 +367,17 @@ class Model:
             self._restore(self._checkpoints.find(path))
         return self.step
 
+    def _load_scheduler(self) -> None:
+        """A restored checkpoint's learning-rate schedule, once the scheduler exists."""
+        if self._scheduler_state is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(self._scheduler_state)
+            self._scheduler_state = None
+
     def _restore(self, ckpt: checkpoint.Checkpoint) -> None:
+        self._scheduler_state = ckpt.meta.get("lr_scheduler")
         pipe = self._train.pipe if self._train is not None else None
         self._checkpoints.restore(ckpt, pipe, self.optimizer)
+        if self._checkpoints.pending is None:  # restored now (built): its schedule too
+            self._load_scheduler()
         self.step = ckpt.step
 

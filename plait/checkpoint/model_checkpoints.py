@@ -74,8 +74,16 @@ class ModelCheckpoints:
         return found
 
     def save(self, root: str | os.PathLike[str], step: int, pipe: Pipeline | None,
-             optimizer: torch.optim.Optimizer | None, config: Config, data: dict[str, Any] | None) -> Path:
-        """Write this rank's shard of step `step`; returns the checkpoint's path once complete."""
+             optimizer: torch.optim.Optimizer | None, config: Config, data: dict[str, Any] | None,
+             extra: dict[str, Any] | None = None) -> Path:
+        """Write this rank's shard of step `step`; returns the checkpoint's path once complete.
+        `extra`: more of the training state, as JSON (the learning-rate schedule)."""
+        for key, value in (extra or {}).items():
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"the {key} state cannot be saved as JSON ({e}); use a scheduler whose "
+                                      "state_dict() holds numbers, strings and lists") from None
         shard = train_state.snapshot(self.net, pipe.owner_of if pipe else {}, self.rank, optimizer,
                                      pipe.tp_parts if pipe else None)
 
@@ -83,7 +91,7 @@ class ModelCheckpoints:
             plan = json.loads(pipe.plan.to_json()) if pipe is not None else None
             scale = pipe.loss_scale.state_dict() if pipe is not None and pipe.loss_scale is not None else None
             return {"step": step, "world_size": self.world_size, "plan": plan, "config": config.to_dict(),
-                    **shard.index, "data": data, "torch": torch.__version__, "loss_scale": scale}
+                    **shard.index, "data": data, "torch": torch.__version__, "loss_scale": scale, **(extra or {})}
 
         path = self.checkpointer.save(root, step, shard.tensors, shard.metadata, meta, config.checkpoint_keep)
         self.saved_step = step
