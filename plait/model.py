@@ -153,8 +153,9 @@ class Model:
         self._train, self._eval = StepRunner(pipe, self.net, self.metrics, self.device, train=True), None
         self.optimizer = make_optimizer(self._optimizer_arg, pipe.local_parameters)
         carried = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None  # a rebuild (replan)
-        made = self._scheduler_arg is not None and self.optimizer is not None
-        self.lr_scheduler = self._scheduler_arg(self.optimizer) if made else None  # type: ignore[misc]
+        self.lr_scheduler = None
+        if self._scheduler_arg is not None and self.optimizer is not None:
+            self.lr_scheduler = self._scheduler_arg(self.optimizer)
         if carried is not None and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(carried)
 

@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from plait.errors import ConfigError
+from plait.plan.layer_costs import LayerCosts
 from plait.plan.setting import check_zero
 
-__all__ = ["StateBytes", "state_bytes", "state_totals", "optimizer_state_factor"]
+__all__ = ["StateBytes", "state_bytes", "state_totals", "optimizer_state_factor", "held_in_precision"]
 
 def optimizer_state_factor(optimizer: str, dtype_bytes: int) -> float:
     """Optimizer state bytes per gradient byte. Mixed precision (2-byte gradients) adds an fp32
@@ -102,3 +103,14 @@ def _state(param_bytes: float, grad_bytes: float, optimizer_state_factor: float,
         optimizer=optimizer_state_factor * grad_bytes / (dp if zero else 1),
         step_gradients=grad_bytes / dp if zero == 2 else grad_bytes,
     )
+
+
+def held_in_precision(costs: LayerCosts, precision: str) -> LayerCosts:
+    """A profile taken with the parameters held in a 2-byte `precision` ("bf16", "fp16"), its bytes
+    as the run holds them: each parameter as an fp32 master beside its copy (4 + 2 bytes: 3 times
+    the profiled 2) and each gradient in fp32 (2 times); the optimizer state follows the fp32
+    gradients. Buffers, profiled with the parameters, count 3 times too (they are small). fp32: as it is."""
+    if precision == "fp32":
+        return costs
+    return replace(costs, param_bytes=tuple(3.0 * b for b in costs.param_bytes),
+                   grad_bytes=tuple(2.0 * b for b in costs.grad_bytes))

@@ -23,6 +23,7 @@ from plait import data as batching
 from plait.capture.trace import CapturedGraph, capture, in_mode
 from plait.cost.buckets import DEFAULT_BUCKET_BYTES, reduces_to_owners
 from plait.cost.devices import device
+from plait.cost.memory import held_in_precision
 from plait.cost.network import Network
 from plait.cost.prediction import Cluster
 from plait.errors import ConfigError
@@ -61,6 +62,7 @@ class PlanOptions:
     captured: CapturedGraph | None = None  # the model as captured (train mode); None: capture here
     tp: tuple[int, ...] = (1,)  # the tensor-parallel degrees to consider (`plait.cost.tp_costs.tp_degrees`)
     tp_plan: tuple[tuple[str, str], ...] | None = None  # Config.tp_plan: its entries fix those modules
+    precision: str = "fp32"  # Config.precision: the profile ran in it; its bytes are held as the run holds them
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,7 @@ def plan_model(net: nn.Module, sample: Any, world_size: int, global_batch: int,
     if options.captured is None and any(tp > 1 for tp in options.tp):  # captured once, for both
         options = replace(options, captured=capture_sample(net, sample, options))
     measured = profile_sample(net, sample, world_size, options)
+    measured = replace(measured, costs=held_in_precision(measured.costs, options.precision))
     shares = {}  # each tp priced on what the runtime's layout splits (`plait.planner.tp_shares`)
     for tp in (t for t in options.tp if t > 1):
         assert options.captured is not None

@@ -221,7 +221,7 @@ def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[
                     "source": "the resumed checkpoint"}
     inputs = _search_inputs(config, world_size, work, network)
     options = replace(_profile_options(work), space=inputs.space, tp=inputs.tp,
-                      tp_plan=config.tp_plan if config.tp is None else None)
+                      tp_plan=config.tp_plan if config.tp is None else None, precision=config.precision)
     try:
         with held_in(work.net, dtype_of(config.precision)):  # profiled in the dtype it will compute in
             result = plan_model(work.net, _sample(work, config), world_size, batching.num_rows(work.x),

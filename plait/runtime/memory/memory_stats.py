@@ -2,7 +2,8 @@
 
 Measured (bytes, this rank):
 
-    parameters_bytes         the parameters it holds (its stages'; the others are freed, on meta)
+    parameters_bytes         the parameters it holds (its stages'; the others are freed, on meta);
+                             in low precision the fp32 masters and the copies the stages compute with
     buffers_bytes            its buffers
     gradients_bytes          the gradient buffers after the last step's backward (the peak: with
                              ZeRO-2 too, since gradients accumulate over the micro-batches)
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.capture.compute_dtype import dtype_of
 from plait.cost.memory import optimizer_state_factor, state_bytes
 from plait.runtime.pipeline import Pipeline
 from plait.runtime.step import held_bytes
@@ -40,8 +42,9 @@ def memory_stats(pipe: Pipeline, net: nn.Module, readings: dict[str, int | None]
     """This rank's measured bytes by kind, with "predicted" beside them (see the module)."""
     params = {id(p): p for p in net.parameters() if not p.is_meta}.values()
     buffers = {id(b): b for b in net.buffers() if not b.is_meta}.values()
+    copies = pipe.copies.copy_bytes if pipe.copies is not None else 0  # Plan.precision below fp32
     measured: dict[str, Any] = {
-        "parameters_bytes": sum(p.numel() * p.element_size() for p in params),
+        "parameters_bytes": sum(p.numel() * p.element_size() for p in params) + copies,
         "buffers_bytes": held_bytes(buffers),
         **{key: readings.get(key) for key in ("gradients_bytes", "gradients_at_step_bytes",
                                                "optimizer_bytes", "activations_peak_bytes")},
@@ -52,7 +55,8 @@ def memory_stats(pipe: Pipeline, net: nn.Module, readings: dict[str, int | None]
     plan = pipe.plan
     position = plan.mesh.coordinates(pipe.rank).position
     dp = plan.dp_of(position)  # stage_dp: a stage of one replica shards nothing
-    state = state_bytes(float(sum(p.numel() * p.element_size() for p in local)),
+    low = dtype_of(plan.precision).itemsize if plan.precision != "fp32" else 0  # a copy of each floating parameter
+    state = state_bytes(float(sum(p.numel() * (p.element_size() + (low if p.is_floating_point() else 0)) for p in local)),
                         float(sum(p.numel() * p.element_size() for p in local if p.requires_grad)),
                         state_factor, dp, plan.zero if dp > 1 else 0)
     predicted: dict[str, float | None] = {
