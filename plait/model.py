@@ -20,7 +20,7 @@ from plait.checkpoint import train_state, weights
 from plait.checkpoint.model_checkpoints import ModelCheckpoints
 from plait.config import Config
 from plait.config.run_options import apply_run_options
-from plait.errors import ConfigError, PlaitError
+from plait.errors import CheckpointError, ConfigError, PlaitError
 from plait.job.process_group import init_process_group
 from plait.metrics import check_metrics, logs_of
 from plait.plan import Plan
@@ -221,8 +221,8 @@ class Model:
         result = runner.run(x, y, keep_outputs, self.step, self.optimizer if train else None, where)
         if train:
             self.step += 1
-            if self.lr_scheduler is not None:  # every rank, once per optimizer step
-                self.lr_scheduler.step()
+            if self.lr_scheduler is not None and self.step % self.config.accumulate_steps == 0:
+                self.lr_scheduler.step()  # every rank, once per optimizer step
             if self._loop is not None and not self._loop.done:
                 replanned = self._loop.after_step(runner.pipe.interpreter, self.step)
                 if replanned is not None:
@@ -338,6 +338,11 @@ class Model:
         return str(self._save(root, None))
 
     def _save(self, root: str | os.PathLike[str], data: dict[str, Any] | None) -> Path:
+        k = self.config.accumulate_steps
+        if self.step % k:
+            raise CheckpointError(f"step {self.step} is inside an accumulation of accumulate_steps={k} batches: "
+                                  "its summed gradients are in no checkpoint; save after a multiple of "
+                                  f"{k} steps (model.step % {k} == 0)")
         pipe = self._train.pipe if self._train is not None else None
         scheduler = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
         return self._checkpoints.save(root, self.step, pipe, self.optimizer, self.config, data,

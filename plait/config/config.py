@@ -149,6 +149,11 @@ class Config:
         norm of the whole model's gradient, each element counted once (over stages, tp shards,
         replicas, ZeRO-2 shards and tied parameters). `model.grad_norm` and fit's batch logs
         ("grad_norm") give the last step's norm before clipping. None (default): no clipping.
+    accumulate_steps: k > 1 sums the gradients of k global batches (each loss divided by k) before
+        one optimizer step, as one process calling backward on k batches then step() does: the
+        data-parallel sums run once, at the k-th batch; a learning-rate schedule steps once per k.
+        `model.step` still counts batches; a checkpoint is taken at a multiple of k only
+        (checkpoint_every must be one); not with replan=True.
     """
 
     layers_per_stage: tuple[int, ...] | None = None
@@ -184,6 +189,7 @@ class Config:
     recompute_by_layer: bool | tuple[int, ...] | None = None
     precision: str = "fp32"
     clip_grad_norm: float | None = None
+    accumulate_steps: int = 1
 
     def __post_init__(self) -> None:
         # the checks, in this order (a later one reads fields an earlier one normalised): the layout's
@@ -238,7 +244,8 @@ class Config:
         """The runtime's settings beside the plan (the runtime reads these, not the Config)."""
         return Execution(timeout_s=float(self.timeout_s), trace_dir=self.trace_dir, on_nonfinite=self.on_nonfinite,
                          grad_reduction=self.grad_reduction, bucket_bytes=int(self.bucket_cap_mb * 2**20),
-                         memory_limit_bytes=self.memory_limit_bytes, clip_grad_norm=self.clip_grad_norm)
+                         memory_limit_bytes=self.memory_limit_bytes, clip_grad_norm=self.clip_grad_norm,
+                         accumulate_steps=self.accumulate_steps)
 
     def lanes(self, world_size: int) -> int:
         """Ranks per tensor-parallel part (world size / tp): the pp x dp ranks the layout is planned on

@@ -52,6 +52,9 @@ def check_running(config: Any) -> None:
     clip = config.clip_grad_norm
     if clip is not None and not (_is_number(clip) and clip > 0 and clip != float("inf")):
         raise ConfigError(f"clip_grad_norm must be a positive number (the largest gradient norm) or None, got {clip!r}")
+    k = config.accumulate_steps
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ConfigError(f"accumulate_steps must be a positive integer (global batches per optimizer step), got {k!r}")
     if not (_is_number(config.timeout_s) and config.timeout_s > 0):
         raise ConfigError(f"timeout_s must be a positive number of seconds, got {config.timeout_s!r}")
     if not isinstance(config.seed, int) or isinstance(config.seed, bool):
@@ -80,6 +83,13 @@ def check_planning(config: Any) -> None:
     limit = config.memory_limit_bytes
     if limit is not None and not (_is_number(limit) and limit > 0):
         raise ConfigError(f"memory_limit_bytes must be a positive number of bytes or None, got {limit!r}")
+    if config.accumulate_steps > 1 and config.replan:
+        raise ConfigError(f"replan=True moves layers between steps, and accumulate_steps={config.accumulate_steps} "
+                          "keeps gradients across them; use one of the two")
+    every = config.checkpoint_every
+    if config.accumulate_steps > 1 and isinstance(every, int) and every % config.accumulate_steps:
+        raise ConfigError(f"checkpoint_every={every} is not a multiple of accumulate_steps={config.accumulate_steps}: "
+                          "a checkpoint between them would lose the gradients summed so far; use a multiple")
     if config.replan is not None and not isinstance(config.replan, bool):
         raise ConfigError(f"replan must be True, False or None (as `plait run --replan` says), got {config.replan!r}")
     if config.batch_weight_grads is not None and not isinstance(config.batch_weight_grads, bool):

@@ -24,6 +24,7 @@ class Execution:
     bucket_bytes: bytes of one gradient bucket summed over replicas.
     memory_limit_bytes: the tensor-parallel search's budget for a rank's parameter state (None: the device's).
     clip_grad_norm: the largest global gradient norm; above it every gradient is scaled down to it (None: no clipping).
+    accumulate_steps: global batches whose gradients are summed (each loss / accumulate_steps) before one optimizer step.
     """
 
     timeout_s: float = 300.0
@@ -33,6 +34,7 @@ class Execution:
     bucket_bytes: int = 25 * 2**20
     memory_limit_bytes: float | None = None
     clip_grad_norm: float | None = None
+    accumulate_steps: int = 1
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -44,5 +46,7 @@ class Execution:
                               f"{list(GRAD_REDUCTIONS)}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ConfigError(f"Execution has clip_grad_norm={self.clip_grad_norm!r}; it must be a positive number or None")
+        if not (isinstance(self.accumulate_steps, int) and self.accumulate_steps >= 1):
+            raise ConfigError(f"Execution has accumulate_steps={self.accumulate_steps!r}; it must be a positive integer")
         if not (isinstance(self.bucket_bytes, int) and self.bucket_bytes > 0):
             raise ConfigError(f"Execution has bucket_bytes={self.bucket_bytes!r}; it must be a positive integer")

@@ -98,6 +98,7 @@ class StepRunner:
         self.carried: dict[int, tuple[dict[int, int], dict[int, int]]] = {}  # micro-batches -> carriers
         self.memory: dict[str, int | None] = {}  # the last training step's readings, bytes (`memory_stats`)
         self.grad_norm: float | None = None  # the last step's global gradient norm, before clipping (clip_grad_norm)
+        self._accumulated_skip = False  # accumulate_steps: a batch before the step's last had a non-finite value
         if train:
             mine = {id(p) for p in pipe.local_parameters}
             for p in net.parameters():  # stale gradients elsewhere would make the
@@ -239,11 +240,12 @@ class StepRunner:
         with in_mode(self.net, train):  # each module's own flag comes back after
             if pipe.copies is not None:  # the stages compute with the masters' current values
                 pipe.copies.refresh()
-            if train and pipe.loss_scale is not None:  # fp16: this step's losses scaled before their backward
+            k = pipe.execution.accumulate_steps  # global batches per optimizer step
+            first, last = steps_done % k == 0, steps_done % k == k - 1
+            if train:  # each loss times fp16's scale, over the batches summed into one step
                 for ex in pipe.executors.values():
-                    ex.loss_scale = pipe.loss_scale.scale
-            if train:
-                self._zero_grads(len(mbs))
+                    ex.loss_scale = (pipe.loss_scale.scale if pipe.loss_scale is not None else 1.0) / k
+                self._zero_grads(len(mbs), first, last)
             for ex in pipe.executors.values():
                 ex.reset()
             if self.watch is not None:
@@ -261,25 +263,33 @@ class StepRunner:
                 started.start()
             if train:  # every backward has run: the gradients are whole, the activations freed
                 self.memory["gradients_bytes"] = gradient_bytes(pipe)
-            if train and pipe.sync is not None:
+            if train and last and pipe.sync is not None:
                 pipe.sync.flush()  # the buckets no gradient hook launched (after the sums, as everywhere)
             stats, outputs, total = started.stats, started.outputs, started.total
             place = _Where(self, steps_done, len(mbs))
-            if train:
+            if train and last:
                 self._finish_gradients(place)
             sums = place.guard("the loss all-reduce", total)
-            skipped = self._optimizer_step(sums[len(stats):], place, optimizer) if train else False
+            skipped = False
+            if train and last:
+                skipped = self._optimizer_step(sums[len(stats):], place, optimizer)
+            elif train and self.watch is not None:  # a batch summed into a later step: stop now, or skip that step
+                self._accumulated_skip |= verdict(sums[len(stats):], pipe.plan, steps_done + 1,
+                                                  pipe.execution.on_nonfinite, pipe.rank)
         return StepResult(sums[: len(stats)], outputs, skipped)
 
-    def _zero_grads(self, num_microbatches: int) -> None:
+    def _zero_grads(self, num_microbatches: int, first: bool = True, last: bool = True) -> None:
+        """Before a training batch: gradients cleared at the first batch of a step; the buckets
+        listen at its last (with accumulate_steps > 1 the batches before only sum locally)."""
         if self.pipe.meter is not None:
             self.pipe.meter.start_step()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        for p in self.pipe.local_parameters:
-            p.grad = None
-        if self.pipe.sync is not None:
-            self.pipe.sync.prepare(num_microbatches)
+        if first:
+            for p in self.pipe.local_parameters:
+                p.grad = None
+        if self.pipe.sync is not None and last:
+            self.pipe.sync.prepare(num_microbatches, keep_grads=not first)
 
     def _overflowed(self, scale: LossScale, where: "_Where") -> bool:
         """fp16: whether any rank's gradients overflowed (then every rank skips the step and the
@@ -310,9 +320,9 @@ class StepRunner:
                         optimizer: torch.optim.Optimizer | None) -> bool:
         """The non-finite verdict (raises NonFiniteError for "stop"), then the step; True if skipped."""
         pipe = self.pipe
-        skipped = False
+        skipped, self._accumulated_skip = self._accumulated_skip, False  # an earlier batch of this step's
         if self.watch is not None:
-            skipped = verdict(flags, pipe.plan, where.steps_done + 1, pipe.execution.on_nonfinite, pipe.rank)
+            skipped = verdict(flags, pipe.plan, where.steps_done + 1, pipe.execution.on_nonfinite, pipe.rank) or skipped
         assert optimizer is not None
         if not skipped and pipe.loss_scale is not None and self._overflowed(pipe.loss_scale, where):
             return False  # fp16: a gradient overflowed on some rank: no step anywhere, a smaller scale

@@ -116,8 +116,9 @@ class GradientBuckets:
         """Bytes of the gradient buffers this rank holds now."""
         return sum(f.numel() * f.element_size() for flats in self._flats for f in flats if f is not None)
 
-    def prepare(self, num_microbatches: int) -> None:
-        """Start a step whose stage runs `num_microbatches` backward passes."""
+    def prepare(self, num_microbatches: int, keep_grads: bool = False) -> None:
+        """Start a step whose stage runs `num_microbatches` backward passes (`keep_grads`: the last
+        batch of an accumulation, its parameters' gradients so far adopted into the buckets)."""
         self._expected = num_microbatches
         self._counts.clear()
         self._pending = [len(b) for b in self.buckets]
@@ -127,7 +128,7 @@ class GradientBuckets:
         self._allocate()
         # No zeroing: the first gradient of a step is copied into its view (`_adopt`), later ones
         # accumulate into it in place -- one pass over the buffer instead of zero + add.
-        for b in self.buckets:
+        for b in self.buckets if not keep_grads else ():
             for p in b:
                 p.grad = None
         for alone, (index, k) in self._alone_at.items():  # the last step's gradient goes; this step's is adopted
