@@ -348,11 +348,15 @@ class Model:
         return self._checkpoints.save(root, self.step, pipe, self.optimizer, self.config, data,
                                       {"lr_scheduler": scheduler})
 
-    def export(self, directory: str | os.PathLike[str]) -> str:
+    def export(self, directory: str | os.PathLike[str], dtype: torch.dtype | None = None) -> str:
         """Write the weights as Hugging Face sharded safetensors (`from_pretrained` reads them):
-        each rank its own tensors, rank 0 the index once all are written. Call it on every rank."""
+        each rank its own tensors, rank 0 the index once all are written. Call it on every rank.
+        `dtype` (e.g. torch.bfloat16): the floating tensors written in it; None: as held (the
+        fp32 masters of a low-precision run)."""
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ConfigError(f"export(dtype=...) takes a floating torch dtype such as torch.bfloat16, got {dtype!r}")
         pipe = self._train.pipe if self._train is not None else None
-        return export_weights(self.net, pipe, self.rank, self.world_size, directory)
+        return export_weights(self.net, pipe, self.rank, self.world_size, directory, dtype)
 
     def load(self, path: str | os.PathLike[str]) -> int:
         """Load a checkpoint, weights or a plain state-dict file, on every rank; returns its step.

@@ -278,3 +278,29 @@ def test_an_fp16_overflow_skips_the_step_on_every_rank_as_gradscaler_does(tmp_pa
         assert r["to_reference"] <= BF16_ATOL, r
         assert r["resumed"] == (r["scales"][-1], r["tracker"]), r
     assert results[0]["scales"] == results[1]["scales"] and results[0]["skipped"] == results[1]["skipped"]
+
+
+def export_bf16(rank, world, out):
+    arch = make("gpt2")
+    model = plait.Model(arch.net, plait.Config(precision="bf16", num_stages=2, num_microbatches=2),
+                        optimizer=sgd, loss=arch.loss)
+    model.train_on_batch(arch.x, arch.y)
+    model.export(out, dtype=torch.bfloat16)
+    return {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(300)
+def test_export_writes_the_dtype_asked_for_and_from_pretrained_reads_it(tmp_path):
+    import transformers
+    from safetensors import safe_open
+
+    out = str(tmp_path / "hf")
+    want = run_ranks(2, export_bf16, out, timeout=280)[0]
+    files = sorted(tmp_path.glob("hf/*.safetensors"))
+    assert files
+    for f in files:
+        with safe_open(str(f), "pt") as opened:
+            assert {opened.get_tensor(k).dtype for k in opened.keys()} == {torch.bfloat16}
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out, dtype=torch.bfloat16)
+    state = loaded.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in want.items() if k in state)

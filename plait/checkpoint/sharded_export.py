@@ -44,14 +44,17 @@ def shard_files(entries: Mapping[str, Mapping[str, Any]]) -> dict[int, str]:
 
 
 def write_own_shard(net: nn.Module, owner_of: Mapping[int, int], rank: int, out: str | os.PathLike[str],
-                    wholes: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
+                    wholes: Mapping[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Write this rank's shard (if it owns any tensor); return the index's weight map and size.
 
     `wholes`: the whole values, by first name, of the tensors this rank owns that are split over
-    a tp group (gathered from its parts: `gather_parts_to_first`); the file holds them whole."""
+    a tp group (gathered from its parts: `gather_parts_to_first`); the file holds them whole.
+    `dtype`: the floating tensors written in it (None: as held)."""
     _, _, entries = model_index(net, owner_of)
     files = shard_files(entries)
     mine = {**owned_tensors(net, entries, rank), **(wholes or {})}
+    if dtype is not None:
+        mine = {name: t.to(dtype) if t.is_floating_point() and not t.is_meta else t for name, t in mine.items()}
     on_meta = sorted(name for name, t in mine.items() if t.is_meta)
     if on_meta:
         raise CheckpointError(
@@ -62,7 +65,7 @@ def write_own_shard(net: nn.Module, owner_of: Mapping[int, int], rank: int, out:
     if mine:
         write_tensor_file(Path(out) / files[rank], mine, {"format": "pt"})
     weight_map = {name: files[int(e["shard"])] for name, e in entries.items()}
-    return {"weight_map": weight_map, "total_size": model_bytes(net), "single": len(files) == 1}
+    return {"weight_map": weight_map, "total_size": model_bytes(net, dtype), "single": len(files) == 1}
 
 
 def write_index(out: str | os.PathLike[str], written: Mapping[str, Any], net: nn.Module) -> None:
@@ -77,11 +80,13 @@ def write_index(out: str | os.PathLike[str], written: Mapping[str, Any], net: nn
     write_atomic(Path(out) / INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
 
 
-def model_bytes(net: nn.Module) -> int:
+def model_bytes(net: nn.Module, dtype: torch.dtype | None = None) -> int:
     """Bytes of the model's tensors, each shared one once (meta tensors counted by their shape,
-    a tensor split over tp ranks by its whole shape)."""
+    a tensor split over tp ranks by its whole shape; floating ones in `dtype`, where given)."""
     seen = {id(t): t for t in net.state_dict(keep_vars=True).values()}
-    return sum(math.prod(whole_shape(t)) * t.element_size() for t in seen.values())
+    size = {id(t): dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size()
+            for t in seen.values()}
+    return sum(math.prod(whole_shape(t)) * size[i] for i, t in seen.items())
 
 
 def available_bytes() -> float:

@@ -40,12 +40,13 @@ def gather_whole_state(net: nn.Module, pipe: Pipeline | None, config: Config, ra
 
 
 def export_weights(net: nn.Module, pipe: Pipeline | None, rank: int, world_size: int,
-                   directory: str | os.PathLike[str]) -> str:
-    """`model.export(directory)`: Hugging Face sharded safetensors, each rank its own tensors, rank 0
-    the index once all are written; every rank returns once the index is written."""
+                   directory: str | os.PathLike[str], dtype: torch.dtype | None = None) -> str:
+    """`model.export(directory)`: Hugging Face sharded safetensors, each rank its own tensors (floating
+    ones in `dtype`, where given), rank 0 the index once all are written; every rank returns once
+    the index is written."""
     try:  # a tensor split over tp ranks is written whole by the first of them
         wholes = whole_split_tensors(net, pipe.tp_parts, pipe.tp_group) if pipe and pipe.tp_parts else {}
-        written, error = write_own_shard(net, pipe.owner_of if pipe else {}, rank, directory, wholes), ""
+        written, error = write_own_shard(net, pipe.owner_of if pipe else {}, rank, directory, wholes, dtype), ""
     except (CheckpointError, OSError) as e:
         written, error = {}, f"{type(e).__name__}: {e}"
     failed = failed_ranks(bool(error))
