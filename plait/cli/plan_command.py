@@ -74,6 +74,9 @@ def add_plan_command(commands: Any) -> None:
                       help="--model: shape of a random input batch, rows first (e.g. 64,1,28,28)")
     plan.add_argument("--sample-dtype", choices=("float32", "int64"), default="float32",
                       help="--model: dtype of the random input (int64: zeros, for token ids)")
+    plan.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                      help="--model: the dtype its stages compute in, as Config(precision=...): profiled in it, "
+                           "its memory held as fp32 masters beside the copies (--gpt prices its preset's dtype)")
     plan.add_argument("--optimizer", choices=("adam", "sgd-momentum", "sgd"), default="adam",
                       help="optimizer whose state counts in memory (default: adam)")
     plan.add_argument("--schedules", default=None, metavar="S,...",
@@ -193,7 +196,7 @@ def _config(args: argparse.Namespace) -> Any:
 
     schedules = [s.strip() for s in (args.schedules or "").split(",") if s.strip()]
     return Config(schedule=schedules[0] if len(schedules) == 1 else None, zero=args.zero,
-                  recompute=args.recompute[0] if len(args.recompute) == 1 else None)
+                  recompute=args.recompute[0] if len(args.recompute) == 1 else None, precision=args.precision)
 
 
 def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -214,6 +217,9 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             raise ConfigError("--gpt needs --batch (the global batch in sequences)")
         spec = parse_gpt(args.gpt)
         dev = device(args.device or "v100-16gb")
+        if args.precision != "fp32":
+            raise ConfigError(f"--precision {args.precision} is for --model; --gpt prices its device preset's "
+                              f"dtype ({dev.dtype_bytes}-byte values on {dev.name})")
         memory = args.memory_gb * gib if args.memory_gb else dev.usable_memory()
         cluster = Cluster(dev.network, memory, optimizer_state_factor(args.optimizer, dev.dtype_bytes),
                           overlap_gradients=args.overlap)
@@ -223,11 +229,14 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         widths = _gpt_widths(args, spec, dev, cluster)  # stages of different widths, as Config() searches them
         chosen = None  # a described GPT: no Config() runs it here
         head = {"model": f"GPT {args.gpt} ({spec.parameters / 1e9:.2f}B parameters)",
-                "device": dev.name, "devices": args.devices, "global_batch": args.batch}
+                "device": dev.name, "devices": args.devices, "global_batch": args.batch,
+                "precision": f"{'2-byte (bf16 or fp16)' if dev.dtype_bytes == 2 else 'fp32'} values, "
+                             f"the {dev.name} preset's"}
         costs_source = f"analytic, {dev.name}"
     else:
         import torch
 
+        from plait.capture.compute_dtype import cast_floating, dtype_of, held_in
         from plait.cost.memory import optimizer_state_factor as state_factor
         from plait.planner.autoplan import PlanOptions, plan_model
         from plait.planner.calibrate import measure_here
@@ -256,15 +265,21 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         if not args.overlap:
             cluster = dataclasses.replace(cluster, overlap_gradients=False)
         tps = tuple(args.tp) if args.tp else inputs.tp
-        captured = _captured(net, sample, args)
-        result = plan_model(net, sample, args.devices, batch, cluster,
-                            PlanOptions(space=_search_space(args, inputs.space), tp=tps, captured=captured))
+        if args.precision != "fp32" and max(tps) > 1:
+            raise ConfigError(f"--precision {args.precision} runs without tensor parallelism for now; drop --tp")
+        dtype = dtype_of(args.precision)  # the model profiled as its stages will compute
+        with held_in(net, dtype):
+            sample = sample if args.precision == "fp32" else cast_floating(sample, dtype)
+            captured = _captured(net, sample, args)
+            result = plan_model(net, sample, args.devices, batch, cluster,
+                                PlanOptions(space=_search_space(args, inputs.space), tp=tps, captured=captured,
+                                            precision=args.precision))
         found = result.candidates
         chosen = choose(result, config, args.devices, inputs.source, captured).fields \
             if result.best.feasible and args.layout is None else None
         widths = _model_widths(args, captured, result, cluster)
         head = {"model": args.model, "device": args.device or "this machine",
-                "devices": args.devices, "global_batch": batch}
+                "devices": args.devices, "global_batch": batch, "precision": args.precision}
         costs_source = result.profile.costs.source + (" (cached)" if result.profile.cached else "")
     elapsed = time.perf_counter() - start
     mixed, mixed_dp = widths.tp, widths.dp  # stages of different tp widths, of different dp widths
@@ -286,7 +301,8 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         data["tflops_per_device"] = megatron_flops(spec, args.batch) / (data["predicted_step_time_s"] * args.devices) / 1e12
         rate = f"; predicted {data['tflops_per_device']:.1f} TFLOP/s per device (Megatron's FLOP count)"
     text = (f"plait plan: {head['model']} on {args.devices} x {head['device']} "
-            f"({cluster.memory_bytes / gib:.2f} GiB each), global batch {head['global_batch']}; "
+            f"({cluster.memory_bytes / gib:.2f} GiB each), global batch {head['global_batch']}, "
+            f"computing in {head['precision']}; "
             f"costs {costs_source}; planned in {elapsed:.2f} s{rate}\n" + format_table(found, args.top))
     if chosen is not None:
         text += f"\nConfig() on {args.devices} rank(s) here runs: {chosen}"

@@ -196,6 +196,35 @@ def test_a_model_file_is_profiled_and_planned(capsys, tmp_path, monkeypatch):
     assert three["mixed_dp"] is None or (sum(three["mixed_dp"]["dp"]) == 3 and len(set(three["mixed_dp"]["dp"])) == 2)
 
 
+def test_a_model_planned_in_bf16_is_profiled_in_it_and_holds_masters_beside_copies(capsys, tmp_path, monkeypatch):
+    """`plait plan --model ... --precision bf16`: the Config() a bf16 job would run, its memory as the
+    run holds it (fp32 masters and bf16 copies: 1.5x the fp32 parameters' bytes, fp32 gradients)."""
+    from plait.cost.devices import device
+    from plait.planner import calibrate
+
+    monkeypatch.setattr(calibrate, "measure_here", lambda local_ranks: device("cpu").network)
+    model_file = tmp_path / "wide.py"
+    model_file.write_text(textwrap.dedent("""
+        from torch import nn
+
+        def build():
+            return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    """))
+    args = ["--model", f"{model_file}:build", "--sample-shape", "16,64", "--devices", "1"]
+    fp32, bf16 = run_json(capsys, *args), run_json(capsys, *args, "--precision", "bf16")
+    assert (fp32["precision"], bf16["precision"]) == ("fp32", "bf16")
+    assert bf16["config"]["tp"] == 1 and bf16["tp"] == 1  # bf16 plans without tensor parallelism for now
+    params = 64 * 256 + 256 + 256 * 64 + 64
+    assert fp32["parameter_bytes"][0] == pytest.approx(4 * params, rel=0.01)
+    assert bf16["parameter_bytes"][0] == pytest.approx(6 * params, rel=0.01)  # masters 4 + copies 2
+    assert bf16["gradient_bytes"][0] == pytest.approx(fp32["gradient_bytes"][0], rel=0.01)  # fp32 both
+    assert main(["plan", *args[:-1], "2", "--precision", "bf16", "--tp", "2"]) == 1
+    assert "runs without tensor parallelism for now" in capsys.readouterr().err
+    assert main(["plan", "--gpt", "layers=2,hidden=64,heads=4", "--batch", "8", "--devices", "2",
+                 "--precision", "bf16"]) == 1
+    assert "--precision bf16 is for --model; --gpt prices its device preset's dtype" in capsys.readouterr().err
+
+
 def test_a_model_s_stages_of_different_widths_come_from_its_graph() -> None:
     """`plait plan --model` prices stages of different widths on the captured graph's own split:
     the MLP whose heavy linear pair splits gets two of three ranks (as Config() does)."""
