@@ -304,3 +304,54 @@ def test_export_writes_the_dtype_asked_for_and_from_pretrained_reads_it(tmp_path
     loaded = transformers.GPT2LMHeadModel.from_pretrained(out, dtype=torch.bfloat16)
     state = loaded.state_dict()
     assert all(torch.equal(state[k], v) for k, v in want.items() if k in state)
+
+
+def meta_bf16(rank, world):
+    import transformers
+
+    from tests.architectures import _configs
+
+    arch = make("gpt2")
+
+    def on_meta():
+        with torch.device("meta"):
+            return transformers.GPT2LMHeadModel(_configs(transformers)["gpt2"]())
+
+    model = plait.Model(on_meta(), plait.Config(precision="bf16", num_stages=2, num_microbatches=MICROBATCHES, seed=7),
+                        optimizer=sgd, loss=arch.loss)
+    for _ in range(STEPS):
+        model.train_on_batch(arch.x, arch.y)
+    state = model.state_dict()
+    initial = plait.materialize(on_meta(), seed=7)  # the values each rank gave its stages, in one process
+    reference = by_hand(initial, arch.x, arch.y, arch.loss, STEPS, len(arch.y) // MICROBATCHES, torch.bfloat16,
+                        untie=True)
+    return max(float((state[k] - v).abs().max()) for k, v in reference.state_dict().items() if v.is_floating_point())
+
+
+@pytest.mark.timeout(300)
+def test_a_model_built_on_meta_trains_in_bf16_as_the_reference():
+    assert max(run_ranks(2, meta_bf16, timeout=280)) <= BF16_ATOL
+
+
+def load_then_bf16(rank, world, pretrained):
+    arch = make("gpt2")
+    source = copy.deepcopy(arch.net)
+    with torch.no_grad():
+        source.transformer.wte.weight.mul_(2.0)  # weights unlike the model's own start
+    pretrained = f"{pretrained}/{rank}"  # each rank its own copy of the files (no process group yet)
+    source.save_pretrained(pretrained)
+    model = plait.Model(arch.net, plait.Config(precision="bf16", num_stages=2, num_microbatches=MICROBATCHES),
+                        optimizer=sgd, loss=arch.loss)
+    model.build(arch.x)
+    model.load(pretrained)  # into the fp32 masters; the copies take them before the next step
+    for _ in range(STEPS):
+        model.train_on_batch(arch.x, arch.y)
+    state = model.state_dict()
+    reference = by_hand(source, arch.x, arch.y, arch.loss, STEPS, len(arch.y) // MICROBATCHES, torch.bfloat16,
+                        untie=True)
+    return max(float((state[k] - v).abs().max()) for k, v in reference.state_dict().items() if v.is_floating_point())
+
+
+@pytest.mark.timeout(300)
+def test_weights_loaded_after_the_build_reach_the_bf16_copies(tmp_path):
+    assert max(run_ranks(2, load_then_bf16, str(tmp_path / "pretrained"), timeout=280)) <= BF16_ATOL
