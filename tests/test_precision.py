@@ -355,3 +355,37 @@ def load_then_bf16(rank, world, pretrained):
 @pytest.mark.timeout(300)
 def test_weights_loaded_after_the_build_reach_the_bf16_copies(tmp_path):
     assert max(run_ranks(2, load_then_bf16, str(tmp_path / "pretrained"), timeout=280)) <= BF16_ATOL
+
+
+def bf16_sums(rank, world):
+    """One SGD step of bf16 on 2 replicas with the gradient sums in bf16, and both references."""
+    arch = make("gpt2")
+    initial = copy.deepcopy(arch.net)
+    model = plait.Model(arch.net, plait.Config(precision="bf16", num_stages=1, dp=2, num_microbatches=2,
+                                               reduce_precision="bf16"), optimizer=sgd, loss=arch.loss)
+    model.train_on_batch(arch.x, arch.y)
+    state = model.state_dict()
+    master, low, pairs = copies(initial, torch.bfloat16, untie=False)
+    replicas = []  # each replica's fp32 gradients: its two micro-batches of 4 rows, each added in fp32
+    for r in range(2):
+        for start in (8 * r, 8 * r + 4):
+            microbatch(low, pairs, arch.x, arch.y, arch.loss, slice(start, start + 4), torch.bfloat16)
+        replicas.append({id(p): p.grad.clone() for p in master.parameters()})
+        master.zero_grad()
+
+    def stepped(total) -> dict:
+        return {n: (p - LR * total(id(p))).detach() for n, p in master.named_parameters()}
+
+    in_bf16 = stepped(lambda i: (replicas[0][i].bfloat16() + replicas[1][i].bfloat16()).float())
+    in_fp32 = stepped(lambda i: replicas[0][i] + replicas[1][i])
+
+    def diff(other: dict) -> float:
+        return max(float((state[n] - v).abs().max()) for n, v in other.items())
+
+    return {"to_bf16_sums": diff(in_bf16), "to_fp32_sums": diff(in_fp32)}
+
+
+@pytest.mark.timeout(300)
+def test_reduce_precision_bf16_sums_the_replicas_gradients_in_bf16():
+    for r in run_ranks(2, bf16_sums, timeout=280):
+        assert r["to_bf16_sums"] <= 1e-7 < r["to_fp32_sums"], r  # the bf16 sums, not the fp32 ones

@@ -144,6 +144,9 @@ class Config:
         2**16, halved when a gradient on any rank overflows -- every rank then skips that step --
         doubled after 2000 good steps; kept in checkpoints; `model.loss_scale`). Neither combines
         with tp, stage_tp, stage_dp or batch_weight_grads yet.
+    reduce_precision: the dtype the data-parallel gradient sums run in: "fp32" (default, FSDP2's
+        reduce_dtype=float32) or "bf16" (half the bytes; each bucket rounded to bf16, summed, and
+        the sum written back into the fp32 gradients).
     clip_grad_norm: clip the global gradient norm to this value before each optimizer step, as
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm) does in one process: the
         norm of the whole model's gradient, each element counted once (over stages, tp shards,
@@ -190,6 +193,7 @@ class Config:
     precision: str = "fp32"
     clip_grad_norm: float | None = None
     accumulate_steps: int = 1
+    reduce_precision: str = "fp32"
 
     def __post_init__(self) -> None:
         # the checks, in this order (a later one reads fields an earlier one normalised): the layout's
@@ -245,7 +249,7 @@ class Config:
         return Execution(timeout_s=float(self.timeout_s), trace_dir=self.trace_dir, on_nonfinite=self.on_nonfinite,
                          grad_reduction=self.grad_reduction, bucket_bytes=int(self.bucket_cap_mb * 2**20),
                          memory_limit_bytes=self.memory_limit_bytes, clip_grad_norm=self.clip_grad_norm,
-                         accumulate_steps=self.accumulate_steps)
+                         accumulate_steps=self.accumulate_steps, reduce_precision=self.reduce_precision)
 
     def lanes(self, world_size: int) -> int:
         """Ranks per tensor-parallel part (world size / tp): the pp x dp ranks the layout is planned on

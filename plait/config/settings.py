@@ -99,6 +99,8 @@ def check_planning(config: Any) -> None:
 
 def check_precision(config: Any) -> None:
     """precision: one of PRECISIONS; what low precision does not combine with yet is refused."""
+    if config.reduce_precision not in ("fp32", "bf16"):
+        raise ConfigError(f"reduce_precision={config.reduce_precision!r} is not known; choose 'fp32' (default) or 'bf16'")
     if config.precision not in PRECISIONS:
         raise ConfigError(f"precision={config.precision!r} is not known; choose one of {list(PRECISIONS)}")
     if config.precision == "fp32":

@@ -25,6 +25,7 @@ class Execution:
     memory_limit_bytes: the tensor-parallel search's budget for a rank's parameter state (None: the device's).
     clip_grad_norm: the largest global gradient norm; above it every gradient is scaled down to it (None: no clipping).
     accumulate_steps: global batches whose gradients are summed (each loss / accumulate_steps) before one optimizer step.
+    reduce_precision: the dtype the data-parallel gradient sums run in ("fp32", or "bf16" on request).
     """
 
     timeout_s: float = 300.0
@@ -35,6 +36,7 @@ class Execution:
     memory_limit_bytes: float | None = None
     clip_grad_norm: float | None = None
     accumulate_steps: int = 1
+    reduce_precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -48,5 +50,7 @@ class Execution:
             raise ConfigError(f"Execution has clip_grad_norm={self.clip_grad_norm!r}; it must be a positive number or None")
         if not (isinstance(self.accumulate_steps, int) and self.accumulate_steps >= 1):
             raise ConfigError(f"Execution has accumulate_steps={self.accumulate_steps!r}; it must be a positive integer")
+        if self.reduce_precision not in ("fp32", "bf16"):
+            raise ConfigError(f"Execution has reduce_precision={self.reduce_precision!r}; choose 'fp32' or 'bf16'")
         if not (isinstance(self.bucket_bytes, int) and self.bucket_bytes > 0):
             raise ConfigError(f"Execution has bucket_bytes={self.bucket_bytes!r}; it must be a positive integer")

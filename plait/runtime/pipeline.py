@@ -321,6 +321,7 @@ def _ties_and_buckets(captured: CapturedGraph, stages: Sequence[StageModule], pa
             owner_rank = {id(p): owner_rank.get(id(p), first) for p in bucketed}
         if group is not None:
             after = parts.copies.after_grad if parts.copies is not None else None
+            reduce = dtype_of(execution.reduce_precision) if execution.reduce_precision != "fp32" else None
             sync = GradientBuckets(bucketed, group, execution.bucket_bytes, execution.timeout_s, owner_rank,
-                                   rank, after)
+                                   rank, after, reduce)
     return plan, ties, sync

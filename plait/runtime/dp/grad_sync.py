@@ -45,7 +45,8 @@ class GradientBuckets:
 
     def __init__(self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int,
                  timeout_s: float, owner_rank: dict[int, int] | None = None, rank: int = 0,
-                 after_grad: Callable[[nn.Parameter, Callable[[torch.Tensor], None]], None] | None = None):
+                 after_grad: Callable[[nn.Parameter, Callable[[torch.Tensor], None]], None] | None = None,
+                 reduce_dtype: torch.dtype | None = None):
         self.group = group
         self.timeout = timedelta(seconds=timeout_s)
         self.rank = rank
@@ -75,7 +76,8 @@ class GradientBuckets:
         self._pending = [0] * len(self.buckets)
         self._expected = 0
         self._next = 0  # the next bucket to launch
-        self._works: list[tuple[int, Any]] = []
+        self.reduce_dtype = reduce_dtype  # the sums run in it (a copy of each buffer), None: in the gradients' own
+        self._works: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # (work, the buffer, what is summed)
         self.launched_during_backward = 0  # buckets of the last step launched from the hooks
         # each parameter's gradient, as it is accumulated (`after_grad`: where the stages compute with
         # low-precision copies, once it is added into the parameter's fp32 gradient)
@@ -182,11 +184,12 @@ class GradientBuckets:
             self._adopt(p)  # a parameter without a gradient (unused this step) counts as zero
         for (dst, _), flat in zip(self._segments[index], self._flats[index]):
             assert flat is not None  # allocated at `prepare`
+            summed = flat if self.reduce_dtype in (None, flat.dtype) else flat.to(self.reduce_dtype)
             if dst is None or self.all_reduces:
-                work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                work = dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             else:
-                work = dist.reduce(flat, dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            self._works.append((index, work))
+                work = dist.reduce(summed, dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            self._works.append((work, flat, summed))
 
     def flush(self) -> None:
         """Launch every bucket not launched yet (parameters without a gradient count as zero).
@@ -201,8 +204,10 @@ class GradientBuckets:
     def finish(self) -> None:
         """Launch what is left, then wait for every bucket (ZeRO-2: then free the others' shares)."""
         self.flush()
-        for _, work in self._works:
+        for work, flat, summed in self._works:
             finish(work, self.timeout)
+            if summed is not flat:  # summed in reduce_dtype: back into the gradients' buffer
+                flat.copy_(summed)
         self._works.clear()
         self._expected = 0
         if self.sharded:
