@@ -389,3 +389,38 @@ def bf16_sums(rank, world):
 def test_reduce_precision_bf16_sums_the_replicas_gradients_in_bf16():
     for r in run_ranks(2, bf16_sums, timeout=280):
         assert r["to_bf16_sums"] <= 1e-7 < r["to_fp32_sums"], r  # the bf16 sums, not the fp32 ones
+
+
+def stage_dp_bf16(rank, world, widths):
+    """bf16 on two stages of their own replica counts: a stage of two replicas rounds each half
+    micro-batch's bf16 gradient on its own; the reference does the same for that stage's parameters."""
+    arch = make("gpt2")
+    initial = copy.deepcopy(arch.net)
+    model = plait.Model(arch.net, plait.Config(precision="bf16", stage_dp=widths, split_points=["transformer.h.1"],
+                                               num_microbatches=2), optimizer=sgd, loss=arch.loss)
+    for _ in range(STEPS):
+        model.train_on_batch(arch.x, arch.y)
+    state = model.state_dict()
+    master, low, pairs = copies(initial, torch.bfloat16, untie=True)
+    names = {id(lp): n for n, lp in low.named_parameters(remove_duplicate=False)}
+    later = ("transformer.h.1", "transformer.ln_f", "lm_head")  # the second stage's modules
+    opt = sgd(master.parameters())
+    for _ in range(STEPS):
+        with torch.no_grad():
+            for lp, mp in pairs:
+                lp.copy_(mp)
+        for stage, dp in enumerate(widths):  # each stage's gradients from its own row blocks
+            rows = len(arch.y) // (2 * dp)
+            mine = [(lp, mp) for lp, mp in pairs if names[id(lp)].startswith(later) == (stage == 1)]
+            for start in range(0, len(arch.y), rows):
+                microbatch(low, mine, arch.x, arch.y, arch.loss, slice(start, start + rows), torch.bfloat16)
+            low.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    return max(float((state[k] - v).abs().max()) for k, v in master.state_dict().items() if v.is_floating_point())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("widths", [(2, 1), (1, 2)], ids=str)
+def test_bf16_on_stages_of_their_own_replica_counts(widths):
+    assert max(run_ranks(3, stage_dp_bf16, widths, timeout=280)) <= BF16_ATOL

@@ -143,7 +143,7 @@ class Config:
         same in fp16, with dynamic loss scaling as torch.amp.GradScaler's defaults (initial scale
         2**16, halved when a gradient on any rank overflows -- every rank then skips that step --
         doubled after 2000 good steps; kept in checkpoints; `model.loss_scale`). Neither combines
-        with tp, stage_tp, stage_dp or batch_weight_grads yet.
+        with tp, stage_tp or batch_weight_grads yet (nor does the planner choose stage widths for them).
     reduce_precision: the dtype the data-parallel gradient sums run in: "fp32" (default, FSDP2's
         reduce_dtype=float32) or "bf16" (half the bytes; each bucket rounded to bf16, summed, and
         the sum written back into the fp32 gradients).

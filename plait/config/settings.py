@@ -106,7 +106,7 @@ def check_precision(config: Any) -> None:
     if config.precision == "fp32":
         return
     given = {"tp": (config.tp or 1) > 1, "stage_tp": config.stage_tp is not None,
-             "stage_dp": config.stage_dp is not None, "batch_weight_grads": config.batch_weight_grads is True}
+             "batch_weight_grads": config.batch_weight_grads is True}
     bad = [name for name, on in given.items() if on]
     if bad:
         raise ConfigError(f"precision={config.precision!r} does not combine with {', '.join(bad)} yet; "
