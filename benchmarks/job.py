@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -80,3 +82,55 @@ def timed(step: Callable[[], Any]) -> float:
     wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     return float(wall)
+
+
+def alternating_medians(steps: dict[str, Callable[[], Any]], warmup: int, rounds: int) -> dict[str, float]:
+    """The median `timed` seconds of each named step over `rounds` rounds after `warmup`, the
+    steps run in turn, their order reversed every other round (so neither always goes first)."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
+    for r in range(warmup + rounds):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            seconds = timed(steps[name])
+            if r >= warmup:
+                times[name].append(seconds)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+VOCAB = 1024  # the small GPT-2's vocabulary
+
+
+def small_gpt2(layers: int, width: int, seq: int, dropout: float = 0.0) -> nn.Module:
+    """Hugging Face GPT-2 of `layers` x `width`, 4 heads, vocabulary VOCAB, `seq` positions, no
+    cache; `dropout` on the embeddings and residual branches (attention dropout 0); seed 0."""
+    import transformers
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=VOCAB, n_positions=seq,
+                                  use_cache=False, bos_token_id=0, eos_token_id=0, attn_pdrop=0.0,
+                                  resid_pdrop=dropout, embd_pdrop=dropout)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def next_token_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of each position's logits against the next token of `y`."""
+    logits = out.logits if hasattr(out, "logits") else out
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), y[:, 1:].reshape(-1))
+
+
+def gpt2_parser(description: str, seq: int, rows: int) -> argparse.ArgumentParser:
+    """The options of a benchmark timing a small GPT-2 (`small_gpt2`) in alternating rounds."""
+    parser = argparse.ArgumentParser(description=description)
+    for name, default in (("rounds", 10), ("warmup", 2), ("layers", 4), ("width", 256), ("seq", seq), ("rows", rows)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    return parser
+
+
+def peaks_and_steps(models: dict[str, Any], x: Any, problems: list[str], warmup: int,
+                    rounds: int) -> tuple[dict[str, Any], dict[str, float]]:
+    """Each checked plait model's activation peak (`memory_stats`) and median step on batch `x`
+    (`alternating_medians`); a benchmark whose models were not equal to one process stops here."""
+    if problems:
+        raise SystemExit("not equal to one process: " + "; ".join(problems))
+    memory = {name: m.memory_stats()["activations_peak_bytes"] for name, m in models.items()}
+    return memory, alternating_medians({name: (lambda m=m: m.train_on_batch(x, x)) for name, m in models.items()},
+                                       warmup, rounds)

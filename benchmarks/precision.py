@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import statistics
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.utils._pytree as pytree
 
 try:
@@ -41,11 +39,11 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import plait
 
-from job import timed  # noqa: E402 - benchmarks/ is the script's own directory on sys.path
+from job import (VOCAB, gpt2_parser, join_job, leave_job, next_token_loss, peaks_and_steps,  # noqa: E402
+                 run_job, small_gpt2)  # benchmarks/ is the script's own directory on sys.path
 
 from plait.runtime.comm.wire import Wire  # noqa: E402
 
-VOCAB = 1024
 TARGET = 0.55
 SENT = {"bytes": 0}
 
@@ -64,17 +62,10 @@ def count_sends() -> None:
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
-    import transformers
-    cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=4, vocab_size=VOCAB,
-                                  n_positions=args.seq, use_cache=False, bos_token_id=0, eos_token_id=0,
-                                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg)
+    return small_gpt2(args.layers, args.width, args.seq, dropout=0.0)
 
 
-def lm_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
-    logits = out.logits if hasattr(out, "logits") else out
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), y[:, 1:].reshape(-1))
+lm_loss = next_token_loss
 
 
 def sgd(params: Any) -> torch.optim.Optimizer:
@@ -101,7 +92,7 @@ def by_hand_losses(net: torch.nn.Module, x: torch.Tensor, microbatches: int, ste
             logits = low(input_ids=part).logits.float()
             loss = lm_loss(logits, part) * (len(part) / len(x))
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
             for lp, mp_ in pairs:
                 if lp.grad is not None:
                     mp_.grad = lp.grad.float() if mp_.grad is None else mp_.grad + lp.grad.float()
@@ -112,11 +103,8 @@ def by_hand_losses(net: torch.nn.Module, x: torch.Tensor, microbatches: int, ste
     return out
 
 
-def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def rank_main(rank: int, port: int, world: int, args: argparse.Namespace, result: str) -> None:
+    join_job(rank, world, port)
     count_sends()
     x = torch.randint(0, VOCAB, (args.rows, args.seq), generator=torch.Generator().manual_seed(1))
     models, problems, sent = {}, [], {}
@@ -133,40 +121,19 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: A
         model.train_on_batch(x, x)
         sent[precision] = SENT["bytes"] - before
         models[precision] = model
-    if problems:
-        raise SystemExit("not equal to one process: " + "; ".join(problems))
-    memory = {name: m.memory_stats()["activations_peak_bytes"] for name, m in models.items()}
-    times: dict[str, list[float]] = {name: [] for name in models}
-    order = list(models)
-    for r in range(args.warmup + args.rounds):
-        for name in (order if r % 2 == 0 else order[::-1]):
-            seconds = timed(lambda: models[name].train_on_batch(x, x))
-            if r >= args.warmup:
-                times[name].append(seconds)
+    memory, step = peaks_and_steps(models, x, problems, args.warmup, args.rounds)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (sent, memory))
     if rank == 0:
-        out.put((gathered, {name: statistics.median(t) for name, t in times.items()}))
-    dist.destroy_process_group()
+        Path(result).write_text(json.dumps([gathered, step]))
+    leave_job()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--rows", type=int, default=8)
+    parser = gpt2_parser(__doc__.splitlines()[0], seq=128, rows=8)
     parser.add_argument("--microbatches", type=int, default=4)
     args = parser.parse_args()
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.get_context("spawn").Queue()
-    mp.start_processes(rank_main, args=(2, port, args, out), nprocs=2, start_method="spawn")
-    gathered, step = out.get(timeout=5)
+    gathered, step = json.loads(run_job(rank_main, 2, 2, args))
     print(f"GPT-2 {args.layers} x {args.width}, {args.rows} x {args.seq} tokens, 2 stages x {args.microbatches} "
           f"micro-batches, 2 gloo ranks x 1 thread, {args.rounds} rounds (medians); bf16 equal to one process "
           "by hand (3 steps)")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,23 +37,15 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import plait
 
-from job import timed  # noqa: E402 - benchmarks/ is the script's own directory on sys.path
+from job import VOCAB, gpt2_parser, next_token_loss, peaks_and_steps, small_gpt2  # noqa: E402 - benchmarks/ is the script's own directory on sys.path
 
-VOCAB = 1024
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
-    import transformers
-    cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=4, vocab_size=VOCAB,
-                                  n_positions=args.seq, use_cache=False, bos_token_id=0, eos_token_id=0,
-                                  attn_pdrop=0.0, resid_pdrop=0.1, embd_pdrop=0.1)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg)
+    return small_gpt2(args.layers, args.width, args.seq, dropout=0.1)
 
 
-def lm_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
-    logits = out.logits if hasattr(out, "logits") else out
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), y[:, 1:].reshape(-1))
+lm_loss = next_token_loss
 
 
 def sgd(params: Any) -> torch.optim.Optimizer:
@@ -86,29 +77,14 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: A
             if abs(value - float(loss)) > 1e-5 * abs(float(loss)) + 1e-6:
                 problems.append(f"{name} loss of step {step}: {value} != {float(loss)}")
         models[name] = model
-    if problems:
-        raise SystemExit("not equal to one process: " + "; ".join(problems))
-    memory = {name: m.memory_stats()["activations_peak_bytes"] for name, m in models.items()}
-    times: dict[str, list[float]] = {name: [] for name in models}
-    order = list(models)
-    for r in range(args.warmup + args.rounds):
-        for name in (order if r % 2 == 0 else order[::-1]):
-            seconds = timed(lambda: models[name].train_on_batch(x, x))
-            if r >= args.warmup:
-                times[name].append(seconds)
+    memory, step = peaks_and_steps(models, x, problems, args.warmup, args.rounds)
     if rank == 0:
-        out.put((memory, {name: statistics.median(t) for name, t in times.items()}))
+        out.put((memory, step))
     dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--rows", type=int, default=4)
+    parser = gpt2_parser(__doc__.splitlines()[0], seq=256, rows=4)
     args = parser.parse_args()
     import socket
     with socket.socket() as s:
