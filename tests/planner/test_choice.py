@@ -62,7 +62,7 @@ def _args(model_file: str, shape: tuple[int, ...], devices: int) -> argparse.Nam
     return argparse.Namespace(gpt=None, model=model_file, devices=devices, batch=None, device=None, memory_gb=None,
                               sample_shape=shape, sample_dtype="float32", optimizer="adam", schedules=None, pp=None,
                               tp=None, microbatches=None, recompute=(False, True), zero=None, layout=None, top=5,
-                              json=True, output=None)
+                              json=True, output=None, precision="fp32")
 
 
 @pytest.mark.parametrize("name, devices, heavy", [("cnn", 2, 2e-4), ("cnn", 4, 1e-4), ("mlp", 2, 5e-5),
