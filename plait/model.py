@@ -13,7 +13,7 @@ from torch import nn
 from plait import data as batching
 from plait.callbacks import History
 from plait.capture.output import unflatten_output
-from plait.capture.compute_dtype import cast_floating, dtype_of, held_in
+from plait.capture.compute_dtype import as_computed, dtype_of, held_in
 from plait.capture.trace import CapturedGraph, capture_batch, retarget
 from plait.checkpoint import disk as checkpoint
 from plait.checkpoint import train_state, weights
@@ -135,7 +135,7 @@ class Model:
         records the dtypes it sees), its parameters' values as they were after."""
         dtype = dtype_of(self.config.precision)
         with held_in(self.net, dtype):
-            return capture_batch(self.net, x if dtype == torch.float32 else cast_floating(x, dtype), train, method, keep)
+            return capture_batch(self.net, as_computed(x, self.config.precision), train, method, keep)
 
     @property
     def _frees(self) -> bool:

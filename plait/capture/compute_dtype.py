@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["DTYPES", "dtype_of", "held_in", "cast_floating"]
+__all__ = ["DTYPES", "dtype_of", "held_in", "cast_floating", "as_computed"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -57,3 +57,9 @@ def cast_floating(values: Any, dtype: torch.dtype) -> Any:
         return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x
 
     return pytree.tree_map(cast, values)
+
+
+def as_computed(values: Any, precision: str) -> Any:
+    """`values` (a batch) as stages computing in `precision` take them: floating tensors cast to it;
+    in "fp32" as they are (a float64 input stays float64, as plait has always passed it)."""
+    return values if precision == "fp32" else cast_floating(values, dtype_of(precision))

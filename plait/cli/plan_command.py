@@ -236,7 +236,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     else:
         import torch
 
-        from plait.capture.compute_dtype import cast_floating, dtype_of, held_in
+        from plait.capture.compute_dtype import as_computed, dtype_of, held_in
         from plait.cost.memory import optimizer_state_factor as state_factor
         from plait.planner.autoplan import PlanOptions, plan_model
         from plait.planner.calibrate import measure_here
@@ -269,7 +269,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             raise ConfigError(f"--precision {args.precision} runs without tensor parallelism for now; drop --tp")
         dtype = dtype_of(args.precision)  # the model profiled as its stages will compute
         with held_in(net, dtype):
-            sample = sample if args.precision == "fp32" else cast_floating(sample, dtype)
+            sample = as_computed(sample, args.precision)
             captured = _captured(net, sample, args)
             result = plan_model(net, sample, args.devices, batch, cluster,
                                 PlanOptions(space=_search_space(args, inputs.space), tp=tps, captured=captured,

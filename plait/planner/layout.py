@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import data as batching
-from plait.capture.compute_dtype import cast_floating, dtype_of, held_in
+from plait.capture.compute_dtype import as_computed, dtype_of, held_in
 from plait.capture.trace import CapturedGraph
 from plait.config import Config
 from plait.cost.network import Network
@@ -224,7 +224,7 @@ def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[
                       tp_plan=config.tp_plan if config.tp is None else None, precision=config.precision)
     try:
         with held_in(work.net, dtype_of(config.precision)):  # profiled in the dtype it will compute in
-            result = plan_model(work.net, _sample(work, config), world_size, batching.num_rows(work.x),
+            result = plan_model(work.net, as_computed(work.x, config.precision), world_size, batching.num_rows(work.x),
                                 inputs.cluster, options)
     except (ConfigError, PartitionError):
         if config.plans_everything:
@@ -275,14 +275,9 @@ def _profile_alongside(work: Workload, config: Config, world_size: int) -> None:
         return
     try:
         with held_in(work.net, dtype_of(config.precision)):
-            profile_sample(work.net, _sample(work, config), world_size, _profile_options(work))
+            profile_sample(work.net, as_computed(work.x, config.precision), world_size, _profile_options(work))
     except Exception as error:  # noqa: BLE001 - rank 0 raises the same error in its own profile
         log.debug("plait: rank-side profile failed (rank 0 reports it): %s", error)
-
-
-def _sample(work: Workload, config: Config) -> Any:
-    """The sample batch as the stages take it: floating inputs in the compute dtype (Config.precision)."""
-    return work.x if config.precision == "fp32" else cast_floating(work.x, dtype_of(config.precision))
 
 
 def _optimizer_factory(optimizer: Any) -> Any:

@@ -53,7 +53,7 @@ class StageExecutor:
     ):
         self.stage = stage
         self.copies = copies  # low precision: the batch's floating inputs cast in, the model's outputs to fp32
-        self.loss_scale = 1.0  # fp16: each loss's multiplier before its backward (`plait.runtime.update.loss_scale`)
+        self.loss_scale = 1.0  # each loss's multiplier before its backward: fp16's scale / accumulate_steps
         # tp > 1, the training pipeline's last stage: its split outputs' loss (`plait.runtime.tp.vocab_loss`)
         self.split_loss = split_loss
         self.meter = meter  # this rank's bytes held for backward passes (training forwards add to it)

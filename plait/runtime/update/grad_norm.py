@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
+from plait.runtime.comm.collectives import sum_floats
 from plait.runtime.pipeline import Pipeline
 
 __all__ = ["counted_gradients", "squared_norm", "global_norm", "clip_to"]
@@ -45,10 +45,7 @@ def squared_norm(grads: list[torch.Tensor]) -> float:
 
 def global_norm(pipe: Pipeline) -> float:
     """The 2-norm of the whole model's gradient, the same on every rank (a collective: every rank calls it)."""
-    local = torch.tensor([squared_norm(counted_gradients(pipe))], dtype=torch.float64)
-    if pipe.plan.world_size > 1:
-        dist.all_reduce(local)
-    return math.sqrt(float(local))
+    return math.sqrt(sum_floats([squared_norm(counted_gradients(pipe))])[0])
 
 
 def clip_to(pipe: Pipeline, norm: float, max_norm: float) -> None:

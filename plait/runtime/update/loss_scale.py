@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
-import torch.distributed as dist
+
+from plait.runtime.comm.collectives import max_floats
 
 __all__ = ["LossScale"]
 
@@ -41,10 +42,7 @@ class LossScale:
     def found_nonfinite(self, grads: Iterable[torch.Tensor | None], world_size: int) -> bool:
         """Whether any rank holds a non-finite gradient (a collective: every rank calls it)."""
         local = any(g is not None and not bool(torch.isfinite(g).all()) for g in grads)
-        flag = torch.tensor([1.0 if local else 0.0])
-        if world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        return (max_floats([float(local)])[0] if world_size > 1 else float(local)) > 0
 
     def unscale(self, grads: Iterable[torch.Tensor | None]) -> None:
         """Every gradient divided by the scale (as GradScaler, by multiplying with its inverse)."""
