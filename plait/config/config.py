@@ -11,8 +11,8 @@ from plait.config.layout import check_layout, check_recompute, check_schedule, c
 from plait.config.settings import (check_checkpoints, check_init_fn, check_leaf_modules, check_planning,
                                    check_precision, check_running)
 from plait.config.widths import check_stage_dp, check_stage_tp, stage_lanes
-from plait.errors import ConfigError
 from plait.plan.execution import Execution
+from plait.plan.mesh import Mesh
 
 __all__ = ["Config"]
 
@@ -253,49 +253,24 @@ class Config:
 
     def lanes(self, world_size: int) -> int:
         """Ranks per tensor-parallel part (world size / tp): the pp x dp ranks the layout is planned on
-        (tp=None: the world, until the planner chooses tp)."""
+        (tp=None: the world, until the planner chooses tp); the Mesh solves it."""
         lanes = stage_lanes(self, world_size)  # stages of different widths: their Mesh's pp x dp
         if lanes is not None:
             return lanes
-        # A uniform layout's Mesh is the Plan's, made once pp and dp are known (`plait.planner.resolve`); one
-        # of them may still be open here: tp alone is checked against the world, and `stages_for` derives pp.
-        if self.tp is None:
-            return world_size
-        if world_size % self.tp:
-            factors = [f for f in range(1, world_size + 1) if world_size % f == 0]
-            raise ConfigError(
-                f"world size {world_size} does not factor as pp x dp x tp with tp={self.tp} (pp={self.num_stages}, "
-                f"dp={self.dp}); tp must be one of {world_size}'s factors {factors}, or launch a multiple of {self.tp} ranks")
-        return world_size // self.tp
+        return Mesh.lanes_of(world_size, self.tp, self.num_stages, self.dp)
 
     def stages_for(self, world_size: int) -> int:
-        """Pipeline stages (ranks per pipeline) on `world_size` ranks; world size must be dp x stages."""
+        """Pipeline stages (ranks per pipeline) on `world_size` ranks (world / tp); world size must be
+        dp x stages (the Mesh checks it)."""
         if self.layers_per_stage is not None:
             stages: int | None = len(self.layers_per_stage) // self.num_virtual_stages
         elif self.split_points is not None:
             stages = (len(self.split_points) + 1) // self.num_virtual_stages
         else:
             stages = self.num_stages
-        dp = self.dp or 1
-        if stages is None:
-            if world_size % dp:
-                raise ConfigError(
-                    f"world size {world_size} does not divide by dp={dp}; launch a multiple "
-                    f"of {dp} ranks, or set dp to a factor of {world_size}"
-                )
-            return world_size // dp
-        if stages * dp != world_size:
-            layers = None if self.layers_per_stage is None else list(self.layers_per_stage)
-            cut = (f"layers_per_stage={layers}" if self.split_points is None
-                   else f"split_points={list(self.split_points)}")
-            tp = self.tp or 1
-            raise ConfigError(
-                f"the config asks for {stages} pipeline stages x dp={dp} replicas"
-                f"{f' x tp={tp}' if tp > 1 else ''} = {stages * dp * tp} ranks ({cut}, num_stages={self.num_stages}, "
-                f"dp={dp}) but the world size is {world_size * tp}; launch "
-                f"{stages * dp * tp} ranks (plait run -n {stages * dp * tp} ...) or change the config"
-            )
-        return stages
+        cut = (f"layers_per_stage={None if self.layers_per_stage is None else list(self.layers_per_stage)}"
+               if self.split_points is None else f"split_points={list(self.split_points)}")
+        return Mesh.pp_of(world_size, self.dp or 1, stages, self.tp or 1, f"{cut}, num_stages={self.num_stages}, ")
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain JSON-ready values (`plait.config.json_form`)."""

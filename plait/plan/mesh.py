@@ -129,6 +129,38 @@ class Mesh:
         virtual = f", {self.num_virtual_stages} stages per rank" if self.num_virtual_stages > 1 else ""
         return f"pp={self.pp} x dp={self.dp} x tp={tp}{virtual}"
 
+    # -- a degree left open, solved from the world size -------------------------------------------
+
+    @staticmethod
+    def lanes_of(world_size: int, tp: int | None, pp: int | None = None, dp: int | None = None) -> int:
+        """The pp x dp ranks of each tensor-parallel part (world size / tp), with pp or dp possibly
+        still open (the planner's); tp=None: the world (until the planner chooses tp)."""
+        if tp is None:
+            return world_size
+        if world_size % tp:
+            factors = [f for f in range(1, world_size + 1) if world_size % f == 0]
+            raise ConfigError(
+                f"world size {world_size} does not factor as pp x dp x tp with tp={tp} (pp={pp}, dp={dp}); tp "
+                f"must be one of {world_size}'s factors {factors}, or launch a multiple of {tp} ranks")
+        return world_size // tp
+
+    @staticmethod
+    def pp_of(lanes: int, dp: int, pp: int | None = None, tp: int = 1, given: str = "") -> int:
+        """The pipeline positions of `lanes` ranks (world / tp) at `dp` replicas: `pp` checked when
+        given (`given` says where it came from), else lanes / dp."""
+        if pp is None:
+            if lanes % dp:
+                raise ConfigError(f"world size {lanes} does not divide by dp={dp}; launch a multiple "
+                                  f"of {dp} ranks, or set dp to a factor of {lanes}")
+            return lanes // dp
+        if pp * dp != lanes:
+            ranks = pp * dp * tp
+            raise ConfigError(
+                f"the config asks for {pp} pipeline stages x dp={dp} replicas{f' x tp={tp}' if tp > 1 else ''} = "
+                f"{ranks} ranks ({given}dp={dp}) but the world size is {lanes * tp}; launch "
+                f"{ranks} ranks (plait run -n {ranks} ...) or change the config")
+        return pp
+
     # -- a stage's and a rank's place ---------------------------------------------------------------
 
     @property
