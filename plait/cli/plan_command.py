@@ -12,7 +12,8 @@ activation_bytes, and with --gpt tflops_per_device; mixed_widths and mixed_dp: t
 stages of different tp widths (one pipeline, or dp copies of one) or dp widths (one pipeline)
 (null where none is searched or found); with --model, config: the Config fields a job of DEVICES
 ranks on this host chooses (`plait.planner.choice`, the one choice `Config()` makes; this host's
-link is measured first, as a job measures it). `--layout tp=8,pp=2` prices that layout only.
+link is measured first, as a job measures it), and plan: the complete `Plan` that job builds (as
+`model.plan.to_json()`; `Config(plan=FILE)` replays it). `--layout tp=8,pp=2` prices that layout only.
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         found = search_tp(gpt_costs(spec, dev, args.optimizer), {t: gpt_tp_shares(spec, dev, t) for t in tps if t > 1},
                           args.devices, args.batch, cluster, _search_space(args), degrees=tps)
         widths = _gpt_widths(args, spec, dev, cluster)  # stages of different widths, as Config() searches them
-        chosen = None  # a described GPT: no Config() runs it here
+        chosen = plan = None  # a described GPT: no Config() runs it here
         head = {"model": f"GPT {args.gpt} ({spec.parameters / 1e9:.2f}B parameters)",
                 "device": dev.name, "devices": args.devices, "global_batch": args.batch,
                 "precision": f"{'2-byte (bf16 or fp16)' if dev.dtype_bytes == 2 else 'fp32'} values, "
@@ -277,6 +278,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         found = result.candidates
         chosen = choose(result, config, args.devices, inputs.source, captured).fields \
             if result.best.feasible and args.layout is None else None
+        plan = None if chosen is None else _complete_plan(net, sample, captured, config, chosen, args)
         widths = _model_widths(args, captured, result, cluster)
         head = {"model": args.model, "device": args.device or "this machine",
                 "devices": args.devices, "global_batch": batch, "precision": args.precision}
@@ -296,6 +298,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     data["mixed_widths"] = mixed.to_dict() if mixed is not None else None
     data["mixed_dp"] = mixed_dp.to_dict() if mixed_dp is not None else None
     data["config"] = chosen  # --model: the Config fields a job of --devices ranks here would run
+    data["plan"] = None if plan is None else json.loads(plan.to_json())  # ... and the complete Plan it builds
     rate = ""
     if args.gpt is not None and data.get("predicted_step_time_s"):  # Megatron's count over the predicted step
         data["tflops_per_device"] = megatron_flops(spec, args.batch) / (data["predicted_step_time_s"] * args.devices) / 1e12
@@ -319,6 +322,19 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                  f"micro-batches, {mixed_dp.schedule}{', recomputed' if mixed_dp.recompute else ''}: "
                  f"{mixed_dp.step_time_s:.4f} s a step")
     return data, text
+
+
+def _complete_plan(net: Any, sample: Any, captured: Any, config: Any, chosen: dict[str, Any],
+                   args: argparse.Namespace) -> Any:
+    """The complete `Plan` a job of --devices ranks here builds from `chosen`: resolved and completed
+    (tied parameters, tp layouts) by the planner's one path (`plait.planner.layout.layout_of`)."""
+    from plait.capture.compute_dtype import dtype_of, held_in
+    from plait.planner.autoplan import capture_sample
+    from plait.planner.layout import Workload, layout_of
+
+    with held_in(net, dtype_of(args.precision)):
+        graph = captured if captured is not None else capture_sample(net, sample)
+        return layout_of(config, Workload(net, graph, sample), args.devices, chosen=chosen).plan
 
 
 def _captured(net: Any, sample: Any, args: argparse.Namespace) -> Any:

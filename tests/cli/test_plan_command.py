@@ -177,6 +177,17 @@ def test_a_model_file_is_profiled_and_planned(capsys, tmp_path, monkeypatch):
                     "--devices", "2", "--schedules", "1f1b,gpipe")  # this host's link measured, as a job's
     measured = data["config"]  # the fields Config() runs on 2 ranks here (tests/planner/test_choice.py)
     assert measured["num_stages"] * measured["dp"] * measured["tp"] == 2
+    from plait.plan import Plan
+    from plait.planner.replay import load_plan_file
+
+    plan = Plan.from_json(json.dumps(data["plan"]))  # ... and the complete Plan that job builds from them
+    assert (plan.pp, plan.dp, plan.tp, plan.world_size) == (measured["num_stages"], measured["dp"], measured["tp"], 2)
+    assert list(plan.layers_per_stage) == measured["layers_per_stage"] and plan.schedule == measured["schedule"]
+    assert plan.num_microbatches == measured["num_microbatches"] and len(plan.layer_names) == 5
+    assert (plan.tp > 1) == bool(plan.tp_layouts)  # completed: a split stage's layout is in it
+    (tmp_path / "plan.json").write_text(json.dumps(data["plan"]))  # replayed by Config(plan=...)
+    replayed, _ = load_plan_file(str(tmp_path / "plan.json"), plan.layer_names, 2)
+    assert replayed["layers_per_stage"] == measured["layers_per_stage"] and replayed["dp"] == measured["dp"]
     from plait.cost.devices import device
     from plait.planner import calibrate
 
