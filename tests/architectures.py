@@ -89,6 +89,7 @@ def _configs(t: Any) -> dict[str, Callable[[], Any]]:
                                    max_position_embeddings=16, word_embed_proj_dim=32, dropout=0.0,
                                    attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0, **_SMALL),
         "llama": lambda: t.LlamaConfig(tie_word_embeddings=True, **_DECODER),
+        "llama_mha": lambda: t.LlamaConfig(tie_word_embeddings=True, **{**_DECODER, "num_key_value_heads": 4}),
         "mistral": lambda: t.MistralConfig(sliding_window=4, **_DECODER),
         "qwen2": lambda: t.Qwen2Config(**_DECODER),
         "gemma": lambda: t.GemmaConfig(head_dim=8, **_DECODER),
@@ -167,6 +168,7 @@ _IMAGE = {"vit": "ViTForImageClassification", "swin": "SwinForImageClassificatio
 _OTHER = {"whisper": "WhisperForConditionalGeneration", "wav2vec2": "Wav2Vec2ForAudioFrameClassification",
           "clip": "CLIPModel"}
 ARCHITECTURES = [*_CAUSAL, *_MASKED, *_SEQ2SEQ, *_IMAGE, *_OTHER]
+_VARIANTS = {"llama_mha": "llama"}  # made as the architecture named, with another config (not in ARCHITECTURES)
 MODEL_CLASSES = (*_CAUSAL.values(), *_MASKED.values(), *_SEQ2SEQ.values(), *_IMAGE.values(), *_OTHER.values())
 MELS, FRAMES = 8, 16  # Whisper: (B, 8 mel bins, 16 frames), halved by its convolutional front end
 SAMPLES = 400  # wav2vec2: raw waveform samples a row; its feature extractor makes 39 frames of them
@@ -187,8 +189,8 @@ def make(name: str) -> Arch:
     if name in _OTHER:
         return _other(name, getattr(transformers, _OTHER[name])(config), tokens, g)
     mask = _padding_mask(g)
-    if name in _CAUSAL:
-        net = getattr(transformers, _CAUSAL[name])(config)
+    if _VARIANTS.get(name, name) in _CAUSAL:
+        net = getattr(transformers, _CAUSAL[_VARIANTS.get(name, name)])(config)
         return Arch(net, {"input_ids": tokens, "attention_mask": mask}, torch.roll(tokens, -1, dims=1),
                     token_loss)
     if name in _MASKED:

@@ -35,9 +35,9 @@ from torch import nn
 
 from plait.capture.mutation import written_placeholders
 from plait.capture.trace import CapturedGraph, is_local
-from plait.errors import PartitionError
+from plait.errors import ConfigError, PartitionError
 
-__all__ = ["LAYER", "StageModule", "split", "stage_of_layers", "stage_holders", "tied_parameters"]
+__all__ = ["LAYER", "StageModule", "split", "stage_of_layers", "stage_holders", "tied_parameters", "tied_named"]
 
 LAYER = "plait_layer"  # a stage graph node's meta key: the captured layer it belongs to
 
@@ -227,3 +227,13 @@ def tied_parameters(stages: Sequence[StageModule], root: nn.Module) -> list[tupl
     tied = [(names.get(i, ""), t, tuple(ss)) for i, ss in holders.items()
             if len(ss) > 1 and isinstance(t := tensors[i], nn.Parameter)]
     return [((name or "?").removeprefix("net."), p, ss) for name, p, ss in sorted(tied, key=lambda item: item[0])]
+
+
+def tied_named(root: nn.Module, tied: Sequence[tuple[str, tuple[int, ...]]]) -> list[tuple[nn.Parameter, tuple[int, ...]]]:
+    """The parameters a plan names as tied (`tied_parameters`' names and stages), looked up in `root`."""
+    params = {n.removeprefix("net."): p for n, p in root.named_parameters()}
+    missing = [name for name, _ in tied if name not in params]
+    if missing:
+        raise ConfigError(f"the plan ties parameters {missing} that the model does not have; the plan was made "
+                          "for another model: plan again")
+    return [(params[name], tuple(stages)) for name, stages in tied]

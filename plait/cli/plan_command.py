@@ -266,8 +266,6 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         if not args.overlap:
             cluster = dataclasses.replace(cluster, overlap_gradients=False)
         tps = tuple(args.tp) if args.tp else inputs.tp
-        if args.precision != "fp32" and max(tps) > 1:
-            raise ConfigError(f"--precision {args.precision} runs without tensor parallelism for now; drop --tp")
         dtype = dtype_of(args.precision)  # the model profiled as its stages will compute
         with held_in(net, dtype):
             sample = as_computed(sample, args.precision)

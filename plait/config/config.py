@@ -142,8 +142,12 @@ class Config:
         and state_dict() use; the copies are refreshed from them before every step. "fp16": the
         same in fp16, with dynamic loss scaling as torch.amp.GradScaler's defaults (initial scale
         2**16, halved when a gradient on any rank overflows -- every rank then skips that step --
-        doubled after 2000 good steps; kept in checkpoints; `model.loss_scale`). Neither combines
-        with tp, stage_tp or batch_weight_grads yet (nor does the planner choose stage widths for them).
+        doubled after 2000 good steps; kept in checkpoints; `model.loss_scale`). With tp > 1 a
+        product whose sum the tp ranks split (a row-parallel linear's output, a column-parallel
+        one's input gradient) is computed and all-reduced in fp32 and rounded once, as one process's
+        product accumulates in fp32 and rounds once (its bytes priced so). Neither combines with
+        sequence_parallel, stage_tp or batch_weight_grads yet (nor does the planner choose stage
+        widths for them).
     reduce_precision: the dtype the data-parallel gradient sums run in: "fp32" (default, FSDP2's
         reduce_dtype=float32) or "bf16" (half the bytes; each bucket rounded to bf16, summed, and
         the sum written back into the fp32 gradients).

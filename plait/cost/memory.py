@@ -30,11 +30,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from plait.cost.tp_costs import TpShares
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
 from plait.plan.setting import check_zero
 
-__all__ = ["StateBytes", "state_bytes", "state_totals", "optimizer_state_factor", "held_in_precision"]
+__all__ = ["StateBytes", "state_bytes", "state_totals", "optimizer_state_factor", "held_in_precision",
+           "split_held_in_precision"]
 
 def optimizer_state_factor(optimizer: str, dtype_bytes: int) -> float:
     """Optimizer state bytes per gradient byte. Mixed precision (2-byte gradients) adds an fp32
@@ -114,3 +116,11 @@ def held_in_precision(costs: LayerCosts, precision: str) -> LayerCosts:
         return costs
     return replace(costs, param_bytes=tuple(3.0 * b for b in costs.param_bytes),
                    grad_bytes=tuple(2.0 * b for b in costs.grad_bytes))
+
+
+def split_held_in_precision(shares: TpShares, precision: str) -> TpShares:
+    """Tensor parallelism's split parameter bytes of a graph captured in a 2-byte `precision`, as
+    the run holds them (`held_in_precision`: 3 times the captured 2 bytes); fp32: as they are."""
+    if precision == "fp32":
+        return shares
+    return replace(shares, split_bytes=tuple(3.0 * b for b in shares.split_bytes))

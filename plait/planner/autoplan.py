@@ -23,7 +23,7 @@ from plait import data as batching
 from plait.capture.trace import CapturedGraph, capture, in_mode
 from plait.cost.buckets import DEFAULT_BUCKET_BYTES, reduces_to_owners
 from plait.cost.devices import device
-from plait.cost.memory import held_in_precision
+from plait.cost.memory import held_in_precision, split_held_in_precision
 from plait.cost.network import Network
 from plait.cost.prediction import Cluster
 from plait.errors import ConfigError
@@ -148,7 +148,8 @@ def plan_model(net: nn.Module, sample: Any, world_size: int, global_batch: int,
     for tp in (t for t in options.tp if t > 1):
         assert options.captured is not None
         try:
-            shares[tp] = tp_shares(options.captured, tp, dict(options.tp_plan or ()), options.loss, options.target)
+            shares[tp] = split_held_in_precision(tp_shares(options.captured, tp, dict(options.tp_plan or ()), options.loss,
+                                                           options.target), options.precision)
         except ConfigError:
             raise  # the user's tp_plan does not fit: say so
         except Exception as e:  # noqa: BLE001 - a graph the layout cannot read: tp=1 only

@@ -63,8 +63,6 @@ def search_inputs(config: Config, world_size: int, global_batch: int, local_rank
     if config.recompute_by_layer is False:
         cluster = replace(cluster, recompute_by_layer=False)
     tp = tp_degrees(world_size, local_ranks) if config.tp is None else (1,)  # a given tp: planned on its lanes
-    if config.precision != "fp32":  # low precision runs without tensor parallelism for now (Config.precision)
-        tp = (1,)
     return SearchInputs(space, cluster, tp, source)
 
 

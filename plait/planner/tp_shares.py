@@ -11,7 +11,9 @@ graph, and each of its operations is charged to the layer it belongs to:
                                                them split (`plait.runtime.tp.vocab_loss`: given the loss
                                                and a target), its all-reduces of per-token figures
 
-Bytes are per row of a micro-batch (the traced batch size taken as one row).
+Bytes are per row of a micro-batch (the traced batch size taken as one row). A model captured in
+a low dtype (bf16, fp16: `Config(precision=...)`) sums its split products in fp32, one all-reduce
+for each reader of a column-parallel input (`plait.runtime.tp.tensor_parallel`): priced so.
 """
 
 from __future__ import annotations
@@ -80,14 +82,14 @@ def tp_shares(captured: CapturedGraph, tp: int, tp_plan: Mapping[str, str] | Non
             split_work[layer] += size
         role = layout.roles.get(node.name)
         if role in ("rowwise", "vocab"):
-            fwd[layer] += _row_bytes(node)
+            fwd[layer] += _row_bytes(node, wide=role == "rowwise")
             fwd_count[layer] += 1
             split_work[layer] += size
         elif role == "colwise":
             parts = linear_parts(node)
-            if parts is not None and parts.x not in reduced_inputs:
+            if parts is not None and (parts.x not in reduced_inputs or _low(parts.x)):
                 reduced_inputs.add(parts.x)
-                bwd[layer] += _row_bytes(parts.x)
+                bwd[layer] += _row_bytes(parts.x, wide=True)
                 bwd_count[layer] += 1
     share = [s / w if w > 0 else 0.0 for s, w in zip(split_work, all_work)]
     return TpShares(tp, tuple(split_bytes), tuple(min(1.0, x) for x in share), tuple(fwd), tuple(bwd),
@@ -159,6 +161,15 @@ def _row_numel(node: fx.Node) -> float:
     return total if math.isfinite(total) else 0.0
 
 
-def _row_bytes(node: fx.Node) -> float:
+def _low(node: fx.Node) -> bool:
+    """A value in a low dtype: the sums the ranks split over it run in fp32."""
     val = node.meta.get("val")
-    return _row_numel(node) * val.element_size() if isinstance(val, torch.Tensor) else 0.0
+    return isinstance(val, torch.Tensor) and val.dtype in (torch.bfloat16, torch.float16)
+
+
+def _row_bytes(node: fx.Node, wide: bool = False) -> float:
+    """A row's bytes of `node`'s value (`wide`: a split sum over it, in fp32 where it is low precision)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0.0
+    return _row_numel(node) * (4 if wide and _low(node) else val.element_size())

@@ -15,7 +15,7 @@ from torch import nn
 
 from plait.capture.compute_dtype import dtype_of
 from plait.capture.output import OutputSpec
-from plait.capture.split import StageModule, split, stage_holders, stage_of_layers, tied_parameters
+from plait.capture.split import StageModule, split, stage_holders, stage_of_layers, tied_named
 from plait.capture.tp_layout import TpLayout
 from plait.capture.trace import CapturedGraph
 from plait.cost.recompute_pieces import pieces
@@ -230,7 +230,8 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
             same_generators(first, parts.tp_group)
         for s in plan.stages_of(rank):  # the training pipeline's last stage keeps its logits split
             keep = make_ties and s == plan.num_chunks - 1 and parts.loss is not None
-            left = shard_stage(stages[s].module, layouts[s], t, parts.tp_group, gather_outputs=not keep)
+            left = shard_stage(stages[s].module, layouts[s], t, parts.tp_group, gather_outputs=not keep,
+                               low_precision=plan.precision != "fp32")
             if left and parts.loss is not None:
                 split_loss = SplitLoss(captured.finish, parts.loss, left, parts.tp_group, t, plan.tp_of(s))
     holders, _ = stage_holders(stages)
@@ -250,7 +251,7 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
         replicas = list(plan.mesh.dp_ranks(rank))  # this rank's place on each replica of its stage
         sharded = {id(p): owners[id(p)] for p in local if id(p) in owners}  # this rank's stage's
         owner_rank = {i: replicas[r] for i, r in sharded.items()} if plan.zero == 2 else None
-        plan, ties, sync = _ties_and_buckets(captured, stages, replace(parts, plan=plan), local, owner_rank)
+        ties, sync = _ties_and_buckets(captured, parts, local, owner_rank)
         if sharded:
             assert sync is not None
             zero = ShardedOptimizerState([p for p in local if id(p) in sharded], sharded, replicas, rank,
@@ -295,15 +296,12 @@ def _zero_owners(stages: Sequence[StageModule], plan: Plan, holders: dict[int, l
     return owners
 
 
-def _ties_and_buckets(captured: CapturedGraph, stages: Sequence[StageModule], parts: _Parts,
-                      local: list[nn.Parameter], owner_rank: dict[int, int] | None,
-                      ) -> tuple[Plan, TiedGradients | None, GradientBuckets | None]:
-    """The plan with its tied parameters named, their gradient sums, and the data-parallel buckets
+def _ties_and_buckets(captured: CapturedGraph, parts: _Parts, local: list[nn.Parameter],
+                      owner_rank: dict[int, int] | None) -> tuple[TiedGradients | None, GradientBuckets | None]:
+    """The gradient sums of the plan's tied parameters, and the data-parallel buckets
     (ZeRO-2, `owner_rank`: each parameter's gradient reduced to the rank that steps it)."""
     plan, rank, execution = parts.plan, parts.rank, parts.execution
-    found = tied_parameters(stages, captured.root)
-    tied = [(p, ss) for _, p, ss in found]
-    plan = replace(plan, tied_parameters=tuple((name, ss) for name, _, ss in found))  # as the planner named them
+    tied = tied_named(captured.root, plan.tied_parameters)  # as the planner found them (`complete_plan`)
     ties = None
     if plan.world_size > 1:
         # One all-reduce over every stage and every replica holding a tied parameter
@@ -324,4 +322,4 @@ def _ties_and_buckets(captured: CapturedGraph, stages: Sequence[StageModule], pa
             reduce = dtype_of(execution.reduce_precision) if execution.reduce_precision != "fp32" else None
             sync = GradientBuckets(bucketed, group, execution.bucket_bytes, execution.timeout_s, owner_rank,
                                    rank, after, reduce)
-    return plan, ties, sync
+    return ties, sync

@@ -224,13 +224,13 @@ def test_a_model_planned_in_bf16_is_profiled_in_it_and_holds_masters_beside_copi
     args = ["--model", f"{model_file}:build", "--sample-shape", "16,64", "--devices", "1"]
     fp32, bf16 = run_json(capsys, *args), run_json(capsys, *args, "--precision", "bf16")
     assert (fp32["precision"], bf16["precision"]) == ("fp32", "bf16")
-    assert bf16["config"]["tp"] == 1 and bf16["tp"] == 1  # bf16 plans without tensor parallelism for now
     params = 64 * 256 + 256 + 256 * 64 + 64
     assert fp32["parameter_bytes"][0] == pytest.approx(4 * params, rel=0.01)
     assert bf16["parameter_bytes"][0] == pytest.approx(6 * params, rel=0.01)  # masters 4 + copies 2
     assert bf16["gradient_bytes"][0] == pytest.approx(fp32["gradient_bytes"][0], rel=0.01)  # fp32 both
-    assert main(["plan", *args[:-1], "2", "--precision", "bf16", "--tp", "2"]) == 1
-    assert "runs without tensor parallelism for now" in capsys.readouterr().err
+    tp16 = run_json(capsys, *args[:-1], "2", "--tp", "2", "--layout", "tp=2", "--precision", "bf16")
+    assert tp16["tp"] == 2 and tp16["feasible"]  # bf16 with tensor parallelism (its sums priced in fp32:
+    assert tp16["parameter_bytes"][0] == pytest.approx(6 * params / 2, rel=0.05)  # tests/planner/test_tp_shares.py)
     assert main(["plan", "--gpt", "layers=2,hidden=64,heads=4", "--batch", "8", "--devices", "2",
                  "--precision", "bf16"]) == 1
     assert "--precision bf16 is for --model; --gpt prices its device preset's dtype" in capsys.readouterr().err

@@ -83,3 +83,30 @@ def test_a_loss_that_needs_the_whole_logits_keeps_the_gather() -> None:
 
     shares = tp_shares(captured, 2, loss=smoothed, target=torch.randint(0, VOCAB, (2, SEQ)))
     assert shares.gather_row_bytes[head] == SEQ * VOCAB * 4
+
+
+class _GatedMlp(torch.nn.Module):
+    """Two column-parallel linears reading one input (Llama's gate and up), then a row-parallel one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.gate(x)) * self.up(x))
+
+
+def test_a_model_captured_in_bf16_is_priced_with_its_split_sums_in_fp32_one_for_each_reader() -> None:
+    """bf16 (Config(precision="bf16")): the runtime adds the partial sums in fp32 and rounds once,
+    each column-parallel reader's input gradient on its own (`plait.runtime.tp.tensor_parallel`)."""
+    from plait.capture.compute_dtype import held_in
+
+    net, x = _GatedMlp(), torch.randn(2, SEQ, 8)
+    fp32 = tp_shares(capture_batch(net, x), 2)
+    with held_in(net, torch.bfloat16):
+        bf16 = tp_shares(capture_batch(net, x.bfloat16()), 2)
+    row = SEQ * 8 * 4  # a row of the 8 features, in fp32 bytes
+    assert sum(fp32.forward_reduce_row_bytes) == sum(bf16.forward_reduce_row_bytes) == row  # the down sum
+    assert (sum(fp32.backward_collectives), sum(fp32.backward_reduce_row_bytes)) == (1, row)  # x's, shared
+    assert (sum(bf16.backward_collectives), sum(bf16.backward_reduce_row_bytes)) == (2, 2 * row)  # gate's, up's
+    assert sum(bf16.split_bytes) == sum(fp32.split_bytes) / 2  # the weights themselves in bf16

@@ -34,7 +34,8 @@ from plait.capture.graph_nodes import args_of, kwargs_of, linear_parts, shape_of
 from plait.capture.shard_rules import Shard, attention_dropout, is_seq, seq_operands
 from plait.capture.tp_layout import VIEWS, TpLayout, gathered_for_colwise
 from plait.errors import ConfigError
-from plait.runtime.tp.tp_collectives import SplitAttention, SplitDropout, TpCollective, VocabLookup
+from plait.runtime.tp.tp_collectives import (Narrow, SplitAttention, SplitDropout, TpCollective, VocabLookup, Widen,
+                                             WideProduct)
 from plait.tensor_parts import TpShard, local_part, part_rows, part_size, shard_of, whole_shape
 
 __all__ = ["shard_stage"]
@@ -64,11 +65,12 @@ def _cut(param: torch.Tensor, dim: int, blocks: int, tp_rank: int, tp: int) -> N
 # -- the rewrite ---------------------------------------------------------------------------------
 
 def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
-                gather_outputs: bool = True) -> dict[int, tuple[int, int, int]]:
+                gather_outputs: bool = True, low_precision: bool = False) -> dict[int, tuple[int, int, int]]:
     """Cut `gm`'s parameters to this rank's parts and rewrite its graph to run on them. Split
     values leaving the graph are gathered, or with `gather_outputs` False (the last stage's, for
     `plait.runtime.tp.vocab_loss`) left split: returns {output index: (dim, blocks, whole size along
-    dim)} of those."""
+    dim)} of those. `low_precision` (the stage computes in bf16 or fp16): a sum the ranks split is
+    added in fp32 and rounded once (`Widen`, `Narrow`)."""
     tp = layout.tp
     left: dict[int, tuple[int, int, int]] = {}
     for target, (dim, blocks) in layout.params.items():
@@ -105,6 +107,42 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
     def copy(before: fx.Node, value: fx.Node) -> fx.Node:
         return collective(before, copies, value, value, "copy")
 
+    widened: dict[Any, fx.Node] = {}  # a value, in fp32 where it is low precision (`Widen`)
+
+    def widen(before: fx.Node, value: fx.Node, key: Any = None) -> fx.Node:
+        key = value if key is None else key
+        if key not in widened:
+            with graph.inserting_before(before):
+                widened[key] = graph.call_module(module(Widen()), (value,))
+            widened[key].meta.update({k: value.meta[k] for k in ("val",) if k in value.meta})
+            values[widened[key].name] = layout_of(value)
+        return widened[key]
+
+    def narrow(value: fx.Node, like: fx.Node) -> fx.Node:
+        """`value`, a product computed wide, rounded back to `like`'s dtype for its users."""
+        users = list(value.users)
+        with graph.inserting_after(value):
+            out = graph.call_module(module(Narrow()), (value, like))
+        out.meta.update({k: value.meta[k] for k in ("val", "nn_module_stack", "stack_trace") if k in value.meta})
+        values[out.name] = values.get(value.name)
+        for user in users:
+            user.replace_input_with(value, out)
+        return out
+
+    def wide_product(node: fx.Node, x: fx.Node, weight: fx.Node, bias: fx.Node | None) -> fx.Node:
+        """`node`, a product of (widened) `x` and `weight` (+ `bias`), made `WideProduct` (+ the bias in
+        fp32); returns the node its users now read."""
+        transposed = node.target is aten.linear.default
+        with graph.inserting_before(node):
+            out = graph.call_module(module(WideProduct(transposed)), (x, weight))
+            if bias is not None:
+                out = graph.call_function(aten.add.Tensor, (out, widen(node, bias)))
+        out.meta.update({k: node.meta[k] for k in ("val", "nn_module_stack", "stack_trace") if k in node.meta})
+        values[out.name] = values.get(node.name)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        return out
+
     partial: set[fx.Node] = set()  # the column-parallel inputs whose gradient a reduce-scatter sums
 
     for node in list(graph.nodes):
@@ -133,9 +171,15 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
                 values[new.name] = here
             continue
         if role == "colwise":
-            x = linear_parts(node).x  # type: ignore[union-attr]
-            if x not in partial:  # (else the reduce-scatter behind it sums the gradient)
+            parts = linear_parts(node)
+            assert parts is not None
+            x = parts.x
+            if x not in partial and not low_precision:  # (else the reduce-scatter behind it sums the gradient)
                 node.replace_input_with(x, copy(node, x))
+            elif x not in partial:
+                # its input's gradient is a sum over the ranks: this rank's share and the sum in fp32,
+                # rounded once; one each reader, as one process rounds each reader's gradient of x
+                narrow(wide_product(node, copy(node, widen(node, x, node)), parts.weight, parts.bias), x)
         elif role == "rowwise" and node.name in layout.seq_entries:
             entry, dim = layout.seq_entries[node.name]
             product, bias = _partial_product(graph, node)
@@ -147,7 +191,14 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
             else:
                 biases[node.name] = bias
         elif role == "rowwise":
-            _rowwise(graph, node, module(TpCollective("reduce", group, tp_rank, tp)))
+            parts = linear_parts(node)
+            assert parts is not None
+            product, last = _rowwise(graph, node, module(TpCollective("reduce", group, tp_rank, tp)))
+            if low_precision:  # the partial sums and their sum in fp32, rounded once
+                wide_product(product, widen(product, parts.x, product), parts.weight, None)
+                if parts.bias is not None:
+                    last.replace_input_with(parts.bias, widen(last, parts.bias))
+                narrow(last, parts.x)
         elif role == "vocab":
             pad = args_of(node)[2] if len(args_of(node)) > 2 else -1
             start = part_rows(whole_shape(gm.get_parameter(str(args_of(node)[0].target)))[0], tp_rank, tp)[0]
@@ -210,8 +261,9 @@ def _reduce_scatter_after(graph: fx.Graph, value: fx.Node, reduce_scatter: str, 
     return [scattered, last]
 
 
-def _rowwise(graph: fx.Graph, node: fx.Node, reduce: str) -> None:
-    """y = x W (+ b) -> reduce(x W[r]) (+ b): the bias added once, after the sum."""
+def _rowwise(graph: fx.Graph, node: fx.Node, reduce: str) -> tuple[fx.Node, fx.Node]:
+    """y = x W (+ b) -> reduce(x W[r]) (+ b): the bias added once, after the sum; (the product, the
+    last node)."""
     product, bias = _partial_product(graph, node)
     users = list(product.users)
     with graph.inserting_after(product):
@@ -224,6 +276,7 @@ def _rowwise(graph: fx.Graph, node: fx.Node, reduce: str) -> None:
             total.meta[key] = last.meta[key] = product.meta[key]
     for user in users:
         user.replace_input_with(product, last)
+    return product, last
 
 
 def _local_shapes(graph: fx.Graph, node: fx.Node, here: Any, values: dict[str, Any], tp: int, module: Any,

@@ -31,7 +31,9 @@ from plait.runtime.comm.waiting import finish
 from plait.tensor_parts import local_part, part_size, whole_of
 
 __all__ = ["reduce_sum", "sum_both_ways", "TpCollective", "VocabLookup", "SplitDropout", "SplitAttention",
-           "same_generators"]
+           "Widen", "WideProduct", "Narrow", "same_generators"]
+
+LOW = (torch.bfloat16, torch.float16)
 
 
 class _Copy(torch.autograd.Function):
@@ -199,6 +201,56 @@ class TpCollective(nn.Module):
         if self.kind == "scatter":
             return _apply(_Scatter, x, self.group, self.dim % x.dim(), self.tp_rank, self.tp)
         return _apply(_Gather, x, self.group, self.dim % x.dim(), self.blocks, self.tp_rank, self.tp, self.size)
+
+
+class Widen(nn.Module):
+    """A low-precision (bf16, fp16) value in fp32, on its way into a product whose sum the tp ranks
+    split: each rank's partial sum, and the sum over the ranks, stay in fp32 and are rounded to the
+    low dtype once, by `Narrow` (as one process's matrix product accumulates in fp32 and rounds its
+    result once). fp32 passes as it is."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() if x.dtype in LOW else x
+
+
+class _WideProduct(torch.autograd.Function):
+    """x W^T (nn.Linear's weight) or x W (Conv1D's, mm's) in fp32 of a widened x and a low-precision W,
+    both ways: the gradients of x (a share of a sum over the ranks) leave in fp32, W's is rounded once
+    to its dtype. What backward needs is kept in the low dtype (x's values came from it: exact)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+        ctx.save_for_backward(x.to(w.dtype), w)
+        ctx.transposed = transposed
+        w32 = w.float()
+        return x.float() @ (w32.t() if transposed else w32)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
+        g, w32 = grad.float(), w.float()
+        gx = g @ (w32 if ctx.transposed else w32.t())
+        rows_g, rows_x = g.reshape(-1, g.shape[-1]), x.float().reshape(-1, x.shape[-1])
+        gw = rows_g.t() @ rows_x if ctx.transposed else rows_x.t() @ rows_g
+        return gx, gw.to(w.dtype), None
+
+
+class WideProduct(nn.Module):
+    """A product the tp ranks split the sum of, computed and differentiated in fp32 (`_WideProduct`)."""
+
+    def __init__(self, transposed: bool):
+        super().__init__()
+        self.transposed = transposed
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, _WideProduct.apply(x, w, self.transposed))
+
+
+class Narrow(nn.Module):
+    """A product computed wide (`Widen`), rounded back to the dtype of the value it came from."""
+
+    def forward(self, y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return y.to(like.dtype) if y.dtype != like.dtype else y
 
 
 class VocabLookup(nn.Module):
