@@ -193,9 +193,10 @@ def test_config_with_precision_alone_plans_a_bf16_run_that_trains_as_the_referen
 TP_ATOL = 2e-5  # a split sum added in another fp32 order flips a bf16 rounding now and then (6.1e-6 above)
 
 
-TP_LAYOUTS = {  # world size, config
-    "gpt2 tp=2": (2, "gpt2", dict(num_stages=1)), "llama_mha tp=2": (2, "llama_mha", dict(num_stages=1)),
-    "bert tp=2": (2, "bert", dict(num_stages=1)), "gpt2 2 stages x tp=2": (4, "gpt2", dict(num_stages=2)),
+TP_LAYOUTS = {  # world size, model, config (stages of widths 2 and 1, measured: 0.0 from the reference)
+    "gpt2 tp=2": (2, "gpt2", dict(num_stages=1, tp=2)), "llama_mha tp=2": (2, "llama_mha", dict(num_stages=1, tp=2)),
+    "bert tp=2": (2, "bert", dict(num_stages=1, tp=2)), "gpt2 2 stages x tp=2": (4, "gpt2", dict(num_stages=2, tp=2)),
+    "gpt2 stage_tp=(2, 1)": (3, "gpt2", dict(stage_tp=(2, 1), layers_per_stage=(12, 11))),
 }
 
 
@@ -203,8 +204,8 @@ TP_LAYOUTS = {  # world size, config
 @pytest.mark.parametrize("case", sorted(TP_LAYOUTS))
 def test_bf16_with_tensor_parallelism_sums_split_products_in_fp32(case):
     world, name, fields = TP_LAYOUTS[case]
-    results = run_ranks(world, train_bf16, name, plait.Config(precision="bf16", tp=2, num_microbatches=MICROBATCHES,
-                                                              **fields), timeout=380)
+    results = run_ranks(world, train_bf16, name, plait.Config(precision="bf16", num_microbatches=MICROBATCHES, **fields),
+                        timeout=380)
     for r in results:
         plan = plait.Plan.from_json(r["plan"])
         assert plan.precision == "bf16" and plan.tp == 2 and plan.tp_layouts

@@ -377,7 +377,7 @@ def _model_widths(args: argparse.Namespace, captured: Any, result: Any, cluster:
     from plait.planner.widths import width_shares
 
     return _stage_widths(args, result.profile.costs,
-                         lambda widths: {} if captured is None else width_shares(captured, widths),
+                         lambda widths: {} if captured is None else width_shares(captured, widths, precision=args.precision),
                          result.global_batch, cluster)
 
 

@@ -146,8 +146,7 @@ class Config:
         product whose sum the tp ranks split (a row-parallel linear's output, a column-parallel
         one's input gradient) is computed and all-reduced in fp32 and rounded once, as one process's
         product accumulates in fp32 and rounds once (its bytes priced so). Neither combines with
-        sequence_parallel, stage_tp or batch_weight_grads yet (nor does the planner choose stage
-        widths for them).
+        sequence_parallel or batch_weight_grads yet.
     reduce_precision: the dtype the data-parallel gradient sums run in: "fp32" (default, FSDP2's
         reduce_dtype=float32) or "bf16" (half the bytes; each bucket rounded to bf16, summed, and
         the sum written back into the fp32 gradients).

@@ -101,8 +101,7 @@ def choose(result: PlanResult, config: Config, world_size: int, source: str, cap
             f"no layout of {world_size} ranks fits {cluster.memory_bytes / 2**30:.2f} GiB per rank "
             f"(Config.memory_limit_bytes={config.memory_limit_bytes}): {best.reason}"
         )
-    mixed = None if captured is None or config.precision != "fp32" else mixed_widths_choice(captured, config, world_size, result, cluster,
-                                                              loss, target)
+    mixed = None if captured is None else mixed_widths_choice(captured, config, world_size, result, cluster, loss, target)
     if mixed is not None:  # one pipeline of uneven stage widths, predicted faster than any uniform one
         return Choice(mixed[0], mixed[1])
     chosen = candidate_fields(best.to_dict())

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from plait.capture.trace import CapturedGraph
 from plait.config import Config
+from plait.cost.memory import split_held_in_precision
 from plait.cost.prediction import Cluster
 from plait.cost.tp_costs import TpShares
 from plait.errors import ConfigError
@@ -66,7 +67,7 @@ def mixed_widths_choice(captured: CapturedGraph, config: Config, world_size: int
         and _allowed(config, {"stage_dp": (2, 1)})
     degrees = stage_widths(world_size, local_world_size(world_size)) if tp else ()
     choices = WidthChoices(degrees, dp, SearchSpace(schedules=schedules, recompute=recompute))
-    found = search_stage_widths(costs, width_shares(captured, degrees, loss, target), world_size,
+    found = search_stage_widths(costs, width_shares(captured, degrees, loss, target, config.precision), world_size,
                                 result.global_batch, cluster, choices, beat=result.best.step_time_s)
     best = found.fastest()
     if best is None or best.step_time_s >= result.best.step_time_s:
@@ -77,14 +78,15 @@ def mixed_widths_choice(captured: CapturedGraph, config: Config, world_size: int
 
 
 def width_shares(captured: CapturedGraph, degrees: Sequence[int], loss: Any = None,
-                 target: Any = None) -> dict[int, TpShares]:
-    """Each tp width's shares of the layers' costs, read off the captured graph (`tp_shares`); a
-    width the graph cannot be split at is left out (not priced)."""
+                 target: Any = None, precision: str = "fp32") -> dict[int, TpShares]:
+    """Each tp width's shares of the layers' costs, read off the captured graph (`tp_shares`; in a
+    low `precision`, its split bytes as held: `split_held_in_precision`); a width the graph cannot
+    be split at is left out (not priced)."""
     shares = {}
     for w in degrees:
         if w > 1:
             try:
-                shares[w] = tp_shares(captured, w, None, loss, target)
+                shares[w] = split_held_in_precision(tp_shares(captured, w, None, loss, target), precision)
             except Exception as e:  # noqa: BLE001 - a graph the layout cannot read: that width is not priced
                 log.debug("plait: tp=%d not priced for stages of different widths (%s)", w, e)
     return shares

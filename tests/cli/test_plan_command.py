@@ -246,7 +246,7 @@ def test_a_model_s_stages_of_different_widths_come_from_its_graph() -> None:
 
     captured, result, cluster = _setup(1e-3)
     args = argparse.Namespace(layout=None, devices=3, tp=None, pp=None, zero=None, microbatches=None, schedules=None,
-                              recompute=(False, True), top=5)
+                              recompute=(False, True), top=5, precision="fp32")
     found = _model_widths(args, captured, result, cluster).tp
     assert found is not None and sorted(found.widths) == [1, 2] and sum(found.layers_per_stage) == 6
     assert found.step_time_s < result.best.step_time_s

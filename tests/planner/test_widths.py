@@ -184,7 +184,7 @@ def _plan_args(devices: int, **given):
     import argparse
 
     return argparse.Namespace(**{"layout": None, "devices": devices, "tp": None, "pp": None, "zero": None,
-                                 "microbatches": None, "schedules": None, "recompute": (False, True), "top": 5,
+                                 "microbatches": None, "schedules": None, "recompute": (False, True), "top": 5, "precision": "fp32",
                                  **given})
 
 
