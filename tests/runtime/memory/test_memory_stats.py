@@ -127,11 +127,15 @@ def test_the_planned_layout_predicts_the_activation_peak() -> None:
         assert 0.25 < stats["activations_peak_bytes"] / predicted < 4, stats
 
 
-def train_bf16(rank: int, world: int, planned: bool) -> dict[str, Any]:
+BF16_LAYOUTS = {"given": {"split_points": ["transformer.h.1"], "num_microbatches": 2},  # a cut given: not planned
+                "tp=2": {"num_stages": 1, "tp": 2, "num_microbatches": 2}, "planned": {}}
+
+
+def train_bf16(rank: int, world: int, planned: str) -> dict[str, Any]:
     from tests.architectures import make as make_arch
 
     arch = make_arch("gpt2")
-    layout = {} if planned else {"split_points": ["transformer.h.1"], "num_microbatches": 2}  # a cut given: not planned
+    layout = BF16_LAYOUTS[planned]
     model = plait.Model(arch.net, plait.Config(precision="bf16", **layout),
                         optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3), loss=arch.loss)
     for _ in range(2):
@@ -141,11 +145,12 @@ def train_bf16(rank: int, world: int, planned: bool) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("planned", [False, True], ids=["given", "planned"])
-def test_bf16_holds_fp32_masters_and_copies_and_the_prediction_says_so(planned: bool) -> None:
+@pytest.mark.parametrize("layout", sorted(BF16_LAYOUTS))
+def test_bf16_holds_fp32_masters_and_copies_and_the_prediction_says_so(layout: str) -> None:
     """Low precision holds each parameter twice (the fp32 master, the bf16 copy: 1.5x the masters'
     bytes) and fp32 gradients; the prediction, given or planned (the profile ran in bf16), says the same."""
-    for stats in run_ranks(2, train_bf16, planned, timeout=280):
+    planned = layout == "planned"
+    for stats in run_ranks(2, train_bf16, layout, timeout=280):
         predicted = stats["predicted"]
         assert stats["parameters_bytes"] == 1.5 * stats["masters"], stats
         assert stats["gradients_bytes"] == stats["masters"], stats  # fp32, the masters' own
