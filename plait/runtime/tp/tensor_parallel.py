@@ -129,12 +129,12 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
             user.replace_input_with(value, out)
         return out
 
-    def wide_product(node: fx.Node, x: fx.Node, weight: fx.Node, bias: fx.Node | None) -> fx.Node:
+    def wide_product(node: fx.Node, x: fx.Node, weight: fx.Node, bias: fx.Node | None, colwise: bool) -> fx.Node:
         """`node`, a product of (widened) `x` and `weight` (+ `bias`), made `WideProduct` (+ the bias in
         fp32); returns the node its users now read."""
         transposed = node.target is aten.linear.default
         with graph.inserting_before(node):
-            out = graph.call_module(module(WideProduct(transposed)), (x, weight))
+            out = graph.call_module(module(WideProduct(transposed, colwise)), (x, weight))
             if bias is not None:
                 out = graph.call_function(aten.add.Tensor, (out, widen(node, bias)))
         out.meta.update({k: node.meta[k] for k in ("val", "nn_module_stack", "stack_trace") if k in node.meta})
@@ -179,7 +179,7 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
             elif x not in partial:
                 # its input's gradient is a sum over the ranks: this rank's share and the sum in fp32,
                 # rounded once; one each reader, as one process rounds each reader's gradient of x
-                narrow(wide_product(node, copy(node, widen(node, x, node)), parts.weight, parts.bias), x)
+                narrow(wide_product(node, copy(node, widen(node, x, node)), parts.weight, parts.bias, True), x)
         elif role == "rowwise" and node.name in layout.seq_entries:
             entry, dim = layout.seq_entries[node.name]
             product, bias = _partial_product(graph, node)
@@ -195,7 +195,7 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
             assert parts is not None
             product, last = _rowwise(graph, node, module(TpCollective("reduce", group, tp_rank, tp)))
             if low_precision:  # the partial sums and their sum in fp32, rounded once
-                wide_product(product, widen(product, parts.x, product), parts.weight, None)
+                wide_product(product, widen(product, parts.x, product), parts.weight, None, False)
                 if parts.bias is not None:
                     last.replace_input_with(parts.bias, widen(last, parts.bias))
                 narrow(last, parts.x)

@@ -214,36 +214,43 @@ class Widen(nn.Module):
 
 
 class _WideProduct(torch.autograd.Function):
-    """x W^T (nn.Linear's weight) or x W (Conv1D's, mm's) in fp32 of a widened x and a low-precision W,
-    both ways: the gradients of x (a share of a sum over the ranks) leave in fp32, W's is rounded once
-    to its dtype. What backward needs is kept in the low dtype (x's values came from it: exact)."""
+    """x W^T (nn.Linear's weight) or x W (Conv1D's, mm's) of a widened x and a low-precision W, whose
+    sum the tp ranks split one way: the forward's (a row-parallel product: its partial sums in fp32)
+    or the input gradient's (a column-parallel one: each rank's share in fp32). The forward runs in
+    fp32 (rounded once after the sum, or after the bias); the directions no rank splits -- W's
+    gradient, and a row-parallel product's input gradient -- run in the low dtype as one process's
+    backward runs them. What backward needs is kept in the low dtype (x's values came from it: exact)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, transposed: bool, split_input_grad: bool) -> torch.Tensor:
         ctx.save_for_backward(x.to(w.dtype), w)
-        ctx.transposed = transposed
+        ctx.transposed, ctx.split_input_grad = transposed, split_input_grad
         w32 = w.float()
         return x.float() @ (w32.t() if transposed else w32)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         x, w = ctx.saved_tensors
-        g, w32 = grad.float(), w.float()
-        gx = g @ (w32 if ctx.transposed else w32.t())
-        rows_g, rows_x = g.reshape(-1, g.shape[-1]), x.float().reshape(-1, x.shape[-1])
-        gw = rows_g.t() @ rows_x if ctx.transposed else rows_x.t() @ rows_g
-        return gx, gw.to(w.dtype), None
+        rows = grad.reshape(-1, grad.shape[-1])
+        low = rows.to(w.dtype)  # the gradient of a rounded value: exact in the low dtype
+        wide = rows.float() if ctx.split_input_grad else low
+        gx = torch.mm(wide, (w.float() if ctx.split_input_grad else w) if ctx.transposed
+                      else (w.float() if ctx.split_input_grad else w).t())
+        xs = x.reshape(-1, x.shape[-1])
+        gw = torch.mm(low.t(), xs) if ctx.transposed else torch.mm(xs.t(), low)
+        return gx.float().reshape(*grad.shape[:-1], gx.shape[-1]), gw, None, None
 
 
 class WideProduct(nn.Module):
-    """A product the tp ranks split the sum of, computed and differentiated in fp32 (`_WideProduct`)."""
+    """A product the tp ranks split a sum of (`_WideProduct`): `split_input_grad`, a column-parallel
+    product's input gradient; else a row-parallel product's output."""
 
-    def __init__(self, transposed: bool):
+    def __init__(self, transposed: bool, split_input_grad: bool):
         super().__init__()
-        self.transposed = transposed
+        self.transposed, self.split_input_grad = transposed, split_input_grad
 
     def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return cast(torch.Tensor, _WideProduct.apply(x, w, self.transposed))
+        return _apply(_WideProduct, x, w, self.transposed, self.split_input_grad)
 
 
 class Narrow(nn.Module):
