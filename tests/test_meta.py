@@ -10,7 +10,6 @@ materialized are counted, and they are its stages' alone.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest

@@ -13,7 +13,6 @@ and in one process within fp32 rounding.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 

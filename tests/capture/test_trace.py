@@ -137,7 +137,7 @@ def test_a_forward_that_raises_by_itself_is_named_as_the_models_code_at_its_line
         capture_batch(net, torch.randn(5, 4))
     message = str(info.value)
     assert message.startswith(f"the model's code raised {kind}\n"), message
-    assert f'test_trace.py", line' in message and f"in forward: {line}" in message, message
+    assert 'test_trace.py", line' in message and f"in forward: {line}" in message, message
     assert "not a tracing limit" in message and "control flow" not in message, message
     assert type(info.value.__cause__).__name__ == kind.split(":")[0] and info.value.__cause__.__context__ is None
     assert all(torch.equal(a, b) for a, b in zip(stats, net.buffers()))  # batch norm's statistics as they were

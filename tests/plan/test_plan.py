@@ -123,7 +123,7 @@ def test_replicas_of_a_pipeline_of_different_widths_follow_one_another() -> None
 
 def test_stages_of_different_widths_print_their_ranks() -> None:
     text = str(widths())
-    assert f"x tp=[2, 1] (per stage, crossing as tiles) on 3 rank(s)" in text
+    assert "x tp=[2, 1] (per stage, crossing as tiles) on 3 rank(s)" in text
     assert "stage 0 (ranks 0-1)" in text and "stage 1 (rank 2)" in text
     whole = widths(crossing="whole")
     assert "crossing as whole" in str(whole) and Plan.from_json(whole.to_json()) == whole
