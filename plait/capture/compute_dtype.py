@@ -17,9 +17,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["DTYPES", "dtype_of", "held_in", "cast_floating", "as_computed"]
+__all__ = ["DTYPES", "LOW_DTYPES", "dtype_of", "held_in", "cast_floating", "as_computed"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LOW_DTYPES = tuple(d for d in DTYPES.values() if d != torch.float32)  # the 2-byte dtypes stages may compute in
 
 
 def dtype_of(precision: str) -> torch.dtype:

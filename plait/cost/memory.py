@@ -107,6 +107,9 @@ def _state(param_bytes: float, grad_bytes: float, optimizer_state_factor: float,
     )
 
 
+HELD_PER_CAPTURED = 3.0  # a parameter captured in 2 bytes is held as a 4-byte master beside its 2-byte copy
+
+
 def held_in_precision(costs: LayerCosts, precision: str) -> LayerCosts:
     """A profile taken with the parameters held in a 2-byte `precision` ("bf16", "fp16"), its bytes
     as the run holds them: each parameter as an fp32 master beside its copy (4 + 2 bytes: 3 times
@@ -114,7 +117,7 @@ def held_in_precision(costs: LayerCosts, precision: str) -> LayerCosts:
     gradients. Buffers, profiled with the parameters, count 3 times too (they are small). fp32: as it is."""
     if precision == "fp32":
         return costs
-    return replace(costs, param_bytes=tuple(3.0 * b for b in costs.param_bytes),
+    return replace(costs, param_bytes=tuple(HELD_PER_CAPTURED * b for b in costs.param_bytes),
                    grad_bytes=tuple(2.0 * b for b in costs.grad_bytes))
 
 
@@ -123,4 +126,4 @@ def split_held_in_precision(shares: TpShares, precision: str) -> TpShares:
     the run holds them (`held_in_precision`: 3 times the captured 2 bytes); fp32: as they are."""
     if precision == "fp32":
         return shares
-    return replace(shares, split_bytes=tuple(3.0 * b for b in shares.split_bytes))
+    return replace(shares, split_bytes=tuple(HELD_PER_CAPTURED * b for b in shares.split_bytes))

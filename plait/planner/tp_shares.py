@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 
+from plait.capture.compute_dtype import LOW_DTYPES
 from plait.capture.graph_nodes import linear_parts
 from plait.capture.megatron_layout import tp_layouts
 from plait.capture.shard_rules import Shard
@@ -164,7 +165,7 @@ def _row_numel(node: fx.Node) -> float:
 def _low(node: fx.Node) -> bool:
     """A value in a low dtype: the sums the ranks split over it run in fp32."""
     val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.dtype in (torch.bfloat16, torch.float16)
+    return isinstance(val, torch.Tensor) and val.dtype in LOW_DTYPES
 
 
 def _row_bytes(node: fx.Node, wide: bool = False) -> float:

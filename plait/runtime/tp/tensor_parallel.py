@@ -123,7 +123,7 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
         users = list(value.users)
         with graph.inserting_after(value):
             out = graph.call_module(module(Narrow()), (value, like))
-        out.meta.update({k: value.meta[k] for k in ("val", "nn_module_stack", "stack_trace") if k in value.meta})
+        _same_meta(out, value)
         values[out.name] = values.get(value.name)
         for user in users:
             user.replace_input_with(value, out)
@@ -137,7 +137,7 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
             out = graph.call_module(module(WideProduct(transposed, colwise)), (x, weight))
             if bias is not None:
                 out = graph.call_function(aten.add.Tensor, (out, widen(node, bias)))
-        out.meta.update({k: node.meta[k] for k in ("val", "nn_module_stack", "stack_trace") if k in node.meta})
+        _same_meta(out, node)
         values[out.name] = values.get(node.name)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
@@ -229,6 +229,11 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
     return left
 
 
+def _same_meta(node: fx.Node, source: fx.Node) -> None:
+    """`node`, standing in for `source`, takes its traced value and where it came from."""
+    node.meta.update({k: source.meta[k] for k in ("val", "nn_module_stack", "stack_trace") if k in source.meta})
+
+
 def _partial_product(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node | None]:
     """A row-parallel linear without its bias: x W[r], a partial sum (and the bias, to add after)."""
     p = linear_parts(node)
@@ -236,9 +241,7 @@ def _partial_product(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node |
     with graph.inserting_after(node):
         target = aten.linear.default if node.target is aten.linear.default else aten.mm.default
         product = graph.call_function(target, (p.x, p.weight))
-    for key in ("val", "nn_module_stack", "stack_trace"):
-        if key in node.meta:
-            product.meta[key] = node.meta[key]
+    _same_meta(product, node)
     node.replace_all_uses_with(product)
     graph.erase_node(node)
     return product, p.bias
@@ -271,9 +274,8 @@ def _rowwise(graph: fx.Graph, node: fx.Node, reduce: str) -> tuple[fx.Node, fx.N
     if bias is not None:
         with graph.inserting_after(total):
             last = graph.call_function(aten.add.Tensor, (total, bias))
-    for key in ("val", "nn_module_stack", "stack_trace"):
-        if key in product.meta:
-            total.meta[key] = last.meta[key] = product.meta[key]
+    _same_meta(total, product)
+    _same_meta(last, product)
     for user in users:
         user.replace_input_with(product, last)
     return product, last

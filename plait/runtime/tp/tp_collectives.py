@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from plait.capture.compute_dtype import LOW_DTYPES
 from plait.errors import ConfigError
 from plait.runtime.comm.collectives import local_device
 from plait.runtime.comm.waiting import finish
@@ -32,8 +33,6 @@ from plait.tensor_parts import local_part, part_size, whole_of
 
 __all__ = ["reduce_sum", "sum_both_ways", "TpCollective", "VocabLookup", "SplitDropout", "SplitAttention",
            "Widen", "WideProduct", "Narrow", "same_generators"]
-
-LOW = (torch.bfloat16, torch.float16)
 
 
 class _Copy(torch.autograd.Function):
@@ -210,7 +209,7 @@ class Widen(nn.Module):
     result once). fp32 passes as it is."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float() if x.dtype in LOW else x
+        return x.float() if x.dtype in LOW_DTYPES else x
 
 
 class _WideProduct(torch.autograd.Function):
@@ -233,9 +232,9 @@ class _WideProduct(torch.autograd.Function):
         x, w = ctx.saved_tensors
         rows = grad.reshape(-1, grad.shape[-1])
         low = rows.to(w.dtype)  # the gradient of a rounded value: exact in the low dtype
-        wide = rows.float() if ctx.split_input_grad else low
-        gx = torch.mm(wide, (w.float() if ctx.split_input_grad else w) if ctx.transposed
-                      else (w.float() if ctx.split_input_grad else w).t())
+        # x's gradient: each rank's share of a split sum in fp32, else as one process computes it
+        rows_x, w_x = (rows.float(), w.float()) if ctx.split_input_grad else (low, w)
+        gx = torch.mm(rows_x, w_x if ctx.transposed else w_x.t())
         xs = x.reshape(-1, x.shape[-1])
         gw = torch.mm(low.t(), xs) if ctx.transposed else torch.mm(xs.t(), low)
         return gx.float().reshape(*grad.shape[:-1], gx.shape[-1]), gw, None, None
