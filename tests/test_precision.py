@@ -315,7 +315,7 @@ def test_fp16_with_loss_scaling_trains_as_gradscaler_by_hand(layout):
 @pytest.mark.timeout(400)
 def test_fp16_with_tensor_parallelism_trains_as_gradscaler_by_hand():
     """fp16 at tp=2 (GPT-2): the loss scale as GradScaler's, the split sums in fp32 (as bf16's).
-    Measured: 6.4e-6 from GradScaler by hand, 1.25e-5 from fp32: 1.95x closer, short of the 2x bar
+    Measured: 9.5e-6 from GradScaler by hand, 1.2e-5 from fp32: 1.3x closer, short of the 2x bar
     (fp16's 10-bit mantissa puts fp32 itself close; an fp32 order flipping an fp16 rounding costs as
     much). Asserted: the scale step for step, and the distance within TP_ATOL."""
     results = run_ranks(2, train_fp16, plait.Config(precision="fp16", num_stages=1, tp=2, num_microbatches=MICROBATCHES),
