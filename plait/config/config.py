@@ -145,8 +145,10 @@ class Config:
         doubled after 2000 good steps; kept in checkpoints; `model.loss_scale`). With tp > 1 a
         product whose sum the tp ranks split (a row-parallel linear's output, a column-parallel
         one's input gradient) is computed and all-reduced in fp32 and rounded once, as one process's
-        product accumulates in fp32 and rounds once (its bytes priced so). Neither combines with
-        sequence_parallel or batch_weight_grads yet.
+        product accumulates in fp32 and rounds once (its bytes priced so); with sequence_parallel
+        the reduce-scatters too, and a weight broadcast over the split tokens (a bias, RMSNorm's)
+        has its gradient summed over them in fp32 (a layer norm's kernel rounds its own sums: each
+        rank's part is rounded). Neither combines with batch_weight_grads yet.
     reduce_precision: the dtype the data-parallel gradient sums run in: "fp32" (default, FSDP2's
         reduce_dtype=float32) or "bf16" (half the bytes; each bucket rounded to bf16, summed, and
         the sum written back into the fp32 gradients).

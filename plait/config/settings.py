@@ -105,8 +105,7 @@ def check_precision(config: Any) -> None:
         raise ConfigError(f"precision={config.precision!r} is not known; choose one of {list(PRECISIONS)}")
     if config.precision == "fp32":
         return
-    given = {"sequence_parallel": config.sequence_parallel is True,
-             "batch_weight_grads": config.batch_weight_grads is True}
+    given = {"batch_weight_grads": config.batch_weight_grads is True}
     bad = [name for name, on in given.items() if on]
     if bad:
         raise ConfigError(f"precision={config.precision!r} does not combine with {', '.join(bad)} yet; "

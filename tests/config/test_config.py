@@ -294,7 +294,6 @@ def test_stage_tp_refuses_what_it_does_not_run(kwargs: dict, message: str) -> No
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(precision="bfloat16"), "precision='bfloat16' is not known; choose one of"),
-    (dict(precision="bf16", tp=2, sequence_parallel=True), "does not combine with sequence_parallel yet"),
     (dict(precision="bf16", batch_weight_grads=True), "does not combine with batch_weight_grads yet"),
     (dict(reduce_precision="fp16"), "reduce_precision='fp16' is not known; choose 'fp32' \\(default\\) or 'bf16'"),
 ])

@@ -34,13 +34,14 @@ from plait.capture.graph_nodes import args_of, kwargs_of, linear_parts, shape_of
 from plait.capture.shard_rules import Shard, attention_dropout, is_seq, seq_operands
 from plait.capture.tp_layout import VIEWS, TpLayout, gathered_for_colwise
 from plait.errors import ConfigError
-from plait.runtime.tp.tp_collectives import (Narrow, SplitAttention, SplitDropout, TpCollective, VocabLookup, Widen,
+from plait.runtime.tp.tp_collectives import (BroadcastSum, Narrow, SplitAttention, SplitDropout, TpCollective, VocabLookup, Widen,
                                              WideProduct)
 from plait.tensor_parts import TpShard, local_part, part_rows, part_size, shard_of, whole_shape
 
 __all__ = ["shard_stage"]
 
 aten = torch.ops.aten
+_ELEMENTWISE = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor)  # broadcast operands
 
 
 def _cut(param: torch.Tensor, dim: int, blocks: int, tp_rank: int, tp: int) -> None:
@@ -143,7 +144,20 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
         graph.erase_node(node)
         return out
 
+    def summed(before: fx.Node, value: fx.Node) -> fx.Node:
+        """`value`, broadcast over the split tokens, with its gradient summed over the tp ranks: an
+        all-reduce (`copy`), or in low precision the sum over tokens and ranks in fp32 (`BroadcastSum`)."""
+        if not low_precision or before.target not in _ELEMENTWISE:
+            # (a layer norm's weight: its low-precision kernel rounds its sums in blocks of its own,
+            # which no split of the tokens reproduces; fp32 weights would change its input gradient)
+            return copy(before, value)
+        others = tuple(a for a in before.all_input_nodes if a is not value)
+        with graph.inserting_before(before):
+            out = graph.call_module(module(BroadcastSum(group)), (value, *others))
+        return out
+
     partial: set[fx.Node] = set()  # the column-parallel inputs whose gradient a reduce-scatter sums
+    low_weights: dict[str, fx.Node] = {}  # a row-parallel linear's weight: the low dtype its sum rounds to
 
     for node in list(graph.nodes):
         role = layout.roles.get(node.name)
@@ -153,22 +167,32 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
                 if is_seq(layout_of(value)):
                     readers = [u for u in value.users if u.name in layout.gathers]
                     for_colwise = gathered_for_colwise(layout, value)
-                    whole = collective(node, gathered, value, value, "gather_partial" if for_colwise else "gather",
+                    kind = "gather_partial" if for_colwise else "gather"
+                    if for_colwise and low_precision:  # one each reader, in fp32 (see the colwise role)
+                        kind, key = "gather_partial_wide", (value, node)
+                    whole = collective(node, gathered, key if kind == "gather_partial_wide" else value, value, kind,
                                        layout_of(value).dim)
                     if for_colwise:
                         partial.add(whole)
                         partial.update(u for u in readers if u.target in VIEWS)
                     node.replace_input_with(value, whole)
         if not role and node.name not in entries:
-            for value, need, dim in seq_operands(node, here, layout_of):
-                new = (collective(node, scattered, (value, dim), value, "scatter", dim) if need == "scatter"
-                       else copy(node, value))
-                node.replace_input_with(value, new)
+            needs = seq_operands(node, here, layout_of)
+            for value, need, dim in needs:  # (first: a broadcast operand takes the local shapes)
+                if need == "scatter":
+                    node.replace_input_with(value, collective(node, scattered, (value, dim), value, "scatter", dim))
+            for value, need, _ in needs:
+                if need == "sum":
+                    node.replace_input_with(value, summed(node, value))
         if node.name in entries and entries[node.name][0] != node.name:  # a row-parallel sum's view: scatter it
-            for new in _reduce_scatter_after(graph, node, module(TpCollective("reduce_scatter", group, tp_rank, tp,
-                                                                              entries[node.name][1])),
-                                             biases.pop(entries[node.name][0]), copy):
+            rowwise = entries[node.name][0]
+            made = _reduce_scatter_after(graph, node, module(TpCollective("reduce_scatter", group, tp_rank, tp,
+                                                                          entries[node.name][1])),
+                                         biases.pop(rowwise), summed)
+            for new in made:
                 values[new.name] = here
+            if low_precision:
+                narrow(made[-1], low_weights[rowwise])
             continue
         if role == "colwise":
             parts = linear_parts(node)
@@ -180,14 +204,24 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
                 # its input's gradient is a sum over the ranks: this rank's share and the sum in fp32,
                 # rounded once; one each reader, as one process rounds each reader's gradient of x
                 narrow(wide_product(node, copy(node, widen(node, x, node)), parts.weight, parts.bias, True), x)
+            else:  # gathered in fp32 for this reader: its share reduce-scattered in fp32 (gather_partial_wide)
+                narrow(wide_product(node, x, parts.weight, parts.bias, True), parts.weight)
         elif role == "rowwise" and node.name in layout.seq_entries:
             entry, dim = layout.seq_entries[node.name]
+            parts = linear_parts(node)
+            assert parts is not None
             product, bias = _partial_product(graph, node)
+            if low_precision:  # the partial sums, their reduce-scatter and the bias in fp32, rounded once after
+                product = wide_product(product, widen(product, parts.x, product), parts.weight, None, False)
+                low_weights[node.name] = parts.weight
             if entry == node.name:
-                for new in _reduce_scatter_after(graph, product, module(TpCollective("reduce_scatter", group, tp_rank,
-                                                                                      tp, dim)),
-                                                 bias, copy):
+                made = _reduce_scatter_after(graph, product, module(TpCollective("reduce_scatter", group, tp_rank,
+                                                                                  tp, dim)),
+                                             bias, summed)
+                for new in made:
                     values[new.name] = here
+                if low_precision:
+                    narrow(made[-1], parts.weight)
             else:
                 biases[node.name] = bias
         elif role == "rowwise":
@@ -204,6 +238,7 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
             start = part_rows(whole_shape(gm.get_parameter(str(args_of(node)[0].target)))[0], tp_rank, tp)[0]
             with graph.inserting_before(node):
                 new = graph.call_module(module(VocabLookup(group, start, int(pad))), (args_of(node)[0], args_of(node)[1]))
+            _same_meta(new, node)  # (its shape: an operand sequence parallelism may cut to its tokens)
             node.replace_all_uses_with(new)
             graph.erase_node(node)
         elif node.op == "output":

@@ -7,6 +7,7 @@
                      uneven parts padded, then cut)
     reduce_scatter   reduce-scatter along a dim (the tokens)  all-gather
     gather_partial   all-gather along a dim                   reduce-scatter (sequence-parallel f)
+    gather_partial_wide   the same, widened to fp32            reduce-scatter in fp32, rounded once
     scatter          this rank's part (no communication)      all-gather
 
 `VocabLookup` looks up the ids in this rank's vocabulary rows; `SplitDropout` draws a split value's
@@ -32,7 +33,7 @@ from plait.runtime.comm.waiting import finish
 from plait.tensor_parts import local_part, part_size, whole_of
 
 __all__ = ["reduce_sum", "sum_both_ways", "TpCollective", "VocabLookup", "SplitDropout", "SplitAttention",
-           "Widen", "WideProduct", "Narrow", "same_generators"]
+           "BroadcastSum", "Widen", "WideProduct", "Narrow", "same_generators"]
 
 
 class _Copy(torch.autograd.Function):
@@ -152,6 +153,39 @@ class _GatherPartial(torch.autograd.Function):
         return _reduce_scatter_along(grad, group, dim, tp), None, None, None
 
 
+class _GatherPartialWide(torch.autograd.Function):
+    """`_GatherPartial` for one column-parallel reader of a low-precision value, in fp32: the parts
+    all-gathered and widened (exact), the reader's input-gradient shares reduce-scattered in fp32 and
+    rounded once to the value's dtype (as one process rounds each reader's gradient once)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, tp: int) -> torch.Tensor:
+        ctx.args = (group, dim, tp, x.dtype)
+        return _gather_along(x, group, dim, tp).float()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        group, dim, tp, dtype = ctx.args
+        return _reduce_scatter_along(grad.float(), group, dim, tp).to(dtype), None, None, None
+
+
+class _BroadcastSum(torch.autograd.Function):
+    """A value broadcast over the tokens sequence parallelism splits (a norm's weight, a bias),
+    expanded to `shape`: its gradient (each rank's tokens) summed over the broadcast dims and over
+    the tp ranks in fp32, rounded once to its dtype -- as one process sums it over all tokens."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, group: Any, shape: torch.Size) -> torch.Tensor:
+        ctx.group, ctx.shape, ctx.dtype = group, w.shape, w.dtype
+        return w.expand(shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        total = grad.float().sum_to_size(ctx.shape).contiguous()
+        finish(dist.all_reduce(total, group=ctx.group, async_op=True))
+        return total.to(ctx.dtype), None, None
+
+
 class _Scatter(torch.autograd.Function):
     """A whole value's part along `dim` on this rank (no communication); backward: all-gathered."""
 
@@ -197,9 +231,25 @@ class TpCollective(nn.Module):
             return _apply(_ReduceScatter, x, self.group, self.dim % x.dim(), self.tp)
         if self.kind == "gather_partial":
             return _apply(_GatherPartial, x, self.group, self.dim % x.dim(), self.tp)
+        if self.kind == "gather_partial_wide":
+            return _apply(_GatherPartialWide, x, self.group, self.dim % x.dim(), self.tp)
         if self.kind == "scatter":
             return _apply(_Scatter, x, self.group, self.dim % x.dim(), self.tp_rank, self.tp)
         return _apply(_Gather, x, self.group, self.dim % x.dim(), self.blocks, self.tp_rank, self.tp, self.size)
+
+
+class BroadcastSum(nn.Module):
+    """A low-precision value broadcast over split tokens, expanded to the shape its operation's
+    operands broadcast to (`_BroadcastSum`: its gradient summed in fp32, rounded once)."""
+
+    def __init__(self, group: Any):
+        super().__init__()
+        self.group = group
+
+    def forward(self, w: torch.Tensor, *operands: Any) -> torch.Tensor:
+        shape = torch.broadcast_shapes(  # type: ignore[no-untyped-call]
+            w.shape, *(o.shape for o in operands if isinstance(o, torch.Tensor)))
+        return _apply(_BroadcastSum, w, self.group, shape)
 
 
 class Widen(nn.Module):
