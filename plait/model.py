@@ -151,7 +151,7 @@ class Model:
         pipe = build_rank_pipeline(self.net, (self._captured, self._eval_captured), layout.plan, self.config,
                                    RankPlace(self.rank, self.device, self._meta, self._frees, first), self.loss)  # this rank's stages made real, the others freed
         self._train, self._eval = StepRunner(pipe, self.net, self.metrics, self.device, train=True), None
-        self.optimizer = make_optimizer(self._optimizer_arg, pipe.local_parameters)
+        self.optimizer = make_optimizer(self._optimizer_arg, pipe.local_parameters, pipe.sharded is not None)
         carried = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None  # a rebuild (replan)
         self.lr_scheduler = None
         if self._scheduler_arg is not None and self.optimizer is not None:

@@ -78,6 +78,10 @@ class ModelCheckpoints:
              extra: dict[str, Any] | None = None) -> Path:
         """Write this rank's shard of step `step`; returns the checkpoint's path once complete.
         `extra`: more of the training state, as JSON (the learning-rate schedule)."""
+        if pipe is not None and pipe.sharded is not None:
+            raise CheckpointError("zero=3 checkpoints (sharded parameters and optimizer state) are not written yet; "
+                                  "save the weights with model.export(directory) or model.state_dict(), or "
+                                  "train with zero=2 to checkpoint")
         for key, value in (extra or {}).items():
             try:
                 json.dumps(value)

@@ -46,8 +46,13 @@ class Config:
     zero: 1 shards each stage's optimizer state over its dp replicas (ZeRO stage 1: each replica
         steps its share of the parameters, whole ones, then broadcasts them); 2 also shards the
         gradients (each bucket reduced to the owners of its parameters instead of all-reduced,
-        and the others' gradients freed before the optimizer step); 0 replicates both. None
-        (default): the planner chooses, else 0. Needs dp > 1 (or a stage_dp of a stage > 1).
+        and the others' gradients freed before the optimizer step); 3 also shards the parameters
+        (ZeRO-3, by torch's FSDP2 `fully_shard` on each layer of a stage: gathered for a layer's
+        forward and backward, gradients reduce-scattered in the last micro-batch's backward;
+        `plait.runtime.dp.sharded_params`) -- fp32, without tp, recomputation, a split backward,
+        several chunks a rank, clip_grad_norm, accumulate_steps or checkpoints yet (refused by
+        name); 0 replicates all. None (default): the planner chooses 0-2, else 0. Needs dp > 1
+        (or a stage_dp of a stage > 1).
     init_fn: for a model built on the meta device, fn(module) initialising one module's own
         tensors in place (None: a Hugging Face model's `_init_weights`, else each module's
         `reset_parameters()`), called under an RNG seeded by (seed, module name) so values do not

@@ -111,14 +111,35 @@ def _check_split_points(config: Any) -> None:
 
 
 def check_zero(config: Any) -> None:
-    """zero: None, 0, 1 or 2, and 1 or 2 only with more than one replica."""
+    """zero: None, 0, 1, 2 or 3, above 0 only with more than one replica; 3 in the layouts its
+    runtime runs (tp, when open, is set to 1)."""
     if config.zero is None:
         return
-    if isinstance(config.zero, bool) or config.zero not in (0, 1, 2):
-        raise ConfigError(f"zero must be 0, 1, 2 or None, got {config.zero!r}")
+    if isinstance(config.zero, bool) or config.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"zero must be 0, 1, 2, 3 or None, got {config.zero!r}")
     if config.zero and config.dp == 1 and max(config.stage_dp or (1,)) == 1:
         raise ConfigError(f"zero={config.zero} shards over a stage's replicas, but dp=1 has "
                           "one replica; set dp > 1 or zero=0")
+    if config.zero == 3:
+        _check_zero3(config)
+
+
+def _check_zero3(config: Any) -> None:
+    """What zero=3 does not run with yet, refused by name; tp (None: not planned) set to 1."""
+    refused = {
+        "tp": config.tp not in (None, 1), "stage_tp": config.stage_tp is not None,
+        "stage_dp": config.stage_dp is not None, "precision": config.precision != "fp32",
+        "recompute": config.recompute not in (None, False), "batch_weight_grads": bool(config.batch_weight_grads),
+        "num_virtual_stages": config.num_virtual_stages != 1, "clip_grad_norm": config.clip_grad_norm is not None,
+        "accumulate_steps": config.accumulate_steps != 1, "checkpoint_dir": config.checkpoint_dir is not None,
+        "replan": bool(config.replan), "schedule": config.schedule is not None and schedule_spec(config.schedule).splits_backward,
+    }
+    bad = {name: getattr(config, name) for name, is_bad in refused.items() if is_bad}
+    if bad:
+        raise ConfigError(f"zero=3 (parameters sharded over the replicas) does not run with {bad} yet; leave "
+                          "those at their defaults (fp32, no recomputation, one chunk per rank, a schedule "
+                          "without a split backward), or use zero=2")
+    object.__setattr__(config, "tp", 1)  # no tensor parallelism beside it yet: the planner prices none
 
 
 def check_schedule(config: Any) -> None:

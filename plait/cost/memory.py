@@ -10,10 +10,14 @@ of parameters and G bytes of gradients, an optimizer keeping k bytes of state pe
     0      P            G                      G                            k G
     1      P            G                      G                            k G / dp
     2      P            G                      G / dp                       k G / dp
+    3      P / dp       G                      G / dp                       k G / dp
 
 ZeRO-2 reduces each gradient bucket to the owners of its parameters, but the stage's gradients
 all exist during the backward (they accumulate over micro-batches), so its peak -- the
-backward's, with the activations on top -- is ZeRO-1's; only the optimizer step runs lighter:
+backward's, with the activations on top -- is ZeRO-1's; only the optimizer step runs lighter.
+ZeRO-3 (`plait.runtime.dp.sharded_params`) holds 1/dp of the parameters; its gradients add up whole
+over the micro-batches until the last one's backward reduce-scatters them (one piece's whole
+parameters, gathered for its forward or backward, are left out as the activations' working set):
 
     peak = max(P + G + optimizer + activations,   P + step gradients + optimizer)
 
@@ -84,7 +88,8 @@ def state_totals(param_bytes: Sequence[float], grad_bytes: Sequence[float], opti
     # `_state(...).total` of every layer at once: the same float operations, element-wise
     params, grads = np.asarray(param_bytes, dtype=np.float64), np.asarray(grad_bytes, dtype=np.float64)
     optimizer = optimizer_state_factor * grads / (dp if zero else 1)
-    step = grads / dp if zero == 2 else grads
+    step = grads / dp if zero >= 2 else grads
+    params = params / dp if zero == 3 else params
     totals = np.maximum(params + grads + optimizer, params + step + optimizer)
     return [float(x) for x in totals.tolist()]
 
@@ -100,10 +105,10 @@ def _check(optimizer_state_factor: float, dp: int, zero: int) -> None:
 def _state(param_bytes: float, grad_bytes: float, optimizer_state_factor: float, dp: int, zero: int) -> StateBytes:
     """The module's table (arguments checked)."""
     return StateBytes(
-        parameters=param_bytes,
+        parameters=param_bytes / dp if zero == 3 else param_bytes,
         gradients=grad_bytes,
         optimizer=optimizer_state_factor * grad_bytes / (dp if zero else 1),
-        step_gradients=grad_bytes / dp if zero == 2 else grad_bytes,
+        step_gradients=grad_bytes / dp if zero >= 2 else grad_bytes,
     )
 
 

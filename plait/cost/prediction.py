@@ -59,7 +59,7 @@ from plait.cost.layer_times import (
     recomputed_memory,
 )
 from plait.cost.memory import StateBytes, state_bytes, state_totals
-from plait.cost.network import Network, all_reduce, by_owner, messages_time, point_to_point
+from plait.cost.network import Network, all_gather, all_reduce, by_owner, messages_time, point_to_point, reduce_scatter
 from plait.cost.problem import PartitionProblem
 from plait.cost.recompute_pieces import piece_terms
 from plait.errors import ConfigError
@@ -310,7 +310,8 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
     grad_sum, param_sum, step_sum = (_prefix(values) for values in (costs.grad_bytes, costs.param_bytes,
                                                                       costs.optimizer_s))
     # ZeRO-2 reduces each bucket to its owners: one reduce of 1/dp of it per owner
-    gradient_sum = by_owner if zero == 2 and cluster.owner_reduces else all_reduce
+    # ZeRO-3 reduce-scatters each gradient to the owners of its shards
+    gradient_sum = by_owner if zero == 2 and cluster.owner_reduces else reduce_scatter if zero == 3 else all_reduce
     per_node = cluster.network.devices_per_node
     seen: dict[tuple[Any, ...], tuple[float, float, float, StateBytes]] = {}  # ranks alike priced once
     for r in range(p):
@@ -330,8 +331,10 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
             # ZeRO: each owner broadcasts its updated share (1/dp of the trainable bytes) to the others:
             # copies, no sums, at the point-to-point link's rate (2 gloo ranks: two 16 MiB broadcasts
             # took 10-11 ms, a send and a receive of 16 MiB each way 12-13, a 32 MiB all-reduce 23)
-            seen[key] = (summed_in(count, grads, dp, link, gradient_sum), tail,
-                         by_owner(grads, dp, cluster.network.link(replicas)) if zero else 0.0,
+            # ZeRO-3 all-gathers the parameters for each micro-batch's forward and again for its backward
+            shared = (2 * setting.num_microbatches * all_gather(params, dp, link) if zero == 3
+                      else by_owner(grads, dp, cluster.network.link(replicas)) if zero else 0.0)
+            seen[key] = (summed_in(count, grads, dp, link, gradient_sum), tail, shared,
                          _state(params, grads, setting, cluster))
         total, tail, shared, state = seen[key]
         summed.append(total)

@@ -36,7 +36,7 @@ class Plan:
     check: str = ""  # the closed loop: measured against predicted step and stage times, once known
     kept_whole: tuple[str, ...] = ()  # modules captured as one opaque call each (not traced into)
     memory: str = field(default="", compare=False)  # printed only: this rank's memory, measured / predicted
-    zero: int = 0  # 1: each stage's optimizer state sharded over its replicas (ZeRO-1); 2: gradients too
+    zero: int = 0  # 1: each stage's optimizer state sharded over its replicas (ZeRO-1); 2: gradients too; 3: parameters too
     tp: int = 1  # tensor-parallel ranks per stage (innermost: consecutive ranks)
     batch_weight_grads: bool = False  # linears' weight gradients once a step over all micro-batches
     # per stage (tp > 1): {"parameters": {name: {"placement": "Shard(d)", "blocks"}}, "activations":
@@ -80,8 +80,8 @@ class Plan:
         if self.stage_tp and self.tp == 1 and all(isinstance(w, int) for w in self.stage_tp):
             object.__setattr__(self, "tp", max(self.stage_tp))  # tp: the widest stage's
         self.mesh  # checks the degrees and widths against the world size, once
-        if self.zero not in (0, 1, 2):
-            raise ConfigError(f"plan has zero={self.zero!r}; it must be 0, 1 or 2")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"plan has zero={self.zero!r}; it must be 0, 1, 2 or 3")
         if self.stage_dp and self.zero and max(self.stage_dp) == 1:
             raise ConfigError(f"plan has stage_dp={list(self.stage_dp)} with zero={self.zero}; ZeRO shards a stage's "
                               "state over its replicas and no stage has two: use zero=0")
@@ -214,7 +214,8 @@ class Plan:
             again += " layer by layer" if s in self.recompute_by_layer else ""
             lines.append(f"  stage {s} ({where}{again}): {len(names)} layers: {shown}")
         if self.zero:
-            what = "optimizer state" if self.zero == 1 else "optimizer state and gradients"
+            what = {1: "optimizer state", 2: "optimizer state and gradients",
+                    3: "parameters, gradients and optimizer state"}[self.zero]
             over = "its replicas, where it has several" if self.stage_dp else f"its {self.dp} replicas"
             lines.append(f"  ZeRO-{self.zero}: each stage's {what} sharded over {over}")
         for s, layout in enumerate(self.tp_layouts):

@@ -10,16 +10,17 @@ from plait.errors import ConfigError
 from plait.plan.mesh import Mesh
 from plait.schedule.registry import SCHEDULE_NAMES, schedule_spec, virtual_hint
 
-__all__ = ["Setting", "microbatch_rows", "peak_activations", "check_zero", "ZERO_LEVELS"]
+__all__ = ["Setting", "microbatch_rows", "peak_activations", "check_zero", "ZERO_LEVELS", "SEARCHED_ZERO"]
 
 
-ZERO_LEVELS = (0, 1, 2)
+ZERO_LEVELS = (0, 1, 2, 3)
+SEARCHED_ZERO = (0, 1, 2)  # the levels a search tries unless given (ZeRO-3 only where asked for)
 
 
 def check_zero(zero: object, dp: int) -> None:
-    """ConfigError unless `zero` is 0, 1 or 2, and 1 or 2 only with more than one replica."""
+    """ConfigError unless `zero` is 0, 1, 2 or 3, and above 0 only with more than one replica."""
     if isinstance(zero, bool) or zero not in ZERO_LEVELS:
-        raise ConfigError(f"zero must be 0, 1 or 2, got {zero!r}")
+        raise ConfigError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     if zero and dp == 1:
         raise ConfigError(f"zero={zero} shards over a stage's replicas, but dp=1 has one replica; "
                           "set dp > 1 or zero=0")

@@ -70,10 +70,13 @@ def search_space(config: Config, world_size: int, global_batch: int) -> tuple[Se
     """What the search may choose: everything open (Config()), or the layers of a given layout."""
     recompute = (False, True) if config.recompute is None else (config.recompute is True,)
     zero = None if config.zero is None else (config.zero,)
+    if config.zero == 3:  # what its runtime runs (Config.zero)
+        recompute = (False,)
     if config.plans_everything:
-        schedules = (config.schedule,) if config.schedule else tuple(SEARCH_ORDER)
+        schedules = (config.schedule,) if config.schedule else tuple(
+            s for s in SEARCH_ORDER if config.zero != 3 or not (schedule_spec(s).splits_backward or schedule_spec(s).virtual))
         batched = (False, True) if config.batch_weight_grads is None else (config.batch_weight_grads,)
-        if config.precision != "fp32":  # not with low precision yet (Config.precision)
+        if config.precision != "fp32" or config.zero == 3:  # not with low precision or ZeRO-3 yet
             batched = (False,)
         return SearchSpace(schedules=schedules, recompute=recompute, zero=zero,
                            batch_weight_grads=batched), "planned"

@@ -50,8 +50,10 @@ class StageExecutor:
         split_loss: Any = None,
         layer_pieces: Sequence[int] | None = None,
         copies: ComputeCopies | None = None,
+        before_backward: Callable[[int], None] | None = None,
     ):
         self.stage = stage
+        self.before_backward = before_backward  # zero=3: told of each backward (the last reduce-scatters)
         self.copies = copies  # low precision: the batch's floating inputs cast in, the model's outputs to fp32
         self.loss_scale = 1.0  # each loss's multiplier before its backward: fp16's scale / accumulate_steps
         # tp > 1, the training pipeline's last stage: its split outputs' loss (`plait.runtime.tp.vocab_loss`)
@@ -164,6 +166,8 @@ class StageExecutor:
     def backward(self, microbatch_index: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Backpropagate one micro-batch; return dL/d(received tensors) for the previous stage."""
         inputs = self._inputs.pop(microbatch_index)
+        if self.before_backward is not None:
+            self.before_backward(self.stage.stage_index)
         if self.stage.is_last:
             torch.autograd.backward(self._losses.pop(microbatch_index))
         else:

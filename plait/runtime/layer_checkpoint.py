@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plait.capture.split import LAYER
 
-__all__ = ["layer_checkpointed"]
+__all__ = ["layer_checkpointed", "layer_parts"]
 
 
 class _Checkpointed(nn.Module):
@@ -37,7 +37,7 @@ class _Checkpointed(nn.Module):
         return checkpoint(self.inner, *args, use_reentrant=False)
 
 
-def _pieces(graph: fx.Graph, layer_pieces: Sequence[int]) -> dict[fx.Node, int]:
+def layer_parts(graph: fx.Graph, layer_pieces: Sequence[int]) -> dict[fx.Node, int]:
     """Each node's piece: its layer's, never before its inputs' pieces; a node of no layer (a
     parameter read, a size, a collective the tp layout added) goes with its inputs, else with
     its first user."""
@@ -58,7 +58,7 @@ def _pieces(graph: fx.Graph, layer_pieces: Sequence[int]) -> dict[fx.Node, int]:
 def layer_checkpointed(module: fx.GraphModule, layer_pieces: Sequence[int]) -> nn.Module:
     """`module` cut into its layers' pieces (`layer_pieces[layer]`, `plait.cost.recompute_pieces`),
     every piece under its own checkpoint."""
-    part = _pieces(module.graph, layer_pieces)
+    part = layer_parts(module.graph, layer_pieces)
     if len(set(part.values())) <= 1:
         return _Checkpointed(module)
     parent = split_module(module, module, part.__getitem__)

@@ -6,6 +6,7 @@ complete plan: split into stage modules -> schedule programs -> executors and th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
@@ -24,6 +25,7 @@ from plait.plan.execution import Execution
 from plait.runtime.comm.collectives import TiedGradients, broadcast_tensors, make_group
 from plait.runtime.comm.wire import Wire
 from plait.runtime.dp.grad_sync import GradientBuckets
+from plait.runtime.dp.sharded_params import ShardedParameters
 from plait.runtime.dp.zero import ShardedOptimizerState, zero_owners
 from plait.runtime.precision.compute_copies import ComputeCopies
 from plait.runtime.update.loss_scale import LossScale
@@ -66,6 +68,7 @@ class Pipeline:
     tp_parts: dict[int, tuple[int, int, list[int]]] = field(default_factory=dict)  # id(tensor) -> dim, blocks, ranks
     copies: ComputeCopies | None = None  # the low-precision copies the stages compute with (plan.precision)
     loss_scale: LossScale | None = None  # fp16's dynamic loss scale (training pipeline)
+    sharded: ShardedParameters | None = None  # zero=3: the stages' parameters sharded over their replicas
     _programs: dict[tuple[int, bool], Program] = field(default_factory=dict)
 
     def start_equal(self) -> None:
@@ -80,6 +83,11 @@ class Pipeline:
             broadcast_tensors(own, first, self.sync.group)
         if self.ties is not None:
             self.ties.broadcast()
+
+    def whole_parameters(self) -> contextlib.AbstractContextManager[None]:
+        """With zero=3, the user's parameters filled with their whole values for the time of the
+        `with` block (an all-gather over each stage's replicas); else nothing to do."""
+        return self.sharded.gathered() if self.sharded is not None else contextlib.nullcontext()
 
     @property
     def is_last(self) -> bool:
@@ -123,7 +131,9 @@ class Pipeline:
         parts = _Parts(self.plan, self.rank, loss, self.execution, self.interpreter.wire,
                        self.interpreter.tracer, self.output_spec, self.tp_group, self.copies)
         held_by, _ = stage_holders(self.stages)
-        return _assemble(captured, layer_stage, parts, make_ties=False, held_by=held_by)
+        made = _assemble(captured, layer_stage, parts, make_ties=False, held_by=held_by)
+        made.sharded = self.sharded  # zero=3: evaluation runs on the whole values, gathered per batch
+        return made
 
     def gather_outputs(self, leaves: list[Any] | None, shard_rows: Sequence[int], key: Any) -> list[list[Any]]:
         """Every replica's last-stage output leaves, on every rank, in replica order.
@@ -187,7 +197,7 @@ def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, executio
         })
     copies = ComputeCopies(dtype_of(plan.precision)) if plan.precision != "fp32" else None
     parts = _Parts(plan, rank, loss, execution, Wire(execution.timeout_s, device), tracer, captured.output_spec,
-                   _tp_group(plan, rank), copies)
+                   _tp_group(plan, rank), copies, device)
     return _assemble(captured, stage_of_layers(plan.layers_per_stage), parts, make_ties=True, equal_tp=first)
 
 
@@ -204,6 +214,7 @@ class _Parts:
     output_spec: OutputSpec
     tp_group: Any = None  # this rank's tensor-parallel group (plan.tp > 1)
     copies: ComputeCopies | None = None  # plan.precision below fp32: the copies of this rank's parameters
+    device: torch.device = torch.device("cpu")
 
 
 def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, make_ties: bool,
@@ -246,23 +257,29 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     local = list({id(p): p for s in mine for p in stages[s].module.parameters()}.values())
     # what the executors run: the stages, or their copies computing in plan.precision (made before the buckets listen)
     computed = {s: parts.copies.stage(stages[s]) if parts.copies is not None else stages[s] for s in mine}
-    ties, sync, zero = None, None, None
+    ties, sync, zero, params = None, None, None, None
     if make_ties:
         replicas = list(plan.mesh.dp_ranks(rank))  # this rank's place on each replica of its stage
         sharded = {id(p): owners[id(p)] for p in local if id(p) in owners}  # this rank's stage's
         owner_rank = {i: replicas[r] for i, r in sharded.items()} if plan.zero == 2 else None
-        ties, sync = _ties_and_buckets(captured, parts, local, owner_rank)
+        ties, sync, group = _ties_and_buckets(captured, parts, local, owner_rank, buckets=plan.zero != 3)
         if sharded:
             assert sync is not None
             zero = ShardedOptimizerState([p for p in local if id(p) in sharded], sharded, replicas, rank,
                                          sync.group)
+        if plan.zero == 3 and group is not None:
+            params = _sharded(computed, parts, group, ties, local, replicas[0], equal_tp)
+            computed = {s: params.stages[s] for s in mine}
+            tied = {id(p) for p in ties.parameters} if ties is not None else set()
+            local = params.parameters + [p for p in local if id(p) in tied]
     meter = ActivationMeter() if make_ties else None
     executors = {
         s: StageExecutor(computed[s], captured.finish, parts.loss, recompute=s in plan.recompute,
                          batch_weight_grads=plan.batch_weight_grads, meter=meter,
                          split_loss=split_loss if s == plan.num_chunks - 1 else None,
                          layer_pieces=pieces(plan.layer_names) if s in plan.recompute_by_layer else None,
-                         copies=parts.copies) for s in mine
+                         copies=parts.copies,
+                         before_backward=None if params is None else params.before_backward) for s in mine
     }
     interpreter = Interpreter(rank, executors, lane_ranks(plan, rank), parts.wire, parts.tracer,
                               crossings(plan, rank, parts.tp_group, stages) if plan.stage_tp or plan.stage_dp
@@ -270,7 +287,23 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     return Pipeline(captured, stages, plan, rank, executors, interpreter, ties, local, owner_of,
                     parts.output_spec, layer_stage, sync, parts.execution, zero, meter, tp_group=parts.tp_group,
                     tp_parts=tp_parts, copies=parts.copies,
-                    loss_scale=LossScale() if make_ties and plan.precision == "fp16" else None)
+                    loss_scale=LossScale() if make_ties and plan.precision == "fp16" else None, sharded=params)
+
+
+def _sharded(computed: dict[int, StageModule], parts: _Parts, group: Any, ties: TiedGradients | None,
+             local: list[nn.Parameter], first: int, equal: bool) -> ShardedParameters:
+    """zero=3: this rank's stages with their parameters sharded over the replicas (`group`), a first
+    build's values taken from the first replica before they are cut; a parameter tied across stages
+    stays whole (its gradient summed by `ties`). The user's parameters are emptied after."""
+    tied = {id(p) for p in ties.parameters} if ties is not None else set()
+    if equal:  # the replicas start equal (`Pipeline.start_equal` has no buckets' group to do it with)
+        buffers = {id(b): b for st in computed.values() for b in st.module.buffers()}
+        broadcast_tensors([p for p in local if id(p) not in tied] + list(buffers.values()), first, group)
+    params = ShardedParameters(group, parts.device)
+    for s, st in computed.items():
+        params.stage(s, st, pieces(parts.plan.layer_names), tied)
+    params.release()
+    return params
 
 
 def _tp_group(plan: Plan, rank: int) -> Any:
@@ -280,9 +313,9 @@ def _tp_group(plan: Plan, rank: int) -> Any:
 
 
 def _zero_owners(stages: Sequence[StageModule], plan: Plan, holders: dict[int, list[int]]) -> dict[int, int]:
-    """With plan.zero: id(parameter) -> the replica that steps it, for the trainable parameters
+    """With plan.zero 1 or 2: id(parameter) -> the replica that steps it, for the trainable parameters
     of every pipeline position that no other stage holds (a tied parameter is not sharded)."""
-    if not plan.zero:
+    if plan.zero not in (1, 2):
         return {}
     positions: list[dict[int, nn.Parameter]] = [{} for _ in range(plan.pp)]
     for st in stages:
@@ -297,9 +330,11 @@ def _zero_owners(stages: Sequence[StageModule], plan: Plan, holders: dict[int, l
 
 
 def _ties_and_buckets(captured: CapturedGraph, parts: _Parts, local: list[nn.Parameter],
-                      owner_rank: dict[int, int] | None) -> tuple[TiedGradients | None, GradientBuckets | None]:
-    """The gradient sums of the plan's tied parameters, and the data-parallel buckets
-    (ZeRO-2, `owner_rank`: each parameter's gradient reduced to the rank that steps it)."""
+                      owner_rank: dict[int, int] | None,
+                      buckets: bool = True) -> tuple[TiedGradients | None, GradientBuckets | None, Any]:
+    """The gradient sums of the plan's tied parameters, the data-parallel buckets (ZeRO-2,
+    `owner_rank`: each parameter's gradient reduced to the rank that steps it; none without
+    `buckets`: zero=3 reduce-scatters its own) and this rank's data-parallel group."""
     plan, rank, execution = parts.plan, parts.rank, parts.execution
     tied = tied_named(captured.root, plan.tied_parameters)  # as the planner found them (`complete_plan`)
     ties = None
@@ -307,7 +342,7 @@ def _ties_and_buckets(captured: CapturedGraph, parts: _Parts, local: list[nn.Par
         # One all-reduce over every stage and every replica holding a tied parameter
         # sums both the tie (layer reuse) and the data-parallel contributions.
         ties = TiedGradients([(p, ranks, silent) for p, ss in tied for ranks, silent in tie_groups(plan, ss)], rank)
-    sync = None
+    sync, group = None, None
     if plan.mesh.dp_groups():
         # every rank makes every group, in the mesh's order (stage_dp: the stages of several replicas)
         groups = {ranks: make_group(ranks) for ranks in plan.mesh.dp_groups()}
@@ -317,9 +352,9 @@ def _ties_and_buckets(captured: CapturedGraph, parts: _Parts, local: list[nn.Par
         if owner_rank is not None:  # a frozen parameter has no owner: its (zero) gradient goes to the first
             first = plan.mesh.dp_ranks(rank)[0]
             owner_rank = {id(p): owner_rank.get(id(p), first) for p in bucketed}
-        if group is not None:
+        if group is not None and buckets:
             after = parts.copies.after_grad if parts.copies is not None else None
             reduce = dtype_of(execution.reduce_precision) if execution.reduce_precision != "fp32" else None
             sync = GradientBuckets(bucketed, group, execution.bucket_bytes, execution.timeout_s, owner_rank,
                                    rank, after, reduce)
-    return ties, sync
+    return ties, sync, group

@@ -17,12 +17,14 @@ ranks that went silent (`plait.runtime.failure`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from plait import data as batching
 from plait.capture.output import flatten_output
@@ -49,6 +51,8 @@ def held_bytes(tensors: Iterable[Any]) -> int:
     counts the whole bucket it lives in; None and non-tensors skipped)."""
     storages: dict[int, int] = {}
     for t in tensors:
+        if isinstance(t, DTensor):  # zero=3: a shard's gradient, this rank's part
+            t = t.to_local()
         if isinstance(t, torch.Tensor) and not t.is_meta:
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
@@ -63,10 +67,14 @@ def gradient_bytes(pipe: Pipeline) -> int:
     return pipe.sync.held_bytes + held_bytes(p.grad for p in pipe.local_parameters if not pipe.sync.holds(p))
 
 
-def make_optimizer(arg: OptimizerArg, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+def make_optimizer(arg: OptimizerArg, params: list[nn.Parameter], sharded: bool = False) -> torch.optim.Optimizer | None:
     """The optimizer of this rank's parameters: the user's, or made by their callable (given one
     empty parameter group when this rank's stages have no parameters: a cut between a block's
-    parameter-free layers, whose step then changes nothing)."""
+    parameter-free layers, whose step then changes nothing). `sharded` (zero=3): only a callable,
+    since an optimizer made over the whole model would step parameters no rank holds whole."""
+    if isinstance(arg, torch.optim.Optimizer) and sharded:
+        raise ConfigError("zero=3 steps each rank's shards of the parameters, so the optimizer must be made "
+                          "over them: pass a callable, e.g. optimizer=lambda params: torch.optim.Adam(params, lr=1e-3)")
     if arg is None or isinstance(arg, torch.optim.Optimizer):
         return arg
     if callable(arg):
@@ -237,7 +245,8 @@ class StepRunner:
         """
         pipe, train = self.pipe, self.train
         mbs = self.microbatches(x, y)
-        with in_mode(self.net, train):  # each module's own flag comes back after
+        whole = pipe.whole_parameters() if not train else contextlib.nullcontext()  # zero=3: evaluation gathers
+        with in_mode(self.net, train), whole:  # each module's own flag comes back after
             if pipe.copies is not None:  # the stages compute with the masters' current values
                 pipe.copies.refresh()
             k = pipe.execution.accumulate_steps  # global batches per optimizer step
@@ -290,6 +299,8 @@ class StepRunner:
                 p.grad = None
         if self.pipe.sync is not None and last:
             self.pipe.sync.prepare(num_microbatches, keep_grads=not first)
+        if self.pipe.sharded is not None:  # zero=3: the last batch's last backward reduce-scatters
+            self.pipe.sharded.prepare(num_microbatches, sync=last)
 
     def _overflowed(self, scale: LossScale, where: "_Where") -> bool:
         """fp16: whether any rank's gradients overflowed (then every rank skips the step and the

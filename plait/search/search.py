@@ -31,7 +31,7 @@ from plait.cost.prediction import (
 )
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
-from plait.plan.setting import ZERO_LEVELS, check_zero
+from plait.plan.setting import SEARCHED_ZERO, check_zero
 from plait.schedule.registry import SCHEDULE_NAMES, SEARCH_ORDER, schedule_spec
 from plait.search.partition import Infeasible
 from plait.search.solved import SolvedPartitions
@@ -65,7 +65,7 @@ class SearchSpace:
 
     def zero_levels(self, dp: int) -> tuple[int, ...]:
         """The ZeRO levels to try with dp replicas per stage (1 and 2 need dp > 1)."""
-        levels = ZERO_LEVELS if self.zero is None else tuple(sorted(set(self.zero)))
+        levels = SEARCHED_ZERO if self.zero is None else tuple(sorted(set(self.zero)))
         return tuple(z for z in levels if z == 0 or dp > 1)
 
 

@@ -30,15 +30,16 @@ def test_the_step_peak_counts_when_the_backward_holds_less() -> None:
 
 def test_per_layer_totals_are_the_same_formula() -> None:
     params, grads = [100.0, 0.0, 30.0], [100.0, 0.0, 10.0]
-    for zero in (0, 1, 2):
+    for zero in (0, 1, 2, 3):
         assert state_totals(params, grads, 6.0, 2, zero) == [
             state_bytes(p, g, 6.0, 2, zero).total for p, g in zip(params, grads)]
     assert state_totals(params, grads, 6.0, 2, 1) == [100 + 100 + 300, 0.0, 30 + 10 + 30]
 
 
 @pytest.mark.parametrize("zero, dp, message", [
-    (3, 2, "zero must be 0, 1 or 2, got 3"),
-    (True, 2, "zero must be 0, 1 or 2, got True"),
+    (4, 2, "zero must be 0, 1, 2 or 3, got 4"),
+    (True, 2, "zero must be 0, 1, 2 or 3, got True"),
+    (3, 1, "zero=3 shards"),
     (1, 1, "zero=1 shards over a stage's replicas, but dp=1 has one replica; set dp > 1 or zero=0"),
     (2, 1, "zero=2 shards"),
 ])

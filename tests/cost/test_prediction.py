@@ -339,6 +339,6 @@ def test_zero_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="zero=1 shards over a stage's replicas, but dp=1 has one "
                                           "replica; set dp > 1 or zero=0"):
         Setting(2, 1, 4, zero=1)
-    with pytest.raises(ConfigError, match="zero must be 0, 1 or 2, got 3"):
-        Setting(2, 2, 4, zero=3)
+    with pytest.raises(ConfigError, match="zero must be 0, 1, 2 or 3, got 4"):
+        Setting(2, 2, 4, zero=4)
     assert Setting(2, 2, 4, zero=2).zero == 2 and Setting(2, 1, 4).zero == 0

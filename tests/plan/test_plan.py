@@ -1,5 +1,7 @@
 """The plan is data: JSON round trip, printable summary, validation."""
 
+from dataclasses import replace
+
 import pytest
 
 from plait.errors import ConfigError
@@ -59,9 +61,11 @@ def test_zero_and_kept_whole_round_trip_and_print() -> None:
     text = str(plan)
     assert "ZeRO-1: each stage's optimizer state sharded over its 2 replicas" in text
     assert "kept whole (one layer each, not traced into): moe" in text
-    with pytest.raises(Exception, match="plan has zero=3; it must be 0, 1 or 2"):
+    three = replace(plan, zero=3)
+    assert "ZeRO-3: each stage's parameters, gradients and optimizer state sharded over its 2 replicas" in str(three)
+    with pytest.raises(Exception, match="plan has zero=4; it must be 0, 1, 2 or 3"):
         Plan(layer_names=("a",), layers_per_stage=(1,), num_microbatches=1, schedule="1f1b", world_size=1,
-             capture_method="torch.export", zero=3)
+             capture_method="torch.export", zero=4)
 
 
 def test_tp_layouts_round_trip_and_print() -> None:

@@ -91,3 +91,16 @@ def test_the_command_and_config_choose_the_same_layout_on_the_same_profile(
     assert command == planned["fields"], (command, planned["fields"])
     if "stage_tp" not in command and "stage_dp" not in command:  # a uniform layout: the same prediction
         assert data["predicted_step_time_s"] == pytest.approx(planned["report"]["predicted_step_time_s"])
+
+
+def test_zero3_searches_only_what_its_runtime_runs() -> None:
+    """Config(zero=3): ZeRO-3 alone, no recomputation, no batched weight gradients, and no schedule
+    with a split backward or several chunks a rank (not run with sharded parameters yet)."""
+    from plait.planner.choice import search_space
+    from plait.schedule.registry import schedule_spec
+
+    space, source = search_space(plait.Config(zero=3), 4, 16)
+    assert source == "planned" and space.zero == (3,) and space.recompute == (False,)
+    assert space.batch_weight_grads == (False,) and space.schedules
+    assert not any(schedule_spec(s).splits_backward or schedule_spec(s).virtual for s in space.schedules)
+    assert search_space(plait.Config(), 4, 16)[0].zero is None  # the default search tries 0, 1, 2

@@ -26,3 +26,10 @@ def test_the_users_callable_gets_the_parameters() -> None:
     assert make_optimizer(given, [w]) is given and make_optimizer(None, [w]) is None
     with pytest.raises(ConfigError, match="optimizer must be a torch.optim.Optimizer or a callable"):
         make_optimizer("adam", [w])  # type: ignore[arg-type]
+
+
+def test_zero3_takes_the_optimizer_as_a_callable_over_its_shards() -> None:
+    w = nn.Parameter(torch.ones(2))
+    with pytest.raises(ConfigError, match="zero=3 steps each rank's shards.*pass a callable"):
+        make_optimizer(torch.optim.SGD([w], lr=0.1), [w], sharded=True)
+    assert isinstance(make_optimizer(lambda p: torch.optim.SGD(p, lr=0.1), [w], sharded=True), torch.optim.SGD)

@@ -192,8 +192,13 @@ def test_a_given_zero_level_is_the_only_one_searched() -> None:
     assert {c.setting.zero for c in search(costs, 4, 64, cluster, SearchSpace(zero=(0,), keep=50))} == {0}
     with pytest.raises(ConfigError, match="zero 1 and 2 need dp > 1"):
         search(costs, 4, 64, cluster, SearchSpace(pp=(4,), zero=(2,)))
-    with pytest.raises(ConfigError, match="zero must be 0, 1 or 2, got 3"):
-        SearchSpace(zero=(3,))
+    assert 3 not in {c.setting.zero for c in search(costs, 4, 64, cluster, SearchSpace(keep=50))}  # only where asked
+    three = search(costs, 4, 64, cluster, SearchSpace(pp=(2,), zero=(3,), keep=50))
+    one = search(costs, 4, 64, cluster, SearchSpace(pp=(2,), zero=(1,), keep=50))
+    assert three and {c.setting.zero for c in three} == {3}
+    assert three[0].prediction.parameter_bytes[0] == one[0].prediction.parameter_bytes[0] / 2  # 1/dp each
+    with pytest.raises(ConfigError, match="zero must be 0, 1, 2 or 3, got 4"):
+        SearchSpace(zero=(4,))
 
 
 def test_the_table_and_json_show_zero_and_the_chosen_memory() -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from plait.capture.compute_dtype import dtype_of
 from plait.cost.memory import optimizer_state_factor, state_bytes
@@ -40,9 +41,12 @@ _PLANNED = {"parameters_bytes": "parameter_bytes", "gradients_bytes": "gradient_
 def memory_stats(pipe: Pipeline, net: nn.Module, readings: dict[str, int | None], state_factor: float,
                  chosen: dict[str, Any] | None) -> dict[str, Any]:
     """This rank's measured bytes by kind, with "predicted" beside them (see the module)."""
-    params = {id(p): p for p in net.parameters() if not p.is_meta}.values()
+    params: list[torch.Tensor] = list({id(p): p for p in net.parameters() if not p.is_meta}.values())
     buffers = {id(b): b for b in net.buffers() if not b.is_meta}.values()
     copies = pipe.copies.copy_bytes if pipe.copies is not None else 0  # Plan.precision below fp32
+    if pipe.sharded is not None:  # zero=3: the shards, and what stays whole (the user's sharded ones hold nothing)
+        params = [*(s.to_local() for s in pipe.sharded.parameters if isinstance(s, DTensor)),
+                  *(p for p in params if p.untyped_storage().nbytes())]
     measured: dict[str, Any] = {
         "parameters_bytes": sum(p.numel() * p.element_size() for p in params) + copies,
         "buffers_bytes": held_bytes(buffers),
@@ -67,6 +71,10 @@ def memory_stats(pipe: Pipeline, net: nn.Module, readings: dict[str, int | None]
     if chosen is not None and chosen.get("activation_bytes"):  # the planner's, from its profile
         for key, planned in _PLANNED.items():
             predicted[key] = float(chosen[planned][position])
+    if pipe.sharded is not None:  # zero=3: a parameter tied across stages stays whole on every holder
+        whole = set(map(id, pipe.sharded.parameters))
+        kept = float(sum(p.numel() * p.element_size() for p in local if id(p) not in whole))
+        predicted["parameters_bytes"] = float(predicted["parameters_bytes"] or 0.0) + kept * (1 - 1 / dp)
     measured["predicted"] = predicted
     return measured
 

@@ -1,0 +1,126 @@
+"""`ShardedParameters`: each stage's parameters sharded over its replicas (ZeRO-3), by torch's FSDP2.
+
+With `Config(zero=3)` the stage graph a rank runs is cut into its layers' pieces (as recomputation
+layer by layer cuts it: `plait.runtime.layer_checkpoint`), each piece is handed to `fully_shard`
+over the stage's data-parallel group, and the graph that calls the pieces is the root, holding
+what several pieces read. FSDP2 then does what ZeRO-3 is (Rajbhandari et al. 2020): each replica
+holds 1/dp of every parameter (dim 0); a piece's parameters are all-gathered just before its
+forward and freed after it, gathered again for its backward, and its gradients reduce-scattered to
+their owners once they are final, while the next piece computes.
+
+    micro-batch 1 .. m-1   backward: gradients added up whole, no communication
+    micro-batch m          backward: each piece's gradient reduce-scattered as its backward ends
+    optimizer step         on this replica's shards only (parameters and state are 1/dp)
+
+A parameter tied across stages stays whole on every holder (`ignored_params`), summed by the tied
+gradients' all-reduce as without ZeRO. The user's model keeps its parameter objects, emptied (on
+the meta device, as another stage's are on this rank); `gathered()` fills them with the current
+whole values, for the state dict, the evaluation pipeline and export, and empties them after.
+FSDP2 divides a reduce-scatter by the replicas by default; plait's losses are already scaled by
+each replica's share of the batch, so the sum is taken (`set_gradient_divide_factor(1.0)`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.fx.passes.split_module import split_module
+
+from plait.capture.split import StageModule
+from plait.runtime.layer_checkpoint import layer_parts
+
+__all__ = ["ShardedParameters"]
+
+
+class ShardedParameters:
+    """This rank's stages, their parameters sharded over the stage's replicas (`group`)."""
+
+    def __init__(self, group: Any, device: torch.device):
+        self.mesh = DeviceMesh.from_group(group, device.type)
+        self.stages: dict[int, StageModule] = {}  # stage index -> the stage running on shards
+        self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (the user's parameter, its shard)
+        self._backwards: dict[int, int] = {}  # stage index -> this batch's backward passes so far
+        self._last = 0  # the backward pass whose gradients are reduce-scattered (0: none this batch)
+
+    def stage(self, index: int, stage: StageModule, layer_pieces: Sequence[int], whole: set[int]) -> StageModule:
+        """`stage` running with sharded parameters: its graph cut into its layers' pieces, each piece
+        sharded, the graph calling them the root; the parameters in `whole` (ids: tied across
+        stages) left whole. A piece reading a parameter another piece reads too is not sharded on
+        its own: the root holds its parameters (gathered for the whole stage's forward)."""
+        module = stage.module
+        part = layer_parts(module.graph, layer_pieces)
+        parent = split_module(module, module, part.__getitem__) if len(set(part.values())) > 1 else module
+        slots = [(m, key, p) for m in parent.modules() for key, p in m._parameters.items() if p is not None]
+        ignored = {p for _, _, p in slots if id(p) in whole}
+        pieces = [child for name, child in parent.named_children() if name.startswith("submod_")]
+        readers: dict[int, int] = {}
+        for piece in pieces:
+            for p in piece.parameters():
+                readers[id(p)] = readers.get(id(p), 0) + 1
+        for piece in pieces:
+            own = [p for p in piece.parameters() if p not in ignored]
+            if own and all(readers[id(p)] == 1 for p in own):
+                self._shard(piece, ignored)
+        self._shard(parent, ignored)
+        seen = {id(w) for w, _ in self.pairs}
+        for m, key, p in slots:  # each of the user's parameters and the shard FSDP2 put in its place
+            shard = m._parameters[key]
+            if shard is not None and shard is not p and id(p) not in seen:
+                seen.add(id(p))
+                self.pairs.append((p, shard))
+        self.stages[index] = replace(stage, module=parent)
+        return self.stages[index]
+
+    def _shard(self, module: nn.Module, ignored: set[nn.Parameter]) -> None:
+        fully_shard(module, mesh=self.mesh, ignored_params=ignored or None, reshard_after_forward=True)
+        assert isinstance(module, FSDPModule)
+        module.set_gradient_divide_factor(1.0)  # the replicas' gradients summed (losses carry their share)
+        module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """The sharded parameters (DTensors) the optimizer steps, once each."""
+        return [shard for _, shard in self.pairs]
+
+    def release(self) -> None:
+        """Free the user's parameters' memory (their values live in the shards): the storage
+        resized to nothing, shape and dtype kept, as FSDP2 frees an unsharded parameter."""
+        for whole, _ in self.pairs:
+            whole.untyped_storage().resize_(0)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """The user's parameters hold the whole current values (an all-gather over the replicas),
+        freed again after."""
+        with torch.no_grad():
+            for whole, shard in self.pairs:
+                assert isinstance(shard, DTensor)
+                full = shard.full_tensor()
+                whole.untyped_storage().resize_(whole.numel() * whole.element_size())
+                whole.copy_(full)
+        try:
+            yield
+        finally:
+            self.release()
+
+    def prepare(self, num_microbatches: int, sync: bool) -> None:
+        """Before a training batch of `num_microbatches`: each stage's gradients reduce-scattered in
+        its last backward where `sync` (the last batch of a step), else only added up."""
+        self._backwards = {s: 0 for s in self.stages}
+        self._last = num_microbatches if sync else 0
+
+    def before_backward(self, stage_index: int) -> None:
+        """Before one micro-batch's backward of stage `stage_index`."""
+        self._backwards[stage_index] = done = self._backwards.get(stage_index, 0) + 1
+        root = self.stages[stage_index].module
+        assert isinstance(root, FSDPModule)
+        root.set_requires_gradient_sync(done == self._last)
+        root.set_is_last_backward(done == self._last)
+
