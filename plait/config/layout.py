@@ -130,8 +130,7 @@ def _check_zero3(config: Any) -> None:
         "tp": config.tp not in (None, 1), "stage_tp": config.stage_tp is not None,
         "stage_dp": config.stage_dp is not None, "precision": config.precision != "fp32",
         "recompute": config.recompute not in (None, False), "batch_weight_grads": bool(config.batch_weight_grads),
-        "num_virtual_stages": config.num_virtual_stages != 1, "clip_grad_norm": config.clip_grad_norm is not None,
-        "accumulate_steps": config.accumulate_steps != 1, "checkpoint_dir": config.checkpoint_dir is not None,
+        "num_virtual_stages": config.num_virtual_stages != 1, "checkpoint_dir": config.checkpoint_dir is not None,
         "replan": bool(config.replan), "schedule": config.schedule is not None and schedule_spec(config.schedule).splits_backward,
     }
     bad = {name: getattr(config, name) for name, is_bad in refused.items() if is_bad}

@@ -19,13 +19,14 @@ import ctypes.util
 import logging
 import os
 
-__all__ = ["keep_freed_memory", "USER_SETTINGS"]
+__all__ = ["keep_freed_memory", "give_back_freed_memory", "USER_SETTINGS"]
 
 log = logging.getLogger("plait")
 
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 _KEEP = 2**31 - 1  # bytes: the largest value mallopt takes (an int)
+_GIVE_BACK = 128 * 1024  # bytes: glibc's default thresholds, held fixed
 _done = False
 
 
@@ -48,3 +49,20 @@ def keep_freed_memory() -> bool:
     log.info("plait: large freed host memory kept for reuse (mallopt; set %s to choose otherwise)", USER_SETTINGS[0])
     _done = True
     return True
+
+
+def give_back_freed_memory() -> bool:
+    """Undo `keep_freed_memory` for this process: large buffers freed go back to the system at once
+    (glibc's default thresholds, held fixed), for a rank whose point is its peak memory (zero=3:
+    its layers' gathered parameters and gradients come and go, and freed ones kept would pile up).
+    False where it does not apply (not glibc, or the user's own settings)."""
+    global _done
+    if any(name in os.environ for name in USER_SETTINGS):
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    _done = False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _GIVE_BACK) and mallopt(_M_TRIM_THRESHOLD, _GIVE_BACK))

@@ -10,6 +10,7 @@ from torch import nn
 
 from plait.capture.trace import CapturedGraph
 from plait.config import Config
+from plait.job.host_memory import give_back_freed_memory
 from plait.materialize import materialize_tensors, release_parameters
 from plait.plan import Plan
 from plait.runtime.pipeline import Pipeline, build_pipeline, stage_tensors
@@ -40,6 +41,8 @@ def build_rank_pipeline(net: nn.Module, graphs: tuple[CapturedGraph | None, Capt
     gives the initialiser, the seed and the runtime's settings (`Config.execution`)."""
     captured, _ = graphs
     assert captured is not None
+    if plan.zero == 3:  # its layers' buffers come and go: freed memory goes back (`plait.job.host_memory`)
+        give_back_freed_memory()
     roots = [g.root for g in graphs if g is not None]
     if place.frees:  # this rank's stages' tensors are real, the others' on meta (freed)
         mine = stage_tensors(captured, plan, place.rank)

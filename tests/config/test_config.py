@@ -222,7 +222,7 @@ def test_leaf_modules_errors_name_the_value(value, message) -> None:
     ({"zero": 3, "precision": "bf16"}, r"zero=3 \(parameters sharded over the replicas\) does not run with \{'precision': 'bf16'\}"),
     ({"zero": 3, "tp": 2}, r"does not run with \{'tp': 2\}"),
     ({"zero": 3, "schedule": "zbh1"}, r"does not run with \{'schedule': 'zbh1'\}"),
-    ({"zero": 3, "recompute": True, "clip_grad_norm": 1.0}, r"\{'recompute': True, 'clip_grad_norm': 1.0\}"),
+    ({"zero": 3, "recompute": True, "checkpoint_dir": "ckpt"}, r"\{'recompute': True, 'checkpoint_dir': 'ckpt'\}"),
     ({"zero": 1, "dp": 1}, r"zero=1 shards over a stage's replicas, but dp=1 has one replica; set dp > 1 or zero=0"),
     ({"zero": 2, "dp": 1}, r"zero=2 shards over a stage's replicas, but dp=1 has one replica"),
 ])

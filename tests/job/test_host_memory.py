@@ -52,3 +52,22 @@ def test_the_users_own_setting_wins(monkeypatch):
     monkeypatch.setattr(host_memory, "_done", False)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert host_memory.keep_freed_memory() is False
+
+
+GIVE_BACK = PROBE.replace("kept = keep_freed_memory()", "kept = keep_freed_memory()\n"
+                          "from plait.job.host_memory import give_back_freed_memory\n"
+                          "kept = give_back_freed_memory() and kept")
+
+
+@pytest.mark.timeout(240)
+def test_given_back_a_freed_64_mb_buffer_returns_to_the_system(monkeypatch):
+    """zero=3's ranks undo the keeping: each freed 64 MB buffer is unmapped, and faulted in anew."""
+    import os
+
+    for name in host_memory.USER_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    out = subprocess.run([sys.executable, "-c", GIVE_BACK], env=dict(os.environ), check=True,
+                         capture_output=True, text=True, timeout=120).stdout.split()
+    assert out[0] == "True" and int(out[1]) > 4 * 16_000, out
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert host_memory.give_back_freed_memory() is False  # the user's own setting wins

@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
+from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from plait.capture.split import StageModule
@@ -56,7 +57,10 @@ class ShardedParameters:
         its own: the root holds its parameters (gathered for the whole stage's forward)."""
         module = stage.module
         part = layer_parts(module.graph, layer_pieces)
-        parent = split_module(module, module, part.__getitem__) if len(set(part.values())) > 1 else module
+        parent = module
+        if len(set(part.values())) > 1:
+            parent = split_module(module, module, part.__getitem__)
+            _parameters_into_pieces(parent)
         slots = [(m, key, p) for m in parent.modules() for key, p in m._parameters.items() if p is not None]
         ignored = {p for _, _, p in slots if id(p) in whole}
         pieces = [child for name, child in parent.named_children() if name.startswith("submod_")]
@@ -124,3 +128,37 @@ class ShardedParameters:
         root.set_requires_gradient_sync(done == self._last)
         root.set_is_last_backward(done == self._last)
 
+
+
+def _parameters_into_pieces(parent: fx.GraphModule) -> None:
+    """`split_module` reads every parameter in the graph that calls the pieces and passes it in as
+    an input: each parameter one piece alone reads moves into that piece (read there, registered
+    there, gone from the caller), so that FSDP2 on the piece gathers it for that piece only."""
+    graph = parent.graph
+    for attr in [n for n in graph.nodes if n.op == "get_attr"]:
+        path, _, name = str(attr.target).rpartition(".")
+        owner = parent.get_submodule(path)
+        value = owner._parameters.get(name)
+        users = list(attr.users)
+        if value is None or len(users) != 1 or users[0].op != "call_module" or users[0].kwargs:
+            continue
+        call = users[0]
+        at = [i for i, a in enumerate(call.args) if a is attr]
+        if len(at) != 1:
+            continue
+        piece = parent.get_submodule(str(call.target))
+        assert isinstance(piece, fx.GraphModule)
+        placeholders = [n for n in piece.graph.nodes if n.op == "placeholder"]
+        held = str(attr.target).replace(".", "_")
+        piece.register_parameter(held, value)
+        with piece.graph.inserting_after(placeholders[-1]):
+            read = piece.graph.get_attr(held)
+        placeholders[at[0]].replace_all_uses_with(read)
+        piece.graph.erase_node(placeholders[at[0]])
+        call.args = tuple(a for i, a in enumerate(call.args) if i != at[0])
+        graph.erase_node(attr)
+        del owner._parameters[name]
+    for module in parent.modules():
+        if isinstance(module, fx.GraphModule):
+            module.graph.lint()
+            module.recompile()

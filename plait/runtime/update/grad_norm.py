@@ -7,6 +7,7 @@ holders hold the same sum, and the ranks of a tp group hold either a part of a s
 the same whole one. Each rank adds the squares of the gradients it *counts*:
 
     a parameter split over a tp group   its part, on each rank of the first holder's owning replica
+    a parameter sharded over replicas    its shard, on each replica (zero=3: the shards are disjoint)
     any other parameter                  the whole, on the rank that trains it (`Pipeline.owner_of`:
                                          the first holder stage, its ZeRO owner replica, tp rank 0)
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from plait.runtime.comm.collectives import sum_floats
 from plait.runtime.pipeline import Pipeline
@@ -31,6 +33,9 @@ def counted_gradients(pipe: Pipeline) -> list[torch.Tensor]:
     out = []
     for p in pipe.local_parameters:
         if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor):  # zero=3: this replica's shard of the gradient
+            out.append(p.grad.to_local())
             continue
         part = pipe.tp_parts.get(id(p))
         if (pipe.rank in part[2]) if part is not None else pipe.owner_of.get(id(p)) == pipe.rank:

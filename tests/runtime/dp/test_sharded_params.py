@@ -28,16 +28,22 @@ OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
               "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, eps=1e-3)}
 
 
-def _one_process(net: torch.nn.Module, arch: Any, kind: str) -> tuple[list[float], torch.nn.Module]:
+def _one_process(net: torch.nn.Module, arch: Any, kind: str, clip: float | None,
+                 k: int) -> tuple[list[float], torch.nn.Module, float | None]:
+    """STEPS optimizer steps in one process, each of `k` batches' summed gradients (`Config.accumulate_steps`),
+    clipped to `clip` by torch's `clip_grad_norm_`."""
     net = copy.deepcopy(net)
-    opt, losses = OPTIMIZERS[kind](net.parameters()), []
+    opt, losses, norm = OPTIMIZERS[kind](net.parameters()), [], None
     for _ in range(STEPS):
         opt.zero_grad()
-        loss = arch.loss(net(**arch.x), arch.y)
-        loss.backward()
+        for _ in range(k):
+            loss = arch.loss(net(**arch.x), arch.y)
+            (loss / k).backward()
+            losses.append(float(loss))
+        if clip is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip))
         opt.step()
-        losses.append(float(loss))
-    return losses, net
+    return losses, net, norm
 
 
 def train_zero3(rank: int, world: int, name: str, kind: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -47,7 +53,8 @@ def train_zero3(rank: int, world: int, name: str, kind: str, fields: dict[str, A
     initial = copy.deepcopy(arch.net)
     model = plait.Model(arch.net, plait.Config(zero=3, timeout_s=60.0, **fields), optimizer=OPTIMIZERS[kind],
                         loss=arch.loss)
-    losses = [float(model.train_on_batch(arch.x, arch.y)) for _ in range(STEPS)]
+    k = fields.get("accumulate_steps", 1)
+    losses = [float(model.train_on_batch(arch.x, arch.y)) for _ in range(STEPS * k)]
     pipe = model._train.pipe  # type: ignore[union-attr]
     shards = [p for p in pipe.local_parameters if isinstance(p, DTensor)]
     freed = all(whole.untyped_storage().nbytes() == 0 for whole, _ in pipe.sharded.pairs)
@@ -60,11 +67,11 @@ def train_zero3(rank: int, world: int, name: str, kind: str, fields: dict[str, A
         refused = ""
     except CheckpointError as e:
         refused = str(e)
-    want_losses, want = _one_process(initial, arch, kind)
+    want_losses, want, want_norm = _one_process(initial, arch, kind, fields.get("clip_grad_norm"), k)
     want.eval()
     with torch.no_grad():
         want_eval = float(arch.loss(want(**arch.x), arch.y))
-    return {"losses": losses, "want_losses": want_losses, "eval": (evaluated, want_eval),
+    return {"losses": losses, "want_losses": want_losses, "norms": (model.grad_norm, want_norm), "eval": (evaluated, want_eval),
             "diff": max(float((state[k] - v).abs().max()) for k, v in want.state_dict().items() if v.is_floating_point()),
             "held": sum(p.to_local().numel() for p in shards), "whole": sum(p.numel() for p in shards),
             "tied": sum(p.numel() for p in pipe.local_parameters if not isinstance(p, DTensor)),
@@ -78,6 +85,8 @@ CASES = {  # world size, model, optimizer, Config fields (with zero=3)
     "bert dp=2 sgd": (2, "bert", "sgd", dict(num_stages=1, dp=2, num_microbatches=2)),
     "gpt2 2 stages x 2 replicas adam": (4, "gpt2", "adam", dict(num_stages=2, dp=2, num_microbatches=2)),
     "llama dp=4 sgd": (4, "llama", "sgd", dict(num_stages=1, dp=4, num_microbatches=1)),
+    "gpt2 dp=2 clipped, 2 batches a step": (2, "gpt2", "sgd", dict(num_stages=1, dp=2, num_microbatches=2,
+                                                                 clip_grad_norm=0.5, accumulate_steps=2)),
     "gpt2 planned": (2, "gpt2", "adam", {}),
 }
 
@@ -94,6 +103,8 @@ def test_zero3_trains_as_one_process_with_each_replica_holding_its_share(case):
         assert r["eval"][0] == pytest.approx(r["eval"][1], rel=1e-5), r["eval"]
         assert 0.8 / dp * r["whole"] < r["held"] < 1.2 / dp * r["whole"], r  # 1/dp, rows shared out unevenly
         assert r["freed"], "the user's parameters still hold their memory"
+        if r["norms"][1] is not None:  # the last step's global norm, as clip_grad_norm_ found it (and clipped)
+            assert r["norms"][0] == pytest.approx(r["norms"][1], rel=1e-5) and r["norms"][1] > 0.5, r["norms"]
         measured, predicted = r["memory"]["parameters_bytes"]  # 1/dp (rows shared out unevenly)
         assert measured == pytest.approx(predicted, rel=0.1), (measured, predicted)
         moments = {"sgd": 1, "adam": 2}[kind]  # the optimizer's state: its moments of this rank's shards
