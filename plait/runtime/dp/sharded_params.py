@@ -1,9 +1,10 @@
 """`ShardedParameters`: each stage's parameters sharded over its replicas (ZeRO-3), by torch's FSDP2.
 
 With `Config(zero=3)` the stage graph a rank runs is cut into its layers' pieces (as recomputation
-layer by layer cuts it: `plait.runtime.layer_checkpoint`), each piece is handed to `fully_shard`
-over the stage's data-parallel group, and the graph that calls the pieces is the root, holding
-what several pieces read. FSDP2 then does what ZeRO-3 is (Rajbhandari et al. 2020): each replica
+layer by layer cuts it: `plait.runtime.layer_checkpoint`), each parameter one piece alone reads is
+moved into that piece (`split_module` reads them all in the calling graph), each piece is handed to
+`fully_shard` over the stage's data-parallel group, and the graph that calls the pieces is the
+root, holding what several pieces read. FSDP2 then does what ZeRO-3 is (Rajbhandari et al. 2020): each replica
 holds 1/dp of every parameter (dim 0); a piece's parameters are all-gathered just before its
 forward and freed after it, gathered again for its backward, and its gradients reduce-scattered to
 their owners once they are final, while the next piece computes.
@@ -13,11 +14,12 @@ their owners once they are final, while the next piece computes.
     optimizer step         on this replica's shards only (parameters and state are 1/dp)
 
 A parameter tied across stages stays whole on every holder (`ignored_params`), summed by the tied
-gradients' all-reduce as without ZeRO. The user's model keeps its parameter objects, emptied (on
-the meta device, as another stage's are on this rank); `gathered()` fills them with the current
-whole values, for the state dict, the evaluation pipeline and export, and empties them after.
-FSDP2 divides a reduce-scatter by the replicas by default; plait's losses are already scaled by
-each replica's share of the batch, so the sum is taken (`set_gradient_divide_factor(1.0)`).
+gradients' all-reduce as without ZeRO. The user's model keeps its parameter objects, their
+storage freed (resized to nothing, shape kept, as FSDP2 frees an unsharded parameter);
+`gathered()` fills them with the current whole values, for the state dict, the evaluation
+pipeline and export, and frees them after. FSDP2 divides a reduce-scatter by the replicas by
+default; plait's losses are already scaled by each replica's share of the batch, so the sum is
+taken (`set_gradient_divide_factor(1.0)`, a plain SUM: gloo has no pre-multiplied one).
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ class ShardedParameters:
         """Free the user's parameters' memory (their values live in the shards): the storage
         resized to nothing, shape and dtype kept, as FSDP2 frees an unsharded parameter."""
         for whole, _ in self.pairs:
+            if not whole.untyped_storage().resizable():  # `.numpy()` of it (an export) pins its storage
+                whole.data = torch.empty_like(whole)
             whole.untyped_storage().resize_(0)
 
     @contextlib.contextmanager
@@ -106,9 +110,7 @@ class ShardedParameters:
         with torch.no_grad():
             for whole, shard in self.pairs:
                 assert isinstance(shard, DTensor)
-                full = shard.full_tensor()
-                whole.untyped_storage().resize_(whole.numel() * whole.element_size())
-                whole.copy_(full)
+                whole.data = shard.full_tensor().contiguous()
         try:
             yield
         finally:
