@@ -59,10 +59,10 @@ def capped(name: str, cap_bytes: int) -> str:
     return str(path)
 
 
-def gpt2(meta: bool) -> torch.nn.Module:
+def gpt2(meta: bool, layers: int = 12, hidden: int = 1024) -> torch.nn.Module:
     import transformers
 
-    config = transformers.GPT2Config(n_layer=12, n_embd=1024, n_head=16, vocab_size=8192, n_positions=1024,
+    config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=16, vocab_size=8192, n_positions=1024,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
                                      bos_token_id=0, eos_token_id=0)
     if meta:

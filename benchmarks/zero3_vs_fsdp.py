@@ -43,6 +43,8 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import torch.distributed as dist
+from memory import batch, loss_fn  # noqa: E402 - benchmarks/ is the script's own directory on sys.path
+from memory import gpt2 as memory_gpt2  # noqa: E402
 
 WORLD = 4
 SIDES = ("plait", "plait-meta", "fsdp2")  # plait-meta: the model built on meta (each rank makes its own stage)
@@ -50,26 +52,9 @@ TARGET_TIME = 1.05
 
 
 def gpt2(args: argparse.Namespace, meta: bool = False) -> torch.nn.Module:
-    import transformers
-
-    config = transformers.GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=16, vocab_size=8192,
-                                     n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                     use_cache=False, bos_token_id=0, eos_token_id=0)
-    if meta:  # plait materializes each rank's stage itself (Config.seed): not profiled
-        with torch.device("meta"):
-            return transformers.GPT2LMHeadModel(config)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config)
-
-
-def batch(args: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, 8192, (args.rows, args.seq), generator=g)
-    return tokens, torch.roll(tokens, -1, dims=1)
-
-
-def loss_fn(out: Any, y: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    """`benchmarks/memory.py`'s GPT-2 at `--layers` x `--hidden` (on meta: plait materializes each
+    rank's stage itself, by Config.seed, and profiles nothing)."""
+    return memory_gpt2(meta, args.layers, args.hidden)
 
 
 def adam(params: Any) -> torch.optim.Optimizer:
