@@ -18,6 +18,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+from typing import Any
 
 __all__ = ["keep_freed_memory", "give_back_freed_memory", "USER_SETTINGS"]
 
@@ -36,14 +37,9 @@ def keep_freed_memory() -> bool:
     global _done
     if _done:
         return True
-    if any(name in os.environ for name in USER_SETTINGS):
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (macOS, musl without mallopt)
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     if not (mallopt(_M_MMAP_THRESHOLD, _KEEP) and mallopt(_M_TRIM_THRESHOLD, _KEEP)):
         return False
     log.info("plait: large freed host memory kept for reuse (mallopt; set %s to choose otherwise)", USER_SETTINGS[0])
@@ -57,12 +53,20 @@ def give_back_freed_memory() -> bool:
     its layers' gathered parameters and gradients come and go, and freed ones kept would pile up).
     False where it does not apply (not glibc, or the user's own settings)."""
     global _done
-    if any(name in os.environ for name in USER_SETTINGS):
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     _done = False
     return bool(mallopt(_M_MMAP_THRESHOLD, _GIVE_BACK) and mallopt(_M_TRIM_THRESHOLD, _GIVE_BACK))
+
+
+def _mallopt() -> Any:
+    """glibc's mallopt, None where plait leaves malloc alone (the user's own settings, not glibc)."""
+    if any(name in os.environ for name in USER_SETTINGS):
+        return None
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, musl without mallopt)
+        return None
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return mallopt

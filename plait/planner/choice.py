@@ -73,8 +73,7 @@ def search_space(config: Config, world_size: int, global_batch: int) -> tuple[Se
     if config.zero == 3:  # what its runtime runs (Config.zero)
         recompute = (False,)
     if config.plans_everything:
-        schedules = (config.schedule,) if config.schedule else tuple(
-            s for s in SEARCH_ORDER if config.zero != 3 or not (schedule_spec(s).splits_backward or schedule_spec(s).virtual))
+        schedules = (config.schedule,) if config.schedule else tuple(s for s in SEARCH_ORDER if _runs_with(config, s))
         batched = (False, True) if config.batch_weight_grads is None else (config.batch_weight_grads,)
         if config.precision != "fp32" or config.zero == 3:  # not with low precision or ZeRO-3 yet
             batched = (False,)
@@ -90,6 +89,12 @@ def search_space(config: Config, world_size: int, global_batch: int) -> tuple[Se
     return SearchSpace(pp=(pp,), num_microbatches=(m,), schedules=(schedule,), num_virtual_stages=max(v, 2),
                        recompute=recompute, zero=zero, batch_weight_grads=(c.batch_weight_grads is True,),
                        keep=1), "partitioned"
+
+
+def _runs_with(config: Config, schedule: str) -> bool:
+    """Whether `schedule` runs at the config's ZeRO level (ZeRO-3: one chunk a rank, a whole backward)."""
+    spec = schedule_spec(schedule)
+    return config.zero != 3 or not (spec.splits_backward or spec.virtual)
 
 
 def choose(result: PlanResult, config: Config, world_size: int, source: str, captured: CapturedGraph | None,

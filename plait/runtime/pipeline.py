@@ -268,9 +268,9 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
             zero = ShardedOptimizerState([p for p in local if id(p) in sharded], sharded, replicas, rank,
                                          sync.group)
         if plan.zero == 3 and group is not None:
-            params = _sharded(computed, parts, group, ties, local, replicas[0], equal_tp)
+            tied = {id(p) for p in ties.parameters} if ties is not None else set()  # stay whole, summed by `ties`
+            params = _sharded(computed, parts, group, tied, local, replicas[0], equal_tp)
             computed = {s: params.stages[s] for s in mine}
-            tied = {id(p) for p in ties.parameters} if ties is not None else set()
             local = params.parameters + [p for p in local if id(p) in tied]
     meter = ActivationMeter() if make_ties else None
     executors = {
@@ -290,12 +290,11 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
                     loss_scale=LossScale() if make_ties and plan.precision == "fp16" else None, sharded=params)
 
 
-def _sharded(computed: dict[int, StageModule], parts: _Parts, group: Any, ties: TiedGradients | None,
+def _sharded(computed: dict[int, StageModule], parts: _Parts, group: Any, tied: set[int],
              local: list[nn.Parameter], first: int, equal: bool) -> ShardedParameters:
     """zero=3: this rank's stages with their parameters sharded over the replicas (`group`), a first
-    build's values taken from the first replica before they are cut; a parameter tied across stages
-    stays whole (its gradient summed by `ties`). The user's parameters are emptied after."""
-    tied = {id(p) for p in ties.parameters} if ties is not None else set()
+    build's values taken from the first replica before they are cut; the parameters in `tied` (ids:
+    tied across stages) stay whole. The user's parameters are freed after."""
     if equal:  # the replicas start equal (`Pipeline.start_equal` has no buckets' group to do it with)
         buffers = {id(b): b for st in computed.values() for b in st.module.buffers()}
         broadcast_tensors([p for p in local if id(p) not in tied] + list(buffers.values()), first, group)

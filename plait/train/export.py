@@ -35,7 +35,7 @@ def gather_whole_state(net: nn.Module, pipe: Pipeline | None, config: Config, ra
             f"the limit of ranks {over} (this rank's: {limit / 2**30:.2f} GiB); write it with "
             "model.export(directory) (each rank its own tensors) or save a sharded checkpoint with model.save()")
     try:
-        with pipe.whole_parameters() if pipe is not None else contextlib.nullcontext():  # zero=3: gathered
+        with _whole(pipe):  # zero=3: the shards gathered into the user's parameters
             return gather_state_dict(net, owners, parts)
     except Exception as e:  # noqa: BLE001 - a peer died or timed out: name it
         raise failure_error(f"gathering the state dict after step {step}", rank, e, config.timeout_s) from e
@@ -48,7 +48,7 @@ def export_weights(net: nn.Module, pipe: Pipeline | None, rank: int, world_size:
     the index is written."""
     try:  # a tensor split over tp ranks is written whole by the first of them
         wholes = whole_split_tensors(net, pipe.tp_parts, pipe.tp_group) if pipe and pipe.tp_parts else {}
-        with pipe.whole_parameters() if pipe is not None else contextlib.nullcontext():  # zero=3: gathered
+        with _whole(pipe):  # zero=3: the shards gathered into the user's parameters
             written, error = write_own_shard(net, pipe.owner_of if pipe else {}, rank, directory, wholes, dtype), ""
     except (CheckpointError, OSError) as e:
         written, error = {}, f"{type(e).__name__}: {e}"
@@ -60,3 +60,8 @@ def export_weights(net: nn.Module, pipe: Pipeline | None, rank: int, world_size:
     if world_size > 1:
         sum_floats([0.0])  # the index is written before any rank returns
     return str(directory)
+
+
+def _whole(pipe: Pipeline | None) -> contextlib.AbstractContextManager[None]:
+    """The user's parameters whole for a `with` block (`Pipeline.whole_parameters`; before the build: as they are)."""
+    return pipe.whole_parameters() if pipe is not None else contextlib.nullcontext()

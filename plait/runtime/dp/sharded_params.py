@@ -4,10 +4,10 @@ With `Config(zero=3)` the stage graph a rank runs is cut into its layers' pieces
 layer by layer cuts it: `plait.runtime.layer_checkpoint`), each parameter one piece alone reads is
 moved into that piece (`split_module` reads them all in the calling graph), each piece is handed to
 `fully_shard` over the stage's data-parallel group, and the graph that calls the pieces is the
-root, holding what several pieces read. FSDP2 then does what ZeRO-3 is (Rajbhandari et al. 2020): each replica
-holds 1/dp of every parameter (dim 0); a piece's parameters are all-gathered just before its
-forward and freed after it, gathered again for its backward, and its gradients reduce-scattered to
-their owners once they are final, while the next piece computes.
+root, holding what several pieces read. FSDP2 then does what ZeRO-3 is (Rajbhandari et al. 2020):
+each replica holds 1/dp of every parameter (dim 0); a piece's parameters are all-gathered just
+before its forward and freed after it, gathered again for its backward, and its gradients
+reduce-scattered to their owners once they are final, while the next piece computes.
 
     micro-batch 1 .. m-1   backward: gradients added up whole, no communication
     micro-batch m          backward: each piece's gradient reduce-scattered as its backward ends
@@ -25,15 +25,15 @@ taken (`set_gradient_divide_factor(1.0)`, a plain SUM: gloo has no pre-multiplie
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import replace
 from typing import Any, Iterator, Sequence
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
-from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from plait.capture.split import StageModule
@@ -66,10 +66,7 @@ class ShardedParameters:
         slots = [(m, key, p) for m in parent.modules() for key, p in m._parameters.items() if p is not None]
         ignored = {p for _, _, p in slots if id(p) in whole}
         pieces = [child for name, child in parent.named_children() if name.startswith("submod_")]
-        readers: dict[int, int] = {}
-        for piece in pieces:
-            for p in piece.parameters():
-                readers[id(p)] = readers.get(id(p), 0) + 1
+        readers = Counter(id(p) for piece in pieces for p in piece.parameters())
         for piece in pieces:
             own = [p for p in piece.parameters() if p not in ignored]
             if own and all(readers[id(p)] == 1 for p in own):
@@ -129,7 +126,6 @@ class ShardedParameters:
         assert isinstance(root, FSDPModule)
         root.set_requires_gradient_sync(done == self._last)
         root.set_is_last_backward(done == self._last)
-
 
 
 def _parameters_into_pieces(parent: fx.GraphModule) -> None:

@@ -167,11 +167,10 @@ def shard_stage(gm: fx.GraphModule, layout: TpLayout, tp_rank: int, group: Any,
                 if is_seq(layout_of(value)):
                     readers = [u for u in value.users if u.name in layout.gathers]
                     for_colwise = gathered_for_colwise(layout, value)
-                    kind = "gather_partial" if for_colwise else "gather"
+                    kind, key = ("gather_partial" if for_colwise else "gather"), value
                     if for_colwise and low_precision:  # one each reader, in fp32 (see the colwise role)
                         kind, key = "gather_partial_wide", (value, node)
-                    whole = collective(node, gathered, key if kind == "gather_partial_wide" else value, value, kind,
-                                       layout_of(value).dim)
+                    whole = collective(node, gathered, key, value, kind, layout_of(value).dim)
                     if for_colwise:
                         partial.add(whole)
                         partial.update(u for u in readers if u.target in VIEWS)
