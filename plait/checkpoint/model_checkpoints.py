@@ -18,6 +18,7 @@ a resumable step) or in a temporary directory, and deleted after.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -78,18 +79,16 @@ class ModelCheckpoints:
              extra: dict[str, Any] | None = None) -> Path:
         """Write this rank's shard of step `step`; returns the checkpoint's path once complete.
         `extra`: more of the training state, as JSON (the learning-rate schedule)."""
-        if pipe is not None and pipe.sharded is not None:
-            raise CheckpointError("zero=3 checkpoints (sharded parameters and optimizer state) are not written yet; "
-                                  "save the weights with model.export(directory) or model.state_dict(), or "
-                                  "train with zero=2 to checkpoint")
         for key, value in (extra or {}).items():
             try:
                 json.dumps(value)
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"the {key} state cannot be saved as JSON ({e}); use a scheduler whose "
                                       "state_dict() holds numbers, strings and lists") from None
-        shard = train_state.snapshot(self.net, pipe.owner_of if pipe else {}, self.rank, optimizer,
-                                     pipe.tp_parts if pipe else None)
+        # zero=3: each replica saves its rows of its stage's parameters and their state, split as tp's parts are
+        parts = {**pipe.tp_parts, **pipe.shard_parts()} if pipe else None
+        shard = train_state.snapshot(self.net, pipe.owner_of if pipe else {}, self.rank, optimizer, parts,
+                                     pipe.sharded if pipe else None)
 
         def meta() -> dict[str, Any]:
             plan = json.loads(pipe.plan.to_json()) if pipe is not None else None
@@ -120,10 +119,11 @@ class ModelCheckpoints:
         ckpt, self.pending = self.pending, None
         if ckpt is None:
             return
-        self._copy_values(ckpt)
+        with _written(pipe):
+            self._copy_values(ckpt)
         same_layout = ckpt.same_layout(json.loads(pipe.plan.to_json()))
         stepped = [p for p in pipe.local_parameters if pipe.zero is None or pipe.zero.owned(p)]  # ZeRO: its share
-        train_state.restore(ckpt, self.net, optimizer, stepped, self.rank, same_layout)
+        train_state.restore(ckpt, self.net, optimizer, stepped, self.rank, same_layout, pipe.sharded)
         if pipe.loss_scale is not None and ckpt.meta.get("loss_scale"):  # fp16 resumes with its scale
             pipe.loss_scale.load_state_dict(ckpt.meta["loss_scale"])
         if not same_layout and self.rank == 0:
@@ -156,7 +156,8 @@ class ModelCheckpoints:
                                   f"model.build(x_sample) first, then model.load (each rank then reads its stages')")
         loaded, error = None, None
         try:
-            loaded = weights.load_weights(path, state, wanted)
+            with _written(pipe):  # zero=3: written whole, then each replica keeps its rows
+                loaded = weights.load_weights(path, state, wanted)
         except Exception as e:  # noqa: BLE001 - the others must hear of it, not wait for this rank
             error = e
         failed = failed_ranks(error is not None)
@@ -197,6 +198,12 @@ class ModelCheckpoints:
         finally:
             if self.rank == 0:
                 shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _written(pipe: Pipeline | None) -> contextlib.AbstractContextManager[None]:
+    """zero=3: the user's parameters whole for the block to write into, each shard taking its rows
+    after (`ShardedParameters.written`); else nothing to do."""
+    return pipe.sharded.written() if pipe is not None and pipe.sharded is not None else contextlib.nullcontext()
 
 
 def _shapes(ckpt: Checkpoint) -> dict[str, Any]:

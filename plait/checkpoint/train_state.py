@@ -20,7 +20,7 @@ import json
 import logging
 import random
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -37,6 +37,18 @@ log = logging.getLogger("plait")
 
 _OPT, _RNG = "optimizer/", "rng/"
 Split = tuple[int, int, Sequence[int]]  # a tp-split tensor: dim, blocks, the rank of each part
+
+
+class RowShards(Protocol):
+    """zero=3's sharded parameters (`plait.runtime.dp.sharded_params.ShardedParameters`): each
+    user's parameter with this rank's shard of it, its rows of a sharded tensor, and a whole value
+    as a shard holds it."""
+
+    pairs: list[tuple[nn.Parameter, nn.Parameter]]
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def held(self, shard: torch.Tensor, whole: torch.Tensor) -> torch.Tensor: ...
 _SIMPLE = (bool, int, float, str, type(None))
 
 
@@ -68,16 +80,23 @@ def model_index(net: nn.Module, owner_of: Mapping[int, int], parts: Mapping[int,
     return keys, aliases, entries
 
 
-def owned_tensors(net: nn.Module, entries: Mapping[str, Mapping[str, Any]], rank: int) -> dict[str, torch.Tensor]:
-    """The model tensors this rank saves (its part of a split one), by their first name."""
+def owned_tensors(net: nn.Module, entries: Mapping[str, Mapping[str, Any]], rank: int,
+                  sharded: RowShards | None = None) -> dict[str, torch.Tensor]:
+    """The model tensors this rank saves (its part of a split one; zero=3: its shard's rows), by
+    their first name."""
     state = net.state_dict(keep_vars=True)
-    return {name: state[name].detach() for name, e in entries.items() if rank in holders(e)}
+    rows = {id(whole): sharded.rows(shard) for whole, shard in sharded.pairs} if sharded is not None else {}
+    return {name: rows.get(id(state[name]), state[name]).detach() for name, e in entries.items() if rank in holders(e)}
 
 
-def _names(net: nn.Module) -> dict[int, str]:
+def _names(net: nn.Module, sharded: RowShards | None = None) -> dict[int, str]:
+    """id(tensor) -> its first state_dict name (zero=3: a shard named as the parameter it is of)."""
     out: dict[int, str] = {}
     for name, t in net.state_dict(keep_vars=True).items():
         out.setdefault(id(t), name)
+    for whole, shard in sharded.pairs if sharded is not None else ():
+        if id(whole) in out:
+            out[id(shard)] = out[id(whole)]
     return out
 
 
@@ -93,11 +112,13 @@ def _plain(value: Any, where: str) -> Any:
     )
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer | None, net: nn.Module, owned: Iterable[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(tensors, JSON) of the optimizer state of the parameters named in `owned`, by name."""
+def optimizer_state(optimizer: torch.optim.Optimizer | None, net: nn.Module, owned: Iterable[str],
+                    sharded: RowShards | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, JSON) of the optimizer state of the parameters named in `owned`, by name (zero=3:
+    a shard's state, its rows)."""
     if optimizer is None:
         return {}, {"class": None, "groups": [], "state": {}}
-    names, keep = _names(net), set(owned)
+    names, keep = _names(net, sharded), set(owned)
     tensors: dict[str, torch.Tensor] = {}
     values: dict[str, dict[str, Any]] = {}
     groups = []
@@ -112,7 +133,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer | None, net: nn.Module, own
             continue
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{_OPT}{name}/{key}"] = value.detach()
+                tensors[f"{_OPT}{name}/{key}"] = (sharded.rows(value) if sharded is not None else value).detach()
             else:
                 values.setdefault(name, {})[key] = _plain(value, f"optimizer state {key!r} of {name!r}")
     kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
@@ -121,16 +142,17 @@ def optimizer_state(optimizer: torch.optim.Optimizer | None, net: nn.Module, own
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params: Iterable[nn.Parameter],
                       shards: Mapping[int, tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]],
-                      entries: Mapping[str, Mapping[str, Any]] | None = None) -> int:
+                      entries: Mapping[str, Mapping[str, Any]] | None = None, sharded: RowShards | None = None) -> int:
     """Set the state of `params` (this rank's) from the shards that hold it; return how many got one.
 
     `shards` maps a rank to its (tensors, JSON optimizer part). Each parameter's group settings
     come from the group that held it when saved, so a new layout keeps changed learning rates.
     The state of a parameter saved split over tp ranks (`entries`: the checkpoint's index) is
-    joined from its parts, and cut to this rank's part where the parameter is split here.
+    joined from its parts, and cut to this rank's part where the parameter is split here (zero=3:
+    `sharded`, its rows of each).
     """
     try:
-        return _restore_optimizer(optimizer, net, params, shards, entries or {})
+        return _restore_optimizer(optimizer, net, params, shards, entries or {}, sharded)
     except (TypeError, ValueError, AttributeError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"the checkpoint's optimizer state is malformed or does not fit this "
                               f"optimizer ({type(e).__name__}: {e})") from None
@@ -138,8 +160,8 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params: 
 
 def _restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params: Iterable[nn.Parameter],
                        shards: Mapping[int, tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]],
-                       entries: Mapping[str, Mapping[str, Any]]) -> int:
-    names = _names(net)
+                       entries: Mapping[str, Mapping[str, Any]], sharded: RowShards | None) -> int:
+    names = _names(net, sharded)
     found: dict[str, dict[str, Any]] = {}
     pieces: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (name, field) -> rank -> its tensor
     settings: dict[str, dict[str, Any]] = {}
@@ -174,13 +196,19 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params:
                 group[key].fill_(value)
         for p, name in zip(group["params"], group_names):
             if id(p) in wanted and name in found:
-                state = {k: as_held(p, v).to(p.device) if isinstance(v, torch.Tensor) else v
+                state = {k: _held(p, v, sharded).to(p.device) if isinstance(v, torch.Tensor) else v
                          for k, v in found[name].items()}
                 _check_like(name, state, optimizer.state.get(p) or next(iter(restored.values()), None))
                 restored[p] = state
     for p, state in restored.items():
         optimizer.state[p] = state
     return len(restored)
+
+
+def _held(p: torch.Tensor, value: torch.Tensor, sharded: RowShards | None) -> torch.Tensor:
+    """A whole `value` as parameter `p` holds it: zero=3's rows of it (`sharded`), the part where tp
+    cut `p` (`as_held`); a value of another shape (a step count) as it is."""
+    return sharded.held(p, value) if sharded is not None else as_held(p, value)
 
 
 def _joined(entry: Mapping[str, Any], values: Mapping[int, torch.Tensor]) -> torch.Tensor:
@@ -309,12 +337,13 @@ class Snapshot:
 
 
 def snapshot(net: nn.Module, owner_of: Mapping[int, int], rank: int,
-             optimizer: torch.optim.Optimizer | None, parts: Mapping[int, Split] | None = None) -> Snapshot:
-    """What rank `rank` saves: the model tensors it owns (its parts of tp-split ones: `parts`),
-    their optimizer state, its RNG states."""
+             optimizer: torch.optim.Optimizer | None, parts: Mapping[int, Split] | None = None,
+             sharded: RowShards | None = None) -> Snapshot:
+    """What rank `rank` saves: the model tensors it owns (its parts of tp-split ones and, zero=3,
+    the rows of its `sharded` ones: `parts` says which), their optimizer state, its RNG states."""
     keys, aliases, entries = model_index(net, owner_of, parts)
-    tensors = owned_tensors(net, entries, rank)
-    opt_tensors, opt_json = optimizer_state(optimizer, net, list(tensors))
+    tensors = owned_tensors(net, entries, rank, sharded)
+    opt_tensors, opt_json = optimizer_state(optimizer, net, list(tensors), sharded)
     rng_tensors, rng_json = rng_state()
     metadata = {"plait": json.dumps({"rank": rank, "optimizer": opt_json, "rng": rng_json})}
     return Snapshot({**tensors, **opt_tensors, **rng_tensors}, metadata,
@@ -322,17 +351,17 @@ def snapshot(net: nn.Module, owner_of: Mapping[int, int], rank: int,
 
 
 def restore(ckpt: Checkpoint, net: nn.Module, optimizer: torch.optim.Optimizer | None,
-            local: Iterable[nn.Parameter], rank: int, same_layout: bool) -> None:
-    """The optimizer state of this rank's parameters (from whichever shards hold it) and, when
-    the layout is the one that saved it, this rank's RNG states."""
+            local: Iterable[nn.Parameter], rank: int, same_layout: bool, sharded: RowShards | None = None) -> None:
+    """The optimizer state of this rank's parameters (from whichever shards hold it; zero=3: of its
+    `sharded` ones, their rows) and, when the layout is the one that saved it, this rank's RNG states."""
     local = list(local)
     entries = ckpt.meta["tensors"]
-    names = _names(net)
+    names = _names(net, sharded)
     wanted = {r for p in local if names.get(id(p)) in entries for r in holders(entries[names[id(p)]])}
     shards = {r: ckpt.read_shard(r) for r in sorted(wanted | ({rank} if same_layout else set()))}
     if optimizer is not None:
         restore_optimizer(optimizer, net, local, {r: (t, part.get("optimizer", {})) for r, (t, part) in shards.items()},
-                          entries)
+                          entries, sharded)
     if same_layout:
         tensors, part = shards[rank]
         restore_rng(tensors, part.get("rng", {}))

@@ -75,21 +75,23 @@ class StateBytes:
 
 
 def state_bytes(param_bytes: float, grad_bytes: float, optimizer_state_factor: float,
-                dp: int, zero: int) -> StateBytes:
-    """The state bytes of a rank whose stages hold `param_bytes` and `grad_bytes`."""
+                dp: int, zero: int, copy_bytes: float = 0.0) -> StateBytes:
+    """The state bytes of a rank whose stages hold `param_bytes` (`copy_bytes` of them low-precision
+    copies: zero=3 holds only the masters' shards) and `grad_bytes`."""
     _check(optimizer_state_factor, dp, zero)
-    return _state(param_bytes, grad_bytes, optimizer_state_factor, dp, zero)
+    return _state(param_bytes, grad_bytes, optimizer_state_factor, dp, zero, copy_bytes)
 
 
 def state_totals(param_bytes: Sequence[float], grad_bytes: Sequence[float], optimizer_state_factor: float,
-                 dp: int, zero: int) -> list[float]:
+                 dp: int, zero: int, copy_bytes: Sequence[float] = ()) -> list[float]:
     """`state_bytes(...).total` of each layer (the partition's fixed memory), checked once."""
     _check(optimizer_state_factor, dp, zero)
     # `_state(...).total` of every layer at once: the same float operations, element-wise
     params, grads = np.asarray(param_bytes, dtype=np.float64), np.asarray(grad_bytes, dtype=np.float64)
     optimizer = optimizer_state_factor * grads / (dp if zero else 1)
     step = grads / dp if zero >= 2 else grads
-    params = params / dp if zero == 3 else params
+    if zero == 3:
+        params = (params - np.asarray(copy_bytes, dtype=np.float64)) / dp if len(copy_bytes) else params / dp
     totals = np.maximum(params + grads + optimizer, params + step + optimizer)
     return [float(x) for x in totals.tolist()]
 
@@ -102,10 +104,11 @@ def _check(optimizer_state_factor: float, dp: int, zero: int) -> None:
         raise ConfigError(f"optimizer_state_factor must be >= 0 (Adam: 2), got {optimizer_state_factor!r}")
 
 
-def _state(param_bytes: float, grad_bytes: float, optimizer_state_factor: float, dp: int, zero: int) -> StateBytes:
+def _state(param_bytes: float, grad_bytes: float, optimizer_state_factor: float, dp: int, zero: int,
+           copy_bytes: float = 0.0) -> StateBytes:
     """The module's table (arguments checked)."""
     return StateBytes(
-        parameters=param_bytes / dp if zero == 3 else param_bytes,
+        parameters=(param_bytes - copy_bytes) / dp if zero == 3 else param_bytes,
         gradients=grad_bytes,
         optimizer=optimizer_state_factor * grad_bytes / (dp if zero else 1),
         step_gradients=grad_bytes / dp if zero >= 2 else grad_bytes,
@@ -123,7 +126,7 @@ def held_in_precision(costs: LayerCosts, precision: str) -> LayerCosts:
     if precision == "fp32":
         return costs
     return replace(costs, param_bytes=tuple(HELD_PER_CAPTURED * b for b in costs.param_bytes),
-                   grad_bytes=tuple(2.0 * b for b in costs.grad_bytes))
+                   grad_bytes=tuple(2.0 * b for b in costs.grad_bytes), copy_bytes=costs.param_bytes)
 
 
 def split_held_in_precision(shares: TpShares, precision: str) -> TpShares:

@@ -201,7 +201,8 @@ def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, glo
     time, fill, last_fill, count = latency_terms(costs, setting, rows)
     v = setting.num_virtual_stages
     cuts = [2 * c for c in cut_times(costs, setting, cluster.network, rows)]
-    state = state_totals(costs.param_bytes, costs.grad_bytes, cluster.optimizer_state_factor, setting.dp, setting.zero)
+    state = state_totals(costs.param_bytes, costs.grad_bytes, cluster.optimizer_state_factor, setting.dp, setting.zero,
+                         costs.copy_bytes)
     act = [a * rows for a in costs.activation_row_bytes]
     entry = [costs.input_row_bytes * rows] + [o * rows for o in costs.output_row_bytes[:-1]]
     peaks = peak_activations(setting)
@@ -251,7 +252,8 @@ def _stages(costs: LayerCosts, setting: Setting, cluster: Cluster, rows: int,
     stages, start = [], 0
     for s, size in enumerate(layers_per_stage):
         end = start + size
-        state = _state(sum(costs.param_bytes[start:end]), sum(costs.grad_bytes[start:end]), setting, cluster).total
+        state = _state(sum(costs.param_bytes[start:end]), sum(costs.grad_bytes[start:end]), setting, cluster,
+                       sum(costs.copy_bytes[start:end])).total
         entry = entries[start]
         stages.append(StageCost(
             s, s % setting.pp, start, end, sum(f[start:end]) + busy[s], sum(b[start:end]) + busy[s], sum(w[start:end]),
@@ -307,8 +309,8 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
     by_rank: list[list[StageCost]] = [[] for _ in range(p)]
     for st in stages:
         by_rank[st.rank].append(st)
-    grad_sum, param_sum, step_sum = (_prefix(values) for values in (costs.grad_bytes, costs.param_bytes,
-                                                                      costs.optimizer_s))
+    grad_sum, param_sum, step_sum, copy_sum = (_prefix(values) for values in (
+        costs.grad_bytes, costs.param_bytes, costs.optimizer_s, costs.copy_bytes or [0.0] * costs.num_layers))
     # ZeRO-2 reduces each bucket to its owners: one reduce of 1/dp of it per owner
     # ZeRO-3 reduce-scatters each gradient to the owners of its shards
     gradient_sum = by_owner if zero == 2 and cluster.owner_reduces else reduce_scatter if zero == 3 else all_reduce
@@ -319,10 +321,11 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         ranges = tuple((st.start, st.end) for st in mine)
         grads = sum(grad_sum[b] - grad_sum[a] for a, b in ranges)
         params = sum(param_sum[b] - param_sum[a] for a, b in ranges)
+        copies = sum(copy_sum[b] - copy_sum[a] for a, b in ranges)  # low precision: what zero=3 gathers
         # a rank's replicas are r, r + pp, ...: one node when the first and last share it
         one_node = r // per_node == setting.rank_of(r, dp - 1) // per_node
         layers = tuple(costs.grad_bytes[a:b] for a, b in ranges)
-        key = (layers, params, one_node)
+        key = (layers, params, copies, one_node)
         if key not in seen:
             replicas = [setting.rank_of(r, d) for d in range(dp)]
             link = cluster.network.reduce_link(replicas)
@@ -332,10 +335,10 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
             # copies, no sums, at the point-to-point link's rate (2 gloo ranks: two 16 MiB broadcasts
             # took 10-11 ms, a send and a receive of 16 MiB each way 12-13, a 32 MiB all-reduce 23)
             # ZeRO-3 all-gathers the parameters for each micro-batch's forward and again for its backward
-            shared = (2 * setting.num_microbatches * all_gather(params, dp, link) if zero == 3
+            shared = (2 * setting.num_microbatches * all_gather(copies or params, dp, link) if zero == 3
                       else by_owner(grads, dp, cluster.network.link(replicas)) if zero else 0.0)
             seen[key] = (summed_in(count, grads, dp, link, gradient_sum), tail, shared,
-                         _state(params, grads, setting, cluster))
+                         _state(params, grads, setting, cluster, copies))
         total, tail, shared, state = seen[key]
         summed.append(total)
         gather.append(shared)
@@ -368,8 +371,9 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
     )
 
 
-def _state(param_bytes: float, grad_bytes: float, setting: Setting, cluster: Cluster) -> StateBytes:
-    return state_bytes(param_bytes, grad_bytes, cluster.optimizer_state_factor, setting.dp, setting.zero)
+def _state(param_bytes: float, grad_bytes: float, setting: Setting, cluster: Cluster,
+           copy_bytes: float = 0.0) -> StateBytes:
+    return state_bytes(param_bytes, grad_bytes, cluster.optimizer_state_factor, setting.dp, setting.zero, copy_bytes)
 
 
 def _prefix(values: Sequence[float]) -> list[float]:

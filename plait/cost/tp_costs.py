@@ -121,6 +121,7 @@ def at_tp(costs: LayerCosts, shares: TpShares, link: Link) -> LayerCosts:
         weight_row_s=scaled(costs.weight_row_s, part),
         activation_row_bytes=scaled(costs.activation_row_bytes, [1 - a + a / tp for a in shares.activation_share]),
         param_bytes=scaled(costs.param_bytes, kept),
+        copy_bytes=scaled(costs.copy_bytes, kept),
         grad_bytes=scaled(costs.grad_bytes, kept),
         optimizer_s=scaled(costs.optimizer_s, kept),
         source=f"{costs.source}; tp={tp}" if costs.source else f"tp={tp}",

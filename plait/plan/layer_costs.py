@@ -54,6 +54,9 @@ class LayerCosts:
     input_row_bytes: float = 0.0
     uncuttable: tuple[tuple[int, int], ...] = ()
     source: str = ""  # how the numbers were obtained, for the report
+    # the low-precision copies' bytes within param_bytes (`plait.cost.memory.held_in_precision`;
+    # empty: none): zero=3 shards the masters and gathers the copies a layer at a time
+    copy_bytes: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -71,6 +74,10 @@ class LayerCosts:
                 raise ConfigError(f"LayerCosts.{name} must be finite and >= 0, got {bad[:3]}")
             object.__setattr__(self, name, values)
         object.__setattr__(self, "names", tuple(str(x) for x in self.names))
+        object.__setattr__(self, "copy_bytes", tuple(float(x) for x in self.copy_bytes))
+        if self.copy_bytes and len(self.copy_bytes) != n:
+            raise ConfigError(f"LayerCosts.copy_bytes has {len(self.copy_bytes)} entries for {n} layers; "
+                              "give one per layer, or none")
         object.__setattr__(self, "uncuttable", tuple((int(a), int(b)) for a, b in self.uncuttable))
         for a, b in self.uncuttable:
             if not 0 <= a < b < n:

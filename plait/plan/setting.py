@@ -10,11 +10,19 @@ from plait.errors import ConfigError
 from plait.plan.mesh import Mesh
 from plait.schedule.registry import SCHEDULE_NAMES, schedule_spec, virtual_hint
 
-__all__ = ["Setting", "microbatch_rows", "peak_activations", "check_zero", "ZERO_LEVELS", "SEARCHED_ZERO"]
+__all__ = ["Setting", "microbatch_rows", "peak_activations", "check_zero", "ZERO_LEVELS", "SEARCHED_ZERO",
+           "zero3_runs"]
 
 
 ZERO_LEVELS = (0, 1, 2, 3)
-SEARCHED_ZERO = (0, 1, 2)  # the levels a search tries unless given (ZeRO-3 only where asked for)
+SEARCHED_ZERO = (0, 1, 2, 3)  # the levels a search tries unless given (the lowest that fits is taken)
+
+
+def zero3_runs(schedule: str, recompute: bool, batch_weight_grads: bool, tp: int = 1) -> bool:
+    """Whether the runtime's zero=3 (FSDP2 on each layer piece) runs with these: one chunk a rank, a
+    whole backward, no recomputation, no batched weight gradients, no tensor parallelism yet."""
+    spec = schedule_spec(schedule)
+    return not (spec.splits_backward or spec.virtual or recompute or batch_weight_grads or tp > 1)
 
 
 def check_zero(zero: object, dp: int) -> None:

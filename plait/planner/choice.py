@@ -27,6 +27,7 @@ from plait.errors import ConfigError
 from plait.planner.autoplan import PlanResult, local_cluster
 from plait.planner.plan_report import PlanReport
 from plait.planner.widths import mixed_widths_choice
+from plait.plan.setting import zero3_runs
 from plait.search.search import SearchSpace
 from plait.search.tp_degree import tp_degrees
 
@@ -70,6 +71,7 @@ def search_space(config: Config, world_size: int, global_batch: int) -> tuple[Se
     """What the search may choose: everything open (Config()), or the layers of a given layout."""
     recompute = (False, True) if config.recompute is None else (config.recompute is True,)
     zero = None if config.zero is None else (config.zero,)
+    zero3 = not config.replan  # zero=3 does not replan yet (Config.zero)
     if config.zero == 3:  # what its runtime runs (Config.zero)
         recompute = (False,)
     if config.plans_everything:
@@ -77,7 +79,7 @@ def search_space(config: Config, world_size: int, global_batch: int) -> tuple[Se
         batched = (False, True) if config.batch_weight_grads is None else (config.batch_weight_grads,)
         if config.precision != "fp32" or config.zero == 3:  # not with low precision or ZeRO-3 yet
             batched = (False,)
-        return SearchSpace(schedules=schedules, recompute=recompute, zero=zero,
+        return SearchSpace(schedules=schedules, recompute=recompute, zero=zero, zero3=zero3,
                            batch_weight_grads=batched), "planned"
     c = config.with_defaults()
     pp, v = c.stages_for(world_size), c.num_virtual_stages
@@ -87,14 +89,13 @@ def search_space(config: Config, world_size: int, global_batch: int) -> tuple[Se
     schedule = one_chunk_as if one_chunk_as is not None and v < 2 else c.schedule
     m = min(c.num_microbatches, -(-global_batch // (world_size // pp)))
     return SearchSpace(pp=(pp,), num_microbatches=(m,), schedules=(schedule,), num_virtual_stages=max(v, 2),
-                       recompute=recompute, zero=zero, batch_weight_grads=(c.batch_weight_grads is True,),
+                       recompute=recompute, zero=zero, zero3=zero3, batch_weight_grads=(c.batch_weight_grads is True,),
                        keep=1), "partitioned"
 
 
 def _runs_with(config: Config, schedule: str) -> bool:
     """Whether `schedule` runs at the config's ZeRO level (ZeRO-3: one chunk a rank, a whole backward)."""
-    spec = schedule_spec(schedule)
-    return config.zero != 3 or not (spec.splits_backward or spec.virtual)
+    return config.zero != 3 or zero3_runs(schedule, False, False)
 
 
 def choose(result: PlanResult, config: Config, world_size: int, source: str, captured: CapturedGraph | None,

@@ -87,7 +87,19 @@ class Pipeline:
     def whole_parameters(self) -> contextlib.AbstractContextManager[None]:
         """With zero=3, the user's parameters filled with their whole values for the time of the
         `with` block (an all-gather over each stage's replicas); else nothing to do."""
-        return self.sharded.gathered() if self.sharded is not None else contextlib.nullcontext()
+        if self.sharded is None:
+            return contextlib.nullcontext()
+        return self.sharded.gathered(self.copies.release if self.copies is not None else None)
+
+    def shard_parts(self) -> dict[int, tuple[int, int, list[int]]]:
+        """zero=3: id(parameter) -> (dim 0, one block, its replicas' ranks) of every stage's parameters
+        FSDP2 shards (one tied across stages stays whole), as a checkpoint's index splits them."""
+        if self.sharded is None:
+            return {}
+        holders, _ = stage_holders(self.stages)
+        params = {id(p) for st in self.stages for p in st.module.parameters()}
+        return {i: (0, 1, [self.plan.rank_of(ss[0], r) for r in range(self.plan.dp)])
+                for i, ss in holders.items() if i in params and len(ss) == 1}
 
     @property
     def is_last(self) -> bool:
@@ -131,7 +143,8 @@ class Pipeline:
         parts = _Parts(self.plan, self.rank, loss, self.execution, self.interpreter.wire,
                        self.interpreter.tracer, self.output_spec, self.tp_group, self.copies)
         held_by, _ = stage_holders(self.stages)
-        made = _assemble(captured, layer_stage, parts, make_ties=False, held_by=held_by)
+        with self.whole_parameters():  # zero=3 below fp32: the evaluation copies made from the whole values
+            made = _assemble(captured, layer_stage, parts, make_ties=False, held_by=held_by)
         made.sharded = self.sharded  # zero=3: evaluation runs on the whole values, gathered per batch
         return made
 
@@ -255,8 +268,10 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
             tp_parts.setdefault(i, (dim, blocks, list(plan.mesh.stage_ranks(min(holders[i]), owners.get(i, 0)))))
     mine = plan.stages_of(rank)
     local = list({id(p): p for s in mine for p in stages[s].module.parameters()}.values())
-    # what the executors run: the stages, or their copies computing in plan.precision (made before the buckets listen)
-    computed = {s: parts.copies.stage(stages[s]) if parts.copies is not None else stages[s] for s in mine}
+    # what the executors run: the stages, or their copies computing in plan.precision (made before the buckets
+    # listen); zero=3 training copies only the parameters tied across stages (FSDP2 casts the sharded ones)
+    only = {id(p) for p, _ in tied_named(captured.root, plan.tied_parameters)} if make_ties and plan.zero == 3 else None
+    computed = {s: parts.copies.stage(stages[s], only) if parts.copies is not None else stages[s] for s in mine}
     ties, sync, zero, params = None, None, None, None
     if make_ties:
         replicas = list(plan.mesh.dp_ranks(rank))  # this rank's place on each replica of its stage
@@ -269,6 +284,8 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
                                          sync.group)
         if plan.zero == 3 and group is not None:
             tied = {id(p) for p in ties.parameters} if ties is not None else set()  # stay whole, summed by `ties`
+            if parts.copies is not None:  # and their low copies
+                tied |= parts.copies.copy_ids
             params = _sharded(computed, parts, group, tied, local, replicas[0], equal_tp)
             computed = {s: params.stages[s] for s in mine}
             local = params.parameters + [p for p in local if id(p) in tied]
@@ -298,7 +315,8 @@ def _sharded(computed: dict[int, StageModule], parts: _Parts, group: Any, tied: 
     if equal:  # the replicas start equal (`Pipeline.start_equal` has no buckets' group to do it with)
         buffers = {id(b): b for st in computed.values() for b in st.module.buffers()}
         broadcast_tensors([p for p in local if id(p) not in tied] + list(buffers.values()), first, group)
-    params = ShardedParameters(group, parts.device)
+    params = ShardedParameters(group, parts.device, dtype_of(parts.plan.precision),
+                               dtype_of(parts.execution.reduce_precision))
     for s, st in computed.items():
         params.stage(s, st, pieces(parts.plan.layer_names), tied)
     params.release()

@@ -7,7 +7,8 @@ their pipeline time and the visit stops once that bound cannot beat the `keep`-t
 (branch and bound: a setting is skipped only when it cannot enter the table). The best by the
 closed form are then timed again on the schedule's own program (`steptime`) and re-ranked.
 Tensor parallelism is searched around this (`plait.cost.tp_costs.search_tp`: each tp on world / tp
-ranks); here tp = 1, and a layer that fits no device makes every setting infeasible, with the reason. ZeRO (0, 1, 2: `plait.cost.memory`) is searched where dp > 1;
+ranks); here tp = 1, and a layer that fits no device makes every setting infeasible, with the reason. ZeRO (0-3: `plait.cost.memory`;
+3 where its runtime runs: `plait.plan.setting.zero3_runs`) is searched where dp > 1;
 left to the search (`SearchSpace.zero` None) it is used where memory needs it: the candidates
 are those of the lowest level at which some layout fits. Batched weight gradients
 (`Config.batch_weight_grads`) are one more choice, priced by `plait.cost.layer_times`. Candidates
@@ -31,7 +32,7 @@ from plait.cost.prediction import (
 )
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
-from plait.plan.setting import SEARCHED_ZERO, check_zero
+from plait.plan.setting import SEARCHED_ZERO, check_zero, zero3_runs
 from plait.schedule.registry import SCHEDULE_NAMES, SEARCH_ORDER, schedule_spec
 from plait.search.partition import Infeasible
 from plait.search.solved import SolvedPartitions
@@ -50,7 +51,8 @@ class SearchSpace:
     schedules: tuple[str, ...] = field(default_factory=lambda: tuple(SEARCH_ORDER))  # the registered ones
     num_virtual_stages: int = 2  # chunks per rank of "interleaved"
     recompute: tuple[bool, ...] = (False, True)
-    zero: tuple[int, ...] | None = None  # None: 0, 1 and 2 where dp > 1 (else 0); given: only those
+    zero: tuple[int, ...] | None = None  # None: 0-3 where dp > 1 (else 0); given: only those
+    zero3: bool = True  # False: zero=3 not tried where zero is None (beside tp, or replanning: not run yet)
     batch_weight_grads: tuple[bool, ...] = (False, True)  # True: tried with m > 1, without recomputation or ZB-H1
     keep: int = 5  # candidates returned
     simulate_top: int = 8  # at most this many re-timed on the schedule's program
@@ -66,6 +68,8 @@ class SearchSpace:
     def zero_levels(self, dp: int) -> tuple[int, ...]:
         """The ZeRO levels to try with dp replicas per stage (1 and 2 need dp > 1)."""
         levels = SEARCHED_ZERO if self.zero is None else tuple(sorted(set(self.zero)))
+        if self.zero is None and not self.zero3:
+            levels = tuple(z for z in levels if z != 3)
         return tuple(z for z in levels if z == 0 or dp > 1)
 
 
@@ -152,7 +156,8 @@ def _settings(costs: LayerCosts, world_size: int, global_batch: int, space: Sear
                         if batched and (recompute or spec.splits_backward or m == 1):
                             continue  # it would keep what recomputation frees; ZB-H1 would be 1F1B; m=1: no change
                         out.extend(Setting(pp, dp, m, name, v, recompute, zero, batched)
-                                   for zero in space.zero_levels(dp))
+                                   for zero in space.zero_levels(dp)
+                                   if zero != 3 or zero3_runs(name, recompute, batched))
     return out
 
 
@@ -161,7 +166,9 @@ def _loosest(setting: Setting, space: SearchSpace) -> Setting:
     1F1B's held micro-batches for GPipe's (one closed form), ZeRO's highest level searched."""
     leaner = schedule_spec(setting.schedule).leaner
     schedule = leaner if leaner is not None and leaner in space.schedules else setting.schedule
-    return replace(setting, schedule=schedule, zero=max(space.zero_levels(setting.dp)))
+    runs = [z for z in space.zero_levels(setting.dp)
+            if z != 3 or zero3_runs(schedule, setting.recompute, setting.batch_weight_grads)]
+    return replace(setting, schedule=schedule, zero=max(runs, default=setting.zero))
 
 
 def _evaluate(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int,

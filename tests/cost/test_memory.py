@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from plait.cost.memory import StateBytes, optimizer_state_factor, state_bytes, state_totals
+from plait.cost.memory import StateBytes, held_in_precision, optimizer_state_factor, state_bytes, state_totals
 from plait.errors import ConfigError
 from plait.plan.setting import check_zero
+from tests.plan.factory import layer_costs
 
 
 def test_zero_shares_the_optimizer_state_and_keeps_the_parameters() -> None:
@@ -34,6 +35,19 @@ def test_per_layer_totals_are_the_same_formula() -> None:
         assert state_totals(params, grads, 6.0, 2, zero) == [
             state_bytes(p, g, 6.0, 2, zero).total for p, g in zip(params, grads)]
     assert state_totals(params, grads, 6.0, 2, 1) == [100 + 100 + 300, 0.0, 30 + 10 + 30]
+
+
+def test_zero3_in_low_precision_holds_the_master_shards_and_gathers_the_copies() -> None:
+    """A bf16 profile's 100 captured bytes are held as 200 bytes of fp32 masters beside the 100 of
+    the copy (`held_in_precision`); zero=3 shards the masters and gathers the copies a layer at a
+    time (FSDP2's mixed precision): a quarter of the masters per rank of 4 replicas."""
+    costs = held_in_precision(layer_costs(3, params=100.0), "bf16")
+    assert costs.param_bytes == (300.0,) * 3 and costs.copy_bytes == (100.0,) * 3
+    assert state_bytes(300.0, 200.0, 2.0, 4, 3, copy_bytes=100.0).parameters == 50.0
+    assert state_bytes(300.0, 200.0, 2.0, 4, 2, copy_bytes=100.0).parameters == 300.0  # below 3: both held
+    assert state_totals(costs.param_bytes, costs.grad_bytes, 2.0, 4, 3, costs.copy_bytes) == [
+        state_bytes(300.0, 200.0, 2.0, 4, 3, 100.0).total] * 3
+    assert held_in_precision(costs, "fp32") is costs
 
 
 @pytest.mark.parametrize("zero, dp, message", [

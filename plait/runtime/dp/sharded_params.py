@@ -20,6 +20,13 @@ storage freed (resized to nothing, shape kept, as FSDP2 frees an unsharded param
 pipeline and export, and frees them after. FSDP2 divides a reduce-scatter by the replicas by
 default; plait's losses are already scaled by each replica's share of the batch, so the sum is
 taken (`set_gradient_divide_factor(1.0)`, a plain SUM: gloo has no pre-multiplied one).
+
+Below fp32 (`Plan.precision`) the shards are the fp32 masters and FSDP2's
+`MixedPrecisionPolicy(param_dtype=bf16/fp16, reduce_dtype=float32)` makes the low copies: a piece
+gathers its parameters rounded to the low dtype, each micro-batch's low gradient is added into an
+fp32 sum (FSDP2's accumulated gradient), which is reduce-scattered in fp32 and stepped in fp32 --
+what `plait.runtime.precision.compute_copies` does without ZeRO-3, so both train alike. A weight
+tied across stages stays whole: it keeps a low copy of its own there.
 """
 
 from __future__ import annotations
@@ -27,17 +34,18 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from dataclasses import replace
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.fx.passes.split_module import split_module
 
 from plait.capture.split import StageModule
 from plait.runtime.layer_checkpoint import layer_parts
+from plait.tensor_parts import part_rows
 
 __all__ = ["ShardedParameters"]
 
@@ -45,8 +53,13 @@ __all__ = ["ShardedParameters"]
 class ShardedParameters:
     """This rank's stages, their parameters sharded over the stage's replicas (`group`)."""
 
-    def __init__(self, group: Any, device: torch.device):
+    def __init__(self, group: Any, device: torch.device, dtype: torch.dtype = torch.float32,
+                 reduce_dtype: torch.dtype = torch.float32):
         self.mesh = DeviceMesh.from_group(group, device.type)
+        # below fp32: gathered in `dtype`; gradients added up and reduce-scattered in `reduce_dtype`
+        low = dtype if dtype != torch.float32 else None
+        self.policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce_dtype if low or
+                                           reduce_dtype != torch.float32 else None)
         self.stages: dict[int, StageModule] = {}  # stage index -> the stage running on shards
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (the user's parameter, its shard)
         self._backwards: dict[int, int] = {}  # stage index -> this batch's backward passes so far
@@ -82,7 +95,8 @@ class ShardedParameters:
         return self.stages[index]
 
     def _shard(self, module: nn.Module, ignored: set[nn.Parameter]) -> None:
-        fully_shard(module, mesh=self.mesh, ignored_params=ignored or None, reshard_after_forward=True)
+        fully_shard(module, mesh=self.mesh, ignored_params=ignored or None, reshard_after_forward=True,
+                    mp_policy=self.policy)
         assert isinstance(module, FSDPModule)
         module.set_gradient_divide_factor(1.0)  # the replicas' gradients summed (losses carry their share)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
@@ -101,9 +115,9 @@ class ShardedParameters:
             whole.untyped_storage().resize_(0)
 
     @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
+    def gathered(self, after: Callable[[], None] | None = None) -> Iterator[None]:
         """The user's parameters hold the whole current values (an all-gather over the replicas),
-        freed again after."""
+        freed again after (and `after()` called: what was made from them freed too)."""
         with torch.no_grad():
             for whole, shard in self.pairs:
                 assert isinstance(shard, DTensor)
@@ -112,6 +126,38 @@ class ShardedParameters:
             yield
         finally:
             self.release()
+            if after is not None:
+                after()
+
+    @contextlib.contextmanager
+    def written(self) -> Iterator[None]:
+        """The user's parameters hold the whole current values (`gathered`) for the block to write
+        into (a checkpoint's or named weights' values); after it each shard takes its rows of them."""
+        with self.gathered():
+            yield
+            with torch.no_grad():
+                for whole, shard in self.pairs:
+                    assert isinstance(shard, DTensor)
+                    local = shard.to_local()
+                    start, stop = part_rows(whole.shape[0], self.mesh.get_local_rank(), self.mesh.size())
+                    local.copy_(whole.detach()[start:stop].to(local.dtype))
+
+    @staticmethod
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a sharded tensor (a shard, or its optimizer state); another as it is."""
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    @staticmethod
+    def held(shard: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """A whole value (a checkpoint's optimizer state) as `shard` holds it: this rank's rows of it,
+        the rows `torch.chunk` gives each replica as FSDP2 does; a value of another shape (a step
+        count), or for a tensor not sharded, as it is."""
+        if not isinstance(shard, DTensor) or tuple(whole.shape) != tuple(shard.shape) or whole.dim() == 0:
+            return whole
+        mesh = shard.device_mesh
+        start, stop = part_rows(whole.shape[0], mesh.get_local_rank(), mesh.size())
+        return DTensor.from_local(whole[start:stop].to(shard.to_local().device).contiguous(), mesh, shard.placements,
+                                  shape=shard.shape, stride=shard.stride())
 
     def prepare(self, num_microbatches: int, sync: bool) -> None:
         """Before a training batch of `num_microbatches`: each stage's gradients reduce-scattered in

@@ -60,7 +60,13 @@ def memory_stats(pipe: Pipeline, net: nn.Module, readings: dict[str, int | None]
     position = plan.mesh.coordinates(pipe.rank).position
     dp = plan.dp_of(position)  # stage_dp: a stage of one replica shards nothing
     low = dtype_of(plan.precision).itemsize if plan.precision != "fp32" else 0  # a copy of each floating parameter
-    state = state_bytes(float(sum(p.numel() * (p.element_size() + (low if p.is_floating_point() else 0)) for p in local)),
+    sharded = set(map(id, pipe.sharded.parameters)) if pipe.sharded is not None else set()
+
+    def held(p: torch.Tensor) -> int:
+        """A parameter's bytes and its low copy's (zero=3: FSDP2 gathers a shard's copy per piece, then frees it)."""
+        return p.numel() * (p.element_size() + (low if p.is_floating_point() and id(p) not in sharded else 0))
+
+    state = state_bytes(float(sum(held(p) for p in local)),
                         float(sum(p.numel() * p.element_size() for p in local if p.requires_grad)),
                         state_factor, dp, plan.zero if dp > 1 else 0)
     predicted: dict[str, float | None] = {
@@ -72,8 +78,7 @@ def memory_stats(pipe: Pipeline, net: nn.Module, readings: dict[str, int | None]
         for key, planned in _PLANNED.items():
             predicted[key] = float(chosen[planned][position])
     if pipe.sharded is not None:  # zero=3: a parameter tied across stages stays whole on every holder
-        whole = set(map(id, pipe.sharded.parameters))
-        kept = float(sum(p.numel() * p.element_size() for p in local if id(p) not in whole))
+        kept = float(sum(held(p) for p in local if id(p) not in sharded))
         predicted["parameters_bytes"] = float(predicted["parameters_bytes"] or 0.0) + kept * (1 - 1 / dp)
     measured["predicted"] = predicted
     return measured

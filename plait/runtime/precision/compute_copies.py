@@ -39,21 +39,23 @@ class ComputeCopies:
         self._copies: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(master) -> (master, copy)
         self._listeners: dict[int, list[GradListener]] = {}
 
-    def stage(self, stage: StageModule) -> StageModule:
+    def stage(self, stage: StageModule, only: set[int] | None = None) -> StageModule:
         """`stage` computing with the copies: its module tree copied (every module a new object with
-        its own parameter dict; buffers shared with the model, so in-place updates reach it)."""
-        return replace(stage, module=self._tree(stage.module, {}))
+        its own parameter dict; buffers shared with the model, so in-place updates reach it). With
+        `only` (ids), only those parameters get a copy; the others stay the masters (zero=3: FSDP2
+        casts them itself, `plait.runtime.dp.sharded_params`)."""
+        return replace(stage, module=self._tree(stage.module, {}, only))
 
-    def _tree(self, module: nn.Module, memo: dict[int, nn.Module]) -> Any:
+    def _tree(self, module: nn.Module, memo: dict[int, nn.Module], only: set[int] | None) -> Any:
         if id(module) in memo:  # a module reached twice (reused) stays one module
             return memo[id(module)]
         made = object.__new__(type(module))  # a plain shallow copy (GraphModule's __copy__ would re-own its graph)
         made.__dict__.update(module.__dict__)
         memo[id(module)] = made
-        made.__dict__["_parameters"] = {name: None if p is None else self._copy_of(p)
-                                        for name, p in module._parameters.items()}
+        made.__dict__["_parameters"] = {name: p if p is None or (only is not None and id(p) not in only)
+                                        else self._copy_of(p) for name, p in module._parameters.items()}
         made.__dict__["_buffers"] = dict(module._buffers)
-        made.__dict__["_modules"] = {name: None if m is None else self._tree(m, memo)
+        made.__dict__["_modules"] = {name: None if m is None else self._tree(m, memo, only)
                                      for name, m in module._modules.items()}
         return made
 
@@ -89,10 +91,25 @@ class ComputeCopies:
             param.register_post_accumulate_grad_hook(listen)  # type: ignore[no-untyped-call]
 
     def refresh(self) -> None:
-        """Every copy takes its master's current value (after an optimizer step, a load, a replan)."""
+        """Every copy takes its master's current value (after an optimizer step, a load, a replan),
+        its memory given back first where `release` freed it."""
         with torch.no_grad():
             for master, low in self._copies.values():
+                storage = low.untyped_storage()
+                if storage.nbytes() == 0:
+                    storage.resize_(low.numel() * low.element_size())
                 low.copy_(master)
+
+    def release(self) -> None:
+        """Free every copy's memory (storage resized to nothing; `refresh` fills it again): zero=3's
+        evaluation copies, held only while the whole parameters are gathered."""
+        for _, low in self._copies.values():
+            low.untyped_storage().resize_(0)
+
+    @property
+    def copy_ids(self) -> set[int]:
+        """The ids of the copies made."""
+        return {id(low) for _, low in self._copies.values()}
 
     def inputs(self, values: Any) -> Any:
         """A stage's inputs from the batch, floating ones in the compute dtype."""
@@ -105,5 +122,6 @@ class ComputeCopies:
 
     @property
     def copy_bytes(self) -> int:
-        """Bytes of the copies held (the memory low precision adds beside the masters)."""
-        return sum(low.numel() * low.element_size() for _, low in self._copies.values())
+        """Bytes of the copies held (the memory low precision adds beside the masters; a released
+        copy holds none)."""
+        return sum(low.untyped_storage().nbytes() for _, low in self._copies.values())

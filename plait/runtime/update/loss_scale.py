@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from plait.runtime.comm.collectives import max_floats
 
@@ -41,7 +42,7 @@ class LossScale:
 
     def found_nonfinite(self, grads: Iterable[torch.Tensor | None], world_size: int) -> bool:
         """Whether any rank holds a non-finite gradient (a collective: every rank calls it)."""
-        local = any(g is not None and not bool(torch.isfinite(g).all()) for g in grads)
+        local = any(g is not None and not bool(torch.isfinite(_local(g)).all()) for g in grads)
         return (max_floats([float(local)])[0] if world_size > 1 else float(local)) > 0
 
     def unscale(self, grads: Iterable[torch.Tensor | None]) -> None:
@@ -49,7 +50,7 @@ class LossScale:
         inverse = 1.0 / self.scale
         for g in grads:
             if g is not None:
-                g.mul_(inverse)
+                _local(g).mul_(inverse)
 
     def update(self, found: bool) -> None:
         """The scale after a step: backed off where a gradient overflowed, grown after a run of good steps."""
@@ -72,3 +73,8 @@ class LossScale:
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"a loss scale of {scale!r} in the checkpoint; it must be a positive number")
         self.scale, self.growth_tracker = scale, int(state["growth_tracker"])
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's values of `grad` (zero=3: a sharded gradient's own shard)."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
