@@ -129,15 +129,14 @@ def _check_zero3(config: Any) -> None:
     refused = {
         "tp": config.tp not in (None, 1), "stage_tp": config.stage_tp is not None,
         "stage_dp": config.stage_dp is not None,
-        "recompute": config.recompute not in (None, False), "batch_weight_grads": bool(config.batch_weight_grads),
-        "num_virtual_stages": config.num_virtual_stages != 1,
+        "batch_weight_grads": bool(config.batch_weight_grads),
         "replan": bool(config.replan), "schedule": config.schedule is not None and schedule_spec(config.schedule).splits_backward,
     }
     bad = {name: getattr(config, name) for name, is_bad in refused.items() if is_bad}
     if bad:
         raise ConfigError(f"zero=3 (parameters sharded over the replicas) does not run with {bad} yet; leave "
-                          "those at their defaults (no recomputation, one chunk per rank, a schedule "
-                          "without a split backward), or use zero=2")
+                          "those at their defaults (tp=1, a schedule without a split backward, no batched "
+                          "weight gradients, no replanning), or use zero=2")
     object.__setattr__(config, "tp", 1)  # no tensor parallelism beside it yet: the planner prices none
 
 

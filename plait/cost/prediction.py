@@ -335,7 +335,9 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
             # copies, no sums, at the point-to-point link's rate (2 gloo ranks: two 16 MiB broadcasts
             # took 10-11 ms, a send and a receive of 16 MiB each way 12-13, a 32 MiB all-reduce 23)
             # ZeRO-3 all-gathers the parameters for each micro-batch's forward and again for its backward
-            shared = (2 * setting.num_microbatches * all_gather(copies or params, dp, link) if zero == 3
+            # (recomputation: a third time, for the forward it repeats)
+            gathers = (3 if setting.recompute else 2) * setting.num_microbatches
+            shared = (gathers * all_gather(copies or params, dp, link) if zero == 3
                       else by_owner(grads, dp, cluster.network.link(replicas)) if zero else 0.0)
             seen[key] = (summed_in(count, grads, dp, link, gradient_sum), tail, shared,
                          _state(params, grads, setting, cluster, copies))

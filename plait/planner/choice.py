@@ -72,8 +72,6 @@ def search_space(config: Config, world_size: int, global_batch: int) -> tuple[Se
     recompute = (False, True) if config.recompute is None else (config.recompute is True,)
     zero = None if config.zero is None else (config.zero,)
     zero3 = not config.replan  # zero=3 does not replan yet (Config.zero)
-    if config.zero == 3:  # what its runtime runs (Config.zero)
-        recompute = (False,)
     if config.plans_everything:
         schedules = (config.schedule,) if config.schedule else tuple(s for s in SEARCH_ORDER if _runs_with(config, s))
         batched = (False, True) if config.batch_weight_grads is None else (config.batch_weight_grads,)
@@ -94,8 +92,8 @@ def search_space(config: Config, world_size: int, global_batch: int) -> tuple[Se
 
 
 def _runs_with(config: Config, schedule: str) -> bool:
-    """Whether `schedule` runs at the config's ZeRO level (ZeRO-3: one chunk a rank, a whole backward)."""
-    return config.zero != 3 or zero3_runs(schedule, False, False)
+    """Whether `schedule` runs at the config's ZeRO level (ZeRO-3: a whole backward)."""
+    return config.zero != 3 or zero3_runs(schedule, False)
 
 
 def choose(result: PlanResult, config: Config, world_size: int, source: str, captured: CapturedGraph | None,

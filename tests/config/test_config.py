@@ -221,7 +221,7 @@ def test_leaf_modules_errors_name_the_value(value, message) -> None:
     ({"zero": True}, "zero must be 0, 1, 2, 3 or None, got True"),
     ({"zero": 3, "tp": 2}, r"zero=3 \(parameters sharded over the replicas\) does not run with \{'tp': 2\}"),
     ({"zero": 3, "schedule": "zbh1"}, r"does not run with \{'schedule': 'zbh1'\}"),
-    ({"zero": 3, "recompute": True, "replan": True}, r"\{'recompute': True, 'replan': True\}"),
+    ({"zero": 3, "batch_weight_grads": True, "replan": True}, r"\{'batch_weight_grads': True, 'replan': True\}"),
     ({"zero": 1, "dp": 1}, r"zero=1 shards over a stage's replicas, but dp=1 has one replica; set dp > 1 or zero=0"),
     ({"zero": 2, "dp": 1}, r"zero=2 shards over a stage's replicas, but dp=1 has one replica"),
 ])

@@ -102,11 +102,12 @@ def test_alpa_gpt_suite_plans(gpus: int) -> None:
         assert best.prediction is not None and best.prediction.peak_memory_bytes <= cluster.memory_bytes
     else:  # 39B: 12.9 GB of state per block on 16 GB devices, at most 32 stages of 50 layers
         assert not best.feasible and "needs tensor parallelism" in best.reason
-        # ZeRO on dp=2 brings a block to 1.5 + 1.5 + 4.5 GiB, but 48 blocks on 32 stages put two
-        # on 16 of them: 15 GiB of state before activations, over the 14.4 GiB a V100 offers
-        assert best.setting.zero > 0 and (best.setting.pp, best.setting.dp) == (32, 2)
+        # ZeRO-3 on dp=2 brings a block to 0.75 + 1.5 + 4.5 GiB, but 48 blocks on 32 stages put two
+        # on 16 of them: 13.5 GiB of state before activations, and the held micro-batches' inputs
+        # and one block's recomputation take it over the 14.4 GiB a V100 offers (ZeRO-1/2: 16.11)
+        assert best.setting.zero == 3 and (best.setting.pp, best.setting.dp) == (32, 2)
         # (recomputed layer by layer: each of the two blocks' inputs kept, one block recomputed)
-        assert best.needed_memory_bytes / 2**30 == pytest.approx(16.11, abs=0.01)
+        assert best.needed_memory_bytes / 2**30 == pytest.approx(14.61, abs=0.01)
         assert "with ZeRO, recomputation and one-row micro-batches" in best.reason
 
 
@@ -191,10 +192,10 @@ def test_a_memory_limit_only_sharded_parameters_meet_chooses_zero3_as_its_runtim
     found = search(costs, 2, 8, cluster, SearchSpace(pp=(1,), keep=50))
     assert found[0].feasible and {c.setting.zero for c in found} == {3}, found[0].reason
     assert found[0].prediction is not None and found[0].prediction.peak_memory_bytes == 1000.0
-    # only settings its runtime runs: no recomputation, no batched weight gradients, one chunk a rank
-    assert not any(c.setting.recompute or c.setting.batch_weight_grads for c in found)
+    # only settings its runtime runs: no batched weight gradients, a whole backward
+    assert not any(c.setting.batch_weight_grads for c in found)
     for c in search(costs, 4, 8, cluster, SearchSpace(keep=50)):
-        assert c.setting.zero != 3 or c.setting.schedule in ("1f1b", "gpipe"), c.setting
+        assert c.setting.zero != 3 or c.setting.schedule != "zbh1", c.setting
     # not tried beside tp or where it is left out (a replanning run): nothing fits
     assert not search(costs, 2, 8, cluster, SearchSpace(pp=(1,), zero3=False))[0].feasible
 

@@ -85,6 +85,8 @@ CASES = {  # world size, model, optimizer, Config fields (with zero=3)
     "gpt2 dp=2 clipped, 2 batches a step": (2, "gpt2", "sgd", dict(num_stages=1, dp=2, num_microbatches=2,
                                                                  clip_grad_norm=0.5, accumulate_steps=2)),
     "gpt2 planned": (2, "gpt2", "adam", {}),
+    "llama 2 stages x 2 replicas, interleaved, recomputed": (4, "llama", "adam", dict(
+        num_stages=2, dp=2, num_microbatches=4, schedule="interleaved", num_virtual_stages=2, recompute=True)),
     # zero left to the planner: the predicted peak is 0.82 MB at zero=3, 0.88 MB at zero=2 (one
     # stage on 2 replicas, one micro-batch, no recomputation): only zero=3 fits 0.85 MB
     "gpt2 zero=3 chosen by the planner to fit": (2, "gpt2", "adam", dict(zero=None, num_stages=1, dp=2, recompute=False,
