@@ -10,7 +10,8 @@ Which layout a run gets, first match wins (`choose_layout`):
 
     1. one process, or the cut given           the config as it is (defaults for what is open);
        (layers_per_stage or split_points)      split_points become layers_per_stage here (stages
-                                               of different widths, Config.stage_tp, give it)
+                                               of different widths, Config.stage_tp, give it);
+                                               one stage with m, zero and recompute given too
     2. Config(plan=path)                       the plan file, checked against world and layers
     3. resuming a checkpoint, layers open      the checkpoint's layout (so a resume is exact)
     4. no size given (Config())                profile, search pp x dp, micro-batches, schedule,
@@ -184,6 +185,8 @@ def _given(work: Workload, config: Config, world_size: int) -> Config | None:
         config = replace(config, split_points=None, layers_per_stage=layers)
     if config.layers_per_stage is not None:
         return config.with_defaults()
+    if _nothing_to_choose(config, world_size):
+        return replace(config.with_defaults(), num_stages=1)
     if config.plan is None and on_meta(work.net):  # nothing to time: cut by parameter counts
         if config.plans_everything:
             raise ConfigError(
@@ -192,6 +195,15 @@ def _given(work: Workload, config: Config, world_size: int) -> Config | None:
             )
         return config.with_defaults()
     return None
+
+
+def _nothing_to_choose(config: Config, world_size: int) -> bool:
+    """One stage (num_stages=1, or dp taking every lane) with its micro-batches, ZeRO level and
+    recomputation given: no cut to search and nothing left to price, so no profile is taken (a
+    zero=3 rank then never holds the whole model's activations before its parameters are sharded)."""
+    one_stage = config.num_stages == 1 or (config.dp is not None and config.dp * (config.tp or 1) == world_size)
+    return (one_stage and config.plan is None and None not in (config.num_microbatches, config.zero, config.recompute)
+            and config.stage_tp is None and config.stage_dp is None)
 
 
 def _fixed_tp(work: Workload, config: Config, world_size: int, resumed_plan: dict[str, Any] | None) -> int | None:

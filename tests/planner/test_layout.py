@@ -265,3 +265,17 @@ def test_a_resumed_pipeline_of_stages_of_different_widths_keeps_its_widths(key):
     config = dataclasses.replace(plait.Config(), **{**fields, "layers_per_stage": tuple(fields["layers_per_stage"]),
                                                    "recompute": tuple(fields["recompute"])})
     assert getattr(config, key) == (2, 1) and config.lanes(3) == 2  # a config the runtime takes
+
+
+def test_one_stage_with_everything_given_is_not_planned():
+    """One stage (num_stages=1, or dp over every lane) with its micro-batches, ZeRO level and
+    recomputation given leaves the planner nothing to choose: no profile is taken (a zero=3 rank
+    never holds the whole model's activations before its parameters are sharded)."""
+    from plait.planner.layout import _nothing_to_choose
+
+    given = dict(num_microbatches=2, zero=3, recompute=False)
+    assert _nothing_to_choose(plait.Config(num_stages=1, **given), 4)
+    assert _nothing_to_choose(plait.Config(dp=4, **given), 4)
+    assert not _nothing_to_choose(plait.Config(dp=2, **given), 4)  # 2 stages to cut
+    for open_field in given:  # each left open is the planner's to choose
+        assert not _nothing_to_choose(plait.Config(num_stages=1, **{**given, open_field: None}), 4)
