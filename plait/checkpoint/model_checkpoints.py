@@ -79,6 +79,10 @@ class ModelCheckpoints:
              extra: dict[str, Any] | None = None) -> Path:
         """Write this rank's shard of step `step`; returns the checkpoint's path once complete.
         `extra`: more of the training state, as JSON (the learning-rate schedule)."""
+        if pipe is not None and pipe.sharded is not None and pipe.plan.tp > 1:
+            raise CheckpointError("checkpoints of zero=3 beside tp > 1 (parameters cut by tp, then sharded by rows) "
+                                  "are not written yet; save the weights with model.export(directory), or train "
+                                  "with zero=2 (or tp=1) to checkpoint")
         for key, value in (extra or {}).items():
             try:
                 json.dumps(value)

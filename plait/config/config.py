@@ -51,10 +51,12 @@ class Config:
         forward and backward, gradients reduce-scattered in the last micro-batch's backward;
         `plait.runtime.dp.sharded_params`; below fp32 FSDP2 gathers the masters' low copies and
         sums the gradients in reduce_precision; checkpoints hold each replica's rows of the
-        parameters and their state, and load into any layout; with recomputation and several
-        chunks a rank too) -- without tp, a split backward, batched weight gradients or replan
-        yet (refused by name); 0 replicates all. None (default): the planner chooses the lowest
-        level that fits (3 only where it runs), else 0. Needs dp > 1 (or a stage_dp of a stage > 1).
+        parameters and their state, and load into any layout; with recomputation, several chunks
+        a rank, and a given tp too: each rank's tp part sharded over its replicas, not
+        checkpointed yet) -- without a split backward, batched weight gradients, stage widths or
+        replan yet (refused by name); 0 replicates all. None (default): the planner chooses the
+        lowest level that fits (3 where it runs, at tp=1), else 0. Needs dp > 1 (or a stage_dp of a
+        stage > 1).
     init_fn: for a model built on the meta device, fn(module) initialising one module's own
         tensors in place (None: a Hugging Face model's `_init_weights`, else each module's
         `reset_parameters()`), called under an RNG seeded by (seed, module name) so values do not

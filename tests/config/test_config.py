@@ -219,7 +219,7 @@ def test_leaf_modules_errors_name_the_value(value, message) -> None:
 @pytest.mark.parametrize("kwargs, message", [
     ({"zero": 4}, "zero must be 0, 1, 2, 3 or None, got 4"),
     ({"zero": True}, "zero must be 0, 1, 2, 3 or None, got True"),
-    ({"zero": 3, "tp": 2}, r"zero=3 \(parameters sharded over the replicas\) does not run with \{'tp': 2\}"),
+    ({"zero": 3, "tp": 2, "checkpoint_dir": "c"}, r"zero=3 \(parameters sharded over the replicas\) does not run with \{'checkpoint_dir': 'c'\}"),
     ({"zero": 3, "schedule": "zbh1"}, r"does not run with \{'schedule': 'zbh1'\}"),
     ({"zero": 3, "batch_weight_grads": True, "replan": True}, r"\{'batch_weight_grads': True, 'replan': True\}"),
     ({"zero": 1, "dp": 1}, r"zero=1 shards over a stage's replicas, but dp=1 has one replica; set dp > 1 or zero=0"),
@@ -233,7 +233,8 @@ def test_zero_errors_name_the_value_and_the_fix(kwargs, message) -> None:
 def test_zero_round_trips_and_defaults_to_open() -> None:
     assert Config().zero is None
     assert Config.from_json(Config(zero=1, dp=2).to_json()).zero == 1
-    assert Config(zero=3).tp == 1 and Config.from_json(Config(zero=3, dp=2).to_json()).zero == 3  # no tp beside it yet
+    assert Config(zero=3).tp == 1 and Config.from_json(Config(zero=3, dp=2).to_json()).zero == 3  # tp not planned beside it
+    assert Config(zero=3, tp=2).tp == 2  # given: tp cuts, zero=3 shards each part
     assert Config(zero=3, precision="bf16").precision == "bf16"  # FSDP2 gathers the low copies
 
 

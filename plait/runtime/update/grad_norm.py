@@ -7,7 +7,8 @@ holders hold the same sum, and the ranks of a tp group hold either a part of a s
 the same whole one. Each rank adds the squares of the gradients it *counts*:
 
     a parameter split over a tp group   its part, on each rank of the first holder's owning replica
-    a parameter sharded over replicas    its shard, on each replica (zero=3: the shards are disjoint)
+    a parameter sharded over replicas    its shard, on each replica (zero=3: the shards are disjoint),
+                                         on tp rank 0 (on each tp rank where tp split it)
     any other parameter                  the whole, on the rank that trains it (`Pipeline.owner_of`:
                                          the first holder stage, its ZeRO owner replica, tp rank 0)
 
@@ -31,11 +32,13 @@ __all__ = ["counted_gradients", "squared_norm", "global_norm", "clip_to"]
 def counted_gradients(pipe: Pipeline) -> list[torch.Tensor]:
     """The gradients this rank counts in the global norm (see the module's table)."""
     out = []
+    wholes = {id(shard): whole for whole, shard in pipe.sharded.pairs} if pipe.sharded is not None else {}
     for p in pipe.local_parameters:
         if p.grad is None:
             continue
-        if isinstance(p.grad, DTensor):  # zero=3: this replica's shard of the gradient
-            out.append(p.grad.to_local())
+        if isinstance(p.grad, DTensor):  # zero=3: this replica's shard of the gradient (of a tp part: each tp rank's)
+            if pipe.tp_rank == 0 or id(wholes.get(id(p))) in pipe.tp_parts:
+                out.append(p.grad.to_local())
             continue
         part = pipe.tp_parts.get(id(p))
         if (pipe.rank in part[2]) if part is not None else pipe.owner_of.get(id(p)) == pipe.rank:
