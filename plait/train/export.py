@@ -46,9 +46,10 @@ def export_weights(net: nn.Module, pipe: Pipeline | None, rank: int, world_size:
     """`model.export(directory)`: Hugging Face sharded safetensors, each rank its own tensors (floating
     ones in `dtype`, where given), rank 0 the index once all are written; every rank returns once
     the index is written."""
-    try:  # a tensor split over tp ranks is written whole by the first of them
-        wholes = whole_split_tensors(net, pipe.tp_parts, pipe.tp_group) if pipe and pipe.tp_parts else {}
-        with _whole(pipe):  # zero=3: the shards gathered into the user's parameters
+    try:
+        with _whole(pipe):  # zero=3: the shards gathered into the user's parameters (tp's parts, with tp)
+            # a tensor split over tp ranks is written whole by the first of them
+            wholes = whole_split_tensors(net, pipe.tp_parts, pipe.tp_group) if pipe and pipe.tp_parts else {}
             written, error = write_own_shard(net, pipe.owner_of if pipe else {}, rank, directory, wholes, dtype), ""
     except (CheckpointError, OSError) as e:
         written, error = {}, f"{type(e).__name__}: {e}"

@@ -127,10 +127,10 @@ def test_zero3_trains_as_one_process_with_each_replica_holding_its_share(case):
         assert ("model.export" in r["refused"]) == (tp > 1), r["refused"]
 
 
-def export_zero3(rank: int, world: int, out: str) -> dict[str, torch.Tensor]:
+def export_zero3(rank: int, world: int, out: str, tp: int) -> dict[str, torch.Tensor]:
     arch = make("gpt2")
-    model = plait.Model(arch.net, plait.Config(zero=3, num_stages=1, dp=2, num_microbatches=2, timeout_s=60.0),
-                        optimizer=OPTIMIZERS["adam"], loss=arch.loss)
+    model = plait.Model(arch.net, plait.Config(zero=3, num_stages=1, dp=2, tp=tp, num_microbatches=2, recompute=False,
+                                               timeout_s=60.0), optimizer=OPTIMIZERS["adam"], loss=arch.loss)
     model.train_on_batch(arch.x, arch.y)
     state = model.state_dict()
     model.export(out)
@@ -138,12 +138,14 @@ def export_zero3(rank: int, world: int, out: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(300)
-def test_zero3_exports_the_whole_trained_weights_that_from_pretrained_reads(tmp_path):
-    """Each rank writes its tensors whole (gathered from the shards for the export, freed after)."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_zero3_exports_the_whole_trained_weights_that_from_pretrained_reads(tmp_path, tp):
+    """Each rank writes its tensors whole (gathered from the shards for the export, freed after;
+    with tp, the parts gathered from the shards, then joined over the tp ranks)."""
     import transformers
 
     out = str(tmp_path / "hf")
-    want = run_ranks(2, export_zero3, out, timeout=280)[0]
+    want = run_ranks(2 * tp, export_zero3, out, tp, timeout=280)[0]
     loaded = transformers.GPT2LMHeadModel.from_pretrained(out).state_dict()
     assert want and all(torch.equal(loaded[k], v) for k, v in want.items() if k in loaded)
     assert sum(k in loaded for k in want) >= len(loaded) - 1  # every tensor written (a tied copy aside)
