@@ -161,6 +161,11 @@ class Config:
     reduce_precision: the dtype the data-parallel gradient sums run in: "fp32" (default, FSDP2's
         reduce_dtype=float32) or "bf16" (half the bytes; each bucket rounded to bf16, summed, and
         the sum written back into the fp32 gradients).
+    offload: "optimizer" keeps the optimizer state and the fp32 master weights in host memory and
+        steps them there when the ranks compute on GPUs (DeepSpeed's ZeRO-Offload), with zero=3
+        by FSDP2's CPUOffloadPolicy: each replica's shards live in host memory, a layer's are
+        gathered to the GPU for its forward and backward, its gradients reduce-scattered and
+        moved to host memory. Needs zero=3. On CPU ranks a no-op (said once). None: on the device.
     clip_grad_norm: clip the global gradient norm to this value before each optimizer step, as
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm) does in one process: the
         norm of the whole model's gradient, each element counted once (over stages, tp shards,
@@ -208,6 +213,7 @@ class Config:
     clip_grad_norm: float | None = None
     accumulate_steps: int = 1
     reduce_precision: str = "fp32"
+    offload: str | None = None
 
     def __post_init__(self) -> None:
         # the checks, in this order (a later one reads fields an earlier one normalised): the layout's
@@ -263,7 +269,8 @@ class Config:
         return Execution(timeout_s=float(self.timeout_s), trace_dir=self.trace_dir, on_nonfinite=self.on_nonfinite,
                          grad_reduction=self.grad_reduction, bucket_bytes=int(self.bucket_cap_mb * 2**20),
                          memory_limit_bytes=self.memory_limit_bytes, clip_grad_norm=self.clip_grad_norm,
-                         accumulate_steps=self.accumulate_steps, reduce_precision=self.reduce_precision)
+                         accumulate_steps=self.accumulate_steps, reduce_precision=self.reduce_precision,
+                         offload=self.offload)
 
     def lanes(self, world_size: int) -> int:
         """Ranks per tensor-parallel part (world size / tp): the pp x dp ranks the layout is planned on

@@ -98,7 +98,13 @@ def check_planning(config: Any) -> None:
 
 
 def check_precision(config: Any) -> None:
-    """precision: one of PRECISIONS; what low precision does not combine with yet is refused."""
+    """precision: one of PRECISIONS; what low precision does not combine with yet is refused; offload."""
+    if config.offload not in (None, "optimizer"):
+        raise ConfigError(f"offload={config.offload!r} is not known; choose 'optimizer' (the optimizer state and "
+                          "fp32 master weights in host memory) or None")
+    if config.offload is not None and config.zero != 3:
+        raise ConfigError(f"offload={config.offload!r} runs with the parameters sharded (FSDP2's CPUOffloadPolicy), "
+                          f"but zero={config.zero!r}; set Config(zero=3, offload={config.offload!r})")
     if config.reduce_precision not in ("fp32", "bf16"):
         raise ConfigError(f"reduce_precision={config.reduce_precision!r} is not known; choose 'fp32' (default) or 'bf16'")
     if config.precision not in PRECISIONS:

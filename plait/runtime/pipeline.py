@@ -315,8 +315,12 @@ def _sharded(computed: dict[int, StageModule], parts: _Parts, group: Any, tied: 
     if equal:  # the replicas start equal (`Pipeline.start_equal` has no buckets' group to do it with)
         buffers = {id(b): b for st in computed.values() for b in st.module.buffers()}
         broadcast_tensors([p for p in local if id(p) not in tied] + list(buffers.values()), first, group)
+    offload = parts.execution.offload is not None
+    if offload and parts.device.type == "cpu" and parts.rank == 0:
+        log.info("plait: offload=%r changes nothing on CPU ranks: the optimizer state is in host memory already",
+                 parts.execution.offload)
     params = ShardedParameters(group, parts.device, dtype_of(parts.plan.precision),
-                               dtype_of(parts.execution.reduce_precision))
+                               dtype_of(parts.execution.reduce_precision), offload=offload and parts.device.type != "cpu")
     for s, st in computed.items():
         params.stage(s, st, pieces(parts.plan.layer_names), tied)
     params.release()

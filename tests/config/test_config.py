@@ -219,6 +219,9 @@ def test_leaf_modules_errors_name_the_value(value, message) -> None:
 @pytest.mark.parametrize("kwargs, message", [
     ({"zero": 4}, "zero must be 0, 1, 2, 3 or None, got 4"),
     ({"zero": True}, "zero must be 0, 1, 2, 3 or None, got True"),
+    ({"offload": "optimizer", "zero": 2}, r"offload='optimizer' runs with the parameters sharded .* but zero=2; "
+                                          r"set Config\(zero=3, offload='optimizer'\)"),
+    ({"offload": "params", "zero": 3}, r"offload='params' is not known; choose 'optimizer'"),
     ({"zero": 3, "tp": 2, "checkpoint_dir": "c"}, r"zero=3 \(parameters sharded over the replicas\) does not run with \{'checkpoint_dir': 'c'\}"),
     ({"zero": 3, "schedule": "zbh1"}, r"does not run with \{'schedule': 'zbh1'\}"),
     ({"zero": 3, "batch_weight_grads": True, "replan": True}, r"\{'batch_weight_grads': True, 'replan': True\}"),

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.fx.passes.split_module import split_module
 
@@ -54,8 +54,10 @@ class ShardedParameters:
     """This rank's stages, their parameters sharded over the stage's replicas (`group`)."""
 
     def __init__(self, group: Any, device: torch.device, dtype: torch.dtype = torch.float32,
-                 reduce_dtype: torch.dtype = torch.float32):
+                 reduce_dtype: torch.dtype = torch.float32, offload: bool = False):
         self.mesh = DeviceMesh.from_group(group, device.type)
+        # offload (Config.offload, on an accelerator): the shards, their gradients and the optimizer step in host memory
+        self.offload: OffloadPolicy = CPUOffloadPolicy() if offload else OffloadPolicy()
         # below fp32: gathered in `dtype`; gradients added up and reduce-scattered in `reduce_dtype`
         low = dtype if dtype != torch.float32 else None
         self.policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce_dtype if low or
@@ -96,7 +98,7 @@ class ShardedParameters:
 
     def _shard(self, module: nn.Module, ignored: set[nn.Parameter]) -> None:
         fully_shard(module, mesh=self.mesh, ignored_params=ignored or None, reshard_after_forward=True,
-                    mp_policy=self.policy)
+                    mp_policy=self.policy, offload_policy=self.offload)
         assert isinstance(module, FSDPModule)
         module.set_gradient_divide_factor(1.0)  # the replicas' gradients summed (losses carry their share)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
@@ -121,6 +123,9 @@ class ShardedParameters:
         with torch.no_grad():
             for whole, shard in self.pairs:
                 assert isinstance(shard, DTensor)
+                if shard.to_local().device != whole.device:  # offloaded: gathered on the ranks' device
+                    shard = DTensor.from_local(shard.to_local().to(whole.device), shard.device_mesh, shard.placements,
+                                               shape=shard.shape, stride=shard.stride())
                 whole.data = shard.full_tensor().contiguous()
         try:
             yield

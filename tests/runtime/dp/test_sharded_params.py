@@ -92,6 +92,8 @@ CASES = {  # world size, model, optimizer, Config fields (with zero=3)
     "gpt2 dp=2 clipped, 2 batches a step": (2, "gpt2", "sgd", dict(num_stages=1, dp=2, num_microbatches=2,
                                                                  clip_grad_norm=0.5, accumulate_steps=2)),
     "gpt2 planned": (2, "gpt2", "adam", {}),
+    "bert dp=2 offload (host memory already: changes nothing)": (2, "bert", "adam", dict(
+        num_stages=1, dp=2, num_microbatches=2, offload="optimizer")),
     # tp cuts the parameters, zero=3 shards each rank's part over its replicas (no plan to choose:
     # the memory predicted is the formula's for the part, not the lanes' tp=1 search)
     "llama 1 stage x tp=2 x dp=2, clipped": (4, "llama", "sgd", dict(num_stages=1, tp=2, dp=2, num_microbatches=2,
