@@ -123,10 +123,11 @@ class ShardedParameters:
         with torch.no_grad():
             for whole, shard in self.pairs:
                 assert isinstance(shard, DTensor)
+                held: DTensor = shard
                 if shard.to_local().device != whole.device:  # offloaded: gathered on the ranks' device
-                    shard = DTensor.from_local(shard.to_local().to(whole.device), shard.device_mesh, shard.placements,
-                                               shape=shard.shape, stride=shard.stride())
-                whole.data = shard.full_tensor().contiguous()
+                    held = DTensor.from_local(shard.to_local().to(whole.device), shard.device_mesh, shard.placements,
+                                              shape=shard.shape, stride=shard.stride())
+                whole.data = held.full_tensor().contiguous()
         try:
             yield
         finally:
