@@ -159,9 +159,10 @@ class ModelCheckpoints:
             raise CheckpointError(f"loading {path} into a model on the meta device before it is built: call "
                                   f"model.build(x_sample) first, then model.load (each rank then reads its stages')")
         loaded, error = None, None
-        try:
-            with _written(pipe):  # zero=3: written whole, then each replica keeps its rows
-                loaded = weights.load_weights(path, state, wanted)
+        try:  # zero=3: each replica reads its rows into its shards (beside tp: written whole, then kept)
+            rows = pipe.sharded.own_rows() if pipe is not None and pipe.sharded is not None and pipe.plan.tp == 1 else None
+            with _written(pipe) if rows is None else contextlib.nullcontext():
+                loaded = weights.load_weights(path, state, wanted, rows)
         except Exception as e:  # noqa: BLE001 - the others must hear of it, not wait for this rank
             error = e
         failed = failed_ranks(error is not None)

@@ -30,7 +30,9 @@ from plait.checkpoint import disk, tensorfile
 from plait.errors import CheckpointError
 from plait.tensor_parts import as_held, whole_shape
 
-__all__ = ["INDEX", "SINGLE", "Loaded", "holds_weights", "weight_map", "load_weights"]
+__all__ = ["INDEX", "SINGLE", "Loaded", "Rows", "holds_weights", "weight_map", "load_weights"]
+
+Rows = tuple[torch.Tensor, int, int]  # the tensor holding a weight's rows start:stop (dim 0), start, stop
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -118,6 +120,13 @@ class _File:
     def tensor(self, name: str) -> torch.Tensor:
         return self.tensors[name] if self.tensors is not None else self.handle.get_tensor(name)
 
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop (dim 0) of a tensor, read alone where the package can slice the file."""
+        if self.tensors is not None:
+            return self.tensors[name][start:stop]
+        part: torch.Tensor = self.handle.get_slice(name)[start:stop]
+        return part
+
 
 def _safe_open() -> Any:
     """`safetensors.safe_open`, looked up at each call; None without the package (plait does not
@@ -145,12 +154,13 @@ def _opened(path: Path) -> Iterator[_File]:
 
 
 def load_weights(path: str | os.PathLike[str], state: Mapping[str, torch.Tensor],
-                 wanted: Collection[str] | None = None) -> Loaded:
+                 wanted: Collection[str] | None = None, rows: Mapping[int, Rows] | None = None) -> Loaded:
     """Copy the weights at `path` into the tensors of `state` named in `wanted` (default: all).
 
     `state` is the model's `net.state_dict(keep_vars=True)`: names of one tensor are aliases, and
     the file needs one of them. Dtypes are converted. CheckpointError, before anything is copied,
-    lists the wanted names the file lacks and the shapes that differ.
+    lists the wanted names the file lacks and the shapes that differ. `rows` (zero=3: id of a
+    tensor of `state` -> the tensor holding its rows start:stop): only those rows are read, into it.
     """
     files = weight_map(path)
     want = set(state) if wanted is None else set(wanted)
@@ -178,7 +188,11 @@ def load_weights(path: str | os.PathLike[str], state: Mapping[str, torch.Tensor]
         with torch.no_grad():
             for file, firsts in by_file.items():
                 for first in firsts:
-                    state[first].copy_(as_held(state[first], opened[file].tensor(source[first])))
+                    own = (rows or {}).get(id(state[first]))
+                    if own is not None:  # this replica's rows alone
+                        own[0].copy_(opened[file].rows(source[first], own[1], own[2]))
+                    else:
+                        state[first].copy_(as_held(state[first], opened[file].tensor(source[first])))
     order = {name: i for i, name in enumerate(files)}
     return Loaded(sorted(source.values(), key=order.__getitem__), [str(f) for f in by_file], ignored)
 

@@ -96,6 +96,20 @@ def test_only_the_names_asked_for_are_read_from_a_file(tmp_path, spy):
     assert not state["a.bias"].any() and not state["b.running"].any()
 
 
+def test_zero3_rows_are_read_alone_into_the_tensor_holding_them(tmp_path, spy):
+    """zero=3 (`rows`): a replica's rows of a weight are sliced from the file into its shard; the
+    whole tensor is not read and the (freed) parameter itself is not written."""
+    want = tensors()
+    save_file(want, str(tmp_path / "w.safetensors"))
+    state = zeros_like(want)
+    mine = torch.zeros(2, 3, dtype=torch.float64)  # rows 2:4 of a.weight, held in another dtype
+    weights.load_weights(tmp_path / "w.safetensors", state, ["a.weight", "a.bias"],
+                         rows={id(state["a.weight"]): (mine, 2, 4)})
+    assert torch.equal(mine, want["a.weight"][2:4].double()) and not state["a.weight"].any()
+    assert spy.read == ["a.bias"]  # a.weight was sliced, never read whole
+    assert torch.equal(state["a.bias"], want["a.bias"])
+
+
 def test_everything_is_read_when_nothing_is_named_and_dtypes_are_converted(tmp_path):
     want = {k: v.double() for k, v in tensors().items()}
     save_file(want, str(tmp_path / "w.safetensors"))

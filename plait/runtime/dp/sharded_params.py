@@ -148,6 +148,16 @@ class ShardedParameters:
                     start, stop = part_rows(whole.shape[0], self.mesh.get_local_rank(), self.mesh.size())
                     local.copy_(whole.detach()[start:stop].to(local.dtype))
 
+    def own_rows(self) -> dict[int, tuple[torch.Tensor, int, int]]:
+        """id(the user's parameter) -> (this replica's rows of it, start, stop): where named weights
+        are read into the shards directly (`plait.checkpoint.weights`)."""
+        out = {}
+        for whole, shard in self.pairs:
+            assert isinstance(shard, DTensor)
+            start, stop = part_rows(whole.shape[0], self.mesh.get_local_rank(), self.mesh.size())
+            out[id(whole)] = (shard.to_local(), start, stop)
+        return out
+
     @staticmethod
     def rows(t: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a sharded tensor (a shard, or its optimizer state); another as it is."""
