@@ -79,20 +79,19 @@ class ModelCheckpoints:
              extra: dict[str, Any] | None = None) -> Path:
         """Write this rank's shard of step `step`; returns the checkpoint's path once complete.
         `extra`: more of the training state, as JSON (the learning-rate schedule)."""
-        if pipe is not None and pipe.sharded is not None and pipe.plan.tp > 1:
-            raise CheckpointError("checkpoints of zero=3 beside tp > 1 (parameters cut by tp, then sharded by rows) "
-                                  "are not written yet; save the weights with model.export(directory), or train "
-                                  "with zero=2 (or tp=1) to checkpoint")
         for key, value in (extra or {}).items():
             try:
                 json.dumps(value)
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"the {key} state cannot be saved as JSON ({e}); use a scheduler whose "
                                       "state_dict() holds numbers, strings and lists") from None
-        # zero=3: each replica saves its rows of its stage's parameters and their state, split as tp's parts are
-        parts = {**pipe.tp_parts, **pipe.shard_parts()} if pipe else None
-        shard = train_state.snapshot(self.net, pipe.owner_of if pipe else {}, self.rank, optimizer, parts,
-                                     pipe.sharded if pipe else None)
+        # zero=3: each replica saves its rows of its stage's parameters and their state, split as tp's
+        # parts are; beside tp, the rows gathered into tp's parts, which the first replica saves
+        rows: Any = pipe.sharded if pipe is not None else None
+        if pipe is not None and pipe.sharded is not None and pipe.plan.tp > 1:
+            rows = pipe.sharded.whole_rows(optimizer)
+        parts = {**pipe.tp_parts, **(pipe.shard_parts() if pipe.plan.tp == 1 else {})} if pipe else None
+        shard = train_state.snapshot(self.net, pipe.owner_of if pipe else {}, self.rank, optimizer, parts, rows)
 
         def meta() -> dict[str, Any]:
             plan = json.loads(pipe.plan.to_json()) if pipe is not None else None

@@ -52,8 +52,8 @@ class Config:
         `plait.runtime.dp.sharded_params`; below fp32 FSDP2 gathers the masters' low copies and
         sums the gradients in reduce_precision; checkpoints hold each replica's rows of the
         parameters and their state, and load into any layout; with recomputation, several chunks
-        a rank, and a given tp too: each rank's tp part sharded over its replicas, not
-        checkpointed yet) -- without a split backward, batched weight gradients, stage widths or
+        a rank, and a given tp too: each rank's tp part sharded over its replicas, checkpointed
+        as tp parts) -- without a split backward, batched weight gradients, stage widths or
         replan yet (refused by name); 0 replicates all. None (default): the planner chooses the
         lowest level that fits (3 where it runs, at tp=1), else 0. Needs dp > 1 (or a stage_dp of a
         stage > 1).

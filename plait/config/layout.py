@@ -128,7 +128,6 @@ def _check_zero3(config: Any) -> None:
     """What zero=3 does not run with yet, refused by name; tp (None: not planned) set to 1."""
     refused = {
         "stage_tp": config.stage_tp is not None,
-        "checkpoint_dir": config.tp not in (None, 1) and config.checkpoint_dir is not None,
         "stage_dp": config.stage_dp is not None,
         "batch_weight_grads": bool(config.batch_weight_grads),
         "replan": bool(config.replan), "schedule": config.schedule is not None and schedule_spec(config.schedule).splits_backward,
@@ -137,7 +136,7 @@ def _check_zero3(config: Any) -> None:
     if bad:
         raise ConfigError(f"zero=3 (parameters sharded over the replicas) does not run with {bad} yet; leave "
                           "those at their defaults (a schedule without a split backward, no batched "
-                          "weight gradients, no replanning, no checkpoint_dir beside tp > 1), or use zero=2")
+                          "weight gradients, no replanning), or use zero=2")
     if config.tp is None:  # the planner does not price tensor parallelism beside it: tp=1 unless given
         object.__setattr__(config, "tp", 1)
 

@@ -222,7 +222,8 @@ def test_leaf_modules_errors_name_the_value(value, message) -> None:
     ({"offload": "optimizer", "zero": 2}, r"offload='optimizer' runs with the parameters sharded .* but zero=2; "
                                           r"set Config\(zero=3, offload='optimizer'\)"),
     ({"offload": "params", "zero": 3}, r"offload='params' is not known; choose 'optimizer'"),
-    ({"zero": 3, "tp": 2, "checkpoint_dir": "c"}, r"zero=3 \(parameters sharded over the replicas\) does not run with \{'checkpoint_dir': 'c'\}"),
+    ({"zero": 3, "schedule": "zbh1", "replan": True}, r"zero=3 \(parameters sharded over the replicas\) does not run with "
+                                                      r"\{'replan': True, 'schedule': 'zbh1'\}"),
     ({"zero": 3, "schedule": "zbh1"}, r"does not run with \{'schedule': 'zbh1'\}"),
     ({"zero": 3, "batch_weight_grads": True, "replan": True}, r"\{'batch_weight_grads': True, 'replan': True\}"),
     ({"zero": 1, "dp": 1}, r"zero=1 shards over a stage's replicas, but dp=1 has one replica; set dp > 1 or zero=0"),

@@ -45,7 +45,7 @@ from torch.fx.passes.split_module import split_module
 
 from plait.capture.split import StageModule
 from plait.runtime.layer_checkpoint import layer_parts
-from plait.tensor_parts import part_rows
+from plait.tensor_parts import as_held, part_rows
 
 __all__ = ["ShardedParameters"]
 
@@ -123,11 +123,7 @@ class ShardedParameters:
         with torch.no_grad():
             for whole, shard in self.pairs:
                 assert isinstance(shard, DTensor)
-                held: DTensor = shard
-                if shard.to_local().device != whole.device:  # offloaded: gathered on the ranks' device
-                    held = DTensor.from_local(shard.to_local().to(whole.device), shard.device_mesh, shard.placements,
-                                              shape=shard.shape, stride=shard.stride())
-                whole.data = held.full_tensor().contiguous()
+                whole.data = self._gathered(shard).contiguous()
         try:
             yield
         finally:
@@ -163,17 +159,42 @@ class ShardedParameters:
         """This rank's rows of a sharded tensor (a shard, or its optimizer state); another as it is."""
         return t.to_local() if isinstance(t, DTensor) else t
 
-    @staticmethod
-    def held(shard: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-        """A whole value (a checkpoint's optimizer state) as `shard` holds it: this rank's rows of it,
-        the rows `torch.chunk` gives each replica as FSDP2 does; a value of another shape (a step
-        count), or for a tensor not sharded, as it is."""
+    def held(self, shard: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """A whole value (a checkpoint's optimizer state) as `shard` holds it: this rank's rows of it
+        (of its tp part where tp cut the parameter), the rows `torch.chunk` gives each replica as
+        FSDP2 does; a value of another shape (a step count), or for a tensor not sharded, as it is."""
+        user = next((w for w, s in self.pairs if s is shard), None)
+        if user is not None:
+            whole = as_held(user, whole)
         if not isinstance(shard, DTensor) or tuple(whole.shape) != tuple(shard.shape) or whole.dim() == 0:
             return whole
         mesh = shard.device_mesh
         start, stop = part_rows(whole.shape[0], mesh.get_local_rank(), mesh.size())
         return DTensor.from_local(whole[start:stop].to(shard.to_local().device).contiguous(), mesh, shard.placements,
                                   shape=shard.shape, stride=shard.stride())
+
+    def whole_rows(self, optimizer: torch.optim.Optimizer | None) -> "WholeRows":
+        """Every shard and every sharded optimizer state tensor gathered whole (an all-gather each, in
+        the same order on every replica): what a checkpoint beside tp saves, as tp parts only."""
+        gathered: dict[int, torch.Tensor] = {}
+        for _, shard in self.pairs:
+            assert isinstance(shard, DTensor)
+            gathered[id(shard)] = self._gathered(shard)
+        for group in optimizer.param_groups if optimizer is not None else ():
+            for p in group["params"]:
+                state = optimizer.state.get(p, {}) if optimizer is not None else {}
+                for key in sorted(state):
+                    if isinstance(state[key], DTensor):
+                        gathered[id(state[key])] = self._gathered(state[key])
+        return WholeRows(self.pairs, gathered)
+
+    def _gathered(self, t: DTensor) -> torch.Tensor:
+        """`t` whole, gathered on the ranks' device (an offloaded shard is in host memory)."""
+        local = t.to_local()
+        if local.device.type != self.mesh.device_type:
+            t = DTensor.from_local(local.to(self.mesh.device_type), t.device_mesh, t.placements, shape=t.shape,
+                                   stride=t.stride())
+        return t.full_tensor()
 
     def prepare(self, num_microbatches: int, sync: bool) -> None:
         """Before a training batch of `num_microbatches`: each stage's gradients reduce-scattered in
@@ -188,6 +209,19 @@ class ShardedParameters:
         assert isinstance(root, FSDPModule)
         root.set_requires_gradient_sync(done == self._last)
         root.set_is_last_backward(done == self._last)
+
+
+class WholeRows:
+    """Shards and sharded state gathered whole (`ShardedParameters.whole_rows`), read in their place."""
+
+    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], gathered: dict[int, torch.Tensor]) -> None:
+        self.pairs, self._gathered = pairs, gathered
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        return self._gathered.get(id(t), t)
+
+    def held(self, shard: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("gathered rows are only saved")
 
 
 def _parameters_into_pieces(parent: fx.GraphModule) -> None:
