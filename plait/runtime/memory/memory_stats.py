@@ -74,6 +74,8 @@ def memory_stats(pipe: Pipeline, net: nn.Module, readings: dict[str, int | None]
         "gradients_at_step_bytes": state.step_gradients, "optimizer_bytes": state.optimizer,
         "activations_peak_bytes": None,
     }
+    if chosen is not None and not plan.stage_tp and int(chosen.get("tp", 1) or 1) != plan.tp:
+        chosen = None  # a given tp: planned on its lanes at tp=1, whose bytes are not this run's
     if chosen is not None and chosen.get("activation_bytes"):  # the planner's, from its profile
         for key, planned in _PLANNED.items():
             predicted[key] = float(chosen[planned][position])

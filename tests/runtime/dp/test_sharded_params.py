@@ -91,6 +91,8 @@ CASES = {  # world size, model, optimizer, Config fields (with zero=3)
     # the memory predicted is the formula's for the part, not the lanes' tp=1 search)
     "llama 1 stage x tp=2 x dp=2, clipped": (4, "llama", "sgd", dict(num_stages=1, tp=2, dp=2, num_microbatches=2,
                                                                     recompute=False, clip_grad_norm=0.5)),
+    "gpt2 2 stages x tp=2 x dp=2 (8 ranks), clipped": (8, "gpt2", "adam", dict(
+        num_stages=2, tp=2, dp=2, num_microbatches=2, recompute=False, clip_grad_norm=0.5)),
     "llama 2 stages x 2 replicas, interleaved, recomputed": (4, "llama", "adam", dict(
         num_stages=2, dp=2, num_microbatches=4, schedule="interleaved", num_virtual_stages=2, recompute=True)),
     # zero left to the planner: the predicted peak is 0.82 MB at zero=3, 0.88 MB at zero=2 (one
