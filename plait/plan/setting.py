@@ -18,11 +18,11 @@ ZERO_LEVELS = (0, 1, 2, 3)
 SEARCHED_ZERO = (0, 1, 2, 3)  # the levels a search tries unless given (the lowest that fits is taken)
 
 
-def zero3_runs(schedule: str, batch_weight_grads: bool, tp: int = 1) -> bool:
+def zero3_runs(schedule: str, batch_weight_grads: bool) -> bool:
     """Whether the runtime's zero=3 (FSDP2 on each layer piece) runs with these: a whole backward
     (FSDP2 gathers a piece's parameters for it and reduce-scatters their gradients after it), no
-    batched weight gradients, no tensor parallelism yet."""
-    return not (schedule_spec(schedule).splits_backward or batch_weight_grads or tp > 1)
+    batched weight gradients. (The search prices it at tp=1 only: `SearchSpace.zero3`.)"""
+    return not (schedule_spec(schedule).splits_backward or batch_weight_grads)
 
 
 def check_zero(zero: object, dp: int) -> None:

@@ -64,6 +64,7 @@ class ShardedParameters:
                                            reduce_dtype != torch.float32 else None)
         self.stages: dict[int, StageModule] = {}  # stage index -> the stage running on shards
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (the user's parameter, its shard)
+        self._user_of: dict[int, nn.Parameter] = {}  # id(shard) -> the user's parameter (`pairs` by shard)
         self._backwards: dict[int, int] = {}  # stage index -> this batch's backward passes so far
         self._last = 0  # the backward pass whose gradients are reduce-scattered (0: none this batch)
 
@@ -93,6 +94,7 @@ class ShardedParameters:
             if shard is not None and shard is not p and id(p) not in seen:
                 seen.add(id(p))
                 self.pairs.append((p, shard))
+                self._user_of[id(shard)] = p
         self.stages[index] = replace(stage, module=parent)
         return self.stages[index]
 
@@ -137,11 +139,10 @@ class ShardedParameters:
         into (a checkpoint's or named weights' values); after it each shard takes its rows of them."""
         with self.gathered():
             yield
+            rows = self.own_rows()
             with torch.no_grad():
-                for whole, shard in self.pairs:
-                    assert isinstance(shard, DTensor)
-                    local = shard.to_local()
-                    start, stop = part_rows(whole.shape[0], self.mesh.get_local_rank(), self.mesh.size())
+                for whole, _ in self.pairs:
+                    local, start, stop = rows[id(whole)]
                     local.copy_(whole.detach()[start:stop].to(local.dtype))
 
     def own_rows(self) -> dict[int, tuple[torch.Tensor, int, int]]:
@@ -150,9 +151,12 @@ class ShardedParameters:
         out = {}
         for whole, shard in self.pairs:
             assert isinstance(shard, DTensor)
-            start, stop = part_rows(whole.shape[0], self.mesh.get_local_rank(), self.mesh.size())
-            out[id(whole)] = (shard.to_local(), start, stop)
+            out[id(whole)] = (shard.to_local(), *self._rows(whole.shape[0]))
         return out
+
+    def _rows(self, n: int) -> tuple[int, int]:
+        """[start, stop) of this replica's rows of n (`torch.chunk`'s, as FSDP2 cuts dim 0)."""
+        return part_rows(n, self.mesh.get_local_rank(), self.mesh.size())
 
     @staticmethod
     def rows(t: torch.Tensor) -> torch.Tensor:
@@ -163,15 +167,14 @@ class ShardedParameters:
         """A whole value (a checkpoint's optimizer state) as `shard` holds it: this rank's rows of it
         (of its tp part where tp cut the parameter), the rows `torch.chunk` gives each replica as
         FSDP2 does; a value of another shape (a step count), or for a tensor not sharded, as it is."""
-        user = next((w for w, s in self.pairs if s is shard), None)
+        user = self._user_of.get(id(shard))
         if user is not None:
             whole = as_held(user, whole)
         if not isinstance(shard, DTensor) or tuple(whole.shape) != tuple(shard.shape) or whole.dim() == 0:
             return whole
-        mesh = shard.device_mesh
-        start, stop = part_rows(whole.shape[0], mesh.get_local_rank(), mesh.size())
-        return DTensor.from_local(whole[start:stop].to(shard.to_local().device).contiguous(), mesh, shard.placements,
-                                  shape=shard.shape, stride=shard.stride())
+        start, stop = self._rows(whole.shape[0])
+        return DTensor.from_local(whole[start:stop].to(shard.to_local().device).contiguous(), shard.device_mesh,
+                                  shard.placements, shape=shard.shape, stride=shard.stride())
 
     def whole_rows(self, optimizer: torch.optim.Optimizer | None) -> "WholeRows":
         """Every shard and every sharded optimizer state tensor gathered whole (an all-gather each, in
