@@ -47,7 +47,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 from job import join_job, leave_job, run_job, timed  # noqa: E402 - benchmarks/ is on sys.path
 
 from plait.cost.prediction import Setting, predict  # noqa: E402
-from plait.planner.choice import candidate_fields  # noqa: E402
+from plait.planner.resolve import layout_keys  # noqa: E402
 
 
 def workload(name: str) -> tuple[nn.Module, Any, torch.Tensor, Any]:
@@ -93,8 +93,8 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, result: str) -> No
                                "layers_per_stage": layers, "predicted_step_time_s": priced.step_time_s}
     models = {}
     for key, c in best.items():
-        fields = candidate_fields(c)
-        fields.pop("num_stages")
+        fields = layout_keys(c)  # the candidate's layout, given whole as Config fields
+        fields["num_stages"] = fields.pop("pp")
         config = plait.Config(**{**fields, "layers_per_stage": tuple(fields["layers_per_stage"])})
         models[key] = plait.Model(workload(args.model)[0], config, optimizer=sgd, loss=loss)
     measured: dict[Any, list[float]] = {key: [] for key in best}

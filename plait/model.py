@@ -36,7 +36,7 @@ from plait.runtime.step import OptimizerArg, StepRunner, make_optimizer
 from plait.runtime.step_sums import num_stats
 from plait.runtime.update.loss_scale import LossScale
 from plait.train.export import export_weights, gather_whole_state
-from plait.train.fit_loop import run_fit
+from plait.train.fit_loop import FitSteps, run_fit
 from plait.train.rank_build import RankPlace, build_rank_pipeline
 from plait.train.start import place_net, starting_stages
 
@@ -268,7 +268,10 @@ class Model:
         latest complete checkpoint there (parameters, optimizer, RNG, data position, history),
         and checkpoints are saved every `checkpoint_every` steps and at the end.
         """
-        return run_fit(self, x, y, epochs, batch_size, shuffle, verbose, callbacks)
+        steps = FitSteps(lambda: self._train is not None, lambda xb, yb: self._runner(xb, train=True, y=yb),
+                         lambda xb, yb, where: self._run(xb, yb, True, False, where), self._save, self._restore,
+                         self._checkpoints)  # the loop runs these, and reads only the model's public face
+        return run_fit(self, steps, x, y, epochs, batch_size, shuffle, verbose, callbacks)
 
     def write_trace(self) -> str | None:
         """Write this rank's timeline to `Config.trace_dir` (fit does it at its end); returns the path.

@@ -155,6 +155,22 @@ def test_nothing_below_the_planner_reads_the_config():
     assert not {m: d for m, d in readers.items() if d}, readers
 
 
+def model_privates(tree: ast.AST) -> list[str]:
+    """`model._name` reads in a module (a Model's private parts, reached from outside it)."""
+    return [f"{node.lineno}: model.{node.attr}" for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "model"
+            and node.attr.startswith("_") and not node.attr.startswith("__")]
+
+
+def test_no_module_reads_the_models_private_parts():
+    # The story: the fit loop (train/fit_loop) ran the Model's _run, _runner, _save, _restore and read
+    # _train and _checkpoints; Model.fit now hands it the steps it runs (train.fit_loop.FitSteps).
+    found = {str(f.relative_to(ROOT)): model_privates(ast.parse(f.read_text()))
+             for f in sorted(ROOT.rglob("*.py")) if f != ROOT / "model.py"}
+    assert not {name: lines for name, lines in found.items() if lines}, found
+    assert model_privates(ast.parse("model._run(x)\nmodel.fit(x)\nmodel.__class__")) == ["1: model._run"]
+
+
 def test_no_module_import_cycle():
     cycle = find_cycle(modules())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)

@@ -10,8 +10,8 @@ its dp x tp mesh), predicted_step_time_s, peak_memory_bytes, feasible and, when 
 reason; a feasible one also has each rank's parameter_bytes, gradient_bytes, optimizer_bytes and
 activation_bytes, and with --gpt tflops_per_device; mixed_widths and mixed_dp: the best layout of
 stages of different tp widths (one pipeline, or dp copies of one) or dp widths (one pipeline)
-(null where none is searched or found); with --model, config: the Config fields a job of DEVICES
-ranks on this host chooses (`plait.planner.choice`, the one choice `Config()` makes; this host's
+(null where none is searched or found); with --model, chosen: the layout (the candidate's layout
+keys, `plait.planner.resolve.LAYOUT_KEYS`) a job of DEVICES ranks on this host chooses (`plait.planner.choice`, the one choice `Config()` makes; this host's
 link is measured first, as a job measures it), and plan: the complete `Plan` that job builds (as
 `model.plan.to_json()`; `Config(plan=FILE)` replays it). `--layout tp=8,pp=2` prices that layout only.
 """
@@ -295,7 +295,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         data["layout"] = args.layout
     data["mixed_widths"] = mixed.to_dict() if mixed is not None else None
     data["mixed_dp"] = mixed_dp.to_dict() if mixed_dp is not None else None
-    data["config"] = chosen  # --model: the Config fields a job of --devices ranks here would run
+    data["chosen"] = chosen  # --model: the layout (the candidate's layout keys) a job of --devices ranks here runs
     data["plan"] = None if plan is None else json.loads(plan.to_json())  # ... and the complete Plan it builds
     rate = ""
     if args.gpt is not None and data.get("predicted_step_time_s"):  # Megatron's count over the predicted step

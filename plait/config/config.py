@@ -10,7 +10,7 @@ from plait.config.json_form import config_from_dict, config_from_json, config_to
 from plait.config.layout import check_layout, check_recompute, check_schedule, check_tp, check_zero
 from plait.config.settings import (check_checkpoints, check_init_fn, check_leaf_modules, check_planning,
                                    check_precision, check_running)
-from plait.config.widths import check_stage_dp, check_stage_tp, stage_lanes
+from plait.config.widths import check_stage_dp, check_stage_tp
 from plait.plan.execution import Execution
 from plait.plan.mesh import Mesh
 
@@ -275,7 +275,7 @@ class Config:
     def lanes(self, world_size: int) -> int:
         """Ranks per tensor-parallel part (world size / tp): the pp x dp ranks the layout is planned on
         (tp=None: the world, until the planner chooses tp); the Mesh solves it."""
-        lanes = stage_lanes(self, world_size)  # stages of different widths: their Mesh's pp x dp
+        lanes = Mesh.widths_lanes(world_size, self.stage_tp, self.stage_dp, self.dp or 1)  # stages of different widths
         if lanes is not None:
             return lanes
         return Mesh.lanes_of(world_size, self.tp, self.num_stages, self.dp)
@@ -283,12 +283,7 @@ class Config:
     def stages_for(self, world_size: int) -> int:
         """Pipeline stages (ranks per pipeline) on `world_size` ranks (world / tp); world size must be
         dp x stages (the Mesh checks it)."""
-        if self.layers_per_stage is not None:
-            stages: int | None = len(self.layers_per_stage) // self.num_virtual_stages
-        elif self.split_points is not None:
-            stages = (len(self.split_points) + 1) // self.num_virtual_stages
-        else:
-            stages = self.num_stages
+        stages = Mesh.stages_of_cut(self.layers_per_stage, self.split_points, self.num_stages, self.num_virtual_stages)
         cut = (f"layers_per_stage={None if self.layers_per_stage is None else list(self.layers_per_stage)}"
                if self.split_points is None else f"split_points={list(self.split_points)}")
         return Mesh.pp_of(world_size, self.dp or 1, stages, self.tp or 1, f"{cut}, num_stages={self.num_stages}, ")

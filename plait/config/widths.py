@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from plait.errors import ConfigError
-from plait.plan.mesh import Mesh
 from plait.plan.plan import CROSSINGS
 
-__all__ = ["check_stage_tp", "check_stage_dp", "stage_lanes"]
+__all__ = ["check_stage_tp", "check_stage_dp"]
 
 
 # Each check takes the `plait.config.Config` being made (typed Any: plait.config imports this module).
@@ -81,16 +80,3 @@ def check_stage_dp(config: Any) -> None:
     _check_cut(config, "stage_dp", widths)
     object.__setattr__(config, "tp", 1)  # unsplit stages: the planner prices no tp
 
-
-def stage_lanes(config: Any, world_size: int) -> int | None:
-    """With stages of different widths: their lanes, the stages x the pipeline's replicas (stage_tp
-    with dp), read off the Mesh they make on `world_size` ranks (which checks the widths' sum x dp
-    against it); None otherwise."""
-    if config.stage_tp is not None:
-        mesh = Mesh(world_size, pp=len(config.stage_tp), dp=config.dp or 1, tp=max(config.stage_tp),
-                    stage_tp=config.stage_tp)
-    elif config.stage_dp is not None:
-        mesh = Mesh(world_size, pp=len(config.stage_dp), stage_dp=config.stage_dp)
-    else:
-        return None
-    return mesh.pp * mesh.dp

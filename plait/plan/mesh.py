@@ -145,6 +145,31 @@ class Mesh:
         return world_size // tp
 
     @staticmethod
+    def widths_lanes(world_size: int, stage_tp: tuple[int, ...] | None, stage_dp: tuple[int, ...] | None,
+                     dp: int) -> int | None:
+        """With stages of different widths: their lanes, the stages x the pipeline's replicas (stage_tp
+        with `dp` copies), read off the Mesh they make on `world_size` ranks (which checks the widths'
+        sum x dp against it); None otherwise."""
+        if stage_tp:
+            mesh = Mesh(world_size, pp=len(stage_tp), dp=dp, tp=max(stage_tp), stage_tp=tuple(stage_tp))
+        elif stage_dp:
+            mesh = Mesh(world_size, pp=len(stage_dp), stage_dp=tuple(stage_dp))
+        else:
+            return None
+        return mesh.pp * mesh.dp
+
+    @staticmethod
+    def stages_of_cut(layers_per_stage: tuple[int, ...] | None, split_points: tuple[str, ...] | None,
+                      num_stages: int | None, num_virtual_stages: int) -> int | None:
+        """The pipeline positions a cut gives (its stages / num_virtual_stages), else `num_stages`
+        (None: open, solved by `pp_of`)."""
+        if layers_per_stage is not None:
+            return len(layers_per_stage) // num_virtual_stages
+        if split_points is not None:
+            return (len(split_points) + 1) // num_virtual_stages
+        return num_stages
+
+    @staticmethod
     def pp_of(lanes: int, dp: int, pp: int | None = None, tp: int = 1, given: str = "") -> int:
         """The pipeline positions of `lanes` ranks (world / tp) at `dp` replicas: `pp` checked when
         given (`given` says where it came from), else lanes / dp."""

@@ -3,7 +3,7 @@
 `Config()` (rank 0, `plait.planner.layout`) and `plait plan --model` (`plait.cli.plan_command`) both run
 
     Config, world, rows, optimizer, network, backend --search_inputs--> SearchInputs
-    net + sample --plan_model(profile, search)--> PlanResult --choose--> Choice (Config fields, report)
+    net + sample --plan_model(profile, search)--> PlanResult --choose--> Choice (the candidate, report)
 
 so on the same profile they return the same layout. They differed: the command searched with
 the "cpu" preset's link (50 us a message) where a job measures its backend's (2 gloo ranks on
@@ -26,12 +26,13 @@ from plait.cost.prediction import Cluster
 from plait.errors import ConfigError
 from plait.planner.autoplan import PlanResult, local_cluster
 from plait.planner.plan_report import PlanReport
+from plait.planner.resolve import layout_keys
 from plait.planner.widths import mixed_widths_choice
 from plait.plan.setting import zero3_runs
 from plait.search.search import SearchSpace
 from plait.search.tp_degree import tp_degrees
 
-__all__ = ["SearchInputs", "Choice", "search_inputs", "search_space", "choose", "candidate_fields"]
+__all__ = ["SearchInputs", "Choice", "search_inputs", "search_space", "choose"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,8 @@ class SearchInputs:
 
 @dataclass(frozen=True)
 class Choice:
-    """The chosen layout as `Config` fields, and its report (table, alternatives, prediction)."""
+    """The chosen candidate's layout keys (`plait.planner.resolve.LAYOUT_KEYS`: what of it the run
+    takes), and its report (table, alternatives, prediction)."""
 
     fields: dict[str, Any]
     report: PlanReport
@@ -111,7 +113,7 @@ def choose(result: PlanResult, config: Config, world_size: int, source: str, cap
     mixed = None if captured is None else mixed_widths_choice(captured, config, world_size, result, cluster, loss, target)
     if mixed is not None:  # one pipeline of uneven stage widths, predicted faster than any uniform one
         return Choice(mixed[0], mixed[1])
-    chosen = candidate_fields(best.to_dict())
+    chosen = layout_keys(best.to_dict())
     if config.tp is not None:  # the user's tp: the search ran on its lanes
         chosen.pop("tp")
     if not config.plans_everything:  # the user's layout, with the planner's layers (and ZeRO) only
@@ -123,14 +125,3 @@ def choose(result: PlanResult, config: Config, world_size: int, source: str, cap
                         result.global_batch, result.profile.costs, cluster)
     return Choice(chosen, report)
 
-
-def candidate_fields(candidate: dict[str, Any]) -> dict[str, Any]:
-    """A planner candidate (`Candidate.to_dict()`) as Config fields."""
-    return {"layers_per_stage": list(candidate["layers_per_stage"]), "num_stages": int(candidate["pp"]),
-            "dp": int(candidate["dp"]), "num_microbatches": int(candidate["num_microbatches"]),
-            "schedule": str(candidate["schedule"]),
-            "num_virtual_stages": int(candidate.get("num_virtual_stages", 1)),
-            "recompute": bool(candidate.get("recompute", False)), "zero": int(candidate.get("zero", 0) or 0),
-            "recompute_by_layer": [int(s) for s in candidate.get("recompute_by_layer", [])],
-            "batch_weight_grads": bool(candidate.get("batch_weight_grads", False)),
-            "tp": int(candidate.get("tp", 1) or 1)}

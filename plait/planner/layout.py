@@ -1,10 +1,11 @@
 """The layout of a run: the user's `Config`, with sizes left open, made into one complete `Plan`, the same on every rank.
 
 The layout takes three forms on its way: what the search may choose (`SearchSpace`, from the
-Config: `plait.planner.choice.search_inputs`), the chosen candidate (its Config fields: the
-search's best, a plan file's, a resumed checkpoint's), and the `Plan` it resolves to over the
-user's Config (`plait.planner.resolve.resolve_plan`, completed by `complete_plan`). The model
-keeps the user's Config; the runtime reads only the Plan (and `Config.execution()`).
+Config: `plait.planner.choice.search_inputs`), the chosen candidate (the search's best, a plan
+file's, a resumed checkpoint's: the planner's JSON, read by its layout keys), and the `Plan` it
+resolves to beside the user's Config (`plait.planner.resolve.resolve_plan`, completed by
+`complete_plan`); the candidate never becomes a Config. The model keeps the user's Config; the
+runtime reads only the Plan (and `Config.execution()`).
 
 Which layout a run gets, first match wins (`choose_layout`):
 
@@ -102,7 +103,7 @@ class Layout:
 
 def layout_of(config: Config, work: Workload, world_size: int, report: PlanReport | None = None,
               chosen: dict[str, Any] | None = None) -> Layout:
-    """The complete plan of `config` with the planner's `chosen` fields on `world_size` ranks
+    """The complete plan of `config` with the `chosen` candidate's layout on `world_size` ranks
     (`plait.planner.resolve`), and the planner's report."""
     plan = resolve_plan(config, world_size, work.captured, work.net, chosen)
     return Layout(_completed(plan, work, config), report)
@@ -141,11 +142,10 @@ def choose_layout(work: Workload, config: Config, world_size: int, rank: int,
     split_tp = config.tp is not None and config.tp > 1
     lanes = config.lanes(world_size) if split_tp else world_size
     searched = replace(config, tp=1, tp_plan=None) if split_tp else config  # the layout of one tp part
-    parts: dict[str, Any] = {"tp": config.tp, "tp_plan": config.tp_plan} if split_tp else {}  # then run on every part
 
     given = _given(work, searched, lanes)
-    if given is not None:
-        return layout_of(given, work, world_size, chosen=parts)
+    if given is not None:  # then run on every tp part
+        return layout_of(replace(given, tp=config.tp, tp_plan=config.tp_plan), work, world_size)
 
     network = None
     if searched.plan is None and (resumed_plan is None or resumed_fields(
@@ -160,8 +160,8 @@ def choose_layout(work: Workload, config: Config, world_size: int, rank: int,
     def decide() -> dict[str, Any]:
         answer = _decide(work, searched, lanes, resumed_plan, network)
         fields = dict(answer.pop("fields"))
-        if fields:  # the plan, made whole here once: every rank builds from it
-            plan = layout_of(searched, work, world_size, chosen={**fields, **parts}).plan
+        if fields:  # the plan, made whole here once: every rank builds from it (with a given tp, on every part)
+            plan = layout_of(config, work, world_size, chosen=fields).plan
             answer["plan"] = json.loads(plan.to_json())
             if rank == 0:
                 log.info("plait: layout %s (%s)", fields, answer["source"])
@@ -171,7 +171,7 @@ def choose_layout(work: Workload, config: Config, world_size: int, rank: int,
     answer = agree(rank, decide, "layout plan", max(10 * config.timeout_s, 120.0))
     report = None if answer["report"] is None else PlanReport.from_dict(answer["report"], answer["table"])
     if answer.get("plan") is None:  # not planned: the layout as given, whose own checks say what is wrong
-        return layout_of(replace(searched, plan=None), work, world_size, report, parts)
+        return layout_of(replace(config, plan=None), work, world_size, report)
     return Layout(Plan.from_json(json.dumps(answer["plan"])), report)
 
 
@@ -221,7 +221,7 @@ def _fixed_tp(work: Workload, config: Config, world_size: int, resumed_plan: dic
 
 def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[str, Any] | None,
             network: Network | None = None) -> dict[str, Any]:
-    """Rank 0's choice as JSON: {"fields", "report", "table", "source"}."""
+    """Rank 0's choice as JSON: {"fields" (the candidate's layout keys), "report", "table", "source"}."""
     if config.plan is not None:
         fields, report = load_plan_file(config.plan, work.layer_names, world_size)
         return {"fields": _users_zero(fields, config), "report": report.to_dict() if report else None,
@@ -250,7 +250,7 @@ def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[
 
 
 def _users_zero(fields: dict[str, Any], config: Config) -> dict[str, Any]:
-    """A replayed layout's fields with Config.zero and Config.batch_weight_grads in place of the
+    """A replayed layout with Config.zero and Config.batch_weight_grads in place of the
     saved ones, where given."""
     fields = fields if config.zero is None else {**fields, "zero": config.zero}
     return fields if config.batch_weight_grads is None else {**fields, "batch_weight_grads": config.batch_weight_grads}

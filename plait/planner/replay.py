@@ -1,4 +1,5 @@
-"""A layout replayed: from a plan file (`Config(plan=path)`) or a resumed checkpoint, as Config fields checked against this run."""
+"""A layout replayed: from a plan file (`Config(plan=path)`) or a resumed checkpoint, as a candidate
+(its layout keys, `plait.planner.resolve.LAYOUT_KEYS`) checked against this run."""
 
 from __future__ import annotations
 
@@ -9,33 +10,38 @@ from typing import Any
 from plait.config import Config
 from plait.config.aliases import new_names
 from plait.errors import ConfigError
-from plait.planner.choice import candidate_fields
 from plait.planner.plan_report import PlanReport
 from plait.schedule.registry import SCHEDULE_NAMES
 
-__all__ = ["load_plan_file", "resumed_fields"]
+__all__ = ["load_plan_file", "resumed_fields", "saved_layout"]
+
+
+def saved_layout(data: dict[str, Any]) -> dict[str, Any]:
+    """The layout keys of a saved candidate or plan (the planner's JSON, `Plan.to_json()`), each
+    checked for its type (TypeError, ValueError, KeyError: malformed). recompute is the planner's
+    True/False or a plan's recomputed stages."""
+    recompute = data.get("recompute", False)
+    return {"layers_per_stage": [int(c) for c in data["layers_per_stage"]], "dp": int(data.get("dp", 1)),
+            "num_microbatches": int(data["num_microbatches"]), "schedule": str(data["schedule"]),
+            "num_virtual_stages": int(data.get("num_virtual_stages", 1)),
+            "recompute": recompute if isinstance(recompute, bool) else [int(s) for s in recompute],
+            "recompute_by_layer": [int(s) for s in data.get("recompute_by_layer", [])],
+            "zero": int(data.get("zero", 0) or 0), "batch_weight_grads": bool(data.get("batch_weight_grads", False))}
 
 
 def resumed_fields(plan: dict[str, Any], config: Config, world_size: int,
                     names: tuple[str, ...]) -> dict[str, Any] | None:
-    """A resumed checkpoint's layout, when it was saved on this world by this model and agrees
-    with what the config fixes; else None (planned afresh)."""
+    """A resumed checkpoint's layout (its saved Plan's layout keys), when it was saved on this world by
+    this model and agrees with what the config fixes; else None (planned afresh)."""
     try:
         if int(plan["world_size"]) != world_size or tuple(plan["layer_names"]) != names:
             return None
-        layers = [int(c) for c in plan["layers_per_stage"]]
-        v, dp = int(plan.get("num_virtual_stages", 1)), int(plan.get("dp", 1))
-        full: dict[str, Any] = {"layers_per_stage": layers, "num_stages": len(layers) // v, "dp": dp,
-                "num_microbatches": int(plan["num_microbatches"]), "schedule": str(plan["schedule"]),
-                "num_virtual_stages": v, "recompute": [int(s) for s in plan.get("recompute", [])],
-                "recompute_by_layer": [int(s) for s in plan.get("recompute_by_layer", [])],
-                "zero": int(plan.get("zero", 0) or 0),
-                "batch_weight_grads": bool(plan.get("batch_weight_grads", False))}
+        full = saved_layout(plan)
+        layers, v, dp = full["layers_per_stage"], full["num_virtual_stages"], full["dp"]
         widths = _width_fields(plan.get("stage_tp"), plan.get("stage_dp"), plan.get("crossing", "tiles"))
     except (KeyError, TypeError, ValueError):
         return None
-    if widths:  # a pipeline of stages of different widths, as saved
-        full.update(widths, num_stages=None)
+    full.update(widths or {"pp": len(layers) // v})  # stages of different widths: on their ranks, as saved
     if config.zero and dp == 1:  # the config's ZeRO needs replicas this layout lacks: plan afresh
         return None
     if config.plans_everything:
@@ -47,8 +53,8 @@ def resumed_fields(plan: dict[str, Any], config: Config, world_size: int,
 
 
 def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[dict[str, Any], PlanReport | None]:
-    """Config fields from a plan file (planner JSON or `Plan.to_json()`), checked against this
-    run: ConfigError naming the file and what does not match."""
+    """The layout of a plan file (planner JSON or `Plan.to_json()`) as a candidate, checked against
+    this run: ConfigError naming the file and what does not match."""
     where = f"Config(plan={path!r})"
     try:
         data = json.loads(Path(path).read_text())
@@ -64,33 +70,22 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
                           "model.plan_report.save(), `plait plan -o` or model.plan.to_json() output")
     fields: dict[str, Any]
     try:
+        fields = saved_layout(data)
         if "layer_names" in data:  # Plan.to_json()
-            fields = {"layers_per_stage": [int(c) for c in data["layers_per_stage"]],
-                      "dp": int(data.get("dp", 1)), "num_microbatches": int(data["num_microbatches"]),
-                      "schedule": str(data["schedule"]),
-                      "num_virtual_stages": int(data.get("num_virtual_stages", 1)),
-                      "recompute": [int(s) for s in data.get("recompute", [])],
-                      "recompute_by_layer": [int(s) for s in data.get("recompute_by_layer", [])],
-                      "zero": int(data.get("zero", 0) or 0),
-                      "batch_weight_grads": bool(data.get("batch_weight_grads", False))}
             saved_names = tuple(str(n) for n in data["layer_names"])
             saved_world = int(data["world_size"])
-            widths = _width_fields(data.get("stage_tp"), data.get("stage_dp"), data.get("crossing", "tiles"))
-        else:  # the planner's JSON
+        else:  # the planner's JSON (a plan file gives the pp x dp layout; Config.tp gives tp)
             if data.get("feasible") is False:
                 raise ConfigError(f"{where}: the plan in the file is infeasible: {data.get('reason')}")
-            fields = candidate_fields(data)
-            fields.pop("tp")  # a plan file gives the pp x dp layout; Config.tp gives tp
             saved_names = tuple(str(n) for s in data.get("stages", []) for n in s.get("layers", []))
-            saved_world = fields["num_stages"] * fields["dp"]
-            widths = _width_fields(data.get("stage_tp"), data.get("stage_dp"), data.get("crossing", "tiles"))
+            saved_world = int(data["pp"]) * fields["dp"]
+        widths = _width_fields(data.get("stage_tp"), data.get("stage_dp"), data.get("crossing", "tiles"))
         fields.update(widths)  # a pipeline of stages of different widths: on their ranks
         for field, copies in (("stage_tp", fields["dp"]), ("stage_dp", 1)):
             if field in widths:
                 saved_world = sum(widths[field]) * copies
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{where}: malformed plan file ({type(e).__name__}: {e})") from None
-    fields.pop("num_stages", None)
     if fields["schedule"] not in SCHEDULE_NAMES:
         raise ConfigError(f"{where}: unknown schedule {fields['schedule']!r} in the file")
     if saved_world != world_size:
@@ -114,7 +109,7 @@ def load_plan_file(path: str, names: tuple[str, ...], world_size: int) -> tuple[
 
 
 def _width_fields(tp: Any, dp: Any, crossing: Any) -> dict[str, Any]:
-    """Config fields of a saved pipeline of stages of different widths: its tp per stage (and
+    """The layout keys of a saved pipeline of stages of different widths: its tp per stage (and
     crossing), or dp per stage; {} for a uniform one (neither saved)."""
     out: dict[str, Any] = {}
     if tp:

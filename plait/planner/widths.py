@@ -51,7 +51,7 @@ def _allowed(config: Config, probe: dict[str, Any]) -> bool:
 def mixed_widths_choice(captured: CapturedGraph, config: Config, world_size: int, result: PlanResult,
                         cluster: Cluster, loss: Any = None, target: Any = None,
                         ) -> tuple[dict[str, Any], PlanReport] | None:
-    """(Config fields, report) of the best pipeline of uneven stage widths (tp or dp,
+    """(the candidate's layout keys, report) of the best pipeline of uneven stage widths (tp or dp,
     `search_stage_widths`), when the config allows it and it is predicted faster than the best
     uniform layout; else None. `loss` and `target`: how a split last stage's loss runs (`tp_shares`)."""
     if not result.best.feasible:

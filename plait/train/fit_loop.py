@@ -5,28 +5,45 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from plait import data as batching
 from plait.callbacks import History, PlanPrinter, ProgressBar, call_hooks
+from plait.checkpoint.disk import Checkpoint
+from plait.checkpoint.model_checkpoints import ModelCheckpoints
 from plait.checkpoint.resume import ResumePoint, resume_point, resumed_line
 from plait.cost.row_blocks import check_rows
 from plait.errors import ConfigError
 from plait.metrics import logs_of
 from plait.runtime.step_sums import num_stats
 
-__all__ = ["FitRun", "run_fit"]
+__all__ = ["FitSteps", "FitRun", "run_fit"]
 
 log = logging.getLogger("plait")
 
-# `model` is the `plait.Model` that fits (typed Any: plait.model imports this module). The loop is
-# Model.fit's, kept apart: it runs the model's own steps (_run, _runner, _save, _restore).
+# `model` is the `plait.Model` that fits (typed Any: plait.model imports this module); the loop reads
+# its public face (config, plan, step, rank, metrics, grad_norm) and runs the steps `FitSteps` hands over.
+
+
+@dataclass(frozen=True)
+class FitSteps:
+    """The model's own operations the loop runs, handed over by `Model.fit`: the loop reaches into
+    no private part of the model."""
+
+    built: Callable[[], bool]  # whether the training pipeline exists yet
+    build: Callable[[Any, Any], object]  # capture, plan and build on a batch (x, y), the optimizer with them
+    train: Callable[[Any, Any, str], tuple[list[float], Any, bool]]  # one step on a global batch, named
+    # for its errors: the batch's sums, this rank's outputs, whether the optimizer step was skipped
+    save: Callable[[str, dict[str, Any]], object]  # a checkpoint under a root, with the data position
+    restore: Callable[[Checkpoint], None]  # a found checkpoint into the model (built or not)
+    checkpoints: ModelCheckpoints  # the model's: the step saved last, one pending, the latest under a root
 
 
 @dataclass
 class FitRun:
-    """One call of `fit`: its data, order, history and callbacks, and what it has printed."""
+    """One call of `fit`: the model's steps, its data, order, history and callbacks."""
 
+    steps: FitSteps
     x: Any
     y: Any
     batch_size: int | None
@@ -41,8 +58,8 @@ class FitRun:
                 "history_epochs": self.history.epoch, "history": self.history.history}
 
 
-def run_fit(model: Any, x: Any, y: Any, epochs: int, batch_size: int | None, shuffle: bool, verbose: int,
-            callbacks: Sequence[Any]) -> History:
+def run_fit(model: Any, steps: FitSteps, x: Any, y: Any, epochs: int, batch_size: int | None, shuffle: bool,
+            verbose: int, callbacks: Sequence[Any]) -> History:
     """`model.fit(x, y, epochs, batch_size, shuffle, verbose, callbacks)`: train, resume, checkpoint."""
     if not isinstance(epochs, int) or epochs < 0:
         raise ConfigError(f"epochs must be a non-negative integer, got {epochs!r}")
@@ -53,12 +70,12 @@ def run_fit(model: Any, x: Any, y: Any, epochs: int, batch_size: int | None, shu
     if verbose:  # the plan is printed first, then the step's progress
         cbs.insert(0, PlanPrinter(lambda: (model.plan, model.plan_report), enabled=model.rank == 0))
         cbs.append(ProgressBar(batches_per_epoch, epochs, enabled=model.rank == 0))
-    fit = FitRun(x, y, batch_size, shuffle, order, history, cbs)
+    fit = FitRun(steps, x, y, batch_size, shuffle, order, history, cbs)
 
     # resume: a fresh model with a checkpoint_dir goes on from the latest checkpoint there
-    start = _resume(model, order, history, epochs, verbose)
+    start = _resume(model, steps, order, history, epochs, verbose)
     first = start.epoch if start else 0
-    if model._train is None and first < epochs:  # built before any hook: model.optimizer exists in them
+    if not steps.built() and first < epochs:  # built before any hook: model.optimizer exists in them
         _build_on_first_batch(model, fit, first, start.batch if start is not None and start.epoch == first else 0)
 
     # epochs of global batches, a checkpoint every checkpoint_every steps and at the end
@@ -67,8 +84,8 @@ def run_fit(model: Any, x: Any, y: Any, epochs: int, batch_size: int | None, shu
         logs = _epoch(model, fit, epoch, start if start is not None and epoch == start.epoch else None)
         call_hooks(fit.callbacks, "on_epoch_end", epoch, logs)
         last = model.config.checkpoint_every is None or epoch == epochs - 1
-        if model.config.checkpoint_dir is not None and last and model._checkpoints.saved_step != model.step:
-            model._save(model.config.checkpoint_dir, fit.position(epoch + 1, 0, None, 0))
+        if model.config.checkpoint_dir is not None and last and steps.checkpoints.saved_step != model.step:
+            steps.save(model.config.checkpoint_dir, fit.position(epoch + 1, 0, None, 0))
     model.write_trace()
     return history
 
@@ -76,20 +93,21 @@ def run_fit(model: Any, x: Any, y: Any, epochs: int, batch_size: int | None, shu
 def _build_on_first_batch(model: Any, fit: FitRun, epoch: int, skip: int) -> None:
     """Capture, plan and build on the first batch `fit` will train on (the optimizer with them)."""
     for xb, yb in batching.epoch_batches(fit.x, fit.y, fit.batch_size, fit.shuffle, model.config.seed, epoch, skip):
-        model._runner(xb, train=True, y=yb)
+        fit.steps.build(xb, yb)
         break
 
 
-def _resume(model: Any, order: dict[str, Any], history: History, epochs: int, verbose: int) -> ResumePoint | None:
+def _resume(model: Any, steps: FitSteps, order: dict[str, Any], history: History, epochs: int,
+            verbose: int) -> ResumePoint | None:
     """Restore the latest checkpoint under Config.checkpoint_dir into a fresh model; where to go on."""
     root = model.config.checkpoint_dir
-    if root is None or model.step != 0 or model._checkpoints.pending is not None:
+    if root is None or model.step != 0 or steps.checkpoints.pending is not None:
         return None
-    found = model._checkpoints.choose(root)
+    found = steps.checkpoints.choose(root)
     if found is None:
         return None
     start = resume_point(found, order)
-    model._restore(found)
+    steps.restore(found)
     history.epoch, history.history = start.history_epochs, start.history
     if model.rank == 0 and verbose:
         print(resumed_line(found, start, epochs), file=sys.stderr, flush=True)
@@ -105,9 +123,9 @@ def _epoch(model: Any, fit: FitRun, epoch: int, start: ResumePoint | None) -> di
         totals, rows_seen, skip = list(start.totals), start.rows_seen, start.batch
     batches = batching.epoch_batches(fit.x, fit.y, fit.batch_size, fit.shuffle, model.config.seed, epoch, skip)
     for step, (xb, yb) in enumerate(batches, start=skip):
-        if step <= skip + 1 and model._train is not None and model.plan.stage_dp:  # once the plan is known
+        if step <= skip + 1 and fit.steps.built() and model.plan.stage_dp:  # once the plan is known
             _check_batch_sizes(model, batching.batch_sizes(fit.x, fit.batch_size))
-        stats, _, skipped = model._run(xb, yb, True, False, f"epoch {epoch + 1}, batch {step + 1} (training step {model.step + 1})")
+        stats, _, skipped = fit.steps.train(xb, yb, f"epoch {epoch + 1}, batch {step + 1} (training step {model.step + 1})")
         if not skipped:  # a skipped step's NaN loss stays out of the epoch's logs
             rows_seen += batching.num_rows(xb)
             totals = [t + s for t, s in zip(totals, stats)]
@@ -117,7 +135,7 @@ def _epoch(model: Any, fit: FitRun, epoch: int, start: ResumePoint | None) -> di
         call_hooks(fit.callbacks, "on_batch_end", step, logs)
         every, root = model.config.checkpoint_every, model.config.checkpoint_dir
         if root is not None and every is not None and model.step % every == 0:
-            model._save(root, fit.position(epoch, step + 1, totals, rows_seen))
+            fit.steps.save(root, fit.position(epoch, step + 1, totals, rows_seen))
     return logs_of(model.metrics, totals, max(rows_seen, 1))
 
 

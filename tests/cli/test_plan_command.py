@@ -175,13 +175,13 @@ def test_a_model_file_is_profiled_and_planned(capsys, tmp_path, monkeypatch):
     """))
     data = run_json(capsys, "--model", f"{model_file}:build", "--sample-shape", "16,8",
                     "--devices", "2", "--schedules", "1f1b,gpipe")  # this host's link measured, as a job's
-    measured = data["config"]  # the fields Config() runs on 2 ranks here (tests/planner/test_choice.py)
-    assert measured["num_stages"] * measured["dp"] * measured["tp"] == 2
+    measured = data["chosen"]  # the layout Config() runs on 2 ranks here (tests/planner/test_choice.py)
+    assert measured["pp"] * measured["dp"] * measured["tp"] == 2
     from plait.plan import Plan
     from plait.planner.replay import load_plan_file
 
     plan = Plan.from_json(json.dumps(data["plan"]))  # ... and the complete Plan that job builds from them
-    assert (plan.pp, plan.dp, plan.tp, plan.world_size) == (measured["num_stages"], measured["dp"], measured["tp"], 2)
+    assert (plan.pp, plan.dp, plan.tp, plan.world_size) == (measured["pp"], measured["dp"], measured["tp"], 2)
     assert list(plan.layers_per_stage) == measured["layers_per_stage"] and plan.schedule == measured["schedule"]
     assert plan.num_microbatches == measured["num_microbatches"] and len(plan.layer_names) == 5
     assert (plan.tp > 1) == bool(plan.tp_layouts)  # completed: a split stage's layout is in it

@@ -4,22 +4,23 @@ they take, no processes."""
 import pytest
 
 import plait
-from plait.config.widths import stage_lanes
 from plait.errors import ConfigError
+from plait.plan.mesh import Mesh
 
 
 @pytest.mark.parametrize("name", ["stage_tp", "stage_dp"])
 def test_widths_are_kept_as_a_tuple_and_take_one_lane_per_stage(name: str) -> None:
     config = plait.Config(layers_per_stage=(2, 2, 1), **{name: [2, 1, 3]})
     assert getattr(config, name) == (2, 1, 3) and config.to_dict()[name] == [2, 1, 3]
-    assert stage_lanes(config, 6) == 3
+    assert config.lanes(6) == 3  # the Mesh of the widths: one lane a stage
     with pytest.raises(ConfigError, match=rf"{name}=\[2, 1, 3\], 6 ranks in all, on world_size=5; "
                                           r".*: launch 6 ranks"):
-        stage_lanes(config, 5)
+        config.lanes(5)
 
 
 def test_no_widths_leave_the_lanes_to_tp() -> None:
-    assert stage_lanes(plait.Config(layers_per_stage=(2, 2)), 4) is None
+    assert Mesh.widths_lanes(4, None, None, 1) is None
+    assert plait.Config(layers_per_stage=(2, 2), tp=2).lanes(4) == 2
 
 
 def test_stage_dp_sets_tp_to_one_and_refuses_the_fields_it_does_not_run_with() -> None:

@@ -87,7 +87,7 @@ def test_the_command_and_config_choose_the_same_layout_on_the_same_profile(
     work = layout.Workload(net, captured, x, optimizer=torch.optim.Adam)
     planned = layout._decide(work, plait.Config(), devices, None, GLOO)
 
-    command = data.get("config")
+    command = data.get("chosen")
     assert command == planned["fields"], (command, planned["fields"])
     if "stage_tp" not in command and "stage_dp" not in command:  # a uniform layout: the same prediction
         assert data["predicted_step_time_s"] == pytest.approx(planned["report"]["predicted_step_time_s"])

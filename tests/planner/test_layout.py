@@ -5,7 +5,6 @@ first steps are checked against the prediction, and a replan keeps training equa
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -250,6 +249,7 @@ def test_a_resumed_pipeline_of_stages_of_different_widths_keeps_its_widths(key):
     that pipeline again (not a uniform one of its cut, which 3 ranks could not run)."""
     from plait.planner.layout import _fixed_tp
     from plait.planner.replay import resumed_fields as _resumed_fields
+    from plait.planner.resolve import resolve_plan
 
     names = tuple(f"l{i}" for i in range(9))
     saved = {"world_size": 3, "layer_names": list(names), "layers_per_stage": [6, 3], "dp": 1, "tp": 1,
@@ -258,13 +258,14 @@ def test_a_resumed_pipeline_of_stages_of_different_widths_keeps_its_widths(key):
     if key == "stage_tp":
         saved["tp"] = 2
     fields = _resumed_fields(saved, plait.Config(), 3, names)
-    assert fields is not None and fields[key] == [2, 1] and fields["num_stages"] is None
+    assert fields is not None and fields[key] == [2, 1] and "pp" not in fields  # the widths give the stages
     assert ("crossing" in fields) == (key == "stage_tp") and fields.get("crossing", "whole") == "whole"
     assert _fixed_tp(SimpleNamespace(net=nn.Linear(2, 2)), plait.Config(), 3, saved) == (
         None if key == "stage_tp" else 1)  # the widest stage's tp is not the resumed layout's
-    config = dataclasses.replace(plait.Config(), **{**fields, "layers_per_stage": tuple(fields["layers_per_stage"]),
-                                                   "recompute": tuple(fields["recompute"])})
-    assert getattr(config, key) == (2, 1) and config.lanes(3) == 2  # a config the runtime takes
+    net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(9)])
+    plan = resolve_plan(plait.Config(), 3, SimpleNamespace(layers=SimpleNamespace(layer_names=names, uncuttable=()),
+                                                          method="fx", kept_whole=()), net, fields)
+    assert getattr(plan, key) == (2, 1) and plan.world_size == 3 and plan.recompute == (0, 1)  # a plan the runtime takes
 
 
 def test_one_stage_with_everything_given_is_not_planned():

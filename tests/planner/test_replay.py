@@ -95,7 +95,7 @@ def test_a_resume_on_the_same_world_keeps_the_checkpoints_cut_instead_of_replann
     saved = {"world_size": 4, "layer_names": list(names), "layers_per_stage": [6, 3], "dp": 2,
              "num_virtual_stages": 1, "num_microbatches": 3, "schedule": "gpipe", "recompute": []}
     assert resumed_fields(saved, plait.Config(), 4, names) == {
-        "layers_per_stage": [6, 3], "num_stages": 2, "dp": 2, "num_microbatches": 3, "schedule": "gpipe",
+        "layers_per_stage": [6, 3], "pp": 2, "dp": 2, "num_microbatches": 3, "schedule": "gpipe",
         "num_virtual_stages": 1, "recompute": [], "recompute_by_layer": [], "zero": 0,
         "batch_weight_grads": False}  # the planner chose everything: all of it is kept
     by_layer = {**saved, "recompute": [0, 1], "recompute_by_layer": [1]}

@@ -10,7 +10,7 @@ from torch import nn
 import plait
 from plait.capture.trace import capture_batch
 from plait.config import Config
-from plait.planner.resolve import recomputed_stages, resolve_plan
+from plait.planner.resolve import layout_keys, recomputed_stages, resolve_plan
 
 
 def net_and_graph():
@@ -75,48 +75,62 @@ def test_more_chunks_than_layers_is_an_error_naming_both():
     ("1f1b", 2, 1, ()),
 ])
 def test_auto_recomputes_the_stages_that_hold_more_than_one_microbatch(schedule, stages, m, want):
-    config = plait.Config(schedule=schedule, num_microbatches=m, recompute="auto")
-    assert recomputed_stages(config, stages, 1) == want
+    assert recomputed_stages("auto", schedule, m, stages, 1) == want
 
 
 def test_recompute_lists_and_errors():
-    assert recomputed_stages(plait.Config(recompute=[2, 0, 2]), 3, 1) == (0, 2)
-    assert recomputed_stages(plait.Config(recompute=True), 3, 1) == (0, 1, 2)
-    assert recomputed_stages(plait.Config(recompute=False), 3, 1) == ()
+    assert recomputed_stages(plait.Config(recompute=[2, 0, 2]).recompute, "1f1b", 1, 3, 1) == (0, 2)
+    assert recomputed_stages(True, "1f1b", 1, 3, 1) == (0, 1, 2)
+    assert recomputed_stages(False, "1f1b", 1, 3, 1) == () == recomputed_stages(None, "1f1b", 1, 3, 1)
+    assert recomputed_stages([2, 0], "1f1b", 1, 3, 1) == (0, 2)  # a saved plan's stages (JSON)
     with pytest.raises(plait.ConfigError, match=r"names stages \[3\], but the model has 3 stages"):
-        recomputed_stages(plait.Config(recompute=[3]), 3, 1)
+        recomputed_stages((3,), "1f1b", 1, 3, 1)
 
 
 def test_the_planners_zero_level_reaches_the_plan():
-    # the planner's answer is a candidate as Config fields, ZeRO included (plait.planner.layout)
-    from plait.planner.choice import candidate_fields
-
+    # the planner's answer is a candidate (its JSON, read by its layout keys), ZeRO included (plait.planner.layout)
     net, graph = net_and_graph()
     n = len(graph.layers.layer_names)
     chosen = {"pp": 2, "dp": 2, "num_microbatches": 4, "schedule": "1f1b", "recompute": False, "zero": 2,
-              "layers_per_stage": [2, n - 2]}
-    fields = candidate_fields(chosen)
-    assert fields["zero"] == 2
-    plan = resolve_plan(Config(**fields), 4, graph, net)
-    assert plan.zero == 2 and plan.dp == 2
-    assert resolve_plan(Config(), 4, graph, net, fields) == plan  # the choice over the user's open Config
-    assert resolve_plan(Config(**{**fields, "zero": None}), 4, graph, net).zero == 0  # not planned: 0
-    del chosen["zero"]  # a candidate saved before the planner priced ZeRO
-    assert candidate_fields(chosen)["zero"] == 0
+              "layers_per_stage": [2, n - 2], "feasible": True, "predicted_step_time_s": 0.5}
+    assert layout_keys(chosen) == {k: v for k, v in chosen.items() if k not in ("feasible", "predicted_step_time_s")}
+    plan = resolve_plan(Config(), 4, graph, net, chosen)  # the choice over the user's open Config
+    assert plan.zero == 2 and plan.dp == 2 and plan.pp == 2 and plan.layers_per_stage == (2, n - 2)
+    given = Config(num_stages=2, dp=2, num_microbatches=4, layers_per_stage=(2, n - 2), zero=2)
+    assert resolve_plan(given, 4, graph, net) == plan  # the same layout given whole
+    assert resolve_plan(Config(), 4, graph, net, {**chosen, "zero": None}).zero == 0  # not planned: 0
     with pytest.raises(plait.ConfigError, match="set dp > 1 or zero=0"):
         resolve_plan(Config(layers_per_stage=(2, 1, 1, n - 4), zero=1), 4, graph, net)
+    with pytest.raises(plait.ConfigError, match="set dp > 1 or zero=0"):  # a candidate's too
+        resolve_plan(Config(), 4, graph, net, {**chosen, "pp": 4, "dp": 1, "layers_per_stage": [2, 1, 1, n - 4]})
 
 
 def test_the_choice_fills_what_the_users_config_leaves_open():
-    """resolve_plan(config, ..., chosen): the planner's fields (JSON lists) over the user's Config;
-    the user's settings beside the layout stay, and a choice of tp=1 drops the tp plan."""
+    """resolve_plan(config, ..., chosen): the candidate's layout (JSON lists) over what the user's
+    Config leaves open; the user's settings beside the layout stay, and a choice of tp=1 drops the
+    tp plan."""
     net, graph = net_and_graph()
     n = len(graph.layers.layer_names)
     user = Config(recompute_by_layer=False, tp_plan={"*": "replicate"})
-    chosen = {"layers_per_stage": [2, n - 2], "num_stages": 2, "dp": 1, "num_microbatches": 3, "schedule": "gpipe",
+    chosen = {"layers_per_stage": [2, n - 2], "pp": 2, "dp": 1, "num_microbatches": 3, "schedule": "gpipe",
               "recompute": [1], "tp": 1}
     plan = resolve_plan(user, 2, graph, net, chosen)
     assert (plan.layers_per_stage, plan.num_microbatches, plan.schedule, plan.recompute) == ((2, n - 2), 3, "gpipe", (1,))
     assert plan.recompute_by_layer == () and plan.tp_plan == ()
     assert resolve_plan(Config(layers_per_stage=(2, n - 2)), 2, graph, net, {}) == resolve_plan(
         Config(layers_per_stage=(2, n - 2)), 2, graph, net)  # nothing chosen: the config as given
+
+
+def test_a_candidate_is_read_into_the_plan_and_never_becomes_a_config(monkeypatch):
+    """The layout's forms: search space -> candidate -> Plan. No Config is made of the candidate's
+    layout on its way (the user's Config, with its defaults, is the only one resolve_plan reads)."""
+    net, graph = net_and_graph()
+    n = len(graph.layers.layer_names)
+    made: list[Config] = []
+    check = Config.__post_init__
+    monkeypatch.setattr(Config, "__post_init__", lambda self: (made.append(self), check(self))[1])
+    chosen = {"pp": 2, "dp": 2, "num_microbatches": 4, "schedule": "gpipe", "layers_per_stage": [3, n - 3]}
+    plan = resolve_plan(Config(), 4, graph, net, chosen)
+    assert (plan.pp, plan.dp, plan.num_microbatches, plan.schedule) == (2, 2, 4, "gpipe")
+    assert plan.layers_per_stage == (3, n - 3) and made  # the user's Config was made (and its defaults)
+    assert all(c.layers_per_stage is None and c.num_stages is None and c.dp in (None, 1) for c in made)
