@@ -25,16 +25,18 @@ modules, optimizer, gradient hooks) sees the real tensors.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from itertools import chain
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from plait.errors import ConfigError
 
-__all__ = ["materialize", "materialize_tensors", "on_meta", "module_seed", "release_parameters"]
+__all__ = ["materialize", "materialize_tensors", "defer_parameters", "Deferred", "on_meta", "module_seed",
+           "release_parameters"]
 
 InitFn = Callable[[nn.Module], None]
 
@@ -75,7 +77,23 @@ def materialize_tensors(net: nn.Module, wanted: Iterable[torch.Tensor] | None, s
     touched = {id(t) for t in meta}
     modules = [(name, m) for name, m in _children_first(net)
                if touched & {id(t) for t in chain(m.parameters(), m.buffers())}]
-    for name, module in modules:  # checked before anything is allocated: an error leaves net on meta
+    _check_initialisable(modules, init)  # before anything is allocated: an error leaves net on meta
+    # Initialised on the CPU, whose generator draws the same values on every machine, then moved.
+    cpu = {id(t): _real(t, torch.device("cpu")) for t in meta}
+    for root in (net, *also):
+        _replace(root, cpu)
+    with torch.no_grad():
+        _initialise(modules, seed, init)
+        if device.type != "cpu":
+            moved = {id(t): _real(t, device, t) for t in cpu.values()}
+            for root in (net, *also):
+                _replace(root, moved)
+    return len(meta)
+
+
+def _check_initialisable(modules: Sequence[tuple[str, nn.Module]], init: InitFn | None) -> None:
+    """ConfigError naming a module holding tensors of its own that nothing can initialise."""
+    for name, module in modules:
         own = list(chain(module.parameters(recurse=False), module.buffers(recurse=False)))
         if own and init is None and not hasattr(module, "reset_parameters"):
             raise ConfigError(
@@ -83,23 +101,91 @@ def materialize_tensors(net: nn.Module, wanted: Iterable[torch.Tensor] | None, s
                 "has no reset_parameters(), and no init_fn was given: give Config(init_fn=fn) that "
                 "initialises a module in place, or load its weights (model.load) after building"
             )
-    # Initialised on the CPU, whose generator draws the same values on every machine, then moved.
-    cpu = {id(t): _real(t, torch.device("cpu")) for t in meta}
+
+
+def _initialise(modules: Sequence[tuple[str, nn.Module]], seed: int, init: InitFn | None) -> None:
+    """Each module by its own code, under an RNG seeded by (seed, its name); the CPU's RNG."""
+    for name, module in modules:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(module_seed(seed, name))
+            if init is not None:
+                init(module)
+            elif any(True for _ in chain(module.parameters(recurse=False), module.buffers(recurse=False))):
+                module.reset_parameters()  # type: ignore[operator]
+
+
+def defer_parameters(net: nn.Module, params: Iterable[torch.Tensor], seed: int, init_fn: InitFn | None,
+                     device: torch.device, also: Sequence[nn.Module] = ()) -> "Deferred":
+    """Make the meta parameters among `params` real parameters on `device` that hold no memory yet,
+    in `net` and in the module trees `also` that share them (so every later holder keeps these
+    objects); `Deferred.fill` gives them their values when they are needed: a rank that shards its
+    stage's parameters (ZeRO-3) fills a layer's just before it cuts them, and frees them after."""
+    empty: dict[int, torch.Tensor] = {}
+    for t in _unique(params):
+        if t.is_meta and isinstance(t, nn.Parameter):
+            real = nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device=device), t.requires_grad)
+            real.untyped_storage().resize_(0)
+            empty[id(t)] = real
     for root in (net, *also):
-        _replace(root, cpu)
-    with torch.no_grad():
-        for name, module in modules:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(module_seed(seed, name))
-                if init is not None:
-                    init(module)
-                elif any(True for _ in chain(module.parameters(recurse=False), module.buffers(recurse=False))):
-                    module.reset_parameters()  # type: ignore[operator]
-        if device.type != "cpu":
-            moved = {id(t): _real(t, device, t) for t in cpu.values()}
-            for root in (net, *also):
-                _replace(root, moved)
-    return len(meta)
+        _replace(root, empty)
+    return Deferred(net, seed, _initialiser(net, init_fn), list(empty.values()))
+
+
+class Deferred:
+    """Parameters of a meta model made real without values (`defer_parameters`), each given its
+    values by `fill`: the ones `materialize` gives it, whatever else of the model is real then."""
+
+    def __init__(self, net: nn.Module, seed: int, init: InitFn | None, params: Sequence[torch.Tensor]):
+        self.net, self.seed, self.init = net, seed, init
+        self.pending: dict[int, torch.Tensor] = {id(p): p for p in params}
+
+    def fill(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Allocate the pending ones among `params` and initialise them; returns them.
+
+        Each module holding one (children before parents, as `materialize`) runs its initialiser
+        under its own seed, on CPU copies of these parameters, with every other parameter and
+        buffer of the net seen as meta (so it draws nothing for them and writes nothing else);
+        the values are then copied into the parameters on their device."""
+        todo = list({id(p): p for p in params if id(p) in self.pending}.values())
+        if not todo:
+            return []
+        staged: dict[int, torch.Tensor] = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
+                                           for p in todo}
+        modules = [(name, m) for name, m in _children_first(self.net) if staged.keys() & {id(t) for t in m.parameters()}]
+        _check_initialisable(modules, self.init)
+        with torch.no_grad(), _seen_as(self.net, staged):
+            _initialise(modules, self.seed, self.init)
+        with torch.no_grad():
+            for p in todo:
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+                p.copy_(staged[id(p)])
+                del self.pending[id(p)]
+        return todo
+
+
+@contextlib.contextmanager
+def _seen_as(net: nn.Module, staged: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Every parameter slot of `net` holding one of `staged`'s keys holds its staged tensor, every
+    other parameter and buffer a meta tensor of its shape; all put back after."""
+    placeholders: dict[int, torch.Tensor] = {}
+
+    def seen(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in staged:
+            return staged[id(t)]
+        if id(t) not in placeholders:
+            meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            placeholders[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        return placeholders[id(t)]
+
+    saved = [(table, key, value) for m in net.modules() for table in (m._parameters, m._buffers)
+             for key, value in table.items() if value is not None]
+    try:
+        for table, key, value in saved:
+            table[key] = seen(value)  # type: ignore[assignment]
+        yield
+    finally:
+        for table, key, value in saved:
+            table[key] = value  # type: ignore[assignment]
 
 
 def _real(t: torch.Tensor, device: torch.device, values: torch.Tensor | None = None) -> torch.Tensor:

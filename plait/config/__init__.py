@@ -1,5 +1,5 @@
 """The user's configuration: `Config`, the planner's input, and `plait run`'s options applied to it."""
 
-from plait.config.config import Config
+from plait.config.config import UNPLANNED, Config
 
-__all__ = ["Config"]
+__all__ = ["Config", "UNPLANNED"]

@@ -14,7 +14,11 @@ from plait.config.widths import check_stage_dp, check_stage_tp
 from plait.plan.execution import Execution
 from plait.plan.mesh import Mesh
 
-__all__ = ["Config"]
+__all__ = ["Config", "UNPLANNED"]
+
+#: What a layout field left open (None) takes where nothing plans it (`Config.with_defaults`).
+UNPLANNED: dict[str, Any] = {"dp": 1, "num_microbatches": 1, "tp": 1, "schedule": "1f1b", "recompute": False,
+             "batch_weight_grads": False}
 
 
 @taking_old_names
@@ -258,11 +262,8 @@ class Config:
     def with_defaults(self) -> "Config":
         """This config with every field left open set to its unplanned default (dp 1,
         1 micro-batch, "1f1b", no recomputation, weight gradients per micro-batch)."""
-        return replace(self, dp=self.dp or 1, num_microbatches=self.num_microbatches or 1, tp=self.tp or 1,
-                       tp_plan=self.tp_plan if self.tp else None,
-                       schedule=self.schedule or "1f1b",
-                       recompute=False if self.recompute is None else self.recompute,
-                       batch_weight_grads=bool(self.batch_weight_grads))
+        return replace(self, **{name: value for name, value in UNPLANNED.items() if getattr(self, name) is None},
+                       tp_plan=self.tp_plan if self.tp else None)
 
     def execution(self) -> Execution:
         """The runtime's settings beside the plan (the runtime reads these, not the Config)."""

@@ -1,5 +1,7 @@
-"""A layout replayed: from a plan file (`Config(plan=path)`) or a resumed checkpoint, as a candidate
-(its layout keys, `plait.planner.resolve.LAYOUT_KEYS`) checked against this run."""
+"""A layout replayed (a plan file's, `Config(plan=path)`, or a resumed checkpoint's) as a candidate checked against this run.
+
+The candidate is read into its layout keys (`plait.planner.resolve.LAYOUT_KEYS`), as the search's is.
+"""
 
 from __future__ import annotations
 

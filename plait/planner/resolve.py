@@ -22,7 +22,7 @@ from torch import nn
 from plait.capture.split import split, stage_of_layers, tied_parameters
 from plait.capture.tp_layout import TpLayout
 from plait.capture.trace import CapturedGraph
-from plait.config import Config
+from plait.config import UNPLANNED, Config
 from plait.errors import ConfigError, PartitionError
 from plait.plan import Plan
 from plait.plan.mesh import Mesh
@@ -52,17 +52,16 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
     """The plan of `config` on `world_size` ranks for `captured`, with the `chosen` candidate's layout
     (`LAYOUT_KEYS`; JSON lists taken) in place of what the config leaves open or lets it choose;
     what neither sets takes its default. The candidate is read here, once, into the Plan."""
-    c = config.with_defaults()
-    pick = _picker(chosen or {})
-    dp = int(pick("dp", c.dp))
-    widths = pick("stage_tp", config.stage_tp) or ()  # stages of different widths (Config.stage_tp)
-    stage_dp = pick("stage_dp", config.stage_dp) or ()  # stages of their own replica counts (Config.stage_dp)
-    tp = int(max(widths) if widths else pick("tp", c.tp))
-    cut = pick("layers_per_stage", config.layers_per_stage)
+    pick = _picker(chosen or {}, config)
+    dp = int(pick("dp"))
+    widths = pick("stage_tp") or ()  # stages of different widths (Config.stage_tp)
+    stage_dp = pick("stage_dp") or ()  # stages of their own replica counts (Config.stage_dp)
+    tp = int(max(widths) if widths else pick("tp"))
+    cut = pick("layers_per_stage")
     split_points = None if cut is not None else config.split_points
-    given = pick("pp", config.num_stages)
+    given = pick("pp")
     lanes = Mesh.widths_lanes(world_size, widths, stage_dp, dp) or Mesh.lanes_of(world_size, tp, given, dp)
-    virtual = int(pick("num_virtual_stages", config.num_virtual_stages)) if lanes > 1 else 1
+    virtual = int(pick("num_virtual_stages")) if lanes > 1 else 1
     named = (f"layers_per_stage={None if cut is None else list(cut)}" if split_points is None
              else f"split_points={list(split_points)}")  # where the stages came from, for the Mesh's error
     pp = 1 if lanes == 1 else Mesh.pp_of(lanes, dp, Mesh.stages_of_cut(cut, split_points, given, virtual), tp,
@@ -83,8 +82,8 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         layers = cut_at(split_points, names, regions)
     else:
         layers = tuple(balance([1.0 + _layer_params(net, name) for name in names], num_chunks, regions))
-    m, schedule = int(pick("num_microbatches", c.num_microbatches)), str(pick("schedule", c.schedule))
-    recomputed = recomputed_stages(pick("recompute", c.recompute), schedule, m, num_chunks, virtual)
+    m, schedule = int(pick("num_microbatches")), str(pick("schedule"))
+    recomputed = recomputed_stages(pick("recompute"), schedule, m, num_chunks, virtual)
     return Plan(
         layer_names=names,
         layers_per_stage=layers,
@@ -93,12 +92,12 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         world_size=world_size,
         capture_method=captured.method,
         kept_whole=captured.kept_whole,
-        zero=_zero(pick("zero", config.zero), dp, stage_dp, lanes),
+        zero=_zero(pick("zero"), dp, stage_dp, lanes),
         tp=tp,
         stage_tp=widths if len(set(widths)) > 1 else (),  # equal widths: the uniform grid
-        crossing=str(pick("crossing", config.crossing) or "tiles"),
+        crossing=str(pick("crossing") or "tiles"),
         stage_dp=stage_dp,
-        batch_weight_grads=bool(pick("batch_weight_grads", c.batch_weight_grads)),
+        batch_weight_grads=bool(pick("batch_weight_grads")),
         tp_plan=tuple(config.tp_plan or ()) if tp > 1 else (),
         sequence_parallel=config.sequence_parallel,
         precision=config.precision,
@@ -106,16 +105,19 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         dp=dp,
         num_virtual_stages=virtual,
         recompute=recomputed,
-        recompute_by_layer=_by_layer(pick("recompute_by_layer", config.recompute_by_layer), recomputed),
+        recompute_by_layer=_by_layer(pick("recompute_by_layer"), recomputed),
     )
 
 
-def _picker(chosen: Mapping[str, Any]) -> Callable[[str, Any], Any]:
-    """pick(key, default): the candidate's layout value (a JSON list as a tuple), else `default`."""
-    def pick(key: str, default: Any) -> Any:
+def _picker(chosen: Mapping[str, Any], config: Config) -> Callable[[str], Any]:
+    """pick(key): the candidate's layout value (a JSON list as a tuple), else the user's Config's
+    (`pp` is its num_stages), else what an open field takes unplanned (`plait.config.UNPLANNED`)."""
+    def pick(key: str) -> Any:
         value = chosen.get(key)
         if value is None:
-            return default
+            value = getattr(config, "num_stages" if key == "pp" else key)
+        if value is None:
+            return UNPLANNED.get(key)
         return tuple(value) if isinstance(value, list) else value
     return pick
 

@@ -190,13 +190,15 @@ def stage_tensors(captured: CapturedGraph, plan: Plan, rank: int | None) -> list
 
 def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, execution: Execution, rank: int,
                    loss: Callable[[Any, Any], torch.Tensor] | None, device: torch.device,
-                   first: bool = False) -> Pipeline:
+                   first: bool = False, fill: Callable[[list[nn.Parameter]], object] | None = None) -> Pipeline:
     """This rank's share of running `plan` on the captured model: its stage modules, executors,
     interpreter, gradient buckets and tied-parameter sums (`net` owns the parameters).
 
     The plan is complete (`plait.planner.resolve`: its tp layouts chosen there): nothing is decided
     here. The `first` build of a real model with tp > 1 takes its stages' values from the tp group's
     first rank before they are cut (ranks that drew different values cut parts of one model).
+    `fill`: zero=3 on a meta model, gives a layer's parameters their values just before they are
+    sharded (`plait.materialize.Deferred.fill`).
     """
     assert captured.output_spec is not None, "capture with capture_batch: the pipeline rebuilds outputs"
     tracer: Tracer | NullTracer = NULL_TRACER
@@ -210,7 +212,7 @@ def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, executio
         })
     copies = ComputeCopies(dtype_of(plan.precision)) if plan.precision != "fp32" else None
     parts = _Parts(plan, rank, loss, execution, Wire(execution.timeout_s, device), tracer, captured.output_spec,
-                   _tp_group(plan, rank), copies, device)
+                   _tp_group(plan, rank), copies, device, fill)
     return _assemble(captured, stage_of_layers(plan.layers_per_stage), parts, make_ties=True, equal_tp=first)
 
 
@@ -228,6 +230,7 @@ class _Parts:
     tp_group: Any = None  # this rank's tensor-parallel group (plan.tp > 1)
     copies: ComputeCopies | None = None  # plan.precision below fp32: the copies of this rank's parameters
     device: torch.device = torch.device("cpu")
+    fill: Callable[[list[nn.Parameter]], object] | None = None  # zero=3 on meta: a layer's values, as it is sharded
 
 
 def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, make_ties: bool,
@@ -320,7 +323,8 @@ def _sharded(computed: dict[int, StageModule], parts: _Parts, group: Any, tied: 
         log.info("plait: offload=%r changes nothing on CPU ranks: the optimizer state is in host memory already",
                  parts.execution.offload)
     params = ShardedParameters(group, parts.device, dtype_of(parts.plan.precision),
-                               dtype_of(parts.execution.reduce_precision), offload=offload and parts.device.type != "cpu")
+                               dtype_of(parts.execution.reduce_precision), offload=offload and parts.device.type != "cpu",
+                               fill=parts.fill)
     for s, st in computed.items():
         params.stage(s, st, pieces(parts.plan.layer_names), tied)
     params.release()

@@ -13,6 +13,11 @@ reduce-scattered to their owners once they are final, while the next piece compu
     micro-batch m          backward: each piece's gradient reduce-scattered as its backward ends
     optimizer step         on this replica's shards only (parameters and state are 1/dp)
 
+A model built on the meta device never holds its stage whole: its parameters are real but empty
+until their piece is sharded (`plait.materialize.defer_parameters`); each piece's are given their
+values just before `fully_shard` cuts them and freed right after, so a rank holds one layer's
+whole parameters at a time (a real model's are freed piece by piece too).
+
 A parameter tied across stages stays whole on every holder (`ignored_params`), summed by the tied
 gradients' all-reduce as without ZeRO. The user's model keeps its parameter objects, their
 storage freed (resized to nothing, shape kept, as FSDP2 frees an unsharded parameter);
@@ -54,7 +59,8 @@ class ShardedParameters:
     """This rank's stages, their parameters sharded over the stage's replicas (`group`)."""
 
     def __init__(self, group: Any, device: torch.device, dtype: torch.dtype = torch.float32,
-                 reduce_dtype: torch.dtype = torch.float32, offload: bool = False):
+                 reduce_dtype: torch.dtype = torch.float32, offload: bool = False,
+                 fill: Callable[[list[nn.Parameter]], object] | None = None):
         self.mesh = DeviceMesh.from_group(group, device.type)
         # offload (Config.offload, on an accelerator): the shards, their gradients and the optimizer step in host memory
         self.offload: OffloadPolicy = CPUOffloadPolicy() if offload else OffloadPolicy()
@@ -67,6 +73,7 @@ class ShardedParameters:
         self._user_of: dict[int, nn.Parameter] = {}  # id(shard) -> the user's parameter (`pairs` by shard)
         self._backwards: dict[int, int] = {}  # stage index -> this batch's backward passes so far
         self._last = 0  # the backward pass whose gradients are reduce-scattered (0: none this batch)
+        self._fill = fill  # a meta model's: gives parameters their values just before they are sharded
 
     def stage(self, index: int, stage: StageModule, layer_pieces: Sequence[int], whole: set[int]) -> StageModule:
         """`stage` running with sharded parameters: its graph cut into its layers' pieces, each piece
@@ -86,8 +93,8 @@ class ShardedParameters:
         for piece in pieces:
             own = [p for p in piece.parameters() if p not in ignored]
             if own and all(readers[id(p)] == 1 for p in own):
-                self._shard(piece, ignored)
-        self._shard(parent, ignored)
+                self._shard(piece, ignored, own)
+        self._shard(parent, ignored, [p for p in parent.parameters() if p not in ignored and not isinstance(p, DTensor)])
         seen = {id(w) for w, _ in self.pairs}
         for m, key, p in slots:  # each of the user's parameters and the shard FSDP2 put in its place
             shard = m._parameters[key]
@@ -98,12 +105,19 @@ class ShardedParameters:
         self.stages[index] = replace(stage, module=parent)
         return self.stages[index]
 
-    def _shard(self, module: nn.Module, ignored: set[nn.Parameter]) -> None:
+    def _shard(self, module: nn.Module, ignored: set[nn.Parameter], wholes: list[nn.Parameter]) -> None:
+        """`module` sharded by FSDP2; its `wholes` (the user's parameters it shards) given their values
+        first where a meta model left them empty (`fill`), and freed once their rows are copied out:
+        a rank holds one layer's whole parameters at a time, never its whole stage."""
+        if self._fill is not None:
+            self._fill(wholes)
         fully_shard(module, mesh=self.mesh, ignored_params=ignored or None, reshard_after_forward=True,
                     mp_policy=self.policy, offload_policy=self.offload)
         assert isinstance(module, FSDPModule)
         module.set_gradient_divide_factor(1.0)  # the replicas' gradients summed (losses carry their share)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+        for whole in wholes:
+            _free(whole)
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -114,9 +128,7 @@ class ShardedParameters:
         """Free the user's parameters' memory (their values live in the shards): the storage
         resized to nothing, shape and dtype kept, as FSDP2 frees an unsharded parameter."""
         for whole, _ in self.pairs:
-            if not whole.untyped_storage().resizable():  # `.numpy()` of it (an export) pins its storage
-                whole.data = torch.empty_like(whole)
-            whole.untyped_storage().resize_(0)
+            _free(whole)
 
     @contextlib.contextmanager
     def gathered(self, after: Callable[[], None] | None = None) -> Iterator[None]:
@@ -259,3 +271,11 @@ def _parameters_into_pieces(parent: fx.GraphModule) -> None:
         if isinstance(module, fx.GraphModule):
             module.graph.lint()
             module.recompile()
+
+
+def _free(whole: torch.Tensor) -> None:
+    """`whole`'s memory freed (storage resized to nothing, shape and dtype kept, as FSDP2 frees an
+    unsharded parameter)."""
+    if not whole.untyped_storage().resizable():  # `.numpy()` of it (an export) pins its storage
+        whole.data = torch.empty_like(whole)
+    whole.untyped_storage().resize_(0)
