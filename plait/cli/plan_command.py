@@ -89,6 +89,8 @@ def add_plan_command(commands: Any) -> None:
                       help="micro-batch counts to consider (default: powers of two, multiples of pp)")
     plan.add_argument("--no-recompute", dest="recompute", action="store_const", const=(False,),
                       default=(False, True), help="never recompute activations")
+    plan.add_argument("--no-offload", dest="offload", action="store_false", help="never offload zero=3's shards and "
+                      "optimizer to host memory (default: where nothing else fits, on a preset beside a host)")
     plan.add_argument("--zero", type=int, choices=(0, 1, 2), default=None,
                       help="ZeRO level: 0 replicated optimizer state, 1 sharded over the dp replicas, "
                            "2 gradients too (default: the planner chooses; 1 and 2 only where dp > 1)")
@@ -189,6 +191,12 @@ def _search_space(args: argparse.Namespace, base: Any = None) -> Any:
     return dataclasses.replace(space, **given)
 
 
+def _with_offload(space: Any, cluster: Any, offload: bool) -> Any:
+    """`space` with offload among its choices where the devices sit beside a host (a GPU preset),
+    unless --no-offload: taken only where nothing fits without it (`plait.search.search`)."""
+    return dataclasses.replace(space, offload=(False, True) if offload and cluster.host_link > 0 else (False,))
+
+
 def _config(args: argparse.Namespace) -> Any:
     """The `Config()` a job would plan with, given what the options fix (one schedule, ZeRO,
     recomputation on or off): the command and `Config()` choose by one function
@@ -196,8 +204,8 @@ def _config(args: argparse.Namespace) -> Any:
     from plait.config import Config
 
     schedules = [s.strip() for s in (args.schedules or "").split(",") if s.strip()]
-    return Config(schedule=schedules[0] if len(schedules) == 1 else None, zero=args.zero,
-                  recompute=args.recompute[0] if len(args.recompute) == 1 else None, precision=args.precision)
+    return Config(schedule=schedules[0] if len(schedules) == 1 else None, zero=args.zero, precision=args.precision,
+                  recompute=args.recompute[0] if len(args.recompute) == 1 else None, offload=None if args.offload else False)
 
 
 def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -223,10 +231,10 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                               f"dtype ({dev.dtype_bytes}-byte values on {dev.name})")
         memory = args.memory_gb * gib if args.memory_gb else dev.usable_memory()
         cluster = Cluster(dev.network, memory, optimizer_state_factor(args.optimizer, dev.dtype_bytes),
-                          overlap_gradients=args.overlap)
+                          overlap_gradients=args.overlap, host_link=dev.host_link, host_bandwidth=dev.host_bandwidth)
         tps = tuple(args.tp) if args.tp else tp_degrees(args.devices, dev.network.devices_per_node)
         found = search_tp(gpt_costs(spec, dev, args.optimizer), {t: gpt_tp_shares(spec, dev, t) for t in tps if t > 1},
-                          args.devices, args.batch, cluster, _search_space(args), degrees=tps)
+                          args.devices, args.batch, cluster, _with_offload(_search_space(args), cluster, args.offload), degrees=tps)
         widths = _gpt_widths(args, spec, dev, cluster)  # stages of different widths, as Config() searches them
         chosen = plan = None  # a described GPT: no Config() runs it here
         head = {"model": f"GPT {args.gpt} ({spec.parameters / 1e9:.2f}B parameters)",
@@ -260,7 +268,8 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         if args.device is not None:  # a preset's memory and network in place of this host's
             dev = device(args.device)
             memory = args.memory_gb * gib if args.memory_gb else dev.usable_memory()
-            cluster = dataclasses.replace(cluster, network=dev.network, memory_bytes=memory)
+            cluster = dataclasses.replace(cluster, network=dev.network, memory_bytes=memory, host_link=dev.host_link,
+                                          host_bandwidth=dev.host_bandwidth)
         elif args.memory_gb:
             cluster = dataclasses.replace(cluster, memory_bytes=args.memory_gb * gib)
         if not args.overlap:
@@ -271,7 +280,7 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             sample = as_computed(sample, args.precision)
             captured = _captured(net, sample, args)
             result = plan_model(net, sample, args.devices, batch, cluster,
-                                PlanOptions(space=_search_space(args, inputs.space), tp=tps, captured=captured,
+                                PlanOptions(space=_with_offload(_search_space(args, inputs.space), cluster, args.offload), tp=tps, captured=captured,
                                             precision=args.precision))
         found = result.candidates
         chosen = choose(result, config, args.devices, inputs.source, captured).fields \

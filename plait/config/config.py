@@ -169,7 +169,9 @@ class Config:
         steps them there when the ranks compute on GPUs (DeepSpeed's ZeRO-Offload), with zero=3
         by FSDP2's CPUOffloadPolicy: each replica's shards live in host memory, a layer's are
         gathered to the GPU for its forward and backward, its gradients reduce-scattered and
-        moved to host memory. Needs zero=3. On CPU ranks a no-op (said once). None: on the device.
+        moved to host memory. Needs zero=3. On CPU ranks a no-op (said once). False: never. None
+        (default): the planner's, taken only where nothing fits the device without it (ranks on
+        GPUs, priced by their host link and host memory bandwidth; `Plan.offload` says).
     clip_grad_norm: clip the global gradient norm to this value before each optimizer step, as
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm) does in one process: the
         norm of the whole model's gradient, each element counted once (over stages, tp shards,
@@ -217,7 +219,7 @@ class Config:
     clip_grad_norm: float | None = None
     accumulate_steps: int = 1
     reduce_precision: str = "fp32"
-    offload: str | None = None
+    offload: str | bool | None = None
 
     def __post_init__(self) -> None:
         # the checks, in this order (a later one reads fields an earlier one normalised): the layout's
@@ -270,8 +272,7 @@ class Config:
         return Execution(timeout_s=float(self.timeout_s), trace_dir=self.trace_dir, on_nonfinite=self.on_nonfinite,
                          grad_reduction=self.grad_reduction, bucket_bytes=int(self.bucket_cap_mb * 2**20),
                          memory_limit_bytes=self.memory_limit_bytes, clip_grad_norm=self.clip_grad_norm,
-                         accumulate_steps=self.accumulate_steps, reduce_precision=self.reduce_precision,
-                         offload=self.offload)
+                         accumulate_steps=self.accumulate_steps, reduce_precision=self.reduce_precision)
 
     def lanes(self, world_size: int) -> int:
         """Ranks per tensor-parallel part (world size / tp): the pp x dp ranks the layout is planned on

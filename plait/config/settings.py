@@ -99,10 +99,10 @@ def check_planning(config: Any) -> None:
 
 def check_precision(config: Any) -> None:
     """precision: one of PRECISIONS; what low precision does not combine with yet is refused; offload."""
-    if config.offload not in (None, "optimizer"):
+    if config.offload not in (None, False, "optimizer") or config.offload is True:
         raise ConfigError(f"offload={config.offload!r} is not known; choose 'optimizer' (the optimizer state and "
-                          "fp32 master weights in host memory) or None")
-    if config.offload is not None and config.zero != 3:
+                          "fp32 master weights in host memory), False (never) or None (the planner's choice)")
+    if config.offload == "optimizer" and config.zero != 3:
         raise ConfigError(f"offload={config.offload!r} runs with the parameters sharded (FSDP2's CPUOffloadPolicy), "
                           f"but zero={config.zero!r}; set Config(zero=3, offload={config.offload!r})")
     if config.reduce_precision not in ("fp32", "bf16"):

@@ -53,6 +53,8 @@ class Device:
     gemm_shape: tuple[int, int, int] = (0, 0, 0)  # the (M, N, K) it was measured at
     stream_bandwidth: float = 0.0  # a copy benchmark's best measured bytes/s (0: none; the data sheet's)
     norm_bandwidth: tuple[float, float] = (0.0, 0.0)  # a layer norm kernel's forward, backward bytes/s (0: none)
+    host_link: float = 0.0  # bytes/s each way between the device and its host's memory (0: the device is the host)
+    host_bandwidth: float = 0.0  # bytes/s of host memory per device of a node (an offloaded optimizer step's)
 
     def __post_init__(self) -> None:
         if not (0 < self.efficiency <= 1):
@@ -129,8 +131,11 @@ DEVICES: dict[str, Device] = {
     # al. 2022): AWS p3.16xlarge, 8 per node on NVLink, 25 Gbit/s between nodes. Measured best
     # fp16 matmul on a Tesla V100-SXM2-16GB: 97.36 TFLOP/s at 8192^3 (torch 2.7, square sizes
     # 1024-10240; zzc0721/torch-performance-test-data, issue 140).
+    # Host side (offload): PCIe 3.0 x16, 15.75 GB/s each way (PCI-SIG: 8 GT/s x 16 lanes, 128b/130b);
+    # DGX-1's two Xeon E5-2698 v4, 4 channels of DDR4-2400 each (76.8 GB/s a socket) shared by 8 GPUs.
     "v100-16gb": Device("v100-16gb", 125e12, 1.0, 16 * GIB, 900e9, _gpu_node(150, 25 / 8), LAYER_PASS_S, sms=80,
-                        gemm_flops=97.36e12, gemm_shape=(8192, 8192, 8192)),
+                        gemm_flops=97.36e12, gemm_shape=(8192, 8192, 8192), host_link=15.75e9,
+                        host_bandwidth=2 * 76.8e9 / 8),
     # A100 SXM (NVIDIA A100 whitepaper, 2020): 312 TFLOP/s bf16, 108 SMs; 40GB: 1555 GB/s, 80GB:
     # 2039 GB/s (A100 80GB data sheet). DGX A100 (its user guide): NVSwitch, 600 GB/s per GPU both
     # ways = 300 GB/s each way; 8 x 200 Gbit/s HDR InfiniBand per node = 25 GB/s per GPU.
@@ -141,10 +146,14 @@ DEVICES: dict[str, Device] = {
     # (A layer norm was measured on a GA100 only at 16384 x 1024, apex's kernel, 895.8 / 572.2 GB/s
     # forward / backward, apex pull request 1037; on an H200 PyTorch's ran 1.8-2x faster at a Megatron
     # row's 4096 x 12288 than at that shape, so it is not taken for Megatron's sizes.)
+    # Host side (offload): PCIe 4.0 x16, 31.5 GB/s each way; DGX A100's two EPYC 7742, 8 channels of
+    # DDR4-3200 each (204.8 GB/s a socket) shared by 8 GPUs.
     "a100-40gb": Device("a100-40gb", 312e12, 1.0, 40 * GIB, 1555e9, _gpu_node(300, 25, reduce_gbs=200), LAYER_PASS_S,
-                        sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120)),
+                        sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120), host_link=31.5e9,
+                        host_bandwidth=2 * 204.8e9 / 8),
     "a100-80gb": Device("a100-80gb", 312e12, 1.0, 80 * GIB, 2039e9, _gpu_node(300, 25, reduce_gbs=200), LAYER_PASS_S,
-                        sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120), stream_bandwidth=1800e9),
+                        sms=108, gemm_flops=271.2e12, gemm_shape=(1024, 10240, 5120), stream_bandwidth=1800e9,
+                        host_link=31.5e9, host_bandwidth=2 * 204.8e9 / 8),
     # H100 SXM 80GB (NVIDIA H100 data sheet): 989 TFLOP/s dense bf16, 132 SMs, 3.35 TB/s HBM3;
     # NVLink4 900 GB/s both ways = 450 each way; 400 Gbit/s NDR per GPU (DGX H100) = 50 GB/s.
     # Measured best bf16 matmul (MAMF table): 794.5 TFLOP/s at 2048 x 2048 x 13312 (H100 SXM).
@@ -152,9 +161,11 @@ DEVICES: dict[str, Device] = {
     # Measured on one H100 80GB HBM3 by benchmarks/roofline_gpu.py: copy 2.95 TB/s (read + written);
     # its best matmul there, 785.5 TFLOP/s at 8192^3, is below the MAMF table's, which is kept;
     # PyTorch's layer norm at 4096 x 12288: 1.37 TB/s forward, 0.74 backward, the best of four runs.
+    # Host side (offload, DGX H100 and H200 alike): PCIe 5.0 x16, 63 GB/s each way; two Xeon Platinum
+    # 8480C, 8 channels of DDR5-4800 each (307.2 GB/s a socket) shared by 8 GPUs.
     "h100-80gb": Device("h100-80gb", 989e12, 1.0, 80 * GIB, 3350e9, _gpu_node(450, 50, reduce_gbs=370), H100_PASS_S,
                         sms=132, gemm_flops=794.5e12, gemm_shape=(2048, 2048, 13312), stream_bandwidth=2950e9,
-                        norm_bandwidth=(1.37e12, 0.74e12)),
+                        norm_bandwidth=(1.37e12, 0.74e12), host_link=63e9, host_bandwidth=2 * 307.2e9 / 8),
     # H200 SXM 141GB (NVIDIA H200 data sheet): the H100's 989 TFLOP/s dense bf16, 132 SMs and
     # NVLink4, 4.8 TB/s HBM3e; 143771 MiB as nvidia-smi reports it; DGX H200: 400 Gbit/s NDR per GPU.
     # Measured on one H200 by benchmarks/roofline_gpu.py (docs/benchmarks.md): best bf16 matmul
@@ -162,13 +173,16 @@ DEVICES: dict[str, Device] = {
     # norm at 4096 x 12288 (a Megatron row's tokens x hidden): 1.81 TB/s forward, 1.06 backward.
     "h200-141gb": Device("h200-141gb", 989e12, 1.0, 143771 * 2**20, 4800e9, _gpu_node(450, 50, reduce_gbs=370),
                          H200_PASS_S, sms=132, gemm_flops=785.7e12, gemm_shape=(8192, 8192, 8192),
-                         stream_bandwidth=4170e9, norm_bandwidth=(1.81e12, 1.06e12)),
+                         stream_bandwidth=4170e9, norm_bandwidth=(1.81e12, 1.06e12), host_link=63e9,
+                         host_bandwidth=2 * 307.2e9 / 8),
     # MI250X, one GCD (AMD Instinct MI250X data sheet; what a process sees): 191.5 TFLOP/s fp16/bf16
     # matrix, 110 CUs, 64 GB HBM2e at 1.6 TB/s; 8 GCDs per node (Frontier), Infinity Fabric
     # ~50 GB/s between GCDs, 4 x 25 GB/s Slingshot per node = 12.5 GB/s per GCD.
     # Measured best bf16 matmul on one GCD (MAMF table, v1 run): 147.0 TFLOP/s at 1024 x 19968 x 14080.
+    # Host side (offload, Frontier's node): Infinity Fabric 36 GB/s each way between a GCD and the CPU;
+    # one EPYC 7A53, 8 channels of DDR4-3200 (204.8 GB/s) shared by 8 GCDs.
     "mi250x": Device("mi250x", 191.5e12, 1.0, 64 * GIB, 1600e9, _gpu_node(50, 12.5), LAYER_PASS_S, sms=110,
-                     gemm_flops=147.0e12, gemm_shape=(1024, 19968, 14080)),
+                     gemm_flops=147.0e12, gemm_shape=(1024, 19968, 14080), host_link=36e9, host_bandwidth=204.8e9 / 8),
     # A CPU process of a few cores in fp32: ~100 GFLOP/s peak (4 cores x AVX2 FMA at ~3 GHz),
     # half of it sustained (an assumption: `plait.planner.calibrate` measures the real numbers),
     # 20 GB/s memory; up to 8 processes per host on loopback gloo (~2 GB/s, 50 us), 10 GbE between.

@@ -11,6 +11,12 @@ of parameters and G bytes of gradients, an optimizer keeping k bytes of state pe
     1      P            G                      G                            k G / dp
     2      P            G                      G / dp                       k G / dp
     3      P / dp       G                      G / dp                       k G / dp
+    3 + offload  0      G                      0                            0
+
+With offload (`Config.offload`, FSDP2's CPUOffloadPolicy) the device holds no shard: the shards,
+their reduce-scattered gradients and the optimizer state are in host memory (P / dp + G / dp +
+k G / dp of it), each piece's parameters copied to the device for its gather; its gradients still
+add up whole on the device over the micro-batches.
 
 ZeRO-2 reduces each gradient bucket to the owners of its parameters, but the stage's gradients
 all exist during the backward (they accumulate over micro-batches), so its peak -- the
@@ -75,19 +81,22 @@ class StateBytes:
 
 
 def state_bytes(param_bytes: float, grad_bytes: float, optimizer_state_factor: float,
-                dp: int, zero: int, copy_bytes: float = 0.0) -> StateBytes:
-    """The state bytes of a rank whose stages hold `param_bytes` (`copy_bytes` of them low-precision
-    copies: zero=3 holds only the masters' shards) and `grad_bytes`."""
+                dp: int, zero: int, copy_bytes: float = 0.0, offload: bool = False) -> StateBytes:
+    """The device's state bytes of a rank whose stages hold `param_bytes` (`copy_bytes` of them
+    low-precision copies: zero=3 holds only the masters' shards) and `grad_bytes`; `offload`
+    (zero=3): the shards and the optimizer's in host memory."""
     _check(optimizer_state_factor, dp, zero)
-    return _state(param_bytes, grad_bytes, optimizer_state_factor, dp, zero, copy_bytes)
+    return _state(param_bytes, grad_bytes, optimizer_state_factor, dp, zero, copy_bytes, offload)
 
 
 def state_totals(param_bytes: Sequence[float], grad_bytes: Sequence[float], optimizer_state_factor: float,
-                 dp: int, zero: int, copy_bytes: Sequence[float] = ()) -> list[float]:
+                 dp: int, zero: int, copy_bytes: Sequence[float] = (), offload: bool = False) -> list[float]:
     """`state_bytes(...).total` of each layer (the partition's fixed memory), checked once."""
     _check(optimizer_state_factor, dp, zero)
     # `_state(...).total` of every layer at once: the same float operations, element-wise
     params, grads = np.asarray(param_bytes, dtype=np.float64), np.asarray(grad_bytes, dtype=np.float64)
+    if offload and zero == 3:  # the device holds the gradients alone (`_state`)
+        return [float(x) for x in grads.tolist()]
     optimizer = optimizer_state_factor * grads / (dp if zero else 1)
     step = grads / dp if zero >= 2 else grads
     if zero == 3:
@@ -105,8 +114,10 @@ def _check(optimizer_state_factor: float, dp: int, zero: int) -> None:
 
 
 def _state(param_bytes: float, grad_bytes: float, optimizer_state_factor: float, dp: int, zero: int,
-           copy_bytes: float = 0.0) -> StateBytes:
+           copy_bytes: float = 0.0, offload: bool = False) -> StateBytes:
     """The module's table (arguments checked)."""
+    if offload and zero == 3:
+        return StateBytes(parameters=0.0, gradients=grad_bytes, optimizer=0.0, step_gradients=0.0)
     return StateBytes(
         parameters=(param_bytes - copy_bytes) / dp if zero == 3 else param_bytes,
         gradients=grad_bytes,

@@ -24,7 +24,10 @@ One step of a layout (pp stages x dp replicas, m micro-batches of `rows` rows ea
                (`plait.runtime.riding_sums`), and each rank goes on to its optimizer step alone
     optimizer  the rank's optimizer step, after the closing all-reduce; with ZeRO (1 or 2)
                each replica steps 1/dp of its stage's parameters, then the owners broadcast
-               them (`by_owner` of the trainable parameters' bytes), not overlapped
+               them (`by_owner` of the trainable parameters' bytes), not overlapped; ZeRO-3
+               all-gathers each piece's for each pass; with offload the host steps the shards
+               (at its memory's bandwidth), each gather copies a shard in over the host link
+               and the summed gradients go out, not overlapped
 
 step = max over ranks of max(pipeline end, last gradient pass start + gradient sum, pipeline
 end + the last bucket's) (pipeline end + gradient sum where the cluster does not overlap them), + closing all-reduce, + the slowest rank's optimizer step (and
@@ -50,14 +53,8 @@ from typing import Any, Sequence
 
 from plait.cost.buckets import DEFAULT_BUCKET_BYTES, bucket_summary, summed_in
 from plait.cost.handovers import boundary_links, cut_bytes, cut_times, handover_busy, handover_term, slowest_boundary
-from plait.cost.layer_times import (
-    flush_times,
-    hold,
-    latency_terms,
-    layer_times,
-    pipeline_lower_bound,
-    recomputed_memory,
-)
+from plait.cost.layer_times import (flush_times, hold, latency_terms, layer_times, pipeline_lower_bound,
+                                    recomputed_memory)
 from plait.cost.memory import StateBytes, state_bytes, state_totals
 from plait.cost.network import Network, all_gather, all_reduce, by_owner, messages_time, point_to_point, reduce_scatter
 from plait.cost.problem import PartitionProblem
@@ -78,16 +75,17 @@ CLOSING_BYTES = 64.0  # the step's loss and metric sums (and non-finite flags): 
 class Cluster:
     """Where a job runs: its network, the bytes one device may use, the optimizer's state.
 
-    optimizer_state_factor: optimizer state bytes per gradient byte (Adam 2: exp_avg and
-    exp_avg_sq; SGD with momentum 1; plain SGD 0). bucket_bytes: the cap of a gradient bucket
-    (`Config.bucket_cap_mb`). overlap_gradients: the gradient sum starts while the last gradient
-    pass runs, as plait's runtime does it (False: after the pipeline, as Megatron-LM's local DDP
-    of 2021 all-reduces its gradient buffer once the forward-backward pass has returned).
-    owner_reduces: ZeRO-2 reduces each bucket to its owners (False: all-reduces it, as the runtime
-    does on gloo; `plait.cost.buckets.reduces_to_owners`). recompute_by_layer: a recomputed stage
-    may recompute layer by layer where that needs less memory (False: `Config(recompute_by_layer=False)`).
-    ride_sums: in a pipeline of one rank per stage (dp = 1) the step's loss sums ride on the
-    stages' messages, no all-reduce (False: lanes of tp ranks, whose sums take the all-reduce).
+    optimizer_state_factor: optimizer state bytes per gradient byte (Adam 2: exp_avg and exp_avg_sq;
+    SGD with momentum 1; plain SGD 0). bucket_bytes: the cap of a gradient bucket (`Config.bucket_cap_mb`).
+    overlap_gradients: the gradient sum starts while the last gradient pass runs, as plait's runtime
+    does it (False: after the pipeline, as Megatron-LM's local DDP of 2021 all-reduces its gradient
+    buffer once the forward-backward pass has returned). owner_reduces: ZeRO-2 reduces each bucket to
+    its owners (False: all-reduces it, as the runtime does on gloo; `plait.cost.buckets.reduces_to_owners`).
+    recompute_by_layer: a recomputed stage may recompute layer by layer where that needs less memory
+    (False: `Config(recompute_by_layer=False)`). ride_sums: in a pipeline of one rank per stage (dp = 1)
+    the step's loss sums ride on the stages' messages, no all-reduce (False: lanes of tp ranks, whose
+    sums take the all-reduce). host_link, host_bandwidth: bytes/s between a device and its host's
+    memory, and of host memory per device (`Device`'s); 0: the device is the host (CPU ranks).
     """
 
     network: Network
@@ -98,6 +96,8 @@ class Cluster:
     owner_reduces: bool = True
     recompute_by_layer: bool = True
     ride_sums: bool = True
+    host_link: float = 0.0
+    host_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.memory_bytes > 0:
@@ -185,24 +185,22 @@ def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, glo
     """The closed form the partition minimises for `setting`, with memory per stage.
 
     1F1B and GPipe: T = sum_s t_s + 2 sum_cuts c + (m - 1) max_s t_s, t = F + B + W (Alpa eq. 2;
-    exactly simulate's step for uniform stages, and for GPipe whenever B/F is the same on
-    every stage). ZB-H1 (W split off), m >= p: fill F + B - W per stage plus 2W on the last,
-    the paper's m(F+B+W) + (p-1)(F+B-W) for uniform stages; m < p: t = F + B and one W more,
-    (m + p - 1)(F + B) + W. Interleaved (v chunks per rank), m >= p: the chunks' fill counts
-    1/v and the bottleneck m v - 1 times, Megatron's (m + (p-1)/v) t for uniform chunks; m < p:
-    a plain pipeline of its p v chunks (`layer_times._modes`). Every cut counts whole: a
-    micro-batch crosses all p v - 1 of them in turn (within 17% of simulate's step for uniform
-    chunks and hand-overs up to a fifth of a chunk; exact without hand-overs). Each chunk must
-    fit in 1/v of the device, a sufficient condition for the rank. Batched weight gradients:
-    t = F + B + W(m rows)/m, and W(m rows)/m more on the last stage (`_terms`); every
-    micro-batch held (`DEFERRED_HOLD`).
-    """
+    exactly simulate's step for uniform stages, and for GPipe whenever B/F is the same on every
+    stage). ZB-H1 (W split off), m >= p: fill F + B - W per stage plus 2W on the last, the paper's
+    m(F+B+W) + (p-1)(F+B-W) for uniform stages; m < p: t = F + B and one W more, (m + p - 1)(F + B)
+    + W. Interleaved (v chunks per rank), m >= p: the chunks' fill counts 1/v and the bottleneck
+    m v - 1 times, Megatron's (m + (p-1)/v) t for uniform chunks; m < p: a plain pipeline of its
+    p v chunks (`layer_times._modes`). Every cut counts whole: a micro-batch crosses all p v - 1 of
+    them in turn (within 17% of simulate's step for uniform chunks and hand-overs up to a fifth of
+    a chunk; exact without hand-overs). Each chunk must fit in 1/v of the device, a sufficient
+    condition for the rank. Batched weight gradients: t = F + B + W(m rows)/m, and W(m rows)/m
+    more on the last stage (`_terms`); every micro-batch held (`DEFERRED_HOLD`)."""
     rows = microbatch_rows(global_batch, setting.dp, setting.num_microbatches)
     time, fill, last_fill, count = latency_terms(costs, setting, rows)
     v = setting.num_virtual_stages
     cuts = [2 * c for c in cut_times(costs, setting, cluster.network, rows)]
     state = state_totals(costs.param_bytes, costs.grad_bytes, cluster.optimizer_state_factor, setting.dp, setting.zero,
-                         costs.copy_bytes)
+                         costs.copy_bytes, offloaded(setting, cluster))
     act = [a * rows for a in costs.activation_row_bytes]
     entry = [costs.input_row_bytes * rows] + [o * rows for o in costs.output_row_bytes[:-1]]
     peaks = peak_activations(setting)
@@ -339,13 +337,19 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
             gathers = (3 if setting.recompute else 2) * setting.num_microbatches
             shared = (gathers * all_gather(copies or params, dp, link) if zero == 3
                       else by_owner(grads, dp, cluster.network.link(replicas)) if zero else 0.0)
+            if offloaded(setting, cluster):  # each gather's shard copied in, the summed gradient's out
+                shared += (gathers * (params - copies) / dp + grads / dp) / cluster.host_link
             seen[key] = (summed_in(count, grads, dp, link, gradient_sum), tail, shared,
                          _state(params, grads, setting, cluster, copies))
         total, tail, shared, state = seen[key]
         summed.append(total)
         gather.append(shared)
         stepped = sum(step_sum[b] - step_sum[a] for a, b in ranges)
-        optimizer.append(stepped / dp if zero else stepped)
+        if offloaded(setting, cluster) and cluster.host_bandwidth > 0:  # the host steps the shard: reads its
+            # value, gradient and state, writes value and state (1 + 1 + k + 1 + k gradient bytes)
+            optimizer.append((3 + 2 * cluster.optimizer_state_factor) * grads / dp / cluster.host_bandwidth)
+        else:
+            optimizer.append(stepped / dp if zero else stepped)
         states.append(state)
         if recomputed_memory(setting):
             forms = [st.recomputed(peaks[r]) for st in mine]
@@ -375,11 +379,16 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
 
 def _state(param_bytes: float, grad_bytes: float, setting: Setting, cluster: Cluster,
            copy_bytes: float = 0.0) -> StateBytes:
-    return state_bytes(param_bytes, grad_bytes, cluster.optimizer_state_factor, setting.dp, setting.zero, copy_bytes)
+    return state_bytes(param_bytes, grad_bytes, cluster.optimizer_state_factor, setting.dp, setting.zero, copy_bytes,
+                       offloaded(setting, cluster))
 
 
-def _prefix(values: Sequence[float]) -> list[float]:
-    """[i] = sum of values[:i] (a range's sum in two lookups)."""
+def offloaded(setting: Setting, cluster: Cluster) -> bool:
+    """Whether `setting`'s offload moves anything: on a device beside its host (CPU ranks: no)."""
+    return setting.offload and cluster.host_link > 0
+
+
+def _prefix(values: Sequence[float]) -> list[float]:  # [i] = sum of values[:i]: a range's sum in two lookups
     return [0.0, *itertools.accumulate(float(x) for x in values)]
 
 

@@ -26,8 +26,6 @@ class Execution:
     clip_grad_norm: the largest global gradient norm; above it every gradient is scaled down to it (None: no clipping).
     accumulate_steps: global batches whose gradients are summed (each loss / accumulate_steps) before one optimizer step.
     reduce_precision: the dtype the data-parallel gradient sums run in ("fp32", or "bf16" on request).
-    offload: "optimizer": zero=3's shards, their gradients and optimizer state in host memory when
-        the ranks compute on GPUs (None: on the device).
     """
 
     timeout_s: float = 300.0
@@ -39,7 +37,6 @@ class Execution:
     clip_grad_norm: float | None = None
     accumulate_steps: int = 1
     reduce_precision: str = "fp32"
-    offload: str | None = None
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -55,7 +52,5 @@ class Execution:
             raise ConfigError(f"Execution has accumulate_steps={self.accumulate_steps!r}; it must be a positive integer")
         if self.reduce_precision not in ("fp32", "bf16"):
             raise ConfigError(f"Execution has reduce_precision={self.reduce_precision!r}; choose 'fp32' or 'bf16'")
-        if self.offload not in (None, "optimizer"):
-            raise ConfigError(f"Execution has offload={self.offload!r}; choose 'optimizer' or None")
         if not (isinstance(self.bucket_bytes, int) and self.bucket_bytes > 0):
             raise ConfigError(f"Execution has bucket_bytes={self.bucket_bytes!r}; it must be a positive integer")

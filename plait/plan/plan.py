@@ -56,6 +56,8 @@ class Plan:
     sequence_parallel: bool = False
     # the dtype stages compute in: "bf16" / "fp16" copies of fp32 master parameters (Config.precision)
     precision: str = "fp32"
+    # zero=3: the shards, their gradients and the optimizer step in host memory (on GPU ranks; Config.offload)
+    offload: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_virtual_stages", "num_microbatches"):  # the mesh checks its degrees
@@ -82,6 +84,8 @@ class Plan:
         self.mesh  # checks the degrees and widths against the world size, once
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"plan has zero={self.zero!r}; it must be 0, 1, 2 or 3")
+        if self.offload and self.zero != 3:
+            raise ConfigError(f"plan has offload=True with zero={self.zero}; offload moves zero=3's shards: use zero=3")
         if self.stage_dp and self.zero and max(self.stage_dp) == 1:
             raise ConfigError(f"plan has stage_dp={list(self.stage_dp)} with zero={self.zero}; ZeRO shards a stage's "
                               "state over its replicas and no stage has two: use zero=0")
@@ -188,6 +192,7 @@ class Plan:
                 tp_plan=tuple((str(p), str(s)) for p, s in data.get("tp_plan", ())),
                 sequence_parallel=bool(data.get("sequence_parallel", False)),
                 precision=str(data.get("precision", "fp32")),
+                offload=bool(data.get("offload", False)),
             )
         except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as e:
             raise ConfigError(f"not a plait plan ({type(e).__name__}: {e}); expected Plan.to_json() output") from e
@@ -217,7 +222,8 @@ class Plan:
             what = {1: "optimizer state", 2: "optimizer state and gradients",
                     3: "parameters, gradients and optimizer state"}[self.zero]
             over = "its replicas, where it has several" if self.stage_dp else f"its {self.dp} replicas"
-            lines.append(f"  ZeRO-{self.zero}: each stage's {what} sharded over {over}")
+            kept = ", kept in host memory (offload)" if self.offload else ""
+            lines.append(f"  ZeRO-{self.zero}: each stage's {what} sharded over {over}{kept}")
         for s, layout in enumerate(self.tp_layouts):
             lines += _layout_lines(s, self.tp_of(s), layout)
         if self.kept_whole:

@@ -47,6 +47,7 @@ class Setting:
     recompute: bool = False
     zero: int = 0
     batch_weight_grads: bool = False  # linears' weight gradients once a step (`Config.batch_weight_grads`)
+    offload: bool = False  # zero=3 with the shards, their gradients and the optimizer step in host memory
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_weight_grads, bool):
@@ -62,6 +63,9 @@ class Setting:
                 f"num_virtual_stages={self.num_virtual_stages} needs {virtual_hint()}"
             )
         check_zero(self.zero, self.dp)
+        if self.offload is not False and (self.offload is not True or self.zero != 3):
+            raise ConfigError(f"offload={self.offload!r} with zero={self.zero}; offload is True or False, and "
+                              "True only with zero=3 (it moves the shards and their optimizer to host memory)")
 
     @property
     def num_chunks(self) -> int:

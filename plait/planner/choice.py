@@ -56,15 +56,20 @@ class Choice:
 
 
 def search_inputs(config: Config, world_size: int, global_batch: int, local_ranks: int,
-                  optimizer_state_factor: float, network: Network | None, backend: str) -> SearchInputs:
+                  optimizer_state_factor: float, network: Network | None, backend: str,
+                  host: tuple[float, float] = (0.0, 0.0)) -> SearchInputs:
     """The search's inputs for `config` on `world_size` ranks, `local_ranks` of them on this host
-    (its memory shared by them), pricing messages with `network` on `backend` ("gloo", "nccl")."""
+    (its memory shared by them), pricing messages with `network` on `backend` ("gloo", "nccl");
+    `host`: the ranks' host link and host memory bandwidth, bytes/s (GPU ranks; 0: CPU ranks)."""
     space, source = search_space(config, world_size, global_batch)
     cluster = local_cluster(local_ranks, network=network, memory_bytes=config.memory_limit_bytes,
                             optimizer_state_factor=optimizer_state_factor,
                             bucket_bytes=config.bucket_cap_mb * 2**20, backend=backend)
+    cluster = replace(cluster, host_link=host[0], host_bandwidth=host[1])
     if config.recompute_by_layer is False:
         cluster = replace(cluster, recompute_by_layer=False)
+    if config.offload is not None or cluster.host_link > 0:  # offload where only it fits: ranks beside a host
+        space = replace(space, offload=(False, True) if config.offload is None else (config.offload == "optimizer",))
     tp = tp_degrees(world_size, local_ranks) if config.tp is None else (1,)  # a given tp: planned on its lanes
     return SearchInputs(space, cluster, tp, source)
 
@@ -118,7 +123,8 @@ def choose(result: PlanResult, config: Config, world_size: int, source: str, cap
         chosen.pop("tp")
     if not config.plans_everything:  # the user's layout, with the planner's layers (and ZeRO) only
         by_layer = chosen["recompute_by_layer"] if config.recompute is True else []
-        chosen = {"layers_per_stage": chosen["layers_per_stage"], "zero": chosen["zero"], "recompute_by_layer": by_layer}
+        chosen = {"layers_per_stage": chosen["layers_per_stage"], "zero": chosen["zero"], "offload": chosen["offload"],
+                  "recompute_by_layer": by_layer}
     if config.recompute_by_layer is not None:  # the user's, priced as given when False (`Cluster`)
         chosen.pop("recompute_by_layer", None)
     report = PlanReport(best.to_dict(), result.to_dict()["alternatives"], result.table(), source,

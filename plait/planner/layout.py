@@ -58,6 +58,7 @@ from plait.planner.choice import SearchInputs, choose, search_inputs
 from plait.planner.plan_report import PlanReport
 from plait.planner.replay import load_plan_file, resumed_fields
 from plait.planner.resolve import complete_plan, resolve_plan
+from plait.planner.tp_search import preset_of
 from plait.runtime.agree import agree
 from plait.runtime.comm.collectives import max_floats
 from plait.runtime.failure import failure_error
@@ -250,16 +251,19 @@ def _decide(work: Workload, config: Config, world_size: int, resumed_plan: dict[
 
 
 def _users_zero(fields: dict[str, Any], config: Config) -> dict[str, Any]:
-    """A replayed layout with Config.zero and Config.batch_weight_grads in place of the
-    saved ones, where given."""
+    """A replayed layout with Config.zero, Config.offload and Config.batch_weight_grads in place of
+    the saved ones, where given."""
     fields = fields if config.zero is None else {**fields, "zero": config.zero}
+    fields = fields if config.offload is None else {**fields, "offload": config.offload == "optimizer"}
     return fields if config.batch_weight_grads is None else {**fields, "batch_weight_grads": config.batch_weight_grads}
 
 
 def _search_inputs(config: Config, world_size: int, work: Workload, network: Network | None) -> SearchInputs:
     """What the search may choose and what it prices with (`plait.planner.choice`: the command's too)."""
+    preset = preset_of(work.device)  # GPU ranks: their host link and host memory (offload's prices)
     return search_inputs(config, world_size, batching.num_rows(work.x), local_world_size(world_size),
-                         state_factor(work.optimizer), network, dist.get_backend() if dist.is_initialized() else "")
+                         state_factor(work.optimizer), network, dist.get_backend() if dist.is_initialized() else "",
+                         (preset.host_link, preset.host_bandwidth))
 
 
 def _profile_options(work: Workload) -> PlanOptions:

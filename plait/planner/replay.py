@@ -28,7 +28,8 @@ def saved_layout(data: dict[str, Any]) -> dict[str, Any]:
             "num_virtual_stages": int(data.get("num_virtual_stages", 1)),
             "recompute": recompute if isinstance(recompute, bool) else [int(s) for s in recompute],
             "recompute_by_layer": [int(s) for s in data.get("recompute_by_layer", [])],
-            "zero": int(data.get("zero", 0) or 0), "batch_weight_grads": bool(data.get("batch_weight_grads", False))}
+            "zero": int(data.get("zero", 0) or 0), "batch_weight_grads": bool(data.get("batch_weight_grads", False)),
+            "offload": bool(data.get("offload", False))}
 
 
 def resumed_fields(plan: dict[str, Any], config: Config, world_size: int,
@@ -50,7 +51,7 @@ def resumed_fields(plan: dict[str, Any], config: Config, world_size: int,
         return full
     c = config.with_defaults()
     if c.num_virtual_stages == v and c.stages_for(world_size) * v == len(layers):
-        return {"layers_per_stage": layers, "zero": full["zero"]}  # the same pp, so the same dp
+        return {"layers_per_stage": layers, "zero": full["zero"], "offload": full["offload"]}  # same pp: same dp
     return None
 
 

@@ -39,7 +39,8 @@ __all__ = ["LAYOUT_KEYS", "layout_keys", "resolve_plan", "complete_plan", "recom
 #: file, a resumed checkpoint's plan): what `resolve_plan` reads of it; a key absent or None is left
 #: to the user's Config. recompute is True/False (every stage or none) or the recomputed stages.
 LAYOUT_KEYS = ("layers_per_stage", "pp", "dp", "tp", "num_microbatches", "schedule", "num_virtual_stages",
-               "recompute", "recompute_by_layer", "zero", "batch_weight_grads", "stage_tp", "stage_dp", "crossing")
+               "recompute", "recompute_by_layer", "zero", "batch_weight_grads", "stage_tp", "stage_dp", "crossing",
+               "offload")
 
 
 def layout_keys(candidate: Mapping[str, Any]) -> dict[str, Any]:
@@ -101,6 +102,7 @@ def resolve_plan(config: Config, world_size: int, captured: CapturedGraph, net: 
         tp_plan=tuple(config.tp_plan or ()) if tp > 1 else (),
         sequence_parallel=config.sequence_parallel,
         precision=config.precision,
+        offload=bool(pick("offload")),  # the candidate's, or Config.offload ("optimizer": True)
         uncuttable=regions,
         dp=dp,
         num_virtual_stages=virtual,

@@ -29,6 +29,7 @@ from plait.capture.graph_nodes import args_of, linear_parts, shape_of
 from plait.capture.megatron_layout import strategy_of, tp_layouts
 from plait.capture.shard_rules import Shard
 from plait.capture.tp_layout import TpLayout, module_of
+from plait.cost.devices import Device
 from plait.cost.devices import device as device_preset
 from plait.runtime.tp.layouts import planned_layouts
 from plait.search.tp_choice import TpOp, TpSearch, choose_split
@@ -121,19 +122,20 @@ def device_search(memory_limit_bytes: float | None, tp: int, chunks_per_rank: in
     """The tp search for ranks on `device` (None without a memory limit: everything that splits does)."""
     if memory_limit_bytes is None or tp == 1:
         return None
-    preset = device_preset(_preset_name(device))
+    preset = preset_of(device)
     return TpSearch(TpMesh(tp, preset.network.intra, preset.flops), memory_limit_bytes / chunks_per_rank,
                     state_factor)
 
 
-def _preset_name(device: torch.device) -> str:
+def preset_of(device: torch.device) -> Device:
+    """The device preset nearest the ranks' `device` ("cpu" for CPU ranks)."""
     if device.type != "cuda":
-        return "cpu"
+        return device_preset("cpu")
     name = torch.cuda.get_device_name(device).lower()
     for key, preset in (("v100", "v100-16gb"), ("a100", "a100-80gb"), ("mi250", "mi250x"), ("h200", "h200-141gb")):
         if key in name:
-            return preset
-    return "h100-80gb"  # H100 and newer: the nearest preset
+            return device_preset(preset)
+    return device_preset("h100-80gb")  # H100 and newer: the nearest preset
 
 
 def searched_layouts(graphs: Sequence[fx.GraphModule], tp: int, tp_plan: Mapping[str, str] | None,

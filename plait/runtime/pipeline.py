@@ -318,10 +318,9 @@ def _sharded(computed: dict[int, StageModule], parts: _Parts, group: Any, tied: 
     if equal:  # the replicas start equal (`Pipeline.start_equal` has no buckets' group to do it with)
         buffers = {id(b): b for st in computed.values() for b in st.module.buffers()}
         broadcast_tensors([p for p in local if id(p) not in tied] + list(buffers.values()), first, group)
-    offload = parts.execution.offload is not None
+    offload = parts.plan.offload
     if offload and parts.device.type == "cpu" and parts.rank == 0:
-        log.info("plait: offload=%r changes nothing on CPU ranks: the optimizer state is in host memory already",
-                 parts.execution.offload)
+        log.info("plait: offload changes nothing on CPU ranks: the optimizer state is in host memory already")
     params = ShardedParameters(group, parts.device, dtype_of(parts.plan.precision),
                                dtype_of(parts.execution.reduce_precision), offload=offload and parts.device.type != "cpu",
                                fill=parts.fill)

@@ -13,7 +13,8 @@ left to the search (`SearchSpace.zero` None) it is used where memory needs it: t
 are those of the lowest level at which some layout fits. Batched weight gradients
 (`Config.batch_weight_grads`) are one more choice, priced by `plait.cost.layer_times`. Candidates
 that predict the same step (to 12 significant digits) rank by the lower level, then unbatched
-first, then in the order found.
+first, then in the order found. Offload (`SearchSpace.offload`: zero=3's shards and optimizer in
+host memory) is taken, like a level above 3, only where nothing fits without it.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class SearchSpace:
     zero: tuple[int, ...] | None = None  # None: 0-3 where dp > 1 (else 0); given: only those
     zero3: bool = True  # False: zero=3 not tried where zero is None (beside tp, or replanning: not run yet)
     batch_weight_grads: tuple[bool, ...] = (False, True)  # True: tried with m > 1, without recomputation or ZB-H1
+    offload: tuple[bool, ...] = (False,)  # True: zero=3 with its shards and optimizer in host memory (Config.offload)
     keep: int = 5  # candidates returned
     simulate_top: int = 8  # at most this many re-timed on the schedule's program
     simulate_actions: int = 40_000  # actions simulated in all; beyond, the closed form stays
@@ -98,6 +100,7 @@ class Candidate:
             "pp": st.pp, "dp": st.dp, "tp": self.tp, "num_microbatches": st.num_microbatches,
             "schedule": st.schedule, "num_virtual_stages": st.num_virtual_stages,
             "recompute": st.recompute, "zero": st.zero, "batch_weight_grads": st.batch_weight_grads,
+            "offload": st.offload,
             "recompute_by_layer": list(pred.recompute_by_layer) if pred else [],
             "layers_per_stage": list(self.layers_per_stage),
             "feasible": self.feasible,
@@ -155,9 +158,10 @@ def _settings(costs: LayerCosts, world_size: int, global_batch: int, space: Sear
                     for batched in space.batch_weight_grads:
                         if batched and (recompute or spec.splits_backward or m == 1):
                             continue  # it would keep what recomputation frees; ZB-H1 would be 1F1B; m=1: no change
-                        out.extend(Setting(pp, dp, m, name, v, recompute, zero, batched)
+                        out.extend(Setting(pp, dp, m, name, v, recompute, zero, batched, offload)
                                    for zero in space.zero_levels(dp)
-                                   if zero != 3 or zero3_runs(name, batched))
+                                   if zero != 3 or zero3_runs(name, batched)
+                                   for offload in (space.offload if zero == 3 else (False,)))
     return out
 
 
@@ -168,7 +172,8 @@ def _loosest(setting: Setting, space: SearchSpace) -> Setting:
     schedule = leaner if leaner is not None and leaner in space.schedules else setting.schedule
     runs = [z for z in space.zero_levels(setting.dp)
             if z != 3 or zero3_runs(schedule, setting.batch_weight_grads)]
-    return replace(setting, schedule=schedule, zero=max(runs, default=setting.zero))
+    zero = max(runs, default=setting.zero)
+    return replace(setting, schedule=schedule, zero=zero, offload=zero == 3 and max(space.offload))
 
 
 def _evaluate(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch: int,
@@ -216,6 +221,8 @@ def search(costs: LayerCosts, world_size: int, global_batch: int, cluster: Clust
     if space.zero is None and feasible:  # ZeRO where memory needs it: the lowest level that fits
         lowest = min(c.setting.zero for c in feasible)
         feasible = [c for c in feasible if c.setting.zero == lowest]
+    if len(space.offload) > 1 and any(not c.setting.offload for c in feasible):  # offload where only it fits
+        feasible = [c for c in feasible if not c.setting.offload]
     if not feasible:
         infeasible.sort(key=lambda c: (c.needed_memory_bytes, c.setting.pp))
         top = infeasible[0]
@@ -268,7 +275,8 @@ def _refine(costs: LayerCosts, ranked: list[Candidate], cluster: Cluster, global
 def _rank(step_time_s: float, candidate: Candidate) -> tuple[float, int, bool]:
     """Faster first; steps equal to 12 significant digits go to the lower ZeRO level, then to
     weight gradients per micro-batch (less memory)."""
-    return float(f"{step_time_s:.12g}"), candidate.setting.zero, candidate.setting.batch_weight_grads
+    st = candidate.setting
+    return float(f"{step_time_s:.12g}"), st.zero + st.offload, st.batch_weight_grads
 
 
 def _actions(setting: Setting) -> int:
@@ -298,11 +306,11 @@ def format_table(candidates: list[Candidate], top: int = 5) -> str:
         timing = c.prediction.method if c.prediction else "infeasible: " + c.reason
         again = ("by layer" if c.prediction and c.prediction.recompute_by_layer else "yes") if st.recompute else "no"
         lines.append(f"{k:>2} {st.pp:>3} {st.dp:>3} {c.tp:>2} {st.num_microbatches:>5} {sched:<14} "
-                     f"{again:<9} {st.zero:>4} {step} {mem:9.2f} GiB  {timing}")
+                     f"{again:<9} {str(st.zero) + ('+o' if st.offload else ''):>4} {step} {mem:9.2f} GiB  {timing}")
     if best.prediction is not None:
         pred = best.prediction
         lines.append(f"chosen: {best.setting.num_microbatches} micro-batches of {pred.rows} rows, "
-                     f"zero={best.setting.zero}{f', tp={best.tp}' if best.tp > 1 else ''}"
+                     f"zero={best.setting.zero}{' offloaded' if best.setting.offload else ''}{f', tp={best.tp}' if best.tp > 1 else ''}"
                      f"{', weight gradients batched over the step (+bW)' if best.setting.batch_weight_grads else ''}"
                      "; per stage, one "
                      f"micro-batch, and its rank's memory "

@@ -91,3 +91,12 @@ def test_the_runtime_reads_the_cost_models_factor_for_an_optimizer_instance() ->
     assert state_factor(torch.optim.Adam(w)) == optimizer_state_factor("adam", 4) == 2
     assert state_factor(torch.optim.SGD(w, lr=0.1, momentum=0.9)) == optimizer_state_factor("sgd-momentum", 4) == 1
     assert state_factor(torch.optim.SGD(w, lr=0.1)) == optimizer_state_factor("sgd", 4) == 0
+
+
+def test_offload_leaves_the_device_its_gradients_alone() -> None:
+    """zero=3 with offload (FSDP2's CPUOffloadPolicy): the shards, the reduce-scattered gradients and
+    the optimizer state live in host memory; the device adds each micro-batch's gradients up whole."""
+    assert state_bytes(100.0, 100.0, 2.0, 4, 3, offload=True) == StateBytes(0.0, 100.0, 0.0, 0.0)
+    assert state_bytes(100.0, 100.0, 2.0, 4, 3) == StateBytes(25.0, 100.0, 50.0, 25.0)  # without: its shares
+    assert state_totals([100.0, 30.0], [100.0, 10.0], 2.0, 4, 3, offload=True) == [100.0, 10.0]
+    assert state_bytes(100.0, 100.0, 2.0, 4, 2, offload=True).total == state_bytes(100.0, 100.0, 2.0, 4, 2).total

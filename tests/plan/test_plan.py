@@ -204,3 +204,12 @@ def test_precision_round_trips_prints_and_old_plans_read_as_fp32() -> None:
     old = json.loads(plan().to_json())
     del old["precision"]  # a plan saved before plait computed in low precision
     assert Plan.from_json(json.dumps(old)).precision == "fp32"
+
+
+def test_offload_travels_in_the_plan_and_needs_zero3():
+    """zero=3's shards in host memory (the planner's choice or Config.offload) is the plan's to say."""
+    p = replace(plan(), world_size=4, dp=2, zero=3, offload=True)
+    assert Plan.from_json(p.to_json()) == p and Plan.from_json(plan().to_json()).offload is False
+    assert "kept in host memory (offload)" in str(p)
+    with pytest.raises(ConfigError, match="offload=True with zero=2; offload moves zero=3's shards"):
+        replace(p, zero=2)

@@ -62,7 +62,7 @@ def _args(model_file: str, shape: tuple[int, ...], devices: int) -> argparse.Nam
     return argparse.Namespace(gpt=None, model=model_file, devices=devices, batch=None, device=None, memory_gb=None,
                               sample_shape=shape, sample_dtype="float32", optimizer="adam", schedules=None, pp=None,
                               tp=None, microbatches=None, recompute=(False, True), zero=None, layout=None, top=5,
-                              json=True, output=None, precision="fp32")
+                              json=True, output=None, precision="fp32", offload=True)
 
 
 @pytest.mark.parametrize("name, devices, heavy", [("cnn", 2, 2e-4), ("cnn", 4, 1e-4), ("mlp", 2, 5e-5),
@@ -106,3 +106,19 @@ def test_zero3_searches_only_what_its_runtime_runs() -> None:
     default = search_space(plait.Config(), 4, 16)[0]
     assert default.zero is None and default.zero3  # the default search tries 0-3 (the lowest that fits)
     assert not search_space(plait.Config(replan=True), 4, 16)[0].zero3  # zero=3 does not replan yet
+
+
+def test_offload_is_searched_for_ranks_beside_a_host_unless_the_config_says() -> None:
+    """Config.offload None: searched (taken where only it fits) on ranks with a host link (GPU
+    presets), not on CPU ranks; "optimizer": always; False: never."""
+    from plait.planner.choice import search_inputs
+
+    def space(config: plait.Config, host: tuple[float, float]) -> tuple[bool, ...]:
+        inputs = search_inputs(config, 2, 8, 2, 2.0, GLOO, "nccl", host)
+        assert (inputs.cluster.host_link, inputs.cluster.host_bandwidth) == host
+        return inputs.space.offload
+
+    gpu = (31.5e9, 51.2e9)
+    assert space(plait.Config(), gpu) == (False, True) and space(plait.Config(), (0.0, 0.0)) == (False,)
+    assert space(plait.Config(offload=False), gpu) == (False,)
+    assert space(plait.Config(zero=3, offload="optimizer"), (0.0, 0.0)) == (True,)  # a no-op on CPU ranks

@@ -97,13 +97,13 @@ def test_a_resume_on_the_same_world_keeps_the_checkpoints_cut_instead_of_replann
     assert resumed_fields(saved, plait.Config(), 4, names) == {
         "layers_per_stage": [6, 3], "pp": 2, "dp": 2, "num_microbatches": 3, "schedule": "gpipe",
         "num_virtual_stages": 1, "recompute": [], "recompute_by_layer": [], "zero": 0,
-        "batch_weight_grads": False}  # the planner chose everything: all of it is kept
+        "batch_weight_grads": False, "offload": False}  # the planner chose everything: all of it is kept
     by_layer = {**saved, "recompute": [0, 1], "recompute_by_layer": [1]}
     assert resumed_fields(by_layer, plait.Config(), 4, names)["recompute_by_layer"] == [1]
     assert resumed_fields({**saved, "zero": 2}, plait.Config(), 4, names)["zero"] == 2  # and its ZeRO
     fixed = plait.Config(num_stages=2, dp=2, num_microbatches=3)
     # only the cut (and ZeRO, a checkpoint saved before plait priced it: 0) was planned
-    assert resumed_fields(saved, fixed, 4, names) == {"layers_per_stage": [6, 3], "zero": 0}
+    assert resumed_fields(saved, fixed, 4, names) == {"layers_per_stage": [6, 3], "zero": 0, "offload": False}
     one_replica = {**saved, "layers_per_stage": [3, 3, 2, 1], "dp": 1}
     assert resumed_fields(one_replica, plait.Config(zero=1), 4, names) is None  # ZeRO needs replicas
     assert resumed_fields(saved, plait.Config(num_stages=4, dp=1), 4, names) is None  # config says otherwise

@@ -134,3 +134,13 @@ def test_a_candidate_is_read_into_the_plan_and_never_becomes_a_config(monkeypatc
     assert (plan.pp, plan.dp, plan.num_microbatches, plan.schedule) == (2, 2, 4, "gpipe")
     assert plan.layers_per_stage == (3, n - 3) and made  # the user's Config was made (and its defaults)
     assert all(c.layers_per_stage is None and c.num_stages is None and c.dp in (None, 1) for c in made)
+
+
+def test_offload_comes_from_the_candidate_or_the_users_config():
+    net, graph = net_and_graph()
+    n = len(graph.layers.layer_names)
+    chosen = {"pp": 1, "dp": 2, "zero": 3, "offload": True, "layers_per_stage": [n]}
+    assert resolve_plan(Config(), 2, graph, net, chosen).offload is True
+    assert resolve_plan(Config(), 2, graph, net, {**chosen, "offload": False}).offload is False
+    assert resolve_plan(Config(num_stages=1, dp=2, zero=3, offload="optimizer"), 2, graph, net).offload is True
+    assert resolve_plan(Config(num_stages=1, dp=2, zero=3, offload=False), 2, graph, net).offload is False

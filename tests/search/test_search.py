@@ -232,3 +232,32 @@ def test_the_table_and_json_show_zero_and_the_chosen_memory() -> None:
     assert " zero " in table.splitlines()[0]
     assert f"zero={found[0].setting.zero}" in table
     assert "memory 0.01 GiB (0.00 + 0.00 + 0.00 + 0.00)" in table  # MiBs: shown as GiB
+
+
+def test_offload_is_priced_and_taken_only_where_nothing_else_fits() -> None:
+    """zero=3 with offload: the device keeps only the gradients (4 x 100 = 400 bytes a rank here,
+    1000 with zero=3 alone); each gather copies a shard in over the host link and the host steps the
+    shards at its memory's bandwidth, so a layout that fits without it is faster and is taken."""
+    costs = layer_costs(4, forward=1e-3, backward=2e-3, params=100.0, optimizer=1e-3)
+    net = Network(Link(1e-5, 1e6), Link(1e-5, 1e6), 1)
+    host = Cluster(net, 600.0, host_link=1e4, host_bandwidth=1e5)
+    space = SearchSpace(pp=(1,), keep=50, offload=(False, True))
+    found = search(costs, 2, 8, host, space)
+    assert found[0].feasible and all(c.setting.offload and c.setting.zero == 3 for c in found), found[0].reason
+    pred = found[0].prediction
+    assert pred is not None and pred.peak_memory_bytes == 400.0 and pred.parameter_bytes[0] == 0.0
+    plain = predict(costs, replace(found[0].setting, offload=False), host, 8, found[0].layers_per_stage)
+    # in over the host link: 2 gathers a micro-batch of the rank's 200-byte shard; out: its 200 gradient bytes
+    moved = (2 * found[0].setting.num_microbatches * 200.0 + 200.0) / 1e4
+    assert pred.gather_s[0] == pytest.approx(plain.gather_s[0] + moved)
+    assert pred.optimizer_s[0] == pytest.approx((3 + 2 * 2.0) * 200.0 / 1e5)  # Adam on the host: 7 bytes a byte
+    roomy = search(costs, 2, 8, replace(host, memory_bytes=1100.0), space)  # zero=3 alone fits: no offload
+    assert roomy[0].feasible and not any(c.setting.offload for c in roomy)
+    assert not search(costs, 2, 8, host, replace(space, offload=(False,)))[0].feasible  # without it: nothing
+    # CPU ranks (no host link): offload moves nothing, its memory and time are zero=3's
+    cpu = Cluster(net, 1100.0)
+    setting = replace(found[0].setting, offload=True)
+    on_cpu, three = (predict(costs, s, cpu, 8, found[0].layers_per_stage) for s in (setting, replace(setting, offload=False)))
+    assert on_cpu.memory_bytes == three.memory_bytes and on_cpu.step_time_s == three.step_time_s
+    with pytest.raises(ConfigError, match="True only with zero=3"):
+        replace(setting, zero=2)
