@@ -125,7 +125,7 @@ def check_zero(config: Any) -> None:
 
 
 def _check_zero3(config: Any) -> None:
-    """What zero=3 does not run with yet, refused by name; tp (None: not planned) set to 1."""
+    """What zero=3 does not run with yet, refused by name."""
     refused = {
         "stage_tp": config.stage_tp is not None,
         "stage_dp": config.stage_dp is not None,
@@ -137,8 +137,6 @@ def _check_zero3(config: Any) -> None:
         raise ConfigError(f"zero=3 (parameters sharded over the replicas) does not run with {bad} yet; leave "
                           "those at their defaults (a schedule without a split backward, no batched "
                           "weight gradients, no replanning), or use zero=2")
-    if config.tp is None:  # the planner does not price tensor parallelism beside it: tp=1 unless given
-        object.__setattr__(config, "tp", 1)
 
 
 def check_schedule(config: Any) -> None:

@@ -21,7 +21,7 @@ SEARCHED_ZERO = (0, 1, 2, 3)  # the levels a search tries unless given (the lowe
 def zero3_runs(schedule: str, batch_weight_grads: bool) -> bool:
     """Whether the runtime's zero=3 (FSDP2 on each layer piece) runs with these: a whole backward
     (FSDP2 gathers a piece's parameters for it and reduce-scatters their gradients after it), no
-    batched weight gradients. (The search prices it at tp=1 only: `SearchSpace.zero3`.)"""
+    batched weight gradients (beside tp too: FSDP2 shards each tp part over its replicas)."""
     return not (schedule_spec(schedule).splits_backward or batch_weight_grads)
 
 

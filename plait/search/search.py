@@ -53,7 +53,7 @@ class SearchSpace:
     num_virtual_stages: int = 2  # chunks per rank of "interleaved"
     recompute: tuple[bool, ...] = (False, True)
     zero: tuple[int, ...] | None = None  # None: 0-3 where dp > 1 (else 0); given: only those
-    zero3: bool = True  # False: zero=3 not tried where zero is None (beside tp, or replanning: not run yet)
+    zero3: bool = True  # False: zero=3 not tried where zero is None (replanning: not run yet)
     batch_weight_grads: tuple[bool, ...] = (False, True)  # True: tried with m > 1, without recomputation or ZB-H1
     offload: tuple[bool, ...] = (False,)  # True: zero=3 with its shards and optimizer in host memory (Config.offload)
     keep: int = 5  # candidates returned

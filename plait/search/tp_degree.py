@@ -48,9 +48,8 @@ def search_tp(costs: LayerCosts, shares: Mapping[int, TpShares], world_size: int
         link = cluster.network.reduce_link(list(range(tp)))
         lane_costs = at_tp(costs, shares[tp], link) if tp > 1 else costs
         lane_cluster = replace(cluster, network=_lanes(cluster.network, tp), ride_sums=cluster.ride_sums and tp == 1)
-        lane_space = space if tp == 1 else replace(space, zero3=False)  # zero=3 runs without tp (`zero3_runs`)
-        try:
-            lanes = search(lane_costs, world_size // tp, global_batch, lane_cluster, lane_space)
+        try:  # zero=3 beside tp: each rank's part sharded over its replicas, as the runtime runs it
+            lanes = search(lane_costs, world_size // tp, global_batch, lane_cluster, space)
         except ConfigError as err:
             errors.append(err)  # the space has no setting on world / tp ranks (ZeRO asked for, no replicas left)
             continue

@@ -238,7 +238,7 @@ def test_zero_errors_name_the_value_and_the_fix(kwargs, message) -> None:
 def test_zero_round_trips_and_defaults_to_open() -> None:
     assert Config().zero is None
     assert Config.from_json(Config(zero=1, dp=2).to_json()).zero == 1
-    assert Config(zero=3).tp == 1 and Config.from_json(Config(zero=3, dp=2).to_json()).zero == 3  # tp not planned beside it
+    assert Config(zero=3).tp is None and Config.from_json(Config(zero=3, dp=2).to_json()).zero == 3  # tp: the planner's
     assert Config(zero=3, tp=2).tp == 2  # given: tp cuts, zero=3 shards each part
     assert Config(zero=3, precision="bf16").precision == "bf16"  # FSDP2 gathers the low copies
 

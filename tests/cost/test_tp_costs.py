@@ -5,6 +5,7 @@ where it pays (a fast link, a model too large for one device) and not where it d
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -103,13 +104,18 @@ def test_a_layout_that_splits_nothing_is_not_a_candidate_and_bad_shares_are_refu
     assert TpShares.from_dict(shares(2, 2).to_dict()) == shares(2, 2)
 
 
-def test_zero3_is_searched_beside_tp_1_only_as_its_runtime_runs() -> None:
-    """Four layers of 100 bytes (and as many of gradients, Adam's state twice that) on 4 devices of
-    800 bytes: one stage on 4 replicas holds 250 a layer at ZeRO-1/2 and 175 at zero=3 (the
-    parameters a quarter too); tp=2 on 2 replicas holds 95 + 95 + 95 a layer at best (10 of each
-    layer's bytes split), and zero=3 is not tried beside tp: only tp=1 at zero=3 fits."""
+def test_zero3_is_searched_beside_tp_as_its_runtime_runs_it() -> None:
+    """Four layers of 100 bytes (and as many of gradients, Adam's state twice that) on 4 devices:
+    one stage on 4 replicas holds 250 a layer at ZeRO-1/2 and 175 at zero=3 (the parameters a
+    quarter too). With each layer split whole at tp=2, 2 replicas hold 150 a layer at ZeRO-1/2 and
+    125 at zero=3 (tp's part, half of it on each replica: the runtime's FSDP2 over each tp part):
+    on 560 bytes only tp=2 at zero=3 fits; with 10 of each layer's bytes split (95 a part), tp=2
+    at zero=3 holds 190 a layer and only tp=1 at zero=3 fits 800."""
     costs = layer_costs(4, forward=1e-3, backward=2e-3, params=100.0, optimizer=1e-3)
-    cluster = Cluster(Network(Link(1e-5, 1e6), Link(1e-5, 1e6), 1), 800.0)
-    found = search_tp(costs, {2: shares(4, 2, split=10.0, count=1)}, 4, 8, cluster, SearchSpace(pp=(1,), keep=50))
+    cluster = Cluster(Network(Link(1e-5, 1e6), Link(1e-5, 1e6), 1), 560.0)
+    found = search_tp(costs, {2: shares(4, 2, split=100.0, count=1)}, 4, 8, cluster, SearchSpace(pp=(1,), keep=50))
+    assert found[0].feasible and all(c.tp == 2 and c.setting.zero == 3 for c in found), found[0].reason
+    assert found[0].prediction is not None and found[0].prediction.parameter_bytes[0] == 4 * 25.0
+    roomy = replace(cluster, memory_bytes=800.0)
+    found = search_tp(costs, {2: shares(4, 2, split=10.0, count=1)}, 4, 8, roomy, SearchSpace(pp=(1,), keep=50))
     assert found[0].feasible and found[0].tp == 1 and found[0].setting.zero == 3
-    assert all(c.setting.zero != 3 for c in found if c.tp == 2)
