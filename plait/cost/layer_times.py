@@ -93,9 +93,8 @@ def layer_times(costs: LayerCosts, setting: Setting, rows: int) -> tuple[list[fl
 def latency_terms(costs: LayerCosts, setting: Setting, rows: int) -> tuple[list[float], list[float], list[float], float]:
     """Per-layer (bottleneck time, fill, last-stage fill) and the bottleneck count of the
     schedule's closed form (see `partition_problem`). Shared lists: do not mutate."""
-    v, m = setting.num_virtual_stages, setting.num_microbatches
     mode, kind = _modes(setting)
-    time, fill, last_fill = _terms(_Same(costs), rows, mode, kind, v, _batched_m(setting))
+    time, fill, last_fill = _terms(_Same(costs), rows, mode, kind, setting.num_virtual_stages, _batched_m(setting))
     return time, fill, last_fill, latency_count(setting)
 
 

@@ -62,7 +62,7 @@ class BandedTables:
     """`partition._Tables`'s programs (`run`, `min_max_time`, `least_memory`) without its tables."""
 
     def __init__(self, problem: Any) -> None:  # a partition.PartitionProblem (which imports this module)
-        p = self.p = problem
+        self.p = problem
         n = self.n = len(problem.time)
         if not 1 <= problem.num_chunks <= n:
             raise PartitionError(
