@@ -192,9 +192,9 @@ def _search_space(args: argparse.Namespace, base: Any = None) -> Any:
 
 
 def _with_offload(space: Any, cluster: Any, offload: bool) -> Any:
-    """`space` with offload among its choices where the devices sit beside a host (a GPU preset),
-    unless --no-offload: taken only where nothing fits without it (`plait.search.search`)."""
-    return dataclasses.replace(space, offload=(False, True) if offload and cluster.host_link > 0 else (False,))
+    """`space` with Config.offload's choices (`plait.planner.choice.offload_choices`); --no-offload: never."""
+    from plait.planner.choice import offload_choices
+    return dataclasses.replace(space, offload=offload_choices(None if offload else False, cluster.host_link))
 
 
 def _config(args: argparse.Namespace) -> Any:

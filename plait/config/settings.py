@@ -99,7 +99,7 @@ def check_planning(config: Any) -> None:
 
 def check_precision(config: Any) -> None:
     """precision: one of PRECISIONS; what low precision does not combine with yet is refused; offload."""
-    if config.offload not in (None, False, "optimizer") or config.offload is True:
+    if not (config.offload is None or config.offload is False or config.offload == "optimizer"):
         raise ConfigError(f"offload={config.offload!r} is not known; choose 'optimizer' (the optimizer state and "
                           "fp32 master weights in host memory), False (never) or None (the planner's choice)")
     if config.offload == "optimizer" and config.zero != 3:

@@ -32,7 +32,7 @@ from plait.plan.setting import zero3_runs
 from plait.search.search import SearchSpace
 from plait.search.tp_degree import tp_degrees
 
-__all__ = ["SearchInputs", "Choice", "search_inputs", "search_space", "choose"]
+__all__ = ["SearchInputs", "Choice", "search_inputs", "search_space", "offload_choices", "choose"]
 
 
 @dataclass(frozen=True)
@@ -68,10 +68,17 @@ def search_inputs(config: Config, world_size: int, global_batch: int, local_rank
     cluster = replace(cluster, host_link=host[0], host_bandwidth=host[1])
     if config.recompute_by_layer is False:
         cluster = replace(cluster, recompute_by_layer=False)
-    if config.offload is not None or cluster.host_link > 0:  # offload where only it fits: ranks beside a host
-        space = replace(space, offload=(False, True) if config.offload is None else (config.offload == "optimizer",))
+    space = replace(space, offload=offload_choices(config.offload, cluster.host_link))
     tp = tp_degrees(world_size, local_ranks) if config.tp is None else (1,)  # a given tp: planned on its lanes
     return SearchInputs(space, cluster, tp, source)
+
+
+def offload_choices(offload: str | bool | None, host_link: float) -> tuple[bool, ...]:
+    """Config.offload as the search's choices: None tries it (taken where only it fits) on ranks
+    beside a host (`host_link` > 0: GPUs), "optimizer" always, False never."""
+    if offload is None:
+        return (False, True) if host_link > 0 else (False,)
+    return (offload == "optimizer",)
 
 
 def search_space(config: Config, world_size: int, global_batch: int) -> tuple[SearchSpace, str]:

@@ -314,7 +314,7 @@ def _sharded(computed: dict[int, StageModule], parts: _Parts, group: Any, tied: 
              local: list[nn.Parameter], first: int, equal: bool) -> ShardedParameters:
     """zero=3: this rank's stages with their parameters sharded over the replicas (`group`), a first
     build's values taken from the first replica before they are cut; the parameters in `tied` (ids:
-    tied across stages) stay whole. The user's parameters are freed after."""
+    tied across stages) stay whole. The user's parameters are freed as each piece is sharded."""
     if equal:  # the replicas start equal (`Pipeline.start_equal` has no buckets' group to do it with)
         buffers = {id(b): b for st in computed.values() for b in st.module.buffers()}
         broadcast_tensors([p for p in local if id(p) not in tied] + list(buffers.values()), first, group)
@@ -325,8 +325,7 @@ def _sharded(computed: dict[int, StageModule], parts: _Parts, group: Any, tied: 
                                dtype_of(parts.execution.reduce_precision), offload=offload and parts.device.type != "cpu",
                                fill=parts.fill)
     for s, st in computed.items():
-        params.stage(s, st, pieces(parts.plan.layer_names), tied)
-    params.release()
+        params.stage(s, st, pieces(parts.plan.layer_names), tied)  # each piece's wholes freed once sharded
     return params
 
 

@@ -222,6 +222,7 @@ def test_leaf_modules_errors_name_the_value(value, message) -> None:
     ({"offload": "optimizer", "zero": 2}, r"offload='optimizer' runs with the parameters sharded .* but zero=2; "
                                           r"set Config\(zero=3, offload='optimizer'\)"),
     ({"offload": "params", "zero": 3}, r"offload='params' is not known; choose 'optimizer'"),
+    ({"offload": 0, "zero": 3}, r"offload=0 is not known; choose 'optimizer'"),
     ({"offload": True, "zero": 3}, r"offload=True is not known; choose 'optimizer' .*, False \(never\) or None"),
     ({"zero": 3, "schedule": "zbh1", "replan": True}, r"zero=3 \(parameters sharded over the replicas\) does not run with "
                                                       r"\{'replan': True, 'schedule': 'zbh1'\}"),
