@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
+from plait.tensor_parts import as_held, whole_shape
 
 __all__ = ["materialize", "materialize_tensors", "defer_parameters", "Deferred", "on_meta", "module_seed",
            "release_parameters"]
@@ -145,12 +146,13 @@ class Deferred:
         Each module holding one (children before parents, as `materialize`) runs its initialiser
         under its own seed, on CPU copies of these parameters, with every other parameter and
         buffer of the net seen as meta (so it draws nothing for them and writes nothing else);
-        the values are then copied into the parameters on their device."""
+        the values are then copied into the parameters on their device (a parameter tensor parallelism
+        cut since, `plait.runtime.tp`: its part of them)."""
         todo = list({id(p): p for p in params if id(p) in self.pending}.values())
         if not todo:
             return []
-        staged: dict[int, torch.Tensor] = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
-                                           for p in todo}
+        staged: dict[int, torch.Tensor] = {id(p): nn.Parameter(torch.empty(whole_shape(p), dtype=p.dtype), p.requires_grad)
+                                           for p in todo}  # (whole: a tp part is cut from its whole values)
         modules = [(name, m) for name, m in _children_first(self.net) if staged.keys() & {id(t) for t in m.parameters()}]
         _check_initialisable(modules, self.init)
         with torch.no_grad(), _seen_as(self.net, staged):
@@ -158,7 +160,7 @@ class Deferred:
         with torch.no_grad():
             for p in todo:
                 p.untyped_storage().resize_(p.numel() * p.element_size())
-                p.copy_(staged[id(p)])
+                p.copy_(as_held(p, staged[id(p)]))
                 del self.pending[id(p)]
         return todo
 

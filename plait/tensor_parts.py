@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["TpShard", "shard_of", "whole_shape", "as_held", "local_part", "whole_of", "part_rows", "part_size",
-           "uneven_fits"]
+           "uneven_fits", "RowSpan", "row_span"]
 
 
 @dataclass(frozen=True)
@@ -96,3 +96,36 @@ def whole_of(parts: list[torch.Tensor], dim: int, blocks: int) -> torch.Tensor:
         return torch.cat(parts, dim)
     cut = [p.reshape(*p.shape[:dim], blocks, p.shape[dim] // blocks, *p.shape[dim + 1:]) for p in parts]
     return torch.stack(cut, dim + 1).flatten(dim, dim + 2)
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """Rows of a held tensor (a zero=3 replica's rows of a parameter, of its tp part where tp cut
+    it) as the rows [start, stop) of the whole tensor to read, and what the holder keeps of them."""
+
+    start: int
+    stop: int
+    cut: TpShard | None = None  # the tp cut to take the read rows through (none: kept as read)
+    rows: tuple[int, int] | None = None  # then these rows of the part (a cut of several blocks along dim 0)
+
+    def kept(self, value: torch.Tensor) -> torch.Tensor:
+        """What the holder keeps of `value`, the whole tensor's rows start:stop."""
+        if self.cut is None:
+            return value
+        part = self.cut.part(value)
+        return part if self.rows is None else part[self.rows[0]:self.rows[1]]
+
+
+def row_span(t: torch.Tensor, start: int, stop: int) -> RowSpan:
+    """Rows start:stop (dim 0) of `t` -- of its part, where tp cut it -- as rows of the whole tensor:
+    the same rows (a cut along another dim: each part holds every row, cut after reading), the
+    part's own rows shifted (one block along dim 0), or every row (several blocks along dim 0)."""
+    cut = shard_of(t)
+    if cut is None:
+        return RowSpan(start, stop)
+    if cut.dim != 0:
+        return RowSpan(start, stop, cut)
+    if cut.blocks == 1:
+        first = part_rows(cut.shape[0], cut.tp_rank, cut.tp)[0]
+        return RowSpan(first + start, first + stop)
+    return RowSpan(0, cut.shape[0], cut, (start, stop))

@@ -178,6 +178,7 @@ def fuzz_checkpoints(seed: int, rounds: int) -> None:
 
     import plait
     from plait.checkpoint import disk as checkpoint
+    from plait.checkpoint.parts import export
     from tests.models import mlp
 
     torch.manual_seed(0)
@@ -214,7 +215,7 @@ def fuzz_checkpoints(seed: int, rounds: int) -> None:
             checkpoint.find_resumable(work)
             if (work / step.name / "meta.json").exists():
                 try:
-                    checkpoint.export(work / step.name, work / "plain.pt")
+                    export(work / step.name, work / "plain.pt")
                 finally:
                     model.load(work / step.name)
                     model.train_on_batch(x, y)

@@ -26,105 +26,20 @@ from torch import nn
 import plait
 from tests.architectures import make
 from tests.harness import run_ranks
+from tests.precision_reference import (
+    LR,
+    by_hand,
+    by_hand_fp16,
+    copies,
+    fp32,
+    fused_by_hand,
+    microbatch,
+    sgd,
+)
 
-STEPS, MICROBATCHES, LR = 3, 2, 0.1
+STEPS, MICROBATCHES = 3, 2
 BF16_ATOL = 1e-6  # see the module docstring
 MODELS = ["gpt2", "llama", "bert"]
-
-
-def sgd(params):
-    # SGD keeps each update proportional to its gradient, so a difference measures the gradients
-    # (Adam's first steps are about lr * sign(g): any gradient near 0 turns into a full lr step)
-    return torch.optim.SGD(params, lr=LR)
-
-
-def copies(net: nn.Module, dtype, untie: bool):
-    """(fp32 master, `dtype` copy, [(copy parameter, master parameter)]): the copy's parameters in
-    `dtype`, its buffers as they are (FSDP2's policy casts parameters only: Llama's rotary inv_freq
-    stays fp32; rounded to bf16 it would move every logit).
-
-    A weight tied across stages (`untie`: the embedding and the LM head, on the first stage and
-    the last) has one copy on each stage's rank, and each copy's gradient is added into the fp32
-    master on its own -- as Megatron sums the embedding's gradients in fp32. So the copy here unties
-    it: each module that holds it gets a copy of its own, and both gradients are added into the one
-    master. On one stage, the one copy's gradient sums both uses in low precision, as without `untie`."""
-    master = copy.deepcopy(net)
-    low = copy.deepcopy(net)
-    for p in low.parameters():
-        p.data = p.data.to(dtype)
-    pairs, seen = [], set()  # (copy, master) for every module's own parameter entry
-    for (_, mm), (_, lm) in zip(master.named_modules(remove_duplicate=False), low.named_modules(remove_duplicate=False)):
-        for name, mp in mm._parameters.items():
-            lp = lm._parameters[name]
-            if mp is None:
-                continue
-            if id(lp) in seen and untie:  # tied: this module's own copy
-                lp = lm._parameters[name] = nn.Parameter(lp.detach().clone())
-            if id(lp) not in seen:
-                pairs.append((lp, mp))
-            seen.add(id(lp))
-    return master, low, pairs
-
-
-def microbatch(low: nn.Module, pairs, x, y, loss, part: slice, dtype, scaled=lambda value: value) -> None:
-    """One micro-batch's backward on the copy (its loss times its share of the rows, then `scaled`:
-    GradScaler's scale), its gradients added into the masters' fp32 ones."""
-    xb = {k: v[part].to(dtype) if v.is_floating_point() else v[part] for k, v in x.items()}
-    out = low(**xb)
-    out.logits = out.logits.float()
-    scaled(loss(out, y[part]) * (len(y[part]) / len(y))).backward()
-    for pl, pm in pairs:
-        if pl.grad is not None:
-            pm.grad = pl.grad.float() if pm.grad is None else pm.grad + pl.grad.float()
-            pl.grad = None
-
-
-def by_hand(net: nn.Module, x, y, loss, steps: int, rows_per_microbatch: int, dtype, untie: bool) -> nn.Module:
-    """The one-process reference: a `dtype` copy computes each micro-batch, fp32 masters step."""
-    master, low, pairs = copies(net, dtype, untie)
-    opt = sgd(master.parameters())
-    for _ in range(steps):
-        with torch.no_grad():
-            for pl, pm in pairs:
-                pl.copy_(pm)
-        for start in range(0, len(y), rows_per_microbatch):
-            microbatch(low, pairs, x, y, loss, slice(start, start + rows_per_microbatch), dtype)
-        opt.step()
-        opt.zero_grad()
-    return master
-
-
-def by_hand_fp16(net: nn.Module, x, y, loss, steps: int, rows_per_microbatch: int, untie: bool,
-                 init_scale: float) -> tuple[nn.Module, list[float]]:
-    """fp16 by hand with torch.amp.GradScaler (its defaults but `init_scale`): the scaled loss's
-    gradients added into the fp32 masters, `scaler.step` unscaling them (or skipping), `update`.
-    The masters and the scale after each step."""
-    master, low, pairs = copies(net, torch.float16, untie)
-    opt = sgd(master.parameters())
-    scaler, scales = torch.amp.GradScaler("cpu", init_scale=init_scale), []
-    for _ in range(steps):
-        with torch.no_grad():
-            for pl, pm in pairs:
-                pl.copy_(pm)
-        for start in range(0, len(y), rows_per_microbatch):
-            microbatch(low, pairs, x, y, loss, slice(start, start + rows_per_microbatch), torch.float16,
-                       scaler.scale)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        scales.append(scaler.get_scale())
-    return master, scales
-
-
-def fp32(net: nn.Module, x, y, loss, steps: int) -> nn.Module:
-    """fp32 training of the same model (what bf16 must be far from)."""
-    master = copy.deepcopy(net)
-    opt = sgd(master.parameters())
-    for _ in range(steps):
-        loss(master(**x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return master
 
 
 def train_bf16(rank, world, name, config):
@@ -138,8 +53,10 @@ def train_bf16(rank, world, name, config):
     state = model.state_dict()
     # each micro-batch's bf16 gradient is rounded once before it is added in fp32: the reference's
     # micro-batches are plait's (16 rows: 8 a micro-batch on one replica of two micro-batches)
-    reference = by_hand(initial, arch.x, arch.y, arch.loss, STEPS, len(arch.y) // (plan.num_microbatches * plan.dp),
-                        torch.bfloat16, untie=bool(plan.tied_parameters))
+    # (batched weight gradients: their fp32 accumulation, tests/runtime/precision/test_batched_weight_grads.py)
+    reference = (fused_by_hand if plan.batch_weight_grads else by_hand)(
+        initial, arch.x, arch.y, arch.loss, STEPS, len(arch.y) // (plan.num_microbatches * plan.dp), torch.bfloat16,
+        bool(plan.tied_parameters))
     full = fp32(initial, arch.x, arch.y, arch.loss, STEPS)
 
     def diff(other: nn.Module) -> float:
@@ -175,7 +92,7 @@ def test_config_with_precision_alone_plans_a_bf16_run_that_trains_as_the_referen
     results = run_ranks(2, train_bf16, "gpt2", plait.Config(precision="bf16"), timeout=380)
     assert results[0]["plan"] == results[1]["plan"]
     plan = plait.Plan.from_json(results[0]["plan"])
-    assert plan.precision == "bf16" and not plan.batch_weight_grads  # (not with low precision yet)
+    assert plan.precision == "bf16"
     atol, bar = (TP_ATOL, 2) if plan.tp > 1 else (BF16_ATOL, 10)  # whichever layout the planner chose
     for r in results:
         assert r["to_reference"] <= atol and r["to_fp32"] >= bar * max(r["to_reference"], 1e-7), r

@@ -345,7 +345,7 @@ def _save_and_resume(rank: int, world: int, root: str, first: dict[str, Any], se
     `into` (default tp=2)."""
     import transformers
 
-    from plait.checkpoint.disk import export
+    from plait.checkpoint.parts import export
 
     case = case_of(name)
     ref = copy.deepcopy(case.net)

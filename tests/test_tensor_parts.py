@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plait.tensor_parts import TpShard, as_held, local_part, part_rows, part_size, uneven_fits, whole_of, whole_shape
+from plait.tensor_parts import (TpShard, as_held, local_part, part_rows, part_size, row_span, uneven_fits, whole_of,
+                                whole_shape)
 
 
 def test_local_part_takes_each_rank_its_slice_of_every_block() -> None:
@@ -47,3 +48,18 @@ def test_rows_that_do_not_divide_are_cut_in_parts_of_the_ceiling_the_last_holdin
     held = torch.zeros(16, 5)
     held._plait_tp = TpShard((67, 5), 0, 1, 3, 4)  # type: ignore[attr-defined]
     assert torch.equal(as_held(held, t), t[51:])  # a whole value loaded into the last, shorter part
+
+
+@pytest.mark.parametrize("dim, blocks", [(None, 1), (1, 1), (1, 3), (0, 1), (0, 3)])
+@pytest.mark.parametrize("rows", [(0, 2), (1, 3), (2, 2)])
+def test_a_row_span_reads_whole_rows_that_give_the_rows_of_the_part(dim, blocks, rows):
+    """Rows of a held tensor (a tp part, or a tensor not cut) read from the whole: the span's rows of the
+    whole, kept as the span says, are the part's rows."""
+    whole = torch.arange(12 * 6, dtype=torch.float32).reshape(12, 6)
+    held = whole if dim is None else local_part(whole, dim, blocks, 1, 2).clone()
+    if dim is not None:
+        held._plait_tp = TpShard((12, 6), dim, blocks, 1, 2)  # type: ignore[attr-defined]
+    span = row_span(held, *rows)
+    assert torch.equal(span.kept(whole[span.start:span.stop]), held[rows[0]:rows[1]])
+    # only the part's rows are read where they are whole rows (one block along dim 0, or any cut along dim 1)
+    assert span.stop - span.start == (12 if (dim, blocks) == (0, 3) else rows[1] - rows[0])

@@ -26,16 +26,15 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from plait.checkpoint import tensorfile
 from plait.errors import CheckpointError, first_line
-from plait.tensor_parts import whole_of
 
 __all__ = ["Checkpoint", "FORMAT", "step_name", "temp_dir", "write_shard", "write_tensor_file", "write_atomic", "commit", "open_checkpoint",
-           "find_resumable", "is_checkpoint_dir", "export", "holders", "join_parts", "read_parameters", "read_plain"]
+           "find_resumable", "is_checkpoint_dir", "read_plain"]
 
 log = logging.getLogger("plait")
 
@@ -163,9 +162,10 @@ class Checkpoint:
     def shard_path(self, rank: int) -> Path:
         return self.path / str(self.meta["shards"][rank]["file"])
 
-    def read_shard(self, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """(tensors, the JSON under __metadata__["plait"]) of one rank's shard, its sha256 checked."""
-        tensors, metadata = tensorfile.read_tensors(self.shard_path(rank), self.meta["shards"][rank]["sha256"])
+    def read_shard(self, rank: int, select: tensorfile.Select | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(tensors, the JSON under __metadata__["plait"]) of one rank's shard, its sha256 checked;
+        `select`: which tensors, whole or which rows (`tensorfile.read_tensors`)."""
+        tensors, metadata = tensorfile.read_tensors(self.shard_path(rank), self.meta["shards"][rank]["sha256"], select)
         try:
             part = json.loads(metadata.get("plait", "{}"))
         except (ValueError, RecursionError) as e:
@@ -175,7 +175,8 @@ class Checkpoint:
         return tensors, part
 
     def verify(self) -> None:
-        """Read every shard and check its size, sha256 and header: CheckpointError if any is off."""
+        """Read every shard and check its size, sha256 and header: CheckpointError if any is off
+        (each read in blocks: memory holds none of its tensors)."""
         for rank, shard in enumerate(self.meta["shards"]):
             path = self.shard_path(rank)
             try:
@@ -186,7 +187,7 @@ class Checkpoint:
                 raise CheckpointError(
                     f"{path}: {size} bytes, meta.json recorded {shard['bytes']} (truncated or replaced)"
                 )
-            self.read_shard(rank)
+            self.read_shard(rank, lambda name: False)  # its bytes hashed and its header checked, nothing kept
 
 
 def _check_meta(meta: Any, where: Path) -> dict[str, Any]:
@@ -285,67 +286,6 @@ def find_resumable(root: str | os.PathLike[str]) -> Checkpoint | None:
         except CheckpointError as e:
             log.warning("plait: skipping checkpoint %s: %s", step_name(step), e)
     return None
-
-
-def export(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> Checkpoint:
-    """Write the model's plain state dict (the names and order of net.state_dict()) to `out`.
-
-    `source` is a checkpoint directory (its latest complete checkpoint) or one step directory.
-    `out` ending in .safetensors is written in that format; anything else with torch.save,
-    which `net.load_state_dict(torch.load(out, weights_only=True))` accepts.
-    """
-    source = Path(source)
-    if (source / "meta.json").exists():
-        ckpt = open_checkpoint(source, verify=True)
-    else:
-        found = find_resumable(source)
-        if found is None:
-            raise CheckpointError(f"{source} holds no complete plait checkpoint (no step-*/ with a valid meta.json)")
-        ckpt = found
-    values = read_parameters(ckpt)
-    state = {name: values[ckpt.meta["aliases"].get(name, name)] for name in ckpt.meta["state_keys"]}
-    out = Path(out)
-    part = out.with_name(out.name + ".part")
-    with open(part, "wb") as f:
-        if out.suffix == ".safetensors":
-            tensorfile.write_tensors(f, state, {"format": "pt"})
-        else:
-            torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, out)
-    return ckpt
-
-
-def holders(entry: Mapping[str, Any]) -> list[int]:
-    """The ranks whose shards hold (a part of) the tensor of an index entry."""
-    split = entry.get("split")
-    return [int(r) for r in split["shards"]] if split else [int(entry["shard"])]
-
-
-def join_parts(entry: Mapping[str, Any], values: Mapping[int, torch.Tensor]) -> torch.Tensor:
-    """The whole tensor of an index entry from its value in each holder's shard (rank -> tensor)."""
-    split = entry.get("split")
-    if not split:
-        return values[int(entry["shard"])]
-    return whole_of([values[int(r)] for r in split["shards"]], int(split["dim"]), int(split["blocks"]))
-
-
-def read_parameters(ckpt: Checkpoint, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-    """The model tensors (parameters and buffers, aliases not repeated) of a checkpoint by name:
-    all, or those of `names` (first names, as meta.json lists them), reading only their shards.
-    A tensor saved split over tp ranks is joined whole from its parts."""
-    entries = ckpt.meta["tensors"]
-    chosen = set(entries) if names is None else set(names) & set(entries)
-    pieces: dict[str, dict[int, torch.Tensor]] = {}
-    for rank in sorted({r for n in chosen for r in holders(entries[n])}):
-        tensors, _ = ckpt.read_shard(rank)
-        for name in chosen:
-            if rank in holders(entries[name]):
-                if name not in tensors:
-                    raise CheckpointError(f"{ckpt.shard_path(rank)} lacks {name!r}, which meta.json places there")
-                pieces.setdefault(name, {})[rank] = tensors[name]
-    return {name: join_parts(entries[name], pieces[name]) for name in entries if name in chosen}
 
 
 def read_plain(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

@@ -18,21 +18,22 @@ a resumable step) or in a temporary directory, and deleted after.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 from torch import nn
 
 from plait.checkpoint import train_state, weights
 from plait.checkpoint.checkpointer import Checkpointer
-from plait.checkpoint.disk import Checkpoint, read_parameters
+from plait.checkpoint.disk import Checkpoint
+from plait.checkpoint.parts import read_parameters
+from plait.checkpoint.weights import Rows
 from plait.config import Config
 from plait.errors import CheckpointError
 from plait.materialize import on_meta
@@ -122,23 +123,28 @@ class ModelCheckpoints:
         ckpt, self.pending = self.pending, None
         if ckpt is None:
             return
-        with _written(pipe):
-            self._copy_values(ckpt)
+        rows = _own_rows(pipe)  # zero=3: each replica reads its rows into its shards
+        self._copy_values(ckpt, rows)
         same_layout = ckpt.same_layout(json.loads(pipe.plan.to_json()))
         stepped = [p for p in pipe.local_parameters if pipe.zero is None or pipe.zero.owned(p)]  # ZeRO: its share
-        train_state.restore(ckpt, self.net, optimizer, stepped, self.rank, same_layout, pipe.sharded)
+        train_state.restore(ckpt, self.net, optimizer, stepped, self.rank, same_layout, pipe.sharded,
+                            by_rows=rows is not None)
         if pipe.loss_scale is not None and ckpt.meta.get("loss_scale"):  # fp16 resumes with its scale
             pipe.loss_scale.load_state_dict(ckpt.meta["loss_scale"])
         if not same_layout and self.rank == 0:
             log.info("plait: %s was saved with another layout: RNG states not restored", ckpt.path)
 
-    def _copy_values(self, ckpt: Checkpoint) -> None:
+    def _copy_values(self, ckpt: Checkpoint, rows: Mapping[int, Rows] | None = None) -> None:
         """The checkpoint's values of the tensors this rank holds (not on meta), read from the
-        shards that have them."""
+        shards that have them; `rows` (zero=3, see `_own_rows`): of those, only the rows each
+        shard keeps, read into it."""
         aliases = ckpt.meta["aliases"]
-        held = [aliases.get(n, n) for n, t in self.net.state_dict(keep_vars=True).items() if not t.is_meta]
-        train_state.copy_into(self.net, read_parameters(ckpt, held), aliases, f"checkpoint {ckpt.path}",
-                              _shapes(ckpt))
+        state = self.net.state_dict(keep_vars=True)
+        held = [aliases.get(n, n) for n, t in state.items() if not t.is_meta]
+        spans = {aliases.get(n, n): (own[1].start, own[1].stop) for n, t in state.items()
+                 if (own := (rows or {}).get(id(t))) is not None}
+        train_state.copy_into(self.net, read_parameters(ckpt, held, spans), aliases, f"checkpoint {ckpt.path}",
+                              _shapes(ckpt), rows)
 
     def load_weights(self, path: str | os.PathLike[str], pipe: Pipeline | None) -> weights.Loaded:
         """Copy the named weights at `path` (`weights`) into the net, in step with every rank.
@@ -158,10 +164,9 @@ class ModelCheckpoints:
             raise CheckpointError(f"loading {path} into a model on the meta device before it is built: call "
                                   f"model.build(x_sample) first, then model.load (each rank then reads its stages')")
         loaded, error = None, None
-        try:  # zero=3: each replica reads its rows into its shards (beside tp: written whole, then kept)
-            rows = pipe.sharded.own_rows() if pipe is not None and pipe.sharded is not None and pipe.plan.tp == 1 else None
-            with _written(pipe) if rows is None else contextlib.nullcontext():
-                loaded = weights.load_weights(path, state, wanted, rows)
+        try:  # zero=3: each replica reads its rows into its shards
+            rows = _own_rows(pipe)
+            loaded = weights.load_weights(path, state, wanted, rows)
         except Exception as e:  # noqa: BLE001 - the others must hear of it, not wait for this rank
             error = e
         failed = failed_ranks(error is not None)
@@ -204,10 +209,10 @@ class ModelCheckpoints:
                 shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _written(pipe: Pipeline | None) -> contextlib.AbstractContextManager[None]:
-    """zero=3: the user's parameters whole for the block to write into, each shard taking its rows
-    after (`ShardedParameters.written`); else nothing to do."""
-    return pipe.sharded.written() if pipe is not None and pipe.sharded is not None else contextlib.nullcontext()
+def _own_rows(pipe: Pipeline | None) -> dict[int, Rows] | None:
+    """zero=3: id(the user's parameter) -> (this replica's rows of it, the whole's rows to read for
+    them), what a load reads into the shards directly; else None."""
+    return pipe.sharded.own_rows() if pipe is not None and pipe.sharded is not None else None
 
 
 def _shapes(ckpt: Checkpoint) -> dict[str, Any]:

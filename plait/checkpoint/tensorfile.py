@@ -12,17 +12,18 @@ corrupted or hostile file raises `CheckpointError` and never builds anything but
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import struct
 import sys
-from typing import Any, BinaryIO, Mapping
+from typing import Any, BinaryIO, Callable, Mapping
 
 import torch
 
 from plait.errors import CheckpointError
 
-__all__ = ["write_tensors", "read_tensors", "read_header", "DTYPES"]
+__all__ = ["write_tensors", "read_tensors", "read_header", "DTYPES", "Select"]
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -70,14 +71,17 @@ def write_tensors(f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Ma
     return digest.hexdigest()
 
 
-def read_header(data: bytes | bytearray | memoryview, where: str) -> tuple[dict[str, dict[str, Any]], dict[str, str], int]:
-    """(entries by name, metadata, start of the data) of a tensor file's bytes, every field checked."""
-    if len(data) < 8:
-        raise CheckpointError(f"{where}: {len(data)} bytes, too short for a tensor file (truncated?)")
+def read_header(data: bytes | bytearray | memoryview, where: str,
+                file_size: int | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, str], int]:
+    """(entries by name, metadata, start of the data) of a tensor file's bytes, every field checked.
+    `data`: the whole file, or (with `file_size`, the file's length) its first bytes up to the data."""
+    total_size = len(data) if file_size is None else file_size
+    if total_size < 8 or len(data) < 8:
+        raise CheckpointError(f"{where}: {total_size} bytes, too short for a tensor file (truncated?)")
     (size,) = struct.unpack("<Q", bytes(data[:8]))
-    if size > min(_MAX_HEADER, len(data) - 8):
+    if size > min(_MAX_HEADER, total_size - 8, len(data) - 8):
         raise CheckpointError(
-            f"{where}: the header says it is {size} bytes but the file has {len(data)} "
+            f"{where}: the header says it is {size} bytes but the file has {total_size} "
             f"(truncated or not a tensor file)"
         )
     try:
@@ -89,7 +93,7 @@ def read_header(data: bytes | bytearray | memoryview, where: str) -> tuple[dict[
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointError(f"{where}: __metadata__ must map names to strings")
-    start, total = 8 + size, len(data) - 8 - size
+    start, total = 8 + size, total_size - 8 - size
     entries, spans = {}, []
     for name, entry in header.items():
         entries[name] = _check_entry(name, entry, total, where)
@@ -126,28 +130,93 @@ def _check_entry(name: str, entry: Any, total: int, where: str) -> dict[str, Any
     return {"dtype": DTYPES[entry["dtype"]], "shape": tuple(shape), "begin": begin, "end": stop}
 
 
-def read_tensors(path: str | os.PathLike[str], expect_sha256: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors by name, metadata) of a tensor file; with `expect_sha256`, its bytes are checked first."""
+Select = Callable[[str], tuple[int, int] | bool]  # a tensor read whole (True), left out (False) or those rows
+
+
+def read_tensors(path: str | os.PathLike[str], expect_sha256: str | None = None,
+                 select: Select | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors by name, metadata) of a tensor file; with `expect_sha256`, its bytes are checked
+    (nothing is returned from a file that does not match). `select(name)`: True reads the tensor,
+    False leaves it out, (start, stop) reads its rows start:stop along dim 0 (a 0-dim tensor whole):
+    what a replica of a sharded parameter keeps. The file is read once, in blocks, beside the hash:
+    memory holds the tensors returned and one block, never the whole file."""
     where = str(path)
     try:
         with open(path, "rb") as f:
-            data = bytearray(f.read())
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            (length,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
+            head += f.read(min(length, _MAX_HEADER, max(size - 8, 0)))
+            entries, metadata, start = read_header(head, where, size)
+            picked = {name: True if select is None else select(name) for name in entries}
+            spans = _spans(entries, picked, where)
+            out = {name: torch.empty(stop - begin, dtype=torch.uint8) for name, (begin, stop) in spans.items()}
+            digest = hashlib.sha256(head) if expect_sha256 is not None else None
+            if digest is not None:  # every byte through the hash, the spans copied out on the way
+                _stream(f, start, size, spans, out, digest)
+            else:
+                for name, (begin, stop) in spans.items():
+                    f.seek(start + begin)
+                    if f.readinto(out[name].numpy()) != stop - begin:  # type: ignore[arg-type]
+                        raise CheckpointError(f"{where}: ends inside tensor {name!r} (truncated?)")
     except OSError as e:
         raise CheckpointError(f"{where}: cannot read it ({e.strerror or e})") from None
-    if expect_sha256 is not None:
-        got = hashlib.sha256(data).hexdigest()
-        if got != expect_sha256:
-            raise CheckpointError(
-                f"{where}: its sha256 is {got[:16]}..., the checkpoint recorded {expect_sha256[:16]}...: "
-                f"the file was changed or damaged after it was written"
-            )
-    entries, metadata, start = read_header(data, where)
+    if digest is not None and digest.hexdigest() != expect_sha256:
+        raise CheckpointError(
+            f"{where}: its sha256 is {digest.hexdigest()[:16]}..., the checkpoint recorded {str(expect_sha256)[:16]}...: "
+            f"the file was changed or damaged after it was written"
+        )
     tensors = {}
-    for name, entry in entries.items():
-        if entry["end"] == entry["begin"]:
-            tensors[name] = torch.empty(entry["shape"], dtype=entry["dtype"])
-            continue
-        raw = torch.frombuffer(data, dtype=torch.uint8, offset=start + entry["begin"],
-                               count=entry["end"] - entry["begin"])
-        tensors[name] = raw.view(entry["dtype"]).reshape(entry["shape"]).clone()
+    for name, raw in out.items():
+        entry, shape = entries[name], list(entries[name]["shape"])
+        rows = picked[name]
+        if not isinstance(rows, bool) and shape:
+            shape[0] = rows[1] - rows[0]
+        tensors[name] = raw.view(entry["dtype"]).reshape(shape) if raw.numel() else torch.empty(shape, dtype=entry["dtype"])
     return tensors, metadata
+
+
+_BLOCK = 16 * 2**20  # bytes read at a time
+
+
+def _spans(entries: Mapping[str, dict[str, Any]], picked: Mapping[str, tuple[int, int] | bool],
+           where: str) -> dict[str, tuple[int, int]]:
+    """The byte span [begin, end) of the data each tensor read takes (whole, or its rows picked)."""
+    spans = {}
+    for name, e in entries.items():
+        rows = picked[name]
+        if rows is False:
+            continue
+        if rows is True or not e["shape"]:
+            spans[name] = (e["begin"], e["end"])
+            continue
+        first, last = rows
+        if not 0 <= first <= last <= e["shape"][0]:
+            raise CheckpointError(f"{where}: rows {first}:{last} of {name!r} asked, it has {e['shape'][0]}")
+        row = (e["end"] - e["begin"]) // e["shape"][0] if e["shape"][0] else 0
+        spans[name] = (e["begin"] + first * row, e["begin"] + last * row)
+    return spans
+
+
+def _stream(f: io.BufferedIOBase, start: int, size: int, spans: Mapping[str, tuple[int, int]],
+            out: Mapping[str, torch.Tensor], digest: Any) -> None:
+    """Read the data from `start` to `size` in blocks into `digest`, copying each span into `out`."""
+    order = sorted(spans.items(), key=lambda item: item[1])
+    pos, i = 0, 0  # pos: the data's byte the next block starts at
+    block = bytearray(_BLOCK)
+    while start + pos < size:
+        n = f.readinto(memoryview(block)[: min(_BLOCK, size - start - pos)])
+        if not n:
+            break
+        digest.update(memoryview(block)[:n])
+        while i < len(order) and order[i][1][1] <= pos:
+            i += 1
+        j = i
+        while j < len(order) and order[j][1][0] < pos + n:
+            name, (begin, stop) = order[j]
+            lo, hi = max(begin, pos), min(stop, pos + n)
+            if lo < hi:
+                out[name][lo - begin : hi - begin].copy_(torch.frombuffer(block, dtype=torch.uint8, offset=lo - pos,
+                                                                          count=hi - lo))
+            j += 1
+        pos += n

@@ -20,14 +20,15 @@ import json
 import logging
 import random
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
 
-from plait.checkpoint.disk import Checkpoint, holders, join_parts
+from plait.checkpoint.disk import Checkpoint
+from plait.checkpoint.parts import holders, join_rows, join_state, part_rows_of
 from plait.errors import CheckpointError
-from plait.tensor_parts import as_held, whole_shape
+from plait.tensor_parts import RowSpan, as_held, whole_shape
 
 
 __all__ = ["Snapshot", "snapshot", "restore", "model_index", "owned_tensors",
@@ -48,7 +49,11 @@ class RowShards(Protocol):
 
     def rows(self, t: torch.Tensor) -> torch.Tensor: ...
 
-    def held(self, shard: torch.Tensor, whole: torch.Tensor) -> torch.Tensor: ...
+    def held(self, shard: torch.Tensor, whole: torch.Tensor, span: RowSpan | None = None) -> torch.Tensor: ...
+
+    def rows_of(self, shard: torch.Tensor) -> RowSpan | None: ...
+
+
 _SIMPLE = (bool, int, float, str, type(None))
 
 
@@ -142,17 +147,20 @@ def optimizer_state(optimizer: torch.optim.Optimizer | None, net: nn.Module, own
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params: Iterable[nn.Parameter],
                       shards: Mapping[int, tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]],
-                      entries: Mapping[str, Mapping[str, Any]] | None = None, sharded: RowShards | None = None) -> int:
+                      entries: Mapping[str, Mapping[str, Any]] | None = None, sharded: RowShards | None = None,
+                      rows: Mapping[str, RowSpan] | None = None) -> int:
     """Set the state of `params` (this rank's) from the shards that hold it; return how many got one.
 
     `shards` maps a rank to its (tensors, JSON optimizer part). Each parameter's group settings
     come from the group that held it when saved, so a new layout keeps changed learning rates.
     The state of a parameter saved split over tp ranks (`entries`: the checkpoint's index) is
     joined from its parts, and cut to this rank's part where the parameter is split here (zero=3:
-    `sharded`, its rows of each).
+    `sharded`, its rows of each). `rows` (parameter name -> the rows of the whole read): the shards
+    hold only those rows of that parameter's state (`restore`), which this rank's shard keeps as the
+    `RowSpan` says.
     """
     try:
-        return _restore_optimizer(optimizer, net, params, shards, entries or {}, sharded)
+        return _restore_optimizer(optimizer, net, params, shards, entries or {}, sharded, rows or {})
     except (TypeError, ValueError, AttributeError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"the checkpoint's optimizer state is malformed or does not fit this "
                               f"optimizer ({type(e).__name__}: {e})") from None
@@ -160,7 +168,8 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params: 
 
 def _restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params: Iterable[nn.Parameter],
                        shards: Mapping[int, tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]],
-                       entries: Mapping[str, Mapping[str, Any]], sharded: RowShards | None) -> int:
+                       entries: Mapping[str, Mapping[str, Any]], sharded: RowShards | None,
+                       rows: Mapping[str, RowSpan]) -> int:
     names = _names(net, sharded)
     found: dict[str, dict[str, Any]] = {}
     pieces: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (name, field) -> rank -> its tensor
@@ -185,7 +194,9 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params:
     wanted = {id(p) for p in params}
     restored: dict[nn.Parameter, dict[str, Any]] = {}
     for (name, field), values in pieces.items():
-        found[name][field] = _joined(entries.get(name, {}), values)
+        span = rows.get(name) if next(iter(values.values())).dim() else None  # (a step count: whole)
+        found[name][field] = (join_state(entries.get(name, {}), values) if span is None
+                              else join_rows(entries.get(name, {}), values, (span.start, span.stop)))
     for group in optimizer.param_groups:
         group_names = [names.get(id(p), "") for p in group["params"]]
         saved = next((settings[n] for n in group_names if n in settings), None)
@@ -196,7 +207,7 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params:
                 group[key].fill_(value)
         for p, name in zip(group["params"], group_names):
             if id(p) in wanted and name in found:
-                state = {k: _held(p, v, sharded).to(p.device) if isinstance(v, torch.Tensor) else v
+                state = {k: _held(p, v, sharded, rows.get(name)).to(p.device) if isinstance(v, torch.Tensor) else v
                          for k, v in found[name].items()}
                 _check_like(name, state, optimizer.state.get(p) or next(iter(restored.values()), None))
                 restored[p] = state
@@ -205,22 +216,11 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, net: nn.Module, params:
     return len(restored)
 
 
-def _held(p: torch.Tensor, value: torch.Tensor, sharded: RowShards | None) -> torch.Tensor:
-    """A whole `value` as parameter `p` holds it: zero=3's rows of it (`sharded`), the part where tp
-    cut `p` (`as_held`); a value of another shape (a step count) as it is."""
-    return sharded.held(p, value) if sharded is not None else as_held(p, value)
-
-
-def _joined(entry: Mapping[str, Any], values: Mapping[int, torch.Tensor]) -> torch.Tensor:
-    """One optimizer tensor of a parameter from the shards holding it: the parts of a split
-    parameter's state (a tensor of its part's shape) joined; otherwise any one (a step count)."""
-    split, any_one = entry.get("split"), next(iter(values.values()))
-    if not split or set(values) != set(split["shards"]):
-        return any_one
-    shape, dim = entry["shape"], int(split["dim"])
-    if any_one.dim() != len(shape) or sum(v.shape[dim] for v in values.values()) != shape[dim]:
-        return any_one
-    return join_parts(entry, values)
+def _held(p: torch.Tensor, value: torch.Tensor, sharded: RowShards | None, span: RowSpan | None = None) -> torch.Tensor:
+    """A whole `value` as parameter `p` holds it: zero=3's rows of it (`sharded`; with `span`, `value`
+    is the rows it names), the part where tp cut `p` (`as_held`); a value of another shape (a step
+    count) as it is."""
+    return sharded.held(p, value, span) if sharded is not None else as_held(p, value)
 
 
 def _check_like(name: str, state: dict[str, Any], like: dict[str, Any] | None) -> None:
@@ -300,11 +300,14 @@ def check_names(expected: Mapping[str, tuple[int, ...]], got: Mapping[str, tuple
 
 
 def copy_into(net: nn.Module, values: Mapping[str, torch.Tensor], aliases: Mapping[str, str], where: str,
-              shapes: Mapping[str, Sequence[int]] | None = None) -> None:
+              shapes: Mapping[str, Sequence[int]] | None = None,
+              rows: Mapping[int, tuple[torch.Tensor, RowSpan]] | None = None) -> None:
     """Copy `values` (names of net.state_dict(), shared tensors once or under every name) into `net`.
 
     With `shapes` (every saved tensor's shape by name: a checkpoint's index), `values` need hold
-    only the tensors this rank has (not on meta): the names are checked against `shapes`."""
+    only the tensors this rank has (not on meta): the names are checked against `shapes`. `rows`
+    (zero=3: id of a tensor of net.state_dict() -> the tensor holding a replica's rows of it): the
+    value of such a tensor is the whole's rows its `RowSpan` names, kept as it says in that tensor."""
     state = net.state_dict(keep_vars=True)
     check_saved(net, {n: tuple(v.shape) for n, v in values.items()} if shapes is None else shapes, aliases, where)
     with torch.no_grad():
@@ -313,7 +316,11 @@ def copy_into(net: nn.Module, values: Mapping[str, torch.Tensor], aliases: Mappi
                 continue  # another rank's tensor
             value = values.get(name, values.get(aliases.get(name, name)))
             assert value is not None, name
-            t.copy_(as_held(t, value))
+            own = (rows or {}).get(id(t))
+            if own is not None:
+                own[0].copy_(own[1].kept(value))
+            else:
+                t.copy_(as_held(t, value))
 
 
 def check_saved(net: nn.Module, shapes: Mapping[str, Sequence[int]], aliases: Mapping[str, str], where: str) -> None:
@@ -351,17 +358,36 @@ def snapshot(net: nn.Module, owner_of: Mapping[int, int], rank: int,
 
 
 def restore(ckpt: Checkpoint, net: nn.Module, optimizer: torch.optim.Optimizer | None,
-            local: Iterable[nn.Parameter], rank: int, same_layout: bool, sharded: RowShards | None = None) -> None:
+            local: Iterable[nn.Parameter], rank: int, same_layout: bool, sharded: RowShards | None = None,
+            by_rows: bool = False) -> None:
     """The optimizer state of this rank's parameters (from whichever shards hold it; zero=3: of its
-    `sharded` ones, their rows) and, when the layout is the one that saved it, this rank's RNG states."""
+    `sharded` ones, their rows) and, when the layout is the one that saved it, this rank's RNG states.
+    Each shard is read for what this rank takes of it: its parameters' optimizer state (`by_rows`,
+    zero=3 at tp=1: only the rows this replica keeps) and its own RNG state."""
     local = list(local)
     entries = ckpt.meta["tensors"]
     names = _names(net, sharded)
-    wanted = {r for p in local if names.get(id(p)) in entries for r in holders(entries[names[id(p)]])}
-    shards = {r: ckpt.read_shard(r) for r in sorted(wanted | ({rank} if same_layout else set()))}
+    rows = {names[id(p)]: own for p in local if by_rows and sharded is not None and id(p) in names
+            and (own := sharded.rows_of(p)) is not None}
+    wanted: dict[int, dict[str, tuple[int, int] | bool]] = {}  # shard -> parameter name -> its part's rows
+    for p in local:
+        if names.get(id(p)) in entries:
+            span = rows.get(names[id(p)])
+            whole_rows = None if span is None else (span.start, span.stop)
+            for holder, part_rows in part_rows_of(entries[names[id(p)]], whole_rows).items():
+                wanted.setdefault(holder, {})[names[id(p)]] = part_rows
+
+    def select(holder: int) -> Callable[[str], tuple[int, int] | bool]:
+        def pick(key: str) -> tuple[int, int] | bool:
+            if key.startswith(_RNG):
+                return holder == rank and same_layout
+            return key.startswith(_OPT) and wanted.get(holder, {}).get(key[len(_OPT):].rpartition("/")[0], False)
+        return pick
+
+    shards = {r: ckpt.read_shard(r, select(r)) for r in sorted(set(wanted) | ({rank} if same_layout else set()))}
     if optimizer is not None:
-        restore_optimizer(optimizer, net, local, {r: (t, part.get("optimizer", {})) for r, (t, part) in shards.items()},
-                          entries, sharded)
+        restore_optimizer(optimizer, net, local, {r: (t, saved.get("optimizer", {})) for r, (t, saved) in shards.items()},
+                          entries, sharded, rows)
     if same_layout:
         tensors, part = shards[rank]
         restore_rng(tensors, part.get("rng", {}))

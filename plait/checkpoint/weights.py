@@ -28,11 +28,11 @@ import torch
 
 from plait.checkpoint import disk, tensorfile
 from plait.errors import CheckpointError
-from plait.tensor_parts import as_held, whole_shape
+from plait.tensor_parts import RowSpan, as_held, whole_shape
 
 __all__ = ["INDEX", "SINGLE", "Loaded", "Rows", "holds_weights", "weight_map", "load_weights"]
 
-Rows = tuple[torch.Tensor, int, int]  # the tensor holding a weight's rows start:stop (dim 0), start, stop
+Rows = tuple[torch.Tensor, RowSpan]  # the tensor holding a replica's rows of a weight, the whole's rows to read
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -160,7 +160,8 @@ def load_weights(path: str | os.PathLike[str], state: Mapping[str, torch.Tensor]
     `state` is the model's `net.state_dict(keep_vars=True)`: names of one tensor are aliases, and
     the file needs one of them. Dtypes are converted. CheckpointError, before anything is copied,
     lists the wanted names the file lacks and the shapes that differ. `rows` (zero=3: id of a
-    tensor of `state` -> the tensor holding its rows start:stop): only those rows are read, into it.
+    tensor of `state` -> the tensor holding this replica's rows of it, and the rows of the whole to
+    read for them, `RowSpan`): only those rows are read, into it.
     """
     files = weight_map(path)
     want = set(state) if wanted is None else set(wanted)
@@ -189,8 +190,9 @@ def load_weights(path: str | os.PathLike[str], state: Mapping[str, torch.Tensor]
             for file, firsts in by_file.items():
                 for first in firsts:
                     own = (rows or {}).get(id(state[first]))
-                    if own is not None:  # this replica's rows alone
-                        own[0].copy_(opened[file].rows(source[first], own[1], own[2]))
+                    if own is not None:  # this replica's rows alone (of its tp part)
+                        local, span = own
+                        local.copy_(span.kept(opened[file].rows(source[first], span.start, span.stop)))
                     else:
                         state[first].copy_(as_held(state[first], opened[file].tensor(source[first])))
     order = {name: i for i, name in enumerate(files)}

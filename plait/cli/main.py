@@ -163,9 +163,9 @@ def _add_export_command(commands: Any) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from plait.checkpoint import disk as checkpoint
+    from plait.checkpoint.parts import export
 
-    ckpt = checkpoint.export(args.checkpoint, args.output)
+    ckpt = export(args.checkpoint, args.output)
     print(f"wrote {args.output}: the model of step {ckpt.step} ({ckpt.path})")
     return 0
 

@@ -100,7 +100,9 @@ class Config:
     batch_weight_grads: linear layers compute their weight gradients once per step over all
         micro-batches (one GEMM over every row instead of one per micro-batch; see
         plait/runtime/batched_wgrad.py). Faster where small GEMMs are slow (CPUs); keeps each linear's
-        inputs and output gradients to the step's end. None: the planner's choice (else False).
+        inputs and output gradients to the step's end. In bf16 or fp16 the step's weight gradients are
+        computed in fp32 from the low-precision operands and added into the fp32 master gradients
+        (Megatron's gradient-accumulation fusion). None: the planner's choice (else False).
     trace_dir: write each rank's measured timeline there as Chrome trace JSON (None: no trace).
     seed: seeds the shuffle order, identical on every rank.
     timeout_s: longest any wait on another rank may take before the run fails with a report.
@@ -161,7 +163,7 @@ class Config:
         product accumulates in fp32 and rounds once (its bytes priced so); with sequence_parallel
         the reduce-scatters too, and a weight broadcast over the split tokens (a bias, RMSNorm's)
         has its gradient summed over them in fp32 (a layer norm's kernel rounds its own sums: each
-        rank's part is rounded). Neither combines with batch_weight_grads yet.
+        rank's part is rounded).
     reduce_precision: the dtype the data-parallel gradient sums run in: "fp32" (default, FSDP2's
         reduce_dtype=float32) or "bf16" (half the bytes; each bucket rounded to bf16, summed, and
         the sum written back into the fp32 gradients).

@@ -130,13 +130,12 @@ def _check_zero3(config: Any) -> None:
         "stage_tp": config.stage_tp is not None,
         "stage_dp": config.stage_dp is not None,
         "batch_weight_grads": bool(config.batch_weight_grads),
-        "replan": bool(config.replan), "schedule": config.schedule is not None and schedule_spec(config.schedule).splits_backward,
+        "replan": bool(config.replan),
     }
     bad = {name: getattr(config, name) for name, is_bad in refused.items() if is_bad}
     if bad:
         raise ConfigError(f"zero=3 (parameters sharded over the replicas) does not run with {bad} yet; leave "
-                          "those at their defaults (a schedule without a split backward, no batched "
-                          "weight gradients, no replanning), or use zero=2")
+                          "those at their defaults (no batched weight gradients, no replanning), or use zero=2")
 
 
 def check_schedule(config: Any) -> None:

@@ -98,7 +98,7 @@ def check_planning(config: Any) -> None:
 
 
 def check_precision(config: Any) -> None:
-    """precision: one of PRECISIONS; what low precision does not combine with yet is refused; offload."""
+    """precision: one of PRECISIONS; reduce_precision; offload."""
     if not (config.offload is None or config.offload is False or config.offload == "optimizer"):
         raise ConfigError(f"offload={config.offload!r} is not known; choose 'optimizer' (the optimizer state and "
                           "fp32 master weights in host memory), False (never) or None (the planner's choice)")
@@ -109,13 +109,6 @@ def check_precision(config: Any) -> None:
         raise ConfigError(f"reduce_precision={config.reduce_precision!r} is not known; choose 'fp32' (default) or 'bf16'")
     if config.precision not in PRECISIONS:
         raise ConfigError(f"precision={config.precision!r} is not known; choose one of {list(PRECISIONS)}")
-    if config.precision == "fp32":
-        return
-    given = {"batch_weight_grads": config.batch_weight_grads is True}
-    bad = [name for name, on in given.items() if on]
-    if bad:
-        raise ConfigError(f"precision={config.precision!r} does not combine with {', '.join(bad)} yet; "
-                          f"leave {' and '.join(bad)} at the default or use precision='fp32'")
 
 
 def _path(config: Any, name: str, what: str) -> str | None:

@@ -13,6 +13,11 @@ of parameters and G bytes of gradients, an optimizer keeping k bytes of state pe
     3      P / dp       G                      G / dp                       k G / dp
     3 + offload  0      G                      0                            0
 
+With a split backward (ZB-H1) at zero=3 a piece's parameters stay gathered from a micro-batch's B
+until its W (and the next forward frees them): in the last micro-batches the whole stage's are
+gathered at once, in their compute dtype (C: the low copies' bytes, else P), held beside the
+gradients: the backward's column reads G + C.
+
 With offload (`Config.offload`, FSDP2's CPUOffloadPolicy) the device holds no shard: the shards,
 their reduce-scattered gradients and the optimizer state are in host memory (P / dp + G / dp +
 k G / dp of it), each piece's parameters copied to the device for its gather; its gradients still
@@ -81,27 +86,31 @@ class StateBytes:
 
 
 def state_bytes(param_bytes: float, grad_bytes: float, optimizer_state_factor: float,
-                dp: int, zero: int, copy_bytes: float = 0.0, offload: bool = False) -> StateBytes:
+                dp: int, zero: int, copy_bytes: float = 0.0, offload: bool = False, gathered: bool = False) -> StateBytes:
     """The device's state bytes of a rank whose stages hold `param_bytes` (`copy_bytes` of them
     low-precision copies: zero=3 holds only the masters' shards) and `grad_bytes`; `offload`
-    (zero=3): the shards and the optimizer's in host memory."""
+    (zero=3): the shards and the optimizer's in host memory; `gathered` (zero=3 with a split
+    backward): the stage's parameters gathered beside the gradients at the backward's end."""
     _check(optimizer_state_factor, dp, zero)
-    return _state(param_bytes, grad_bytes, optimizer_state_factor, dp, zero, copy_bytes, offload)
+    return _state(param_bytes, grad_bytes, optimizer_state_factor, dp, zero, copy_bytes, offload, gathered)
 
 
 def state_totals(param_bytes: Sequence[float], grad_bytes: Sequence[float], optimizer_state_factor: float,
-                 dp: int, zero: int, copy_bytes: Sequence[float] = (), offload: bool = False) -> list[float]:
+                 dp: int, zero: int, copy_bytes: Sequence[float] = (), offload: bool = False,
+                 gathered: bool = False) -> list[float]:
     """`state_bytes(...).total` of each layer (the partition's fixed memory), checked once."""
     _check(optimizer_state_factor, dp, zero)
     # `_state(...).total` of every layer at once: the same float operations, element-wise
     params, grads = np.asarray(param_bytes, dtype=np.float64), np.asarray(grad_bytes, dtype=np.float64)
+    copies = np.asarray(copy_bytes, dtype=np.float64) if len(copy_bytes) else np.zeros_like(params)
+    held = grads + (np.where(copies > 0, copies, params) if zero == 3 and gathered else 0.0)
     if offload and zero == 3:  # the device holds the gradients alone (`_state`)
-        return [float(x) for x in grads.tolist()]
+        return [float(x) for x in held.tolist()]
     optimizer = optimizer_state_factor * grads / (dp if zero else 1)
     step = grads / dp if zero >= 2 else grads
     if zero == 3:
-        params = (params - np.asarray(copy_bytes, dtype=np.float64)) / dp if len(copy_bytes) else params / dp
-    totals = np.maximum(params + grads + optimizer, params + step + optimizer)
+        params = (params - copies) / dp
+    totals = np.maximum(params + held + optimizer, params + step + optimizer)
     return [float(x) for x in totals.tolist()]
 
 
@@ -114,13 +123,14 @@ def _check(optimizer_state_factor: float, dp: int, zero: int) -> None:
 
 
 def _state(param_bytes: float, grad_bytes: float, optimizer_state_factor: float, dp: int, zero: int,
-           copy_bytes: float = 0.0, offload: bool = False) -> StateBytes:
+           copy_bytes: float = 0.0, offload: bool = False, gathered: bool = False) -> StateBytes:
     """The module's table (arguments checked)."""
+    held = grad_bytes + ((copy_bytes or param_bytes) if zero == 3 and gathered else 0.0)
     if offload and zero == 3:
-        return StateBytes(parameters=0.0, gradients=grad_bytes, optimizer=0.0, step_gradients=0.0)
+        return StateBytes(parameters=0.0, gradients=held, optimizer=0.0, step_gradients=0.0)
     return StateBytes(
         parameters=(param_bytes - copy_bytes) / dp if zero == 3 else param_bytes,
-        gradients=grad_bytes,
+        gradients=held,
         optimizer=optimizer_state_factor * grad_bytes / (dp if zero else 1),
         step_gradients=grad_bytes / dp if zero >= 2 else grad_bytes,
     )

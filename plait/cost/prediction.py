@@ -200,7 +200,7 @@ def partition_problem(costs: LayerCosts, setting: Setting, cluster: Cluster, glo
     v = setting.num_virtual_stages
     cuts = [2 * c for c in cut_times(costs, setting, cluster.network, rows)]
     state = state_totals(costs.param_bytes, costs.grad_bytes, cluster.optimizer_state_factor, setting.dp, setting.zero,
-                         costs.copy_bytes, offloaded(setting, cluster))
+                         costs.copy_bytes, offloaded(setting, cluster), schedule_spec(setting.schedule).splits_backward)
     act = [a * rows for a in costs.activation_row_bytes]
     entry = [costs.input_row_bytes * rows] + [o * rows for o in costs.output_row_bytes[:-1]]
     peaks = peak_activations(setting)
@@ -380,7 +380,7 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
 def _state(param_bytes: float, grad_bytes: float, setting: Setting, cluster: Cluster,
            copy_bytes: float = 0.0) -> StateBytes:
     return state_bytes(param_bytes, grad_bytes, cluster.optimizer_state_factor, setting.dp, setting.zero, copy_bytes,
-                       offloaded(setting, cluster))
+                       offloaded(setting, cluster), schedule_spec(setting.schedule).splits_backward)
 
 
 def offloaded(setting: Setting, cluster: Cluster) -> bool:

@@ -18,11 +18,11 @@ ZERO_LEVELS = (0, 1, 2, 3)
 SEARCHED_ZERO = (0, 1, 2, 3)  # the levels a search tries unless given (the lowest that fits is taken)
 
 
-def zero3_runs(schedule: str, batch_weight_grads: bool) -> bool:
-    """Whether the runtime's zero=3 (FSDP2 on each layer piece) runs with these: a whole backward
-    (FSDP2 gathers a piece's parameters for it and reduce-scatters their gradients after it), no
-    batched weight gradients (beside tp too: FSDP2 shards each tp part over its replicas)."""
-    return not (schedule_spec(schedule).splits_backward or batch_weight_grads)
+def zero3_runs(batch_weight_grads: bool) -> bool:
+    """Whether the runtime's zero=3 (FSDP2 on each layer piece) runs with this: with every schedule
+    (a split backward's gradients are reduce-scattered after the step's last W), beside tp (FSDP2
+    shards each tp part over its replicas), but not with batched weight gradients."""
+    return not batch_weight_grads
 
 
 def check_zero(zero: object, dp: int) -> None:

@@ -28,7 +28,6 @@ from plait.planner.autoplan import PlanResult, local_cluster
 from plait.planner.plan_report import PlanReport
 from plait.planner.resolve import layout_keys
 from plait.planner.widths import mixed_widths_choice
-from plait.plan.setting import zero3_runs
 from plait.search.search import SearchSpace
 from plait.search.tp_degree import tp_degrees
 
@@ -87,9 +86,9 @@ def search_space(config: Config, world_size: int, global_batch: int) -> tuple[Se
     zero = None if config.zero is None else (config.zero,)
     zero3 = not config.replan  # zero=3 does not replan yet (Config.zero)
     if config.plans_everything:
-        schedules = (config.schedule,) if config.schedule else tuple(s for s in SEARCH_ORDER if _runs_with(config, s))
+        schedules = (config.schedule,) if config.schedule else tuple(SEARCH_ORDER)
         batched = (False, True) if config.batch_weight_grads is None else (config.batch_weight_grads,)
-        if config.precision != "fp32" or config.zero == 3:  # not with low precision or ZeRO-3 yet
+        if config.zero == 3:  # not with ZeRO-3 yet
             batched = (False,)
         return SearchSpace(schedules=schedules, recompute=recompute, zero=zero, zero3=zero3,
                            batch_weight_grads=batched), "planned"
@@ -103,11 +102,6 @@ def search_space(config: Config, world_size: int, global_batch: int) -> tuple[Se
     return SearchSpace(pp=(pp,), num_microbatches=(m,), schedules=(schedule,), num_virtual_stages=max(v, 2),
                        recompute=recompute, zero=zero, zero3=zero3, batch_weight_grads=(c.batch_weight_grads is True,),
                        keep=1), "partitioned"
-
-
-def _runs_with(config: Config, schedule: str) -> bool:
-    """Whether `schedule` runs at the config's ZeRO level (ZeRO-3: a whole backward)."""
-    return config.zero != 3 or zero3_runs(schedule, False)
 
 
 def choose(result: PlanResult, config: Config, world_size: int, source: str, captured: CapturedGraph | None,

@@ -17,11 +17,16 @@ batched gradient is then accumulated through autograd (`backward` on the paramet
 post-accumulate hooks (data-parallel buckets) fire once, as for any gradient. Only linears whose
 weight and bias are used by that one call are rewritten (a tied weight keeps the ordinary path).
 Memory: X_k and dY_k of every linear stay until the end of the step (GPipe keeps X_k anyway).
+
+In low precision (the stage computes with bf16 or fp16 copies, `plait.runtime.precision`) the
+step's dW and db are computed in fp32 from the low-precision X_k and dY_k and added straight into
+the fp32 master gradients (`ComputeCopies.add_wide`), as Megatron's gradient-accumulation fusion
+accumulates its weight-gradient GEMMs into fp32 main gradients: no per-micro-batch rounding to bf16.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import fx, nn
@@ -32,7 +37,9 @@ __all__ = ["WeightBatch", "defer_linear_weight_grads"]
 class WeightBatch:
     """The (input, output gradient) pairs of one stage's linears for the current step."""
 
-    def __init__(self) -> None:
+    def __init__(self, add_wide: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+        # low precision: (copy, its fp32 gradient) -> added into the master's (`ComputeCopies.add_wide`)
+        self.add_wide = add_wide
         # One leaf per rewritten linear: a split backward (ZB-H1) treats them as the weights its
         # W must reach, so a linear off the input's path still runs its backward (in W).
         self.anchors: list[torch.Tensor] = []
@@ -49,7 +56,13 @@ class WeightBatch:
         for weight, bias, xs, gys in pending.values():
             x = torch.cat(xs) if len(xs) > 1 else xs[0]  # (all rows, in)
             gy = torch.cat(gys) if len(gys) > 1 else gys[0]  # (all rows, out)
-            _StepGrad.apply(x, gy, weight, bias).backward()  # type: ignore[no-untyped-call]
+            if self.add_wide is None:
+                _StepGrad.apply(x, gy, weight, bias).backward()  # type: ignore[no-untyped-call]
+                continue
+            wide = gy.float()
+            self.add_wide(weight, wide.t().mm(x.float()))
+            if bias is not None:
+                self.add_wide(bias, wide.sum(0))
 
     def clear(self) -> None:
         self._pending.clear()
@@ -120,9 +133,11 @@ class _DeferredLinear(nn.Module):
         return out
 
 
-def defer_linear_weight_grads(module: fx.GraphModule) -> WeightBatch | None:
-    """Rewrite `module`'s linears whose weight (and bias) nothing else uses; None if there are none."""
-    batch = WeightBatch()
+def defer_linear_weight_grads(module: fx.GraphModule,
+                              add_wide: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> WeightBatch | None:
+    """Rewrite `module`'s linears whose weight (and bias) nothing else uses; None if there are none.
+    `add_wide`: the stage computes with low-precision copies (see `WeightBatch`)."""
+    batch = WeightBatch(add_wide)
     users_of: dict[fx.Node, int] = {n: len(n.users) for n in module.graph.nodes}
     count = 0
     for node in list(module.graph.nodes):

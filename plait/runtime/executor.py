@@ -13,7 +13,7 @@ and is run again when the backward needs its activations. Given its layers' piec
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -36,6 +36,20 @@ def grad_leaves(values: list[Any]) -> list[torch.Tensor]:
     return [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
 
 
+class StageSharding(Protocol):
+    """zero=3's sharded parameters as a stage's executor sees them (`plait.runtime.dp.sharded_params`)."""
+
+    split_backward: bool  # the schedule runs B and W apart
+
+    def before_backward(self, stage_index: int) -> None: ...
+
+    def after_backward(self, stage_index: int) -> None: ...
+
+    def after_weights(self, stage_index: int) -> None: ...
+
+    def graph_parameters(self, stage_index: int) -> list[torch.Tensor]: ...
+
+
 class StageExecutor:
     """Runs one stage module micro-batch by micro-batch."""
 
@@ -50,10 +64,10 @@ class StageExecutor:
         split_loss: Any = None,
         layer_pieces: Sequence[int] | None = None,
         copies: ComputeCopies | None = None,
-        before_backward: Callable[[int], None] | None = None,
+        sharded: StageSharding | None = None,
     ):
         self.stage = stage
-        self.before_backward = before_backward  # zero=3: told of each backward (the last reduce-scatters)
+        self.sharded = sharded  # zero=3: told of each backward (and, a split one, of the batch's end)
         self.copies = copies  # low precision: the batch's floating inputs cast in, the model's outputs to fp32
         self.loss_scale = 1.0  # each loss's multiplier before its backward: fp16's scale / accumulate_steps
         # tp > 1, the training pipeline's last stage: its split outputs' loss (`plait.runtime.tp.vocab_loss`)
@@ -63,7 +77,8 @@ class StageExecutor:
         self._params = list(stage.module.parameters())
         self.recompute = recompute
         # Linear weight gradients kept per micro-batch and computed once at the step's end.
-        self.weight_batch = defer_linear_weight_grads(stage.module) if batch_weight_grads else None
+        self.weight_batch = (defer_linear_weight_grads(stage.module, None if copies is None else copies.add_wide)
+                             if batch_weight_grads else None)
         # recomputed layer by layer: the stage's graph in pieces (each layer's piece index given)
         self._layered = (layer_checkpointed(stage.module, layer_pieces)
                          if recompute and layer_pieces is not None else None)
@@ -166,8 +181,8 @@ class StageExecutor:
     def backward(self, microbatch_index: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Backpropagate one micro-batch; return dL/d(received tensors) for the previous stage."""
         inputs = self._inputs.pop(microbatch_index)
-        if self.before_backward is not None:
-            self.before_backward(self.stage.stage_index)
+        if self.sharded is not None:
+            self.sharded.before_backward(self.stage.stage_index)
         if self.stage.is_last:
             torch.autograd.backward(self._losses.pop(microbatch_index))
         else:
@@ -186,6 +201,8 @@ class StageExecutor:
         if self.recompute:
             return self.backward(microbatch_index, grads)
         inputs = self._inputs.pop(microbatch_index)
+        if self.sharded is not None:
+            self.sharded.before_backward(self.stage.stage_index)
         if self.stage.is_last:
             outputs: list[torch.Tensor] = [self._losses.pop(microbatch_index)]
             out_grads: list[torch.Tensor | None] = [None]
@@ -194,7 +211,8 @@ class StageExecutor:
         if not outputs:
             self._release(microbatch_index)
             return [torch.zeros_like(x) for x in inputs]
-        params: list[torch.Tensor] = [p for p in self.stage.module.parameters() if p.requires_grad]
+        params: list[torch.Tensor] = ([p for p in self.stage.module.parameters() if p.requires_grad]
+                                      if self.sharded is None else self.sharded.graph_parameters(self.stage.stage_index))
         if self.weight_batch is not None:
             params += self.weight_batch.anchors
         input_grads, self._weights[microbatch_index] = backward_input(outputs, out_grads, inputs, params,
@@ -206,16 +224,26 @@ class StageExecutor:
         weights = self._weights.pop(microbatch_index, None)
         if weights is not None:
             weights.run()
+            if self.sharded is not None:
+                self.sharded.after_weights(self.stage.stage_index)
         self._release(microbatch_index)
 
     def _release(self, microbatch_index: int) -> None:
         if self.meter is not None:
             self.meter.release((self.stage.stage_index, microbatch_index))
 
+    @property
+    def finishes(self) -> bool:
+        """Whether `finish_step` has work: batched weight gradients, or zero=3's end of a split backward."""
+        return self.weight_batch is not None or (self.sharded is not None and self.sharded.split_backward)
+
     def finish_step(self) -> None:
-        """After the stage's last backward of a step: the batched linear weight gradients."""
+        """After the stage's last backward of a batch: the batched linear weight gradients, then
+        zero=3's reduce-scatters where the backward was split (`StageSharding.after_backward`)."""
         if self.weight_batch is not None:
             self.weight_batch.flush()
+        if self.sharded is not None and self.sharded.split_backward:
+            self.sharded.after_backward(self.stage.stage_index)
 
     def reset(self) -> None:
         """Forget everything of the previous step."""

@@ -203,13 +203,15 @@ class Interpreter:
             raise AssertionError(f"unknown action {action}")
 
     def _finish(self, program: Program, num_actions: int, train: bool) -> None:
-        """After the last action: batched weight gradients (training), then every send delivered."""
+        """After the last action: batched weight gradients and zero=3's reduce-scatters after a split
+        backward (training), then every send delivered."""
         step = self.runs
         if train:
             try:
                 for s, ex in self.executors.items():
-                    if ex.weight_batch is not None:
-                        with self.tracer.span("compute", "batched weight gradients", step=step, stage=s):
+                    if ex.finishes:
+                        with self.tracer.span("compute", "batched weight gradients" if ex.weight_batch is not None
+                                              else "gradients reduce-scattered", step=step, stage=s):
                             ex.finish_step()
             except PlaitError:
                 raise

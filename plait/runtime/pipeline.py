@@ -39,6 +39,7 @@ from plait.runtime.tp.vocab_loss import SplitLoss
 from plait.runtime.tracer import NULL_TRACER, NullTracer, Tracer
 from plait.runtime.widths.stage_widths import crossings, lane_ranks, stage_group, tie_groups
 from plait.schedule import Program, generate
+from plait.schedule.registry import schedule_spec
 
 __all__ = ["Pipeline", "build_pipeline", "stage_tensors"]
 
@@ -299,7 +300,8 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
                          split_loss=split_loss if s == plan.num_chunks - 1 else None,
                          layer_pieces=pieces(plan.layer_names) if s in plan.recompute_by_layer else None,
                          copies=parts.copies,
-                         before_backward=None if params is None else params.before_backward) for s in mine
+                         sharded=params)
+        for s in mine
     }
     interpreter = Interpreter(rank, executors, lane_ranks(plan, rank), parts.wire, parts.tracer,
                               crossings(plan, rank, parts.tp_group, stages) if plan.stage_tp or plan.stage_dp
@@ -323,7 +325,7 @@ def _sharded(computed: dict[int, StageModule], parts: _Parts, group: Any, tied: 
         log.info("plait: offload changes nothing on CPU ranks: the optimizer state is in host memory already")
     params = ShardedParameters(group, parts.device, dtype_of(parts.plan.precision),
                                dtype_of(parts.execution.reduce_precision), offload=offload and parts.device.type != "cpu",
-                               fill=parts.fill)
+                               fill=parts.fill, split_backward=schedule_spec(parts.plan.schedule).splits_backward)
     for s, st in computed.items():
         params.stage(s, st, pieces(parts.plan.layer_names), tied)  # each piece's wholes freed once sharded
     return params

@@ -160,7 +160,7 @@ def _settings(costs: LayerCosts, world_size: int, global_batch: int, space: Sear
                             continue  # it would keep what recomputation frees; ZB-H1 would be 1F1B; m=1: no change
                         out.extend(Setting(pp, dp, m, name, v, recompute, zero, batched, offload)
                                    for zero in space.zero_levels(dp)
-                                   if zero != 3 or zero3_runs(name, batched)
+                                   if zero != 3 or zero3_runs(batched)
                                    for offload in (space.offload if zero == 3 else (False,)))
     return out
 
@@ -171,7 +171,7 @@ def _loosest(setting: Setting, space: SearchSpace) -> Setting:
     leaner = schedule_spec(setting.schedule).leaner
     schedule = leaner if leaner is not None and leaner in space.schedules else setting.schedule
     runs = [z for z in space.zero_levels(setting.dp)
-            if z != 3 or zero3_runs(schedule, setting.batch_weight_grads)]
+            if z != 3 or zero3_runs(setting.batch_weight_grads)]
     zero = max(runs, default=setting.zero)
     return replace(setting, schedule=schedule, zero=zero, offload=zero == 3 and max(space.offload))
 

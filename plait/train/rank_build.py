@@ -72,10 +72,10 @@ def build_rank_pipeline(net: nn.Module, graphs: tuple[CapturedGraph | None, Capt
 
 
 def _sharded_later(captured: CapturedGraph, plan: Plan, mine: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-    """zero=3 without tp: this rank's meta parameters its stages shard (all but those tied across
-    stages, which stay whole), made real only as their layer is sharded: a rank never holds its
-    whole stage. With tp the parts are cut from whole values first: none."""
-    if plan.zero != 3 or plan.tp > 1:
+    """zero=3: this rank's meta parameters its stages shard (all but those tied across stages, which
+    stay whole), made real only as their layer is sharded: a rank never holds its whole stage (with
+    tp, each layer's tp part is cut from its whole values as it is filled)."""
+    if plan.zero != 3:
         return {}
     tied = {id(p) for p, _ in tied_named(captured.root, plan.tied_parameters)}
     return {id(t): t for t in mine if isinstance(t, nn.Parameter) and t.is_meta and id(t) not in tied}

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import plait
-from plait.checkpoint import disk as checkpoint
+from plait.checkpoint import parts as checkpoint
 from plait.checkpoint import tensorfile
 from tests.harness import run_ranks
 from tests.launching import clean_env

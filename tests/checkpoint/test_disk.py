@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait.checkpoint import disk, tensorfile
+from plait.checkpoint import disk, parts, tensorfile
 from plait.errors import CheckpointError
 
 
@@ -47,7 +47,7 @@ def test_commit_publishes_moves_latest_last_and_prunes(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000002", "step-000003"]
     assert (tmp_path / "latest").read_text() == "step-000003\n"
     found = disk.find_resumable(tmp_path)
-    assert found.step == 3 and disk.read_parameters(found)["w"].tolist() == [3.0, 3.0]
+    assert found.step == 3 and parts.read_parameters(found)["w"].tolist() == [3.0, 3.0]
     save_steps(tmp_path, [4, 5, 6], keep=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000004", "step-000005", "step-000006"]
 
@@ -151,7 +151,7 @@ def test_meta_json_is_the_format_and_the_fields_given(tmp_path: Path) -> None:
     assert (ckpt.step, ckpt.world_size, ckpt.shard_path(1)) == (4, 2, final / "rank1.safetensors")
     tensors, part = ckpt.read_shard(1)
     assert list(tensors) == ["b"] and part == {}
-    assert {k: v.tolist() for k, v in disk.read_parameters(ckpt).items()} == {"a": [1.0, 1.0], "b": [0.0] * 3}
+    assert {k: v.tolist() for k, v in parts.read_parameters(ckpt).items()} == {"a": [1.0, 1.0], "b": [0.0] * 3}
 
 
 def test_same_layout_compares_the_stages_and_ranks_only(tmp_path: Path) -> None:
@@ -275,7 +275,7 @@ def test_read_parameters_names_a_tensor_its_shard_lacks(tmp_path: Path) -> None:
             "shards": [{"file": "rank0.safetensors", "bytes": size, "sha256": digest}]}
     ckpt = disk.open_checkpoint(disk.commit(tmp_path, temp, 1, meta, 2))
     with pytest.raises(CheckpointError) as info:
-        disk.read_parameters(ckpt)
+        parts.read_parameters(ckpt)
     assert str(info.value) == f"{ckpt.shard_path(0)} lacks 'w', which meta.json places there"
 
 
@@ -295,7 +295,7 @@ def test_commit_replaces_a_step_whose_latest_never_moved(tmp_path: Path) -> None
     save(tmp_path, 2, [{"w": torch.full((1,), 9.0)}], token="t9")  # the next attempt saves step 2 again
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001", "step-000002"]
     found = disk.find_resumable(tmp_path)
-    assert found is not None and found.step == 2 and disk.read_parameters(found)["w"].tolist() == [9.0]
+    assert found is not None and found.step == 2 and parts.read_parameters(found)["w"].tolist() == [9.0]
 
 
 def test_nothing_to_resume_in_a_missing_or_empty_directory(tmp_path: Path) -> None:
@@ -320,11 +320,11 @@ def test_export_writes_the_state_dict_in_its_order_with_tied_names(tmp_path: Pat
     final = save(tmp_path / "ckpt", 3, [{"w": w}, {"b": b}], state_keys=["w", "b", "head.w"],
                  aliases={"head.w": "w"})
     for source in (tmp_path / "ckpt", final):  # the latest of a directory, or one step
-        assert disk.export(source, tmp_path / "m.pt").step == 3
+        assert parts.export(source, tmp_path / "m.pt").step == 3
         state = torch.load(tmp_path / "m.pt", weights_only=True)
         assert list(state) == ["w", "b", "head.w"]
         assert torch.equal(state["w"], w) and torch.equal(state["b"], b) and torch.equal(state["head.w"], w)
-    disk.export(final, tmp_path / "m.safetensors")
+    parts.export(final, tmp_path / "m.safetensors")
     tensors, metadata = tensorfile.read_tensors(tmp_path / "m.safetensors")
     assert list(tensors) == ["w", "b", "head.w"] and metadata == {"format": "pt"}
     assert torch.equal(tensors["head.w"], w)
@@ -333,7 +333,7 @@ def test_export_writes_the_state_dict_in_its_order_with_tied_names(tmp_path: Pat
 
 def test_export_of_a_directory_without_checkpoints_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as info:
-        disk.export(tmp_path, tmp_path / "m.pt")
+        parts.export(tmp_path, tmp_path / "m.pt")
     assert str(info.value) == f"{tmp_path} holds no complete plait checkpoint (no step-*/ with a valid meta.json)"
     assert not (tmp_path / "m.pt").exists()
 
@@ -381,8 +381,8 @@ def _commit_split(root: Path, split: dict) -> Path:
 def test_a_tensor_saved_in_tp_parts_is_read_whole(tmp_path):
     path = _commit_split(tmp_path, {"dim": 0, "blocks": 3, "shards": [0, 1]})
     ckpt = disk.open_checkpoint(path, verify=True)
-    assert torch.equal(disk.read_parameters(ckpt)["w"], torch.arange(24.0).reshape(6, 4))
-    assert disk.holders(ckpt.meta["tensors"]["w"]) == [0, 1]
+    assert torch.equal(parts.read_parameters(ckpt)["w"], torch.arange(24.0).reshape(6, 4))
+    assert parts.holders(ckpt.meta["tensors"]["w"]) == [0, 1]
 
 
 @pytest.mark.parametrize("split", [{"dim": 2, "blocks": 1, "shards": [0, 1]},      # no such dim

@@ -105,3 +105,28 @@ def test_hostile_headers_are_refused_before_any_tensor_is_made(tmp_path, header,
 def test_unsupported_dtypes_are_named_when_writing():
     with pytest.raises(CheckpointError, match=r"tensor 'u' has dtype torch.uint16, which plait cannot save"):
         tensorfile.write_tensors(io.BytesIO(), {"u": torch.zeros(2, dtype=torch.uint16)}, {})
+
+
+def test_select_reads_some_tensors_whole_and_of_others_only_rows_through_the_hash(tmp_path, monkeypatch):
+    big = torch.arange(40 * 6, dtype=torch.float32).reshape(40, 6)
+    tensors = {"big": big, "step": torch.tensor(3.0), "other": torch.ones(5, 2, dtype=torch.bfloat16)}
+    path = tmp_path / "s.safetensors"
+    with open(path, "wb") as f:
+        digest = tensorfile.write_tensors(f, tensors, {})
+    monkeypatch.setattr(tensorfile, "_BLOCK", 64)  # spans cut by many blocks
+    picks = {"big": (7, 23), "step": (0, 1), "other": False}  # (a 0-dim tensor is read whole)
+    for sha in (digest, None):
+        got, _ = tensorfile.read_tensors(path, sha, lambda name: picks[name])
+        assert sorted(got) == ["big", "step"]
+        assert torch.equal(got["big"], big[7:23]) and torch.equal(got["step"], tensors["step"])
+    got, _ = tensorfile.read_tensors(path, digest, lambda name: name == "other")
+    assert sorted(got) == ["other"] and torch.equal(got["other"], tensors["other"])
+    empty, _ = tensorfile.read_tensors(path, digest, lambda name: (5, 5) if name == "big" else False)
+    assert empty["big"].shape == (0, 6)
+    with pytest.raises(CheckpointError, match="rows 30:50 of 'big' asked, it has 40"):
+        tensorfile.read_tensors(path, digest, lambda name: (30, 50) if name == "big" else False)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # a byte of a tensor not read: the hash still sees it
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="sha256"):
+        tensorfile.read_tensors(path, digest, lambda name: name == "step")

@@ -18,6 +18,7 @@ import torch
 
 from plait.checkpoint import weights
 from plait.errors import CheckpointError
+from plait.tensor_parts import RowSpan
 from tests.test_import_boundary import ROOT, imports
 
 safetensors = pytest.importorskip("safetensors")
@@ -104,7 +105,7 @@ def test_zero3_rows_are_read_alone_into_the_tensor_holding_them(tmp_path, spy):
     state = zeros_like(want)
     mine = torch.zeros(2, 3, dtype=torch.float64)  # rows 2:4 of a.weight, held in another dtype
     weights.load_weights(tmp_path / "w.safetensors", state, ["a.weight", "a.bias"],
-                         rows={id(state["a.weight"]): (mine, 2, 4)})
+                         rows={id(state["a.weight"]): (mine, RowSpan(2, 4))})
     assert torch.equal(mine, want["a.weight"][2:4].double()) and not state["a.weight"].any()
     assert spy.read == ["a.bias"]  # a.weight was sliced, never read whole
     assert torch.equal(state["a.bias"], want["a.bias"])

@@ -100,3 +100,17 @@ def test_offload_leaves_the_device_its_gradients_alone() -> None:
     assert state_bytes(100.0, 100.0, 2.0, 4, 3) == StateBytes(25.0, 100.0, 50.0, 25.0)  # without: its shares
     assert state_totals([100.0, 30.0], [100.0, 10.0], 2.0, 4, 3, offload=True) == [100.0, 10.0]
     assert state_bytes(100.0, 100.0, 2.0, 4, 2, offload=True).total == state_bytes(100.0, 100.0, 2.0, 4, 2).total
+
+
+def test_a_split_backward_at_zero3_holds_the_stage_gathered_beside_its_gradients() -> None:
+    """ZB-H1 at zero=3: a piece's parameters stay gathered from a micro-batch's B to its W, in the last
+    micro-batches all of them: the compute dtype's bytes (the copies below fp32, else the parameters)
+    beside the gradients. Other levels, and zero=3 with a whole backward, are as before."""
+    assert state_bytes(100.0, 100.0, 2.0, 4, 3, gathered=True) == StateBytes(25.0, 200.0, 50.0, 25.0)
+    assert state_bytes(300.0, 200.0, 2.0, 4, 3, copy_bytes=100.0, gathered=True).gradients == 300.0
+    assert state_bytes(100.0, 100.0, 2.0, 4, 3, offload=True, gathered=True) == StateBytes(0.0, 200.0, 0.0, 0.0)
+    assert state_bytes(100.0, 100.0, 2.0, 4, 2, gathered=True) == state_bytes(100.0, 100.0, 2.0, 4, 2)
+    params, grads, copies = [300.0, 0.0, 60.0], [200.0, 0.0, 40.0], [100.0, 0.0, 0.0]
+    for offload in (False, True):
+        assert state_totals(params, grads, 2.0, 4, 3, copies, offload, gathered=True) == [
+            state_bytes(p, g, 2.0, 4, 3, c, offload, gathered=True).total for p, g, c in zip(params, grads, copies)]

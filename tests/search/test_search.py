@@ -3,6 +3,8 @@ JSON, and the Alpa GPT suite's plans (their search time is `benchmarks/overheads
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import json
 import math
@@ -192,10 +194,16 @@ def test_a_memory_limit_only_sharded_parameters_meet_chooses_zero3_as_its_runtim
     found = search(costs, 2, 8, cluster, SearchSpace(pp=(1,), keep=50))
     assert found[0].feasible and {c.setting.zero for c in found} == {3}, found[0].reason
     assert found[0].prediction is not None and found[0].prediction.peak_memory_bytes == 1000.0
-    # only settings its runtime runs: no batched weight gradients, a whole backward
+    # only settings its runtime runs: no batched weight gradients (a split backward, ZB-H1, runs)
     assert not any(c.setting.batch_weight_grads for c in found)
-    for c in search(costs, 4, 8, cluster, SearchSpace(keep=50)):
-        assert c.setting.zero != 3 or c.setting.schedule != "zbh1", c.setting
+    roomy = dataclasses.replace(cluster, memory_bytes=1e9)
+    split = search(costs, 4, 8, roomy, SearchSpace(pp=(2,), schedules=("zbh1",), zero=(3,), keep=50))
+    assert split[0].feasible and {(c.setting.schedule, c.setting.zero) for c in split} == {("zbh1", 3)}
+    assert not any(c.setting.batch_weight_grads for c in split)
+    # priced with its stage's parameters gathered beside the gradients (2 layers of 100 bytes), 1F1B not
+    one = {name: search(costs, 4, 8, roomy, SearchSpace(pp=(2,), schedules=(name,), zero=(3,), num_microbatches=(4,),
+                                                        recompute=(False,)))[0] for name in ("zbh1", "1f1b")}
+    assert one["zbh1"].prediction.peak_memory_bytes - one["1f1b"].prediction.peak_memory_bytes == 200.0
     # not tried beside tp or where it is left out (a replanning run): nothing fits
     assert not search(costs, 2, 8, cluster, SearchSpace(pp=(1,), zero3=False))[0].feasible
 

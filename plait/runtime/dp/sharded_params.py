@@ -13,6 +13,13 @@ reduce-scattered to their owners once they are final, while the next piece compu
     micro-batch m          backward: each piece's gradient reduce-scattered as its backward ends
     optimizer step         on this replica's shards only (parameters and state are 1/dp)
 
+With a split backward (ZB-H1: B now, W later) a piece's gradients are final only after the step's
+last W, so every B and W adds up whole (FSDP2's no-sync), a piece's gathered parameters are kept
+from its B for the W (the next forward frees them), and after the last W every piece's post-backward
+is run by hand -- the reduce-scatters -- as torch.distributed.pipelining does for FSDP2. W reaches the
+gathered parameters FSDP2 made for the forward (`graph_parameters`); below fp32 each W's gradients
+are folded into the fp32 sums at once (`after_weights`).
+
 A model built on the meta device never holds its stage whole: its parameters are real but empty
 until their piece is sharded (`plait.materialize.defer_parameters`); each piece's are given their
 values just before `fully_shard` cuts them and freed right after, so a rank holds one layer's
@@ -50,7 +57,7 @@ from torch.fx.passes.split_module import split_module
 
 from plait.capture.split import StageModule
 from plait.runtime.layer_checkpoint import layer_parts
-from plait.tensor_parts import as_held, part_rows
+from plait.tensor_parts import RowSpan, as_held, part_rows, row_span
 
 __all__ = ["ShardedParameters"]
 
@@ -60,7 +67,7 @@ class ShardedParameters:
 
     def __init__(self, group: Any, device: torch.device, dtype: torch.dtype = torch.float32,
                  reduce_dtype: torch.dtype = torch.float32, offload: bool = False,
-                 fill: Callable[[list[nn.Parameter]], object] | None = None):
+                 fill: Callable[[list[nn.Parameter]], object] | None = None, split_backward: bool = False):
         self.mesh = DeviceMesh.from_group(group, device.type)
         # offload (Config.offload, on an accelerator): the shards, their gradients and the optimizer step in host memory
         self.offload: OffloadPolicy = CPUOffloadPolicy() if offload else OffloadPolicy()
@@ -74,6 +81,7 @@ class ShardedParameters:
         self._backwards: dict[int, int] = {}  # stage index -> this batch's backward passes so far
         self._last = 0  # the backward pass whose gradients are reduce-scattered (0: none this batch)
         self._fill = fill  # a meta model's: gives parameters their values just before they are sharded
+        self.split_backward = split_backward  # the schedule runs B and W apart: reduce-scatters at the step's end
 
     def stage(self, index: int, stage: StageModule, layer_pieces: Sequence[int], whole: set[int]) -> StageModule:
         """`stage` running with sharded parameters: its graph cut into its layers' pieces, each piece
@@ -145,25 +153,13 @@ class ShardedParameters:
             if after is not None:
                 after()
 
-    @contextlib.contextmanager
-    def written(self) -> Iterator[None]:
-        """The user's parameters hold the whole current values (`gathered`) for the block to write
-        into (a checkpoint's or named weights' values); after it each shard takes its rows of them."""
-        with self.gathered():
-            yield
-            rows = self.own_rows()
-            with torch.no_grad():
-                for whole, _ in self.pairs:
-                    local, start, stop = rows[id(whole)]
-                    local.copy_(whole.detach()[start:stop].to(local.dtype))
-
-    def own_rows(self) -> dict[int, tuple[torch.Tensor, int, int]]:
-        """id(the user's parameter) -> (this replica's rows of it, start, stop): where named weights
-        are read into the shards directly (`plait.checkpoint.weights`)."""
+    def own_rows(self) -> dict[int, tuple[torch.Tensor, RowSpan]]:
+        """id(the user's parameter) -> (this replica's rows of it, the rows of the whole tensor to read
+        for them): where named weights and checkpoints are read into the shards directly."""
         out = {}
         for whole, shard in self.pairs:
             assert isinstance(shard, DTensor)
-            out[id(whole)] = (shard.to_local(), *self._rows(whole.shape[0]))
+            out[id(whole)] = (shard.to_local(), row_span(whole, *self._rows(whole.shape[0])))
         return out
 
     def _rows(self, n: int) -> tuple[int, int]:
@@ -175,10 +171,14 @@ class ShardedParameters:
         """This rank's rows of a sharded tensor (a shard, or its optimizer state); another as it is."""
         return t.to_local() if isinstance(t, DTensor) else t
 
-    def held(self, shard: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    def held(self, shard: torch.Tensor, whole: torch.Tensor, span: RowSpan | None = None) -> torch.Tensor:
         """A whole value (a checkpoint's optimizer state) as `shard` holds it: this rank's rows of it
         (of its tp part where tp cut the parameter), the rows `torch.chunk` gives each replica as
-        FSDP2 does; a value of another shape (a step count), or for a tensor not sharded, as it is."""
+        FSDP2 does; a value of another shape (a step count), or for a tensor not sharded, as it is.
+        `span`: the value is the whole tensor's rows `rows_of` named, read so."""
+        if span is not None and isinstance(shard, DTensor) and whole.dim():
+            return DTensor.from_local(span.kept(whole).to(shard.to_local().device).contiguous(), shard.device_mesh,
+                                      shard.placements, shape=shard.shape, stride=shard.stride())
         user = self._user_of.get(id(shard))
         if user is not None:
             whole = as_held(user, whole)
@@ -187,6 +187,14 @@ class ShardedParameters:
         start, stop = self._rows(whole.shape[0])
         return DTensor.from_local(whole[start:stop].to(shard.to_local().device).contiguous(), shard.device_mesh,
                                   shard.placements, shape=shard.shape, stride=shard.stride())
+
+    def rows_of(self, shard: torch.Tensor) -> RowSpan | None:
+        """The rows of the whole tensor a checkpoint is read for to give this rank's `shard` (its rows,
+        of its tp part where tp cut the parameter: `row_span`), or None: not a shard."""
+        user = self._user_of.get(id(shard))
+        if not isinstance(shard, DTensor) or user is None or not shard.dim():
+            return None
+        return row_span(user, *self._rows(shard.shape[0]))
 
     def whole_rows(self, optimizer: torch.optim.Optimizer | None) -> "WholeRows":
         """Every shard and every sharded optimizer state tensor gathered whole (an all-gather each, in
@@ -218,12 +226,57 @@ class ShardedParameters:
         self._last = num_microbatches if sync else 0
 
     def before_backward(self, stage_index: int) -> None:
-        """Before one micro-batch's backward of stage `stage_index`."""
+        """Before one micro-batch's backward (with a split backward: its B) of stage `stage_index`."""
         self._backwards[stage_index] = done = self._backwards.get(stage_index, 0) + 1
         root = self.stages[stage_index].module
         assert isinstance(root, FSDPModule)
-        root.set_requires_gradient_sync(done == self._last)
-        root.set_is_last_backward(done == self._last)
+        last = done == self._last and not self.split_backward
+        root.set_requires_gradient_sync(last)
+        root.set_is_last_backward(last)
+        if self.split_backward:  # W comes later, on these gathered parameters: kept until the next forward frees them
+            root.set_reshard_after_backward(False)
+
+    def after_weights(self, stage_index: int) -> None:
+        """After one micro-batch's W (a split backward): below fp32, the low-precision weight gradients it
+        added are folded into FSDP2's fp32 sums at once, as a whole backward's post-backward does, so
+        two W in a row never add their gradients in the low dtype."""
+        for fp in self._fsdp_params(stage_index):
+            fp.accumulate_unsharded_grad_if_needed()
+            fp.to_accumulated_grad_if_needed()
+
+    def _fsdp_params(self, stage_index: int) -> list[Any]:
+        """FSDP2's parameters (`FSDPParam`) of stage `stage_index`'s pieces that have been gathered."""
+        root = self.stages[stage_index].module
+        return [fp for piece in fully_shard.state(root)._state_ctx.all_states  # type: ignore[attr-defined]
+                for group in piece._fsdp_param_groups for fp in group.fsdp_params if hasattr(fp, "_unsharded_param")]
+
+    def graph_parameters(self, stage_index: int) -> list[torch.Tensor]:
+        """The parameters a micro-batch's autograd graph of stage `stage_index` holds as its leaves (what
+        a split backward's W accumulates into): each piece's gathered parameters, as FSDP2 made them
+        for the forward and keeps them from step to step, and those left whole."""
+        root = self.stages[stage_index].module
+        out = [p for p in root.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        return out + [fp.unsharded_param for fp in self._fsdp_params(stage_index) if fp.unsharded_param.requires_grad]
+
+    def after_backward(self, stage_index: int) -> None:
+        """After a batch's last W of stage `stage_index` (a split backward): on the step's last batch each
+        piece's gradients reduce-scattered, as torch.distributed.pipelining does for FSDP2 (every piece's
+        post-backward run by hand, then the root's final callback); every piece's parameters freed."""
+        root = self.stages[stage_index].module
+        assert isinstance(root, FSDPModule)
+        if not self._last:  # a batch summed into a later step: the gradients stay added up whole
+            for module in root.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+            return
+        root.set_is_last_backward(True)
+        root.set_reshard_after_backward(True)
+        root.set_requires_gradient_sync(True)
+        state = fully_shard.state(root)  # type: ignore[attr-defined]
+        for piece in state._state_ctx.all_states:
+            for group in piece._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
 
 
 class WholeRows:
@@ -235,7 +288,10 @@ class WholeRows:
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         return self._gathered.get(id(t), t)
 
-    def held(self, shard: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    def held(self, shard: torch.Tensor, whole: torch.Tensor, span: RowSpan | None = None) -> torch.Tensor:
+        raise AssertionError("gathered rows are only saved")
+
+    def rows_of(self, shard: torch.Tensor) -> RowSpan | None:
         raise AssertionError("gathered rows are only saved")
 
 

@@ -17,11 +17,12 @@ model computes in one process, and the update is the fp32 one.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Any, Callable
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from plait.capture.compute_dtype import cast_floating
 from plait.capture.split import StageModule
@@ -37,6 +38,7 @@ class ComputeCopies:
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self._copies: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(master) -> (master, copy)
+        self._masters: dict[int, nn.Parameter] = {}  # id(copy) -> master
         self._listeners: dict[int, list[GradListener]] = {}
 
     def stage(self, stage: StageModule, only: set[int] | None = None) -> StageModule:
@@ -49,7 +51,11 @@ class ComputeCopies:
     def _tree(self, module: nn.Module, memo: dict[int, nn.Module], only: set[int] | None) -> Any:
         if id(module) in memo:  # a module reached twice (reused) stays one module
             return memo[id(module)]
-        made = object.__new__(type(module))  # a plain shallow copy (GraphModule's __copy__ would re-own its graph)
+        # a plain shallow copy (GraphModule's __copy__ would re-own its graph); a GraphModule gets a class
+        # of its own (its generated forward is the class's) and a copy of the graph, so a rewrite of the
+        # copy (batched weight gradients) leaves the model's stage as it is
+        graph = isinstance(module, fx.GraphModule)
+        made: Any = fx.GraphModule.__new__(type(module)) if graph else object.__new__(type(module))  # type: ignore[type-var]
         made.__dict__.update(module.__dict__)
         memo[id(module)] = made
         made.__dict__["_parameters"] = {name: p if p is None or (only is not None and id(p) not in only)
@@ -57,6 +63,8 @@ class ComputeCopies:
         made.__dict__["_buffers"] = dict(module._buffers)
         made.__dict__["_modules"] = {name: None if m is None else self._tree(m, memo, only)
                                      for name, m in module._modules.items()}
+        if graph:
+            made.graph = copy.deepcopy(module.graph)
         return made
 
     def _copy_of(self, master: nn.Parameter) -> nn.Parameter:
@@ -68,13 +76,25 @@ class ComputeCopies:
         if master.requires_grad:
             low.register_post_accumulate_grad_hook(lambda p, m=master: self._to_master(m, p))  # type: ignore[no-untyped-call]
         self._copies[id(master)] = (master, low)
+        self._masters[id(low)] = master
         return low
 
     def _to_master(self, master: nn.Parameter, low: torch.Tensor) -> None:
         """Add the copy's gradient into the master's fp32 one, then run the master's listeners."""
         grad, low.grad = low.grad, None
-        if grad is None:
-            return
+        if grad is not None:
+            self._add(master, grad)
+
+    def add_wide(self, low: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add `grad`, copy `low`'s gradient computed in fp32 (the batched weight gradients of
+        `plait.runtime.batched_wgrad`: Megatron's gradient-accumulation fusion), into its master's
+        fp32 one, then run the master's listeners. In fp16 a value past fp16's range is made inf,
+        as the copy's own fp16 gradient would be, so the loss scale sees the overflow."""
+        if self.dtype == torch.float16:
+            grad = grad.masked_fill(grad.abs() > torch.finfo(torch.float16).max, float("inf"))
+        self._add(self._masters[id(low)], grad)
+
+    def _add(self, master: nn.Parameter, grad: torch.Tensor) -> None:
         if master.grad is None:
             master.grad = grad.to(master.dtype)
         else:

@@ -53,10 +53,13 @@ def _cut(param: torch.Tensor, dim: int, blocks: int, tp_rank: int, tp: int) -> N
         return
     shape = tuple(param.shape)
     with torch.no_grad():
+        size = list(shape)
+        size[dim] = part_size(shape[dim], tp_rank, tp)
         if param.is_meta:  # another rank's stage: only the shape changes
-            size = list(shape)
-            size[dim] = part_size(shape[dim], tp_rank, tp)
             param.data = torch.empty(size, dtype=param.dtype, device="meta")
+        elif param.numel() and not param.untyped_storage().nbytes():  # no values yet (`plait.materialize.Deferred`):
+            param.data = torch.empty(size, dtype=param.dtype, device=param.device)  # its part's shape, filled later
+            param.untyped_storage().resize_(0)
         else:
             param.data = local_part(param.data, dim, blocks, tp_rank, tp).clone()
     param.grad = None  # a whole-shaped gradient left by an earlier backward (the planner's profile)

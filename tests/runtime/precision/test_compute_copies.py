@@ -75,3 +75,55 @@ def test_refresh_takes_the_masters_values():
     assert not torch.equal(copy_weight, net[0].weight.to(torch.bfloat16))  # stale until refreshed
     copies.refresh()
     assert torch.equal(copy_weight, net[0].weight.to(torch.bfloat16))
+
+
+def test_batched_weight_gradients_of_a_copy_land_in_fp32_in_the_master_and_leave_the_stage_as_split():
+    """Batched (plait.runtime.batched_wgrad), a copy's linears keep their bf16 inputs and output gradients and the
+    step's dW is one fp32 GEMM added into the master; the rewrite is the copy's own graph's, not the split stage's."""
+    from plait.runtime.batched_wgrad import defer_linear_weight_grads
+
+    net = model()
+    stage = stage_of(net)
+    copies = ComputeCopies(torch.bfloat16)
+    low = copies.stage(stage)
+    batch = defer_linear_weight_grads(low.module, copies.add_wide)
+    assert batch is not None and len(batch.anchors) == 2
+    assert "deferred" not in stage.module.code and "deferred" in low.module.code
+    heard = []
+    for p in net.parameters():
+        copies.after_grad(p, lambda q: heard.append(id(q)))
+    x = torch.randn(6, 4, dtype=torch.bfloat16)
+    for rows in (slice(0, 2), slice(2, 6)):  # two micro-batches
+        out = low.module(x[rows])
+        out = out[0] if isinstance(out, (list, tuple)) else out
+        out.float().pow(2).sum().backward()
+    assert all(p.grad is None for p in low.module.parameters()) and heard == []
+    first = next(p for p in low.module.parameters() if p.shape == net[0].weight.shape)  # the first linear's copy
+    _, _, xs, gys = batch._pending[id(first)]  # its bf16 inputs and output gradients, as kept
+    assert len(xs) == 2 and xs[0].dtype == gys[0].dtype == torch.bfloat16
+    gy = torch.cat(gys).float()
+    batch.flush()
+    master = net[0]
+    assert master.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(master.weight.grad, gy.t().mm(torch.cat(xs).float()), rtol=0, atol=0)
+    torch.testing.assert_close(master.bias.grad, gy.sum(0), rtol=0, atol=0)
+    assert sorted(heard) == sorted(id(p) for p in net.parameters())  # once each
+    assert all(p.grad is None for p in low.module.parameters())
+
+
+def test_an_fp16_wide_gradient_past_fp16s_range_reaches_the_master_as_inf():
+    net = model()
+    copies = ComputeCopies(torch.float16)
+    low = copies.stage(stage_of_fp16(net))
+    weight = next(p for p in low.module.parameters() if p.dim() == 2)
+    grad = torch.full(weight.shape, 1.0)
+    grad[0, 0] = 70000.0  # finite in fp32, past fp16's 65504
+    copies.add_wide(weight, grad)
+    master = next(p for p in net.parameters() if p.shape == weight.shape and p.grad is not None)
+    assert torch.isinf(master.grad[0, 0]) and bool(torch.isfinite(master.grad.flatten()[1:]).all())
+
+
+def stage_of_fp16(model: nn.Module):
+    with held_in(model, torch.float16):
+        graph = capture_batch(model, cast_floating(torch.randn(6, 4), torch.float16))
+    return split(graph, [0] * len(graph.layers.layer_names))[0]
