@@ -61,6 +61,13 @@ def microbatch(low: nn.Module, pairs, x, y, loss, part: slice, dtype, scaled=lam
 def by_hand(net: nn.Module, x, y, loss, steps: int, rows_per_microbatch: int, dtype, untie: bool) -> nn.Module:
     """The one-process reference: a `dtype` copy computes each micro-batch, fp32 masters step."""
     master, low, pairs = copies(net, dtype, untie)
+    return _stepped(master, low, pairs, x, y, loss, steps, rows_per_microbatch, dtype)
+
+
+def _stepped(master: nn.Module, low: nn.Module, pairs, x, y, loss, steps: int, rows_per_microbatch: int, dtype,
+             before_step=lambda: None) -> nn.Module:
+    """`steps` SGD steps of the masters, the copy refreshed before each and computing its micro-batches;
+    `before_step()` after the last micro-batch of each step."""
     opt = sgd(master.parameters())
     for _ in range(steps):
         with torch.no_grad():
@@ -68,6 +75,7 @@ def by_hand(net: nn.Module, x, y, loss, steps: int, rows_per_microbatch: int, dt
                 pl.copy_(pm)
         for start in range(0, len(y), rows_per_microbatch):
             microbatch(low, pairs, x, y, loss, slice(start, start + rows_per_microbatch), dtype)
+        before_step()
         opt.step()
         opt.zero_grad()
     return master
@@ -136,13 +144,8 @@ def fused_by_hand(net: nn.Module, x, y, loss, steps: int, rows_per_microbatch: i
         if isinstance(m, nn.Linear) and entries[id(m.weight)] == 1:
             kept[m] = []
             m.forward = lambda inp, m=m: _KeptLinear.apply(inp, m.weight, m.bias, kept[m])
-    opt = sgd(master.parameters())
-    for _ in range(steps):
-        with torch.no_grad():
-            for pl, pm in pairs:
-                pl.copy_(pm)
-        for start in range(0, len(y), rows_per_microbatch):
-            microbatch(low, pairs, x, y, loss, slice(start, start + rows_per_microbatch), dtype)
+
+    def weight_gradients() -> None:  # each kept linear's, over every micro-batch's rows, in fp32
         for m, pairs_kept in kept.items():
             xs, gys = torch.cat([a for a, _ in pairs_kept]).float(), torch.cat([b for _, b in pairs_kept]).float()
             for p, grad in ((m.weight, gys.t().mm(xs)), (m.bias, gys.sum(0) if m.bias is not None else None)):
@@ -150,6 +153,5 @@ def fused_by_hand(net: nn.Module, x, y, loss, steps: int, rows_per_microbatch: i
                     pm = master_of[id(p)]
                     pm.grad = grad if pm.grad is None else pm.grad + grad
             pairs_kept.clear()
-        opt.step()
-        opt.zero_grad()
-    return master
+
+    return _stepped(master, low, pairs, x, y, loss, steps, rows_per_microbatch, dtype, weight_gradients)
