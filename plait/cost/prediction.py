@@ -17,7 +17,8 @@ One step of a layout (pp stages x dp replicas, m micro-batches of `rows` rows ea
                the runtime issues (`bucket_summary`); on the link the backend's
                all-reduce was measured at. The buckets start when the rank's last gradient
                pass starts, so they overlap that pass only, and the last bucket -- the first
-               layers' gradients -- cannot start before the pass has ended
+               layers' gradients -- cannot start before the pass has ended (ZeRO-3 with a
+               split backward: all of them after the rank's last W)
     closing    every rank's loss and metric sums, one small all-reduce over all ranks after
                its gradients: the step's one point where every rank meets. Not in a pipeline
                of one rank per stage (dp = 1): there the sums ride on the stages' own messages
@@ -30,7 +31,7 @@ One step of a layout (pp stages x dp replicas, m micro-batches of `rows` rows ea
                and the summed gradients go out, not overlapped
 
 step = max over ranks of max(pipeline end, last gradient pass start + gradient sum, pipeline
-end + the last bucket's) (pipeline end + gradient sum where the cluster does not overlap them), + closing all-reduce, + the slowest rank's optimizer step (and
+end + the last bucket's) (pipeline end + gradient sum where they cannot overlap), + closing all-reduce, + the slowest rank's optimizer step (and
 ZeRO's broadcasts); with dp = 1, max over ranks of the rank's pipeline end + its optimizer step. Memory of a rank = parameters + gradients + optimizer state
 (`plait.cost.memory`: ZeRO's shares) + the activations of the micro-batches the schedule makes
 it hold at once (its peak); recomputation keeps only each held micro-batch's stage input, plus
@@ -301,7 +302,7 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         grad_starts = [pipeline - (flush[r] if setting.batch_weight_grads else
                                    max(grad_pass[s] for s in range(r, setting.num_chunks, p))) for r in range(p)]
         method = "closed form"
-    dp, zero = setting.dp, setting.zero
+    dp, zero, split = setting.dp, setting.zero, schedule_spec(setting.schedule).splits_backward
     summed, gather, optimizer, states, acts, memory, reach = [], [], [], [], [], [], []
     by_layer: list[int] = []
     by_rank: list[list[StageCost]] = [[] for _ in range(p)]
@@ -358,7 +359,7 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         else:
             acts.append(peaks[r] * hold(setting) * sum(st.activation_bytes for st in mine))
         memory.append(states[r].peak(acts[r]))
-        if cluster.overlap_gradients:
+        if cluster.overlap_gradients and not (zero == 3 and split):  # (ZB-H1 at zero=3: summed after its last W)
             reach.append(max(ends[r], grad_starts[r] + summed[r], ends[r] + tail))
         else:
             reach.append(ends[r] + summed[r])

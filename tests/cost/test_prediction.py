@@ -342,3 +342,21 @@ def test_zero_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="zero must be 0, 1, 2 or 3, got 4"):
         Setting(2, 2, 4, zero=4)
     assert Setting(2, 2, 4, zero=2).zero == 2 and Setting(2, 1, 4).zero == 0
+
+
+def test_zero3_with_a_split_backward_sums_its_gradients_after_its_last_w() -> None:
+    """ZB-H1 at zero=3 reduce-scatters every gradient after the rank's last W (the runtime's
+    `ShardedParameters.after_backward`): no overlap with the backward, whatever the cluster allows;
+    1F1B at zero=3 overlaps its last gradient pass as before."""
+    import dataclasses
+
+    costs = dataclasses.replace(layer_costs(4, forward=1e-3, backward=2e-3, params=4e6))
+    slow = Network(Link(1e-4, 1e7), Link(1e-4, 1e7), 1)
+    steps = {}
+    for schedule in ("zbh1", "1f1b"):
+        for overlap in (True, False):
+            setting = Setting(2, 2, 4, schedule, zero=3)
+            pred = predict(costs, setting, Cluster(slow, math.inf, overlap_gradients=overlap), 16, (2, 2))
+            steps[schedule, overlap] = pred.step_time_s
+    assert steps["zbh1", True] == steps["zbh1", False]
+    assert steps["1f1b", True] < steps["1f1b", False]
