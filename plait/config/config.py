@@ -57,9 +57,10 @@ class Config:
         sums the gradients in reduce_precision; checkpoints hold each replica's rows of the
         parameters and their state, and load into any layout; with recomputation, several chunks
         a rank, and a given tp too: each rank's tp part sharded over its replicas, checkpointed
-        as tp parts) -- without a split backward, batched weight gradients, stage widths or
-        replan yet (refused by name); 0 replicates all. None (default): the planner chooses the
-        lowest level that fits (3 where it runs, at tp=1), else 0. Needs dp > 1 (or a stage_dp of a
+        as tp parts; with a split backward (ZB-H1) or batched weight gradients every gradient is
+        reduce-scattered once the step's last ones are in; a load reads each replica's rows only)
+        -- without stage widths or replan yet (refused by name); 0 replicates all. None (default):
+        the planner chooses the lowest level that fits, else 0. Needs dp > 1 (or a stage_dp of a
         stage > 1).
     init_fn: for a model built on the meta device, fn(module) initialising one module's own
         tensors in place (None: a Hugging Face model's `_init_weights`, else each module's

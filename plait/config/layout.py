@@ -129,13 +129,12 @@ def _check_zero3(config: Any) -> None:
     refused = {
         "stage_tp": config.stage_tp is not None,
         "stage_dp": config.stage_dp is not None,
-        "batch_weight_grads": bool(config.batch_weight_grads),
         "replan": bool(config.replan),
     }
     bad = {name: getattr(config, name) for name, is_bad in refused.items() if is_bad}
     if bad:
         raise ConfigError(f"zero=3 (parameters sharded over the replicas) does not run with {bad} yet; leave "
-                          "those at their defaults (no batched weight gradients, no replanning), or use zero=2")
+                          "those at their defaults (one width for every stage, no replanning), or use zero=2")
 
 
 def check_schedule(config: Any) -> None:

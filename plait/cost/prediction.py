@@ -18,7 +18,7 @@ One step of a layout (pp stages x dp replicas, m micro-batches of `rows` rows ea
                all-reduce was measured at. The buckets start when the rank's last gradient
                pass starts, so they overlap that pass only, and the last bucket -- the first
                layers' gradients -- cannot start before the pass has ended (ZeRO-3 with a
-               split backward: all of them after the rank's last W)
+               split backward or batched weight gradients: all of them after the last ones)
     closing    every rank's loss and metric sums, one small all-reduce over all ranks after
                its gradients: the step's one point where every rank meets. Not in a pipeline
                of one rank per stage (dp = 1): there the sums ride on the stages' own messages
@@ -302,7 +302,8 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         grad_starts = [pipeline - (flush[r] if setting.batch_weight_grads else
                                    max(grad_pass[s] for s in range(r, setting.num_chunks, p))) for r in range(p)]
         method = "closed form"
-    dp, zero, split = setting.dp, setting.zero, schedule_spec(setting.schedule).splits_backward
+    dp, zero = setting.dp, setting.zero
+    late = zero == 3 and (schedule_spec(setting.schedule).splits_backward or setting.batch_weight_grads)
     summed, gather, optimizer, states, acts, memory, reach = [], [], [], [], [], [], []
     by_layer: list[int] = []
     by_rank: list[list[StageCost]] = [[] for _ in range(p)]
@@ -359,7 +360,7 @@ def predict(costs: LayerCosts, setting: Setting, cluster: Cluster, global_batch:
         else:
             acts.append(peaks[r] * hold(setting) * sum(st.activation_bytes for st in mine))
         memory.append(states[r].peak(acts[r]))
-        if cluster.overlap_gradients and not (zero == 3 and split):  # (ZB-H1 at zero=3: summed after its last W)
+        if cluster.overlap_gradients and not late:  # (zero=3, weight gradients late: summed after them)
             reach.append(max(ends[r], grad_starts[r] + summed[r], ends[r] + tail))
         else:
             reach.append(ends[r] + summed[r])

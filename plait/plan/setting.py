@@ -10,19 +10,11 @@ from plait.errors import ConfigError
 from plait.plan.mesh import Mesh
 from plait.schedule.registry import SCHEDULE_NAMES, schedule_spec, virtual_hint
 
-__all__ = ["Setting", "microbatch_rows", "peak_activations", "check_zero", "ZERO_LEVELS", "SEARCHED_ZERO",
-           "zero3_runs"]
+__all__ = ["Setting", "microbatch_rows", "peak_activations", "check_zero", "ZERO_LEVELS", "SEARCHED_ZERO"]
 
 
 ZERO_LEVELS = (0, 1, 2, 3)
 SEARCHED_ZERO = (0, 1, 2, 3)  # the levels a search tries unless given (the lowest that fits is taken)
-
-
-def zero3_runs(batch_weight_grads: bool) -> bool:
-    """Whether the runtime's zero=3 (FSDP2 on each layer piece) runs with this: with every schedule
-    (a split backward's gradients are reduce-scattered after the step's last W), beside tp (FSDP2
-    shards each tp part over its replicas), but not with batched weight gradients."""
-    return not batch_weight_grads
 
 
 def check_zero(zero: object, dp: int) -> None:

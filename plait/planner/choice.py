@@ -88,8 +88,6 @@ def search_space(config: Config, world_size: int, global_batch: int) -> tuple[Se
     if config.plans_everything:
         schedules = (config.schedule,) if config.schedule else tuple(SEARCH_ORDER)
         batched = (False, True) if config.batch_weight_grads is None else (config.batch_weight_grads,)
-        if config.zero == 3:  # not with ZeRO-3 yet
-            batched = (False,)
         return SearchSpace(schedules=schedules, recompute=recompute, zero=zero, zero3=zero3,
                            batch_weight_grads=batched), "planned"
     c = config.with_defaults()

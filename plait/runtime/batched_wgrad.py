@@ -94,9 +94,9 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                anchor: torch.Tensor, module: "_DeferredLinear") -> torch.Tensor:
+                anchor: torch.Tensor, module: "_DeferredLinear", live: tuple[Any, Any]) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.module, ctx.kept = module, False
+        ctx.module, ctx.kept, ctx.live = module, False, live
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
@@ -104,9 +104,9 @@ class _LinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         if not ctx.kept:  # a split backward may run this node again for its W: keep once
             ctx.kept = True
-            ctx.module.batch.keep(ctx.module.weight, ctx.module.bias, x.detach(), grad_y.detach())
+            ctx.module.batch.keep(*ctx.live, x.detach(), grad_y.detach())
         grad_x = grad_y.matmul(weight) if ctx.needs_input_grad[0] else None
-        return grad_x, None, None, None, None
+        return grad_x, None, None, None, None, None
 
 
 class _DeferredLinear(nn.Module):
@@ -128,16 +128,26 @@ class _DeferredLinear(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not (torch.is_grad_enabled() and weight.requires_grad):
             return torch.nn.functional.linear(x, weight, bias)
+        # (`live`: the parameters this forward read, in a tuple autograd does not look into: with zero=3
+        # they are the ones FSDP2 gathered, whose gradients it reduce-scatters)
         out: torch.Tensor = _LinearFn.apply(  # type: ignore[no-untyped-call]
-            x, weight.detach(), None if bias is None else bias.detach(), self.anchor, self)
+            x, weight.detach(), None if bias is None else bias.detach(), self.anchor, self, (weight, bias))
         return out
 
 
 def defer_linear_weight_grads(module: fx.GraphModule,
                               add_wide: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> WeightBatch | None:
-    """Rewrite `module`'s linears whose weight (and bias) nothing else uses; None if there are none.
-    `add_wide`: the stage computes with low-precision copies (see `WeightBatch`)."""
+    """Rewrite `module`'s linears whose weight (and bias) nothing else uses, and those of the graphs it
+    calls (zero=3's layer pieces); None if there are none. `add_wide`: the stage computes with
+    low-precision copies (see `WeightBatch`)."""
     batch = WeightBatch(add_wide)
+    graphs = [m for m in module.modules() if isinstance(m, fx.GraphModule)]  # (listed before any is rewritten)
+    count = sum(_rewrite(m, batch) for m in graphs)
+    return batch if count else None
+
+
+def _rewrite(module: fx.GraphModule, batch: WeightBatch) -> int:
+    """`module`'s own linears rewritten to keep their weight gradients in `batch`; how many."""
     users_of: dict[fx.Node, int] = {n: len(n.users) for n in module.graph.nodes}
     count = 0
     for node in list(module.graph.nodes):
@@ -156,13 +166,13 @@ def defer_linear_weight_grads(module: fx.GraphModule,
         module.add_submodule(name, deferred)
         with module.graph.inserting_before(node):
             call = module.graph.call_module(name, (node.args[0], node.args[1], bias_node))
+        call.meta.update(node.meta)  # (its layer: where zero=3 and recomputation cut the stage)
         node.replace_all_uses_with(call)
         module.graph.erase_node(node)
-    if not count:
-        return None
-    module.graph.lint()
-    module.recompile()
-    return batch
+    if count:
+        module.graph.lint()
+        module.recompile()
+    return count
 
 
 def _parameter(module: fx.GraphModule, node: Any) -> nn.Parameter | None:

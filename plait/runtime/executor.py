@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from plait.capture.split import StageModule
 from plait.errors import LossError
 from plait.runtime.backward_split import SplitPlans, WeightGradients, backward_input
-from plait.runtime.batched_wgrad import defer_linear_weight_grads
+from plait.runtime.batched_wgrad import WeightBatch, defer_linear_weight_grads
 from plait.runtime.layer_checkpoint import layer_checkpointed
 from plait.runtime.precision.compute_copies import ComputeCopies
 from plait.runtime.memory.activation_meter import ActivationMeter, SavedBytes, SavedShapes, hooks_in_use
@@ -39,7 +39,9 @@ def grad_leaves(values: list[Any]) -> list[torch.Tensor]:
 class StageSharding(Protocol):
     """zero=3's sharded parameters as a stage's executor sees them (`plait.runtime.dp.sharded_params`)."""
 
-    split_backward: bool  # the schedule runs B and W apart
+    sums_at_end: bool  # weight gradients come after the backward (split, or batched): summed at the batch's end
+
+    def add_wide(self, param: torch.Tensor, grad: torch.Tensor) -> None: ...
 
     def before_backward(self, stage_index: int) -> None: ...
 
@@ -65,6 +67,7 @@ class StageExecutor:
         layer_pieces: Sequence[int] | None = None,
         copies: ComputeCopies | None = None,
         sharded: StageSharding | None = None,
+        weight_batch: WeightBatch | None = None,
     ):
         self.stage = stage
         self.sharded = sharded  # zero=3: told of each backward (and, a split one, of the batch's end)
@@ -77,8 +80,11 @@ class StageExecutor:
         self._params = list(stage.module.parameters())
         self.recompute = recompute
         # Linear weight gradients kept per micro-batch and computed once at the step's end.
-        self.weight_batch = (defer_linear_weight_grads(stage.module, None if copies is None else copies.add_wide)
-                             if batch_weight_grads else None)
+        # (zero=3: rewritten before FSDP2 took the stage's pieces, `weight_batch`)
+        self.weight_batch = weight_batch if weight_batch is not None else (
+            defer_linear_weight_grads(stage.module) if batch_weight_grads else None)
+        if self.weight_batch is not None:
+            self.weight_batch.add_wide = _wide_adder(copies, sharded)
         # recomputed layer by layer: the stage's graph in pieces (each layer's piece index given)
         self._layered = (layer_checkpointed(stage.module, layer_pieces)
                          if recompute and layer_pieces is not None else None)
@@ -235,14 +241,14 @@ class StageExecutor:
     @property
     def finishes(self) -> bool:
         """Whether `finish_step` has work: batched weight gradients, or zero=3's end of a split backward."""
-        return self.weight_batch is not None or (self.sharded is not None and self.sharded.split_backward)
+        return self.weight_batch is not None or (self.sharded is not None and self.sharded.sums_at_end)
 
     def finish_step(self) -> None:
         """After the stage's last backward of a batch: the batched linear weight gradients, then
         zero=3's reduce-scatters where the backward was split (`StageSharding.after_backward`)."""
         if self.weight_batch is not None:
             self.weight_batch.flush()
-        if self.sharded is not None and self.sharded.split_backward:
+        if self.sharded is not None and self.sharded.sums_at_end:
             self.sharded.after_backward(self.stage.stage_index)
 
     def reset(self) -> None:
@@ -255,3 +261,20 @@ class StageExecutor:
         self._weights.clear()
         self.losses.clear()
         self.outputs.clear()
+
+
+def _wide_adder(copies: ComputeCopies | None, sharded: StageSharding | None,
+                ) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+    """Below fp32, where a batched weight gradient computed in fp32 goes: a copy's into its master
+    (`ComputeCopies.add_wide`), a zero=3 piece's gathered parameter's into FSDP2's fp32 sum."""
+    if copies is None:
+        return None
+    if sharded is None:
+        return copies.add_wide
+
+    to_copy, to_piece = copies.add_wide, sharded.add_wide
+
+    def add(param: torch.Tensor, grad: torch.Tensor) -> None:
+        (to_copy if copies.holds(param) else to_piece)(param, grad)
+
+    return add

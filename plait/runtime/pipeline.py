@@ -22,6 +22,7 @@ from plait.capture.trace import CapturedGraph
 from plait.cost.recompute_pieces import pieces
 from plait.plan import Plan
 from plait.plan.execution import Execution
+from plait.runtime.batched_wgrad import WeightBatch, defer_linear_weight_grads
 from plait.runtime.comm.collectives import TiedGradients, broadcast_tensors, make_group
 from plait.runtime.comm.wire import Wire
 from plait.runtime.dp.grad_sync import GradientBuckets
@@ -277,6 +278,7 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
     only = {id(p) for p, _ in tied_named(captured.root, plan.tied_parameters)} if make_ties and plan.zero == 3 else None
     computed = {s: parts.copies.stage(stages[s], only) if parts.copies is not None else stages[s] for s in mine}
     ties, sync, zero, params = None, None, None, None
+    batches: dict[int, WeightBatch | None] = {}
     if make_ties:
         replicas = list(plan.mesh.dp_ranks(rank))  # this rank's place on each replica of its stage
         sharded = {id(p): owners[id(p)] for p in local if id(p) in owners}  # this rank's stage's
@@ -290,6 +292,8 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
             tied = {id(p) for p in ties.parameters} if ties is not None else set()  # stay whole, summed by `ties`
             if parts.copies is not None:  # and their low copies
                 tied |= parts.copies.copy_ids
+            if plan.batch_weight_grads:  # the linears rewritten before FSDP2 takes the pieces (it owns their code after)
+                batches = {s: defer_linear_weight_grads(computed[s].module) for s in mine}
             params = _sharded(computed, parts, group, tied, local, replicas[0], equal_tp)
             computed = {s: params.stages[s] for s in mine}
             local = params.parameters + [p for p in local if id(p) in tied]
@@ -300,7 +304,7 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
                          split_loss=split_loss if s == plan.num_chunks - 1 else None,
                          layer_pieces=pieces(plan.layer_names) if s in plan.recompute_by_layer else None,
                          copies=parts.copies,
-                         sharded=params)
+                         sharded=params, weight_batch=batches.get(s))
         for s in mine
     }
     interpreter = Interpreter(rank, executors, lane_ranks(plan, rank), parts.wire, parts.tracer,
@@ -325,7 +329,8 @@ def _sharded(computed: dict[int, StageModule], parts: _Parts, group: Any, tied: 
         log.info("plait: offload changes nothing on CPU ranks: the optimizer state is in host memory already")
     params = ShardedParameters(group, parts.device, dtype_of(parts.plan.precision),
                                dtype_of(parts.execution.reduce_precision), offload=offload and parts.device.type != "cpu",
-                               fill=parts.fill, split_backward=schedule_spec(parts.plan.schedule).splits_backward)
+                               fill=parts.fill, split_backward=schedule_spec(parts.plan.schedule).splits_backward,
+                               batched=parts.plan.batch_weight_grads)
     for s, st in computed.items():
         params.stage(s, st, pieces(parts.plan.layer_names), tied)  # each piece's wholes freed once sharded
     return params

@@ -8,7 +8,7 @@ their pipeline time and the visit stops once that bound cannot beat the `keep`-t
 closed form are then timed again on the schedule's own program (`steptime`) and re-ranked.
 Tensor parallelism is searched around this (`plait.cost.tp_costs.search_tp`: each tp on world / tp
 ranks); here tp = 1, and a layer that fits no device makes every setting infeasible, with the reason. ZeRO (0-3: `plait.cost.memory`;
-3 where its runtime runs: `plait.plan.setting.zero3_runs`) is searched where dp > 1;
+3 with every schedule and batched weight gradients too) is searched where dp > 1;
 left to the search (`SearchSpace.zero` None) it is used where memory needs it: the candidates
 are those of the lowest level at which some layout fits. Batched weight gradients
 (`Config.batch_weight_grads`) are one more choice, priced by `plait.cost.layer_times`. Candidates
@@ -33,7 +33,7 @@ from plait.cost.prediction import (
 )
 from plait.errors import ConfigError
 from plait.plan.layer_costs import LayerCosts
-from plait.plan.setting import SEARCHED_ZERO, check_zero, zero3_runs
+from plait.plan.setting import SEARCHED_ZERO, check_zero
 from plait.schedule.registry import SCHEDULE_NAMES, SEARCH_ORDER, schedule_spec
 from plait.search.partition import Infeasible
 from plait.search.solved import SolvedPartitions
@@ -160,7 +160,6 @@ def _settings(costs: LayerCosts, world_size: int, global_batch: int, space: Sear
                             continue  # it would keep what recomputation frees; ZB-H1 would be 1F1B; m=1: no change
                         out.extend(Setting(pp, dp, m, name, v, recompute, zero, batched, offload)
                                    for zero in space.zero_levels(dp)
-                                   if zero != 3 or zero3_runs(batched)
                                    for offload in (space.offload if zero == 3 else (False,)))
     return out
 
@@ -170,9 +169,7 @@ def _loosest(setting: Setting, space: SearchSpace) -> Setting:
     1F1B's held micro-batches for GPipe's (one closed form), ZeRO's highest level searched."""
     leaner = schedule_spec(setting.schedule).leaner
     schedule = leaner if leaner is not None and leaner in space.schedules else setting.schedule
-    runs = [z for z in space.zero_levels(setting.dp)
-            if z != 3 or zero3_runs(setting.batch_weight_grads)]
-    zero = max(runs, default=setting.zero)
+    zero = max(space.zero_levels(setting.dp), default=setting.zero)
     return replace(setting, schedule=schedule, zero=zero, offload=zero == 3 and max(space.offload))
 
 

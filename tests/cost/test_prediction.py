@@ -344,19 +344,20 @@ def test_zero_settings_are_checked() -> None:
     assert Setting(2, 2, 4, zero=2).zero == 2 and Setting(2, 1, 4).zero == 0
 
 
-def test_zero3_with_a_split_backward_sums_its_gradients_after_its_last_w() -> None:
-    """ZB-H1 at zero=3 reduce-scatters every gradient after the rank's last W (the runtime's
-    `ShardedParameters.after_backward`): no overlap with the backward, whatever the cluster allows;
-    1F1B at zero=3 overlaps its last gradient pass as before."""
+def test_zero3_with_weight_gradients_late_sums_its_gradients_after_them() -> None:
+    """ZB-H1 or batched weight gradients at zero=3 reduce-scatter every gradient after the rank's last
+    weight gradients (the runtime's `ShardedParameters.after_backward`): no overlap with the backward,
+    whatever the cluster allows; 1F1B at zero=3 overlaps its last gradient pass as before."""
     import dataclasses
 
     costs = dataclasses.replace(layer_costs(4, forward=1e-3, backward=2e-3, params=4e6))
     slow = Network(Link(1e-4, 1e7), Link(1e-4, 1e7), 1)
     steps = {}
-    for schedule in ("zbh1", "1f1b"):
+    for schedule, batched in (("zbh1", False), ("1f1b", True), ("1f1b", False)):
         for overlap in (True, False):
-            setting = Setting(2, 2, 4, schedule, zero=3)
+            setting = Setting(2, 2, 4, schedule, zero=3, batch_weight_grads=batched)
             pred = predict(costs, setting, Cluster(slow, math.inf, overlap_gradients=overlap), 16, (2, 2))
-            steps[schedule, overlap] = pred.step_time_s
-    assert steps["zbh1", True] == steps["zbh1", False]
-    assert steps["1f1b", True] < steps["1f1b", False]
+            steps[schedule, batched, overlap] = pred.step_time_s
+    assert steps["zbh1", False, True] == steps["zbh1", False, False]
+    assert steps["1f1b", True, True] == steps["1f1b", True, False]
+    assert steps["1f1b", False, True] < steps["1f1b", False, False]

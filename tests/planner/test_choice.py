@@ -93,15 +93,15 @@ def test_the_command_and_config_choose_the_same_layout_on_the_same_profile(
         assert data["predicted_step_time_s"] == pytest.approx(planned["report"]["predicted_step_time_s"])
 
 
-def test_zero3_searches_every_schedule_but_no_batched_weight_gradients() -> None:
+def test_zero3_searches_every_schedule_and_batched_weight_gradients() -> None:
     """Config(zero=3): ZeRO-3 alone, with or without recomputation, every schedule (a split backward
-    too: ZB-H1), but no batched weight gradients (not run with sharded parameters yet)."""
+    too: ZB-H1), with or without batched weight gradients."""
     from plait.planner.choice import search_space
     from plait.schedule.registry import schedule_spec
 
     space, source = search_space(plait.Config(zero=3), 4, 16)
     assert source == "planned" and space.zero == (3,) and space.recompute == (False, True)
-    assert space.batch_weight_grads == (False,) and "interleaved" in space.schedules
+    assert space.batch_weight_grads == (False, True) and "interleaved" in space.schedules
     assert any(schedule_spec(s).splits_backward for s in space.schedules)
     default = search_space(plait.Config(), 4, 16)[0]
     assert default.zero is None and default.zero3  # the default search tries 0-3 (the lowest that fits)

@@ -187,19 +187,18 @@ def test_a_memory_limit_only_zero_meets_chooses_zero() -> None:
     assert "sharded optimizer state (ZeRO)" in replicated[0].reason
 
 
-def test_a_memory_limit_only_sharded_parameters_meet_chooses_zero3_as_its_runtime_runs_it() -> None:
+def test_a_memory_limit_only_sharded_parameters_meet_chooses_zero3() -> None:
     # as above, 1200 bytes at ZeRO-1/2; ZeRO-3 halves the parameters too: 4 x (50 + 100 + 100) = 1000
     costs = layer_costs(4, forward=1e-3, backward=2e-3, params=100.0, optimizer=1e-3)
     cluster = Cluster(Network(Link(1e-5, 1e6), Link(1e-5, 1e6), 1), 1100.0)
     found = search(costs, 2, 8, cluster, SearchSpace(pp=(1,), keep=50))
     assert found[0].feasible and {c.setting.zero for c in found} == {3}, found[0].reason
     assert found[0].prediction is not None and found[0].prediction.peak_memory_bytes == 1000.0
-    # only settings its runtime runs: no batched weight gradients (a split backward, ZB-H1, runs)
-    assert not any(c.setting.batch_weight_grads for c in found)
+    # every schedule and batched weight gradients run beside it
+    assert any(c.setting.batch_weight_grads for c in found)
     roomy = dataclasses.replace(cluster, memory_bytes=1e9)
     split = search(costs, 4, 8, roomy, SearchSpace(pp=(2,), schedules=("zbh1",), zero=(3,), keep=50))
     assert split[0].feasible and {(c.setting.schedule, c.setting.zero) for c in split} == {("zbh1", 3)}
-    assert not any(c.setting.batch_weight_grads for c in split)
     # priced with its stage's parameters gathered beside the gradients (2 layers of 100 bytes), 1F1B not
     one = {name: search(costs, 4, 8, roomy, SearchSpace(pp=(2,), schedules=(name,), zero=(3,), num_microbatches=(4,),
                                                         recompute=(False,)))[0] for name in ("zbh1", "1f1b")}

@@ -18,7 +18,10 @@ last W, so every B and W adds up whole (FSDP2's no-sync), a piece's gathered par
 from its B for the W (the next forward frees them), and after the last W every piece's post-backward
 is run by hand -- the reduce-scatters -- as torch.distributed.pipelining does for FSDP2. W reaches the
 gathered parameters FSDP2 made for the forward (`graph_parameters`); below fp32 each W's gradients
-are folded into the fp32 sums at once (`after_weights`).
+are folded into the fp32 sums at once (`after_weights`). Batched weight gradients likewise: the
+pieces' linears (rewritten before FSDP2 takes them) keep their inputs and output gradients, the
+step's GEMMs add into the gathered parameters' gradients (below fp32: in fp32 into FSDP2's sums,
+`add_wide`), then the same reduce-scatters.
 
 A model built on the meta device never holds its stage whole: its parameters are real but empty
 until their piece is sharded (`plait.materialize.defer_parameters`); each piece's are given their
@@ -67,7 +70,8 @@ class ShardedParameters:
 
     def __init__(self, group: Any, device: torch.device, dtype: torch.dtype = torch.float32,
                  reduce_dtype: torch.dtype = torch.float32, offload: bool = False,
-                 fill: Callable[[list[nn.Parameter]], object] | None = None, split_backward: bool = False):
+                 fill: Callable[[list[nn.Parameter]], object] | None = None, split_backward: bool = False,
+                 batched: bool = False):
         self.mesh = DeviceMesh.from_group(group, device.type)
         # offload (Config.offload, on an accelerator): the shards, their gradients and the optimizer step in host memory
         self.offload: OffloadPolicy = CPUOffloadPolicy() if offload else OffloadPolicy()
@@ -82,6 +86,9 @@ class ShardedParameters:
         self._last = 0  # the backward pass whose gradients are reduce-scattered (0: none this batch)
         self._fill = fill  # a meta model's: gives parameters their values just before they are sharded
         self.split_backward = split_backward  # the schedule runs B and W apart: reduce-scatters at the step's end
+        # weight gradients come after the backward (a split one's W, or batched at the step's end): every
+        # backward adds up whole and `after_backward` reduce-scatters
+        self.sums_at_end = split_backward or batched
 
     def stage(self, index: int, stage: StageModule, layer_pieces: Sequence[int], whole: set[int]) -> StageModule:
         """`stage` running with sharded parameters: its graph cut into its layers' pieces, each piece
@@ -230,7 +237,7 @@ class ShardedParameters:
         self._backwards[stage_index] = done = self._backwards.get(stage_index, 0) + 1
         root = self.stages[stage_index].module
         assert isinstance(root, FSDPModule)
-        last = done == self._last and not self.split_backward
+        last = done == self._last and not self.sums_at_end
         root.set_requires_gradient_sync(last)
         root.set_is_last_backward(last)
         if self.split_backward:  # W comes later, on these gathered parameters: kept until the next forward frees them
@@ -258,8 +265,19 @@ class ShardedParameters:
         out = [p for p in root.parameters() if p.requires_grad and not isinstance(p, DTensor)]
         return out + [fp.unsharded_param for fp in self._fsdp_params(stage_index) if fp.unsharded_param.requires_grad]
 
+    def add_wide(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add `grad`, a gathered parameter's gradient computed in fp32 (batched weight gradients below
+        fp32: `plait.runtime.batched_wgrad`), into FSDP2's fp32 sum of its gradients."""
+        for index in self.stages:
+            for fp in self._fsdp_params(index):
+                if fp.unsharded_param is param:
+                    summed = fp.unsharded_accumulated_grad
+                    fp.unsharded_accumulated_grad = grad if summed is None else summed + grad
+                    return
+        raise KeyError("a batched weight gradient of a parameter no piece of this rank holds")
+
     def after_backward(self, stage_index: int) -> None:
-        """After a batch's last W of stage `stage_index` (a split backward): on the step's last batch each
+        """After a batch's last W or batched weight gradients of stage `stage_index`: on the step's last batch each
         piece's gradients reduce-scattered, as torch.distributed.pipelining does for FSDP2 (every piece's
         post-backward run by hand, then the root's final callback); every piece's parameters freed."""
         root = self.stages[stage_index].module

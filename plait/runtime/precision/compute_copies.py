@@ -94,6 +94,10 @@ class ComputeCopies:
             grad = grad.masked_fill(grad.abs() > torch.finfo(torch.float16).max, float("inf"))
         self._add(self._masters[id(low)], grad)
 
+    def holds(self, low: torch.Tensor) -> bool:
+        """Whether `low` is one of the copies."""
+        return id(low) in self._masters
+
     def _add(self, master: nn.Parameter, grad: torch.Tensor) -> None:
         if master.grad is None:
             master.grad = grad.to(master.dtype)

@@ -101,6 +101,12 @@ CASES = {  # world size, model, optimizer, Config fields (with zero=3)
                                                                   schedule="zbh1")),
     "gpt2 2 stages x 2 replicas, zbh1, clipped, 2 batches a step": (4, "gpt2", "sgd", dict(
         num_stages=2, dp=2, num_microbatches=2, schedule="zbh1", accumulate_steps=2, clip_grad_norm=0.5)),
+    # batched weight gradients: each piece's linears keep X and dY, one GEMM a step, then the reduce-scatters
+    # (the linears rewritten before FSDP2 takes the pieces; measured 1.2e-7 both)
+    "llama dp=2, batched weight gradients": (2, "llama", "adam", dict(num_stages=1, dp=2, num_microbatches=4,
+                                                                      batch_weight_grads=True, recompute=False)),
+    "bert 2 stages x 2 replicas, gpipe, batched weight gradients": (4, "bert", "sgd", dict(
+        num_stages=2, dp=2, num_microbatches=4, schedule="gpipe", batch_weight_grads=True, recompute=False)),
     # zero left to the planner: the predicted peak is 0.82 MB at zero=3, 0.88 MB at zero=2 (one
     # stage on 2 replicas, one micro-batch, no recomputation): only zero=3 fits 0.85 MB
     "gpt2 zero=3 chosen by the planner to fit": (2, "gpt2", "adam", dict(zero=None, num_stages=1, dp=2, recompute=False,
@@ -156,7 +162,7 @@ def test_zero3_exports_the_whole_trained_weights_that_from_pretrained_reads(tmp_
 def train_zero3_low(rank: int, world: int, name: str, fields: dict[str, Any]) -> dict[str, Any]:
     """zero=3 in bf16 against the one-process bf16 reference by hand (`tests.test_precision`), with
     an evaluation and this rank's parameter bytes, measured and predicted."""
-    from tests.precision_reference import by_hand, fp32, sgd
+    from tests.precision_reference import by_hand, fp32, fused_by_hand, sgd
     from tests.test_precision import STEPS as LOW_STEPS
 
     arch = make(name)
@@ -170,7 +176,8 @@ def train_zero3_low(rank: int, world: int, name: str, fields: dict[str, Any]) ->
     stats = model.memory_stats()
     state = model.state_dict()
     rows = len(arch.y) // (plan.num_microbatches * plan.dp)
-    reference = by_hand(initial, arch.x, arch.y, arch.loss, LOW_STEPS, rows, torch.bfloat16, bool(plan.tied_parameters))
+    by = fused_by_hand if plan.batch_weight_grads else by_hand  # (batched: weight gradients summed in fp32)
+    reference = by(initial, arch.x, arch.y, arch.loss, LOW_STEPS, rows, torch.bfloat16, bool(plan.tied_parameters))
     full = fp32(initial, arch.x, arch.y, arch.loss, LOW_STEPS)
 
     def diff(other: torch.nn.Module) -> float:
@@ -190,6 +197,9 @@ LOW_CASES = {  # world size, model, Config fields (with zero=3, bf16)
     # each W's bf16 gradients folded into the fp32 sums at once (else two W in a row add in bf16: 8.7e-5 off)
     "gpt2 2 stages x 2 replicas, zbh1 (embedding tied across stages)": (4, "gpt2", dict(
         num_stages=2, dp=2, num_microbatches=4, schedule="zbh1")),
+    # batched: each weight's step gradient in fp32 into FSDP2's fp32 sum (the fused reference: 3.7e-9)
+    "llama dp=2, batched weight gradients": (2, "llama", dict(num_stages=1, dp=2, num_microbatches=4,
+                                                              batch_weight_grads=True, recompute=False)),
 }
 
 
