@@ -127,8 +127,7 @@ class ModelCheckpoints:
         self._copy_values(ckpt, rows)
         same_layout = ckpt.same_layout(json.loads(pipe.plan.to_json()))
         stepped = [p for p in pipe.local_parameters if pipe.zero is None or pipe.zero.owned(p)]  # ZeRO: its share
-        train_state.restore(ckpt, self.net, optimizer, stepped, self.rank, same_layout, pipe.sharded,
-                            by_rows=rows is not None)
+        train_state.restore(ckpt, self.net, optimizer, stepped, self.rank, same_layout, pipe.sharded)
         if pipe.loss_scale is not None and ckpt.meta.get("loss_scale"):  # fp16 resumes with its scale
             pipe.loss_scale.load_state_dict(ckpt.meta["loss_scale"])
         if not same_layout and self.rank == 0:

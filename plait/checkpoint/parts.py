@@ -19,7 +19,8 @@ from plait.checkpoint.disk import Checkpoint, find_resumable, open_checkpoint
 from plait.errors import CheckpointError
 from plait.tensor_parts import part_rows, whole_of
 
-__all__ = ["holders", "join_parts", "join_rows", "join_state", "part_rows_of", "read_parameters", "export"]
+__all__ = ["holders", "join_parts", "join_rows", "join_state", "part_rows_of", "shard_reads", "read_parameters",
+           "export"]
 
 
 def holders(entry: Mapping[str, Any]) -> list[int]:
@@ -45,10 +46,7 @@ def read_parameters(ckpt: Checkpoint, names: Iterable[str] | None = None,
     that hold them."""
     entries = ckpt.meta["tensors"]
     chosen = set(entries) if names is None else set(names) & set(entries)
-    wanted: dict[int, dict[str, tuple[int, int] | bool]] = {}  # shard -> tensor -> whole (True) or its rows
-    for name in chosen:
-        for rank, part in part_rows_of(entries[name], (rows or {}).get(name)).items():
-            wanted.setdefault(rank, {})[name] = part
+    wanted = shard_reads(entries, chosen, rows or {})
     pieces: dict[str, dict[int, torch.Tensor]] = {}
     for rank in sorted(wanted):
         these = wanted[rank]
@@ -58,6 +56,17 @@ def read_parameters(ckpt: Checkpoint, names: Iterable[str] | None = None,
                 raise CheckpointError(f"{ckpt.shard_path(rank)} lacks {name!r}, which meta.json places there")
             pieces.setdefault(name, {})[rank] = tensors[name]
     return {name: join_rows(entries[name], pieces[name], (rows or {}).get(name)) for name in entries if name in chosen}
+
+
+def shard_reads(entries: Mapping[str, Mapping[str, Any]], names: Iterable[str],
+                rows: Mapping[str, tuple[int, int]]) -> dict[int, dict[str, tuple[int, int] | bool]]:
+    """What to read of each shard for the tensors `names` of a checkpoint's index: shard -> tensor ->
+    its whole part (True) or rows of it (`part_rows_of`), the whole's `rows` where given."""
+    wanted: dict[int, dict[str, tuple[int, int] | bool]] = {}
+    for name in names:
+        for rank, part in part_rows_of(entries[name], rows.get(name)).items():
+            wanted.setdefault(rank, {})[name] = part
+    return wanted
 
 
 def part_rows_of(entry: Mapping[str, Any], rows: tuple[int, int] | None) -> dict[int, tuple[int, int] | bool]:
@@ -86,8 +95,8 @@ def part_rows_of(entry: Mapping[str, Any], rows: tuple[int, int] | None) -> dict
 def join_rows(entry: Mapping[str, Any], values: Mapping[int, torch.Tensor], rows: tuple[int, int] | None) -> torch.Tensor:
     """Rows [start, stop) of an index entry's tensor (None: all of it) from what `part_rows_of` read."""
     split = entry.get("split")
-    if rows is None or not split:
-        return join_parts(entry, values) if rows is None else values[int(entry["shard"])]
+    if rows is None or not split:  # (not split: the one shard's value is what it read)
+        return join_parts(entry, values)
     ranks = [int(r) for r in split["shards"]]
     if int(split["dim"]) != 0:
         return whole_of([values[r] for r in ranks], int(split["dim"]), int(split["blocks"]))

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from plait.checkpoint.disk import Checkpoint
-from plait.checkpoint.parts import holders, join_rows, join_state, part_rows_of
+from plait.checkpoint.parts import holders, join_rows, join_state, shard_reads
 from plait.errors import CheckpointError
 from plait.tensor_parts import RowSpan, as_held, whole_shape
 
@@ -358,24 +358,18 @@ def snapshot(net: nn.Module, owner_of: Mapping[int, int], rank: int,
 
 
 def restore(ckpt: Checkpoint, net: nn.Module, optimizer: torch.optim.Optimizer | None,
-            local: Iterable[nn.Parameter], rank: int, same_layout: bool, sharded: RowShards | None = None,
-            by_rows: bool = False) -> None:
+            local: Iterable[nn.Parameter], rank: int, same_layout: bool, sharded: RowShards | None = None) -> None:
     """The optimizer state of this rank's parameters (from whichever shards hold it; zero=3: of its
     `sharded` ones, their rows) and, when the layout is the one that saved it, this rank's RNG states.
-    Each shard is read for what this rank takes of it: its parameters' optimizer state (`by_rows`,
-    zero=3 at tp=1: only the rows this replica keeps) and its own RNG state."""
+    Each shard is read for what this rank takes of it: its parameters' optimizer state (zero=3: only
+    the rows this replica keeps, `RowShards.rows_of`) and its own RNG state."""
     local = list(local)
     entries = ckpt.meta["tensors"]
     names = _names(net, sharded)
-    rows = {names[id(p)]: own for p in local if by_rows and sharded is not None and id(p) in names
+    rows = {names[id(p)]: own for p in local if sharded is not None and id(p) in names
             and (own := sharded.rows_of(p)) is not None}
-    wanted: dict[int, dict[str, tuple[int, int] | bool]] = {}  # shard -> parameter name -> its part's rows
-    for p in local:
-        if names.get(id(p)) in entries:
-            span = rows.get(names[id(p)])
-            whole_rows = None if span is None else (span.start, span.stop)
-            for holder, part_rows in part_rows_of(entries[names[id(p)]], whole_rows).items():
-                wanted.setdefault(holder, {})[names[id(p)]] = part_rows
+    mine = [names[id(p)] for p in local if names.get(id(p)) in entries]
+    wanted = shard_reads(entries, mine, {name: (span.start, span.stop) for name, span in rows.items()})
 
     def select(holder: int) -> Callable[[str], tuple[int, int] | bool]:
         def pick(key: str) -> tuple[int, int] | bool:

@@ -37,9 +37,10 @@ __all__ = ["WeightBatch", "defer_linear_weight_grads"]
 class WeightBatch:
     """The (input, output gradient) pairs of one stage's linears for the current step."""
 
-    def __init__(self, add_wide: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
-        # low precision: (copy, its fp32 gradient) -> added into the master's (`ComputeCopies.add_wide`)
-        self.add_wide = add_wide
+    def __init__(self) -> None:
+        # low precision (set by the stage's executor): (parameter, its fp32 gradient) -> added into its
+        # fp32 sum (`ComputeCopies.add_wide`, or zero=3's `ShardedParameters.add_wide`)
+        self.add_wide: Callable[[torch.Tensor, torch.Tensor], None] | None = None
         # One leaf per rewritten linear: a split backward (ZB-H1) treats them as the weights its
         # W must reach, so a linear off the input's path still runs its backward (in W).
         self.anchors: list[torch.Tensor] = []
@@ -135,12 +136,10 @@ class _DeferredLinear(nn.Module):
         return out
 
 
-def defer_linear_weight_grads(module: fx.GraphModule,
-                              add_wide: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> WeightBatch | None:
+def defer_linear_weight_grads(module: fx.GraphModule) -> WeightBatch | None:
     """Rewrite `module`'s linears whose weight (and bias) nothing else uses, and those of the graphs it
-    calls (zero=3's layer pieces); None if there are none. `add_wide`: the stage computes with
-    low-precision copies (see `WeightBatch`)."""
-    batch = WeightBatch(add_wide)
+    calls (zero=3's layer pieces); None if there are none."""
+    batch = WeightBatch()
     graphs = [m for m in module.modules() if isinstance(m, fx.GraphModule)]  # (listed before any is rewritten)
     count = sum(_rewrite(m, batch) for m in graphs)
     return batch if count else None

@@ -89,6 +89,7 @@ class ShardedParameters:
         # weight gradients come after the backward (a split one's W, or batched at the step's end): every
         # backward adds up whole and `after_backward` reduce-scatters
         self.sums_at_end = split_backward or batched
+        self._gathered_of: dict[int, Any] = {}  # id(a gathered parameter) -> its FSDPParam (`add_wide`)
 
     def stage(self, index: int, stage: StageModule, layer_pieces: Sequence[int], whole: set[int]) -> StageModule:
         """`stage` running with sharded parameters: its graph cut into its layers' pieces, each piece
@@ -247,6 +248,8 @@ class ShardedParameters:
         """After one micro-batch's W (a split backward): below fp32, the low-precision weight gradients it
         added are folded into FSDP2's fp32 sums at once, as a whole backward's post-backward does, so
         two W in a row never add their gradients in the low dtype."""
+        if self.policy.reduce_dtype is None:  # (fp32: gradients add up in place, nothing to fold)
+            return
         for fp in self._fsdp_params(stage_index):
             fp.accumulate_unsharded_grad_if_needed()
             fp.to_accumulated_grad_if_needed()
@@ -268,13 +271,13 @@ class ShardedParameters:
     def add_wide(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """Add `grad`, a gathered parameter's gradient computed in fp32 (batched weight gradients below
         fp32: `plait.runtime.batched_wgrad`), into FSDP2's fp32 sum of its gradients."""
-        for index in self.stages:
-            for fp in self._fsdp_params(index):
-                if fp.unsharded_param is param:
-                    summed = fp.unsharded_accumulated_grad
-                    fp.unsharded_accumulated_grad = grad if summed is None else summed + grad
-                    return
-        raise KeyError("a batched weight gradient of a parameter no piece of this rank holds")
+        if id(param) not in self._gathered_of:  # (FSDP2 makes a gathered parameter once and keeps it)
+            self._gathered_of = {id(fp.unsharded_param): fp for index in self.stages for fp in self._fsdp_params(index)}
+        fp = self._gathered_of.get(id(param))
+        if fp is None:
+            raise KeyError("a batched weight gradient of a parameter no piece of this rank holds")
+        summed = fp.unsharded_accumulated_grad
+        fp.unsharded_accumulated_grad = grad if summed is None else summed + grad
 
     def after_backward(self, stage_index: int) -> None:
         """After a batch's last W or batched weight gradients of stage `stage_index`: on the step's last batch each
