@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from plait.errors import ModelError, PipelineError, first_line, model_frame
+from plait.runtime.comm.rings import close_all
 
 __all__ = ["Failures", "gather_failures", "report_wait", "failure_error", "stop_peers", "stopped_by", "posted",
            "raised_before_steps"]
@@ -112,6 +113,7 @@ def stop_peers() -> None:
     closes them. NCCL groups are left to their own timeouts."""
     if not dist.is_initialized():
         return
+    close_all()  # the rings to this host's ranks (rings.py)
     me = dist.get_rank()
     for group in list(dist.distributed_c10d._world.pg_map):
         try:

@@ -24,6 +24,8 @@ from plait.plan import Plan
 from plait.plan.execution import Execution
 from plait.runtime.batched_wgrad import WeightBatch, defer_linear_weight_grads
 from plait.runtime.comm.collectives import TiedGradients, broadcast_tensors, make_group
+from plait.runtime.comm.rings import shared_rings
+from plait.runtime.comm.waiting import polls
 from plait.runtime.comm.wire import Wire
 from plait.runtime.dp.grad_sync import GradientBuckets
 from plait.runtime.dp.sharded_params import ShardedParameters
@@ -213,7 +215,8 @@ def build_pipeline(net: nn.Module, captured: CapturedGraph, plan: Plan, executio
             "stage_to_rank": list(plan.stage_to_rank), "recompute": list(plan.recompute),
         })
     copies = ComputeCopies(dtype_of(plan.precision)) if plan.precision != "fp32" else None
-    parts = _Parts(plan, rank, loss, execution, Wire(execution.timeout_s, device), tracer, captured.output_spec,
+    wire = Wire(execution.timeout_s, device, rings=shared_rings(device, execution.timeout_s, polls()))
+    parts = _Parts(plan, rank, loss, execution, wire, tracer, captured.output_spec,
                    _tp_group(plan, rank), copies, device, fill)
     return _assemble(captured, stage_of_layers(plan.layers_per_stage), parts, make_ties=True, equal_tp=first)
 

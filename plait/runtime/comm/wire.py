@@ -26,6 +26,10 @@ data flows the moment the peer sends it::
 
     posted late:   rank 0 isend --ready--> rank 1 (busy) ... irecv --ready--> rank 0 --data--> rank 1
     posted ahead:  rank 1 irecv --ready--> rank 0 ... isend --data--> rank 1 (already there)
+
+Between CPU ranks of one host the same tensors go through shared memory instead (`Rings`,
+rings.py): a send is a copy into the peer's ring, a receive a copy out of it, with no thread to
+wake and nothing to yield to.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from plait.runtime.comm.packing import Layout, Spec, layout, pack, receive_buffers, unpack
+from plait.runtime.comm.rings import Rings
 
 __all__ = ["Wire", "WireTimeout", "Description", "as_received", "describe", "dim_order", "inverse_order"]
 
@@ -164,10 +169,12 @@ def as_received(values: list[Any]) -> list[Any]:
 class Wire:
     """Sends and receives stage messages for one rank."""
 
-    def __init__(self, timeout_s: float, device: torch.device | None = None, group: Any = None):
+    def __init__(self, timeout_s: float, device: torch.device | None = None, group: Any = None,
+                 rings: Rings | None = None):
         self.timeout = timedelta(seconds=timeout_s)
         self.device = device or torch.device("cpu")
         self.group = group
+        self.rings = rings if group is None else None  # shared memory to the peers of this host (rings.py)
         self._pending: list[tuple[Any, Any]] = []  # (work, buffer kept alive)
         self._sent: dict[Hashable, Description] = {}
         self._received: dict[Hashable, Description] = {}
@@ -186,7 +193,19 @@ class Wire:
 
     def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()
-        self._pending.append((dist.isend(tensor, peer, group=self.group, tag=tag), tensor))
+        if self.rings is not None and self.rings.reaches(peer):
+            self._pending.append((self.rings.isend(tensor, peer, tag), tensor))
+        else:
+            self._pending.append((dist.isend(tensor, peer, group=self.group, tag=tag), tensor))
+
+    def _irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        if self.rings is not None and self.rings.reaches(peer):
+            return self.rings.irecv(tensor, peer, tag)
+        return dist.irecv(tensor, peer, group=self.group, tag=tag)
+
+    def _handover(self, peer: int) -> None:
+        if self.rings is None or not self.rings.reaches(peer):
+            _handover()
 
     def send(self, values: list[Any], peer: int, key: Hashable, tag: int) -> Description:
         """Send `values` to `peer`; describe them first if this key is new."""
@@ -197,7 +216,7 @@ class Wire:
             self._sent[(peer, key)] = desc
             self._send_description(desc, peer, tag)
         self._send_leaves(leaves, desc, peer, tag)
-        _handover()
+        self._handover(peer)
         return desc
 
     def _send_description(self, desc: Description, peer: int, tag: int) -> None:
@@ -233,7 +252,7 @@ class Wire:
         tensors = [t.detach().contiguous() for t in tensors]
         for t in pack(tensors, self._layout([(t.dtype, tuple(t.shape)) for t in tensors])):
             self._isend(t, peer, tag)
-        _handover()
+        self._handover(peer)
 
     def drain(self) -> None:
         """Wait for every send of this step to complete."""
@@ -252,7 +271,7 @@ class Wire:
         return torch.empty(count, dtype=dtype, device=self.device)
 
     def _recv(self, tensor: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
-        self._wait(dist.irecv(tensor, peer, group=self.group, tag=tag))
+        self._wait(self._irecv(tensor, peer, tag))
         return tensor
 
     def _wait(self, work: Any) -> None:
@@ -288,7 +307,7 @@ class Wire:
     def _post(self, specs: list[Spec], peer: int, tag: int) -> None:
         plan = self._layout(specs)
         buffers = receive_buffers(specs, plan, self.device)
-        works = [dist.irecv(b, peer, group=self.group, tag=tag) for b in buffers]
+        works = [self._irecv(b, peer, tag) for b in buffers]
         self._posted[(peer, tag)] = (buffers, works, specs, plan)
 
     def _take(self, peer: int, tag: int) -> list[torch.Tensor] | None:

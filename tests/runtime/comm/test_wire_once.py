@@ -1,7 +1,8 @@
 """The wire describes a message once per (peer, key), then sends raw tensors only: counted on a gloo pair.
 
-Every point-to-point message the wire posts goes through torch.distributed.isend / irecv; each
-rank wraps both and records the dtype and size of every tensor posted. A description is three
+Every point-to-point message a bare wire posts goes through torch.distributed.isend / irecv; each
+rank wraps both and records the dtype and size of every tensor posted (a pipeline's wire, whose
+messages may go by shared memory instead, is counted where it posts them: `Wire._isend`). A description is three
 messages (int64 header, int64 body, uint8 pytree spec); data is the tensor leaves and one float64
 tensor holding the Python-number leaves, the small ones packed into one uint8 message.
 """
@@ -27,6 +28,19 @@ def _count(name: str, log: list[tuple[torch.dtype, int]]) -> None:
         return original(tensor, *args, **kwargs)
 
     setattr(dist, name, counted)
+
+
+def _count_wire_sends(log: list[tuple[torch.dtype, int]]) -> None:
+    """Record (dtype, bytes) of every tensor a Wire sends, whichever way it travels (gloo or ring)."""
+    from plait.runtime.comm.wire import Wire
+
+    original = Wire._isend
+
+    def counted(self, tensor, *args, **kwargs):
+        log.append((tensor.dtype, tensor.numel() * tensor.element_size()))
+        return original(self, tensor, *args, **kwargs)
+
+    Wire._isend = counted
 
 
 def _message(step: int) -> list:
@@ -88,7 +102,7 @@ def train_and_count(rank: int, world: int) -> list[list[tuple[torch.dtype, int]]
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
     model.build(x[:10])
     posted: list[tuple[torch.dtype, int]] = []
-    _count("isend", posted)
+    _count_wire_sends(posted)
     steps = []
     for a in range(0, 30, 10):
         start = len(posted)

@@ -209,8 +209,8 @@ def test_zero3_in_bf16_gathers_low_copies_of_fp32_master_shards_as_the_one_proce
     """FSDP2's MixedPrecisionPolicy(bf16, reduce fp32) over the fp32 master shards: each micro-batch's
     bf16 gradient added into an fp32 sum, reduce-scattered in fp32, the masters stepped -- as the
     one-process reference of tests/test_precision.py does. Measured: equal to it (0.0 after three SGD
-    steps) on every case, 7.4e-5 .. 9.4e-5 from fp32 training (with tp=2 too: its split products
-    summed in fp32 as without ZeRO). Each rank holds its fp32 master
+    steps) on every case but tp=2 (its split products summed in fp32 as without ZeRO, in another
+    order than the reference's: 0.0 or 6.1e-6 by the CPU's kernel), 7.4e-5 .. 9.4e-5 from fp32 training. Each rank holds its fp32 master
     shards only (the bf16 copies are gathered a layer at a time and freed), as predicted."""
     world, name, fields = LOW_CASES[case]
     results = run_ranks(world, train_zero3_low, name, fields, timeout=380)
@@ -218,7 +218,9 @@ def test_zero3_in_bf16_gathers_low_copies_of_fp32_master_shards_as_the_one_proce
         ranks, dp, zero, precision, tied = r["layout"]  # ranks: pp x tp
         assert (ranks * dp, zero, precision) == (world, 3, "bf16"), r["layout"]
         assert tied == ("stages" in case), r["layout"]  # the tied weight keeps a bf16 copy of its own
-        assert r["to_reference"] <= 1e-6, r
+        # tp=2 sums its halves' products in another fp32 order than the reference's one product: 6.1e-6 on a
+        # CPU whose bf16 kernel (AMX) blocks the sum otherwise, 0.0 where they agreed; either way 10x under fp32's
+        assert r["to_reference"] <= (1e-5 if "tp=" in case else 1e-6), r
         assert r["to_fp32"] >= 10 * max(r["to_reference"], 1e-7), r
         measured, predicted = r["parameters"]
         assert measured == pytest.approx(predicted, rel=0.1), r["parameters"]
