@@ -19,9 +19,12 @@ it adds to a chain of equal compute on both ranks, as a tensor-parallel step mee
 + 2(p-1) n / (p beta) (Thakur et al. 2005): a library's collective has costs of its own that a ping-pong does not show
 (docs/benchmarks.md has a measured case). On CPU ranks (gloo) a hand-over also takes time from the ranks themselves:
 `measure_handover` times, while both ranks compute as pipeline stages do, the sender's send and
-yield to the transport thread and the receiver's posting of its receive. Where a pipeline's
-messages go by shared memory (`plait.runtime.comm.rings`: CPU ranks of one host), the ping-pongs
-and the hand-over go that way too. Every rank of the group calls `measure_link` and
+yield to the transport thread and the receiver's posting of its receive. Both are measured on gloo even
+where a pipeline's messages go by shared memory (`plait.runtime.comm.rings`, CPU ranks of one host):
+a ring's hand-over is several times cheaper, but the planner does not price the runtime's own
+per-action cost yet, and with the ring's hand-over alone it chose 2 chunks per rank (interleaved,
+twice the actions) over ZB-H1, measured 13.15 against 10.32 ms (docs/benchmarks.md, "Shared-memory
+rings"); gloo's dearer hand-over stands for that cost until it is priced. Every rank of the group calls `measure_link` and
 `measure_all_reduce` (the others only wait for the broadcast result); `calibrate` measures a
 pair inside a node and, on several nodes, a pair across, and caches the `Network` as JSON keyed
 by backend and hosts.
@@ -46,8 +49,7 @@ import torch.distributed as dist
 from plait.cost.network import Link, Network
 from plait.job.ranks import local_world_size, threads_per_rank
 from plait.runtime.comm.collectives import all_gather_text, broadcast_json, make_group
-from plait.runtime.comm.rings import shared_rings, usable
-from plait.runtime.comm.waiting import finish, polls
+from plait.runtime.comm.waiting import finish
 
 __all__ = ["fit_link", "measure_link", "measure_all_reduce", "measure_handover", "calibrate", "measure_here"]
 
@@ -104,16 +106,14 @@ def measure_link(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = SIZES,
     if me not in (rank_a, rank_b):
         return _fitted_on(rank_a, sizes, [0.0] * len(sizes), latencies=1)
 
-    send, recv = _messages(rank_b if me == rank_a else rank_a)
-
     def ping_pong(buffer: torch.Tensor) -> float:
         start = time.perf_counter()
         if me == rank_a:
-            send(buffer, rank_b).wait()
-            recv(buffer, rank_b).wait()
+            dist.send(buffer, rank_b)
+            dist.recv(buffer, rank_b)
         else:
-            recv(buffer, rank_a).wait()
-            send(buffer, rank_a).wait()
+            dist.recv(buffer, rank_a)
+            dist.send(buffer, rank_a)
         return (time.perf_counter() - start) / 2
 
     small: dict[int, float] = {}
@@ -130,22 +130,6 @@ def measure_link(rank_a: int = 0, rank_b: int = 1, sizes: Sequence[int] = SIZES,
                          lambda size: torch.zeros(size, dtype=torch.uint8), ping_pong)
     times = [small[s] if s < LARGE else large[s] for s in sizes]
     return _fitted_on(rank_a, sizes, times, latencies=1)
-
-
-def _messages(peer: int) -> tuple[Callable[[torch.Tensor, int], Any], Callable[[torch.Tensor, int], Any]]:
-    """(isend, irecv) as a pipeline's wire sends to and receives from `peer`: by its ring where
-    the two share a host's shared memory, else by the backend."""
-    rings = shared_rings(torch.device("cpu"), 300.0, polls())
-    if rings is None or not rings.reaches(peer):
-        return dist.isend, dist.irecv
-    tag = iter(range(2**40, 2**41))  # the ring checks the order; the tags only need to agree
-
-    def send(tensor: torch.Tensor, to: int) -> Any:
-        return rings.isend(tensor, to, next(tag))
-
-    def recv(tensor: torch.Tensor, source: int) -> Any:
-        return rings.irecv(tensor, source, next(tag))
-    return send, recv
 
 
 def _round_robin(sizes: Sequence[int], repeats: int, make: Callable[[int], torch.Tensor],
@@ -199,12 +183,11 @@ def measure_handover(rank_a: int = 0, rank_b: int = 1, nbytes: int = HANDOVER_BY
     mean = torch.zeros(1, dtype=torch.float64)
     if me in (rank_a, rank_b):
         buffer, ready = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(1)
-        send, recv = _messages(rank_b if me == rank_a else rank_a)
         samples = []
         for k in range(repeats + 1):  # the first one sets the pair's connection up
             if me == rank_b:
                 start = time.perf_counter()
-                work = recv(buffer, rank_a)
+                work = dist.irecv(buffer, rank_a)
                 taken = time.perf_counter() - start
                 dist.send(ready, rank_a)
                 _compute(2 * BUSY_S)
@@ -212,9 +195,8 @@ def measure_handover(rank_a: int = 0, rank_b: int = 1, nbytes: int = HANDOVER_BY
                 dist.recv(ready, rank_b)
                 _compute(BUSY_S)
                 start = time.perf_counter()
-                work = send(buffer, rank_b)
-                if send is dist.isend:
-                    time.sleep(0)  # the wire's yield to gloo's thread (a ring has none)
+                work = dist.isend(buffer, rank_b)
+                time.sleep(0)
                 taken = time.perf_counter() - start
                 _compute(BUSY_S)
             assert work is not None
@@ -314,8 +296,7 @@ def calibrate(cache_dir: str | os.PathLike[str] | None = None, repeats: int = 5)
     world = dist.get_world_size()
     per_node = local_world_size(world)
     hosts = all_gather_text(socket.gethostname())
-    rings = "-rings" if usable() else ""  # a pipeline's messages by shared memory on each host
-    key = f"v8-{dist.get_backend()}{rings}-{world}-{per_node}-{'-'.join(sorted(set(hosts)))}"
+    key = f"v7-{dist.get_backend()}-{world}-{per_node}-{'-'.join(sorted(set(hosts)))}"
     path = Path(cache_dir) / f"network-{key}.json" if cache_dir is not None else None
     stored = None
     if path is not None and dist.get_rank() == 0 and path.exists():
