@@ -164,20 +164,22 @@ class Rings:
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> RingWork:
         """Queue `tensor` (contiguous) to `peer` and move what fits now."""
-        link = self._link(peer)
-        payload = _bytes(tensor)
-        work = RingWork(self, peer, tag, payload, -(-len(payload) // 64) * 64)
-        link.sends.append(work)
-        self._push(link)
-        return work
+        return self._queue(tensor, peer, tag, sending=True)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> RingWork:
         """Queue a receive into `tensor` (contiguous) from `peer`; it fills as the bytes arrive."""
+        return self._queue(tensor, peer, tag, sending=False)
+
+    def _queue(self, tensor: torch.Tensor, peer: int, tag: int, sending: bool) -> RingWork:
         link = self._link(peer)
         payload = _bytes(tensor)
         work = RingWork(self, peer, tag, payload, -(-len(payload) // 64) * 64)
-        link.receives.append(work)
-        self._pull(link)
+        if sending:
+            link.sends.append(work)
+            self._push(link)
+        else:
+            link.receives.append(work)
+            self._pull(link)
         return work
 
     def progress(self) -> bool:
@@ -268,11 +270,8 @@ class Rings:
                     break
                 struct.pack_into("qq", ring.data, written % ring.capacity, work.tag, len(work.payload))
                 written, free, work.moved = written + 64, free - 64, 0
-            n = min(free, work.padded - work.moved)
-            real = min(n, max(0, len(work.payload) - work.moved))
-            if real:
-                ring.copy_in(written, work.payload[work.moved:work.moved + real])
-            written, free, work.moved, moved = written + n, free - n, work.moved + n, True
+            n = _advance(work, written, free, ring.copy_in)
+            written, free, moved = written + n, free - n, True
             if work.moved < work.padded:
                 break
             work.done = True
@@ -298,11 +297,8 @@ class Rings:
                                    f"rank expected tag {work.tag} and {len(work.payload)} bytes")
                     raise RingClosed(f"messages out of order: {self.broken}")
                 read, available, work.moved = read + 64, available - 64, 0
-            n = min(available, work.padded - work.moved)
-            real = min(n, max(0, len(work.payload) - work.moved))
-            if real:
-                ring.copy_out(read, work.payload[work.moved:work.moved + real])
-            read, available, work.moved, moved = read + n, available - n, work.moved + n, True
+            n = _advance(work, read, available, ring.copy_out)
+            read, available, moved = read + n, available - n, True
             if work.moved < work.padded:
                 break
             work.done = True
@@ -322,6 +318,17 @@ class Rings:
             raise RingClosed(f"Connection closed by peer: rank {link.peer}'s process (pid {link.pid}) is gone") from None
         except PermissionError:  # alive, another user's
             pass
+
+
+def _advance(work: RingWork, at: int, room: int, copy: Any) -> int:
+    """Move up to `room` bytes of `work`'s padded payload at stream position `at` with `copy`
+    (`Ring.copy_in` or `copy_out`; the padding is passed over, not copied); how many moved."""
+    n = min(room, work.padded - work.moved)
+    real = min(n, max(0, len(work.payload) - work.moved))
+    if real:
+        copy(at, work.payload[work.moved:work.moved + real])
+    work.moved += n
+    return n
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
