@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from plait.errors import ModelError, PipelineError, first_line, model_frame
-from plait.runtime.comm.rings import close_all
+from plait.runtime.comm.shared_rings import close_all
 
 __all__ = ["Failures", "gather_failures", "report_wait", "failure_error", "stop_peers", "stopped_by", "posted",
            "raised_before_steps"]

@@ -24,7 +24,7 @@ from plait.plan import Plan
 from plait.plan.execution import Execution
 from plait.runtime.batched_wgrad import WeightBatch, defer_linear_weight_grads
 from plait.runtime.comm.collectives import TiedGradients, broadcast_tensors, make_group
-from plait.runtime.comm.rings import shared_rings
+from plait.runtime.comm.shared_rings import shared_rings
 from plait.runtime.comm.waiting import polls
 from plait.runtime.comm.wire import Wire
 from plait.runtime.dp.grad_sync import GradientBuckets

@@ -19,11 +19,10 @@ receiver that sees `written` advanced sees the bytes before it; elsewhere (aarch
 are not used and gloo carries every message.
 
 Two ranks use rings when they share /dev/shm and process ids (the same kernel boot, mount and pid
-namespace, which each posts in the job's store); each makes its ring to the other when it first
-sends or receives there, and maps the other's when that appears, so nothing waits at build and
-ranks that never talk share nothing. A rank that stops (`close_all`) marks its rings closed,
-and a peer waiting on one fails at once, as a closed gloo connection makes it fail; a peer whose
-process is gone is noticed within a tenth of a second. `PLAIT_RINGS=0` leaves every message to gloo.
+namespace, posted in the job's store); each makes its ring to the other at its first send there,
+and the other maps it when it appears: nothing waits at build. A rank that stops (`close_all`)
+marks its rings closed and a peer waiting fails at once, as on a closed gloo connection; a peer
+whose process is gone is noticed within 0.1 s. `PLAIT_RINGS=0` leaves every message to gloo.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import mmap
+import multiprocessing.util
 import os
 import platform
 import struct
@@ -42,11 +42,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["Ring", "Rings", "RingWork", "RINGS_ENV", "shared_rings", "close_all"]
+__all__ = ["Ring", "Rings", "RingWork", "RingClosed", "host_identity"]
 
-RINGS_ENV = "PLAIT_RINGS"
 SHM = "/dev/shm"
 CAPACITY = 8 * 2**20  # bytes a sender may run ahead of its receiver; larger messages stream through
 _HEADER = 64 * 5  # written, read, closed, the writer's pid, the reader's pid: a cache line each
@@ -131,8 +129,8 @@ class _Link:
     """This rank's two rings with one peer, and the messages queued on them."""
 
     peer: int
-    out: Ring  # made by this rank on first use
-    inn: Ring | None = None  # made by the peer on its first use: mapped once it is there
+    out: Ring | None = None  # made by this rank when it first sends to the peer
+    inn: Ring | None = None  # made by the peer when it first sends here: mapped once it is there
     pid: int = 0  # the peer's process (from the ring it made), for the liveness check
     sends: deque[RingWork] = field(default_factory=deque)
     receives: deque[RingWork] = field(default_factory=deque)
@@ -175,6 +173,8 @@ class Rings:
         payload = _bytes(tensor)
         work = RingWork(self, peer, tag, payload, -(-len(payload) // 64) * 64)
         if sending:
+            if link.out is None:
+                self._make_out(link)
             link.sends.append(work)
             self._push(link)
         else:
@@ -231,15 +231,20 @@ class Rings:
             raise RingClosed(f"the rings to rank {peer} are closed: {self.broken}")
         link = self.links.get(peer)
         if link is None:
-            path = os.path.join(SHM, f"plait-ring-{uuid.uuid4().hex}")
-            out = Ring(path, self.capacity, create=True)
-            out.counts[_WRITER] = os.getpid()
-            out.touch(writer=True)
-            _MADE.add(path)
-            self.store.set(f"{self.prefix}/ring/{self.rank}-{peer}", path)
-            link = self.links[peer] = _Link(peer, out)
+            link = self.links[peer] = _Link(peer)
             self._attach(link)
         return link
+
+    def _make_out(self, link: _Link) -> Ring:
+        """This rank's ring to `link.peer`, made at its first send there (a rank that only receives
+        from a peer makes none); the peer maps it from the store and removes its file."""
+        path = os.path.join(SHM, f"plait-ring-{uuid.uuid4().hex}")
+        _made(path)
+        out = link.out = Ring(path, self.capacity, create=True)
+        out.counts[_WRITER] = os.getpid()
+        out.touch(writer=True)
+        self.store.set(f"{self.prefix}/ring/{self.rank}-{link.peer}", path)
+        return out
 
     def _attach(self, link: _Link) -> bool:
         """Map the peer's ring to this rank once the peer has made it (asked at most every ms)."""
@@ -262,6 +267,7 @@ class Rings:
 
     def _push(self, link: _Link) -> bool:
         ring, moved = link.out, False
+        assert ring is not None, "a send makes its ring first"
         written, free = ring.written(), ring.capacity - (ring.written() - ring.read())
         while link.sends:
             work = link.sends[0]
@@ -308,7 +314,7 @@ class Rings:
         return moved
 
     def _check_peer(self, link: _Link) -> None:
-        if link.out.counts[_CLOSED] or (link.inn is not None and link.inn.counts[_CLOSED]):
+        if any(r is not None and r.counts[_CLOSED] for r in (link.out, link.inn)):
             raise RingClosed(f"Connection closed by peer: rank {link.peer} stopped")
         if not link.pid:
             return  # the peer has not made its ring yet: the wait's timeout covers it
@@ -339,7 +345,6 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
 
 # -- connecting ---------------------------------------------------------------------------------
 
-_SHARED: dict[int, tuple[Any, Rings | None]] = {}  # id of the default group -> (the group, its rings or None)
 _MADE: set[str] = set()  # ring files this process made: removed at exit if their reader never mapped them
 
 
@@ -359,36 +364,18 @@ def host_identity() -> str:
     return f"{boot}:{shm.st_dev}:{shm.st_ino}:{pids}"
 
 
-def usable() -> bool:
-    """Whether rings may carry this process's messages: gloo, x86-64, /dev/shm, not turned off."""
-    if os.environ.get(RINGS_ENV, "").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    return (platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM)
-            and dist.is_initialized() and dist.get_backend() == "gloo" and dist.get_world_size() > 1)
-
-
-def shared_rings(device: torch.device, timeout_s: float, polls: bool) -> Rings | None:
-    """The rings of this process's default group (one set, kept), or None where messages go by
-    gloo (a GPU device, another backend, `usable()` false). Nothing waits here: each link is
-    made when first used."""
-    if device.type != "cpu" or not usable():
-        return None
-    group = dist.distributed_c10d._get_default_group()
-    if id(group) not in _SHARED:  # the group is kept with its rings: its id is not reused while they are
-        store = dist.distributed_c10d._get_default_store()
-        _SHARED[id(group)] = (group, Rings(dist.get_rank(), store, timedelta(seconds=timeout_s), polls))
-    return _SHARED[id(group)][1]
-
-
-def close_all() -> None:
-    """Mark every ring of this process closed (a failing rank's `stop_peers`)."""
-    for _, rings in _SHARED.values():
-        if rings is not None:
-            rings.close()
+def _made(path: str) -> None:
+    """Remember a ring file this process makes, to remove it at exit if its reader never mapped it
+    (a reader removes it on mapping): at the interpreter's exit, and at a forked multiprocessing
+    child's, which ends in os._exit (its finalizers run, atexit's do not)."""
+    if not _MADE:
+        multiprocessing.util.Finalize(None, _remove_made, exitpriority=0)
+    _MADE.add(path)
 
 
 @atexit.register
 def _remove_made() -> None:
-    for path in _MADE:
+    for path in list(_MADE):
         with contextlib.suppress(OSError):
             os.unlink(path)
+    _MADE.clear()

@@ -99,6 +99,16 @@ def test_a_wait_ends_when_the_peers_process_is_gone():
         b.wait(b.irecv(torch.empty(1), 0, 1), datetime.timedelta(seconds=20))
 
 
+def test_a_rank_that_only_receives_from_a_peer_makes_no_ring_to_it():
+    a, b = _pair()
+    b.irecv(torch.empty(1), 0, 0)  # waiting on rank 0, which has sent nothing yet
+    assert b.links[0].out is None and b.links[0].inn is None
+    sent = a.isend(torch.ones(1), 1, 0)
+    assert a.links[1].out is not None and a.links[1].inn is None
+    _until(lambda: sent.done and not b.links[0].receives, a, b)
+    assert b.links[0].inn is not None and b.links[0].out is None
+
+
 def test_ranks_of_another_host_are_not_reached():
     store = dist.HashStore()
     a = Rings(0, store, SECOND, prefix="h")
