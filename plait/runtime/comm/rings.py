@@ -47,8 +47,8 @@ __all__ = ["Ring", "Rings", "RingWork", "RingClosed", "host_identity"]
 
 SHM = "/dev/shm"
 CAPACITY = 8 * 2**20  # bytes a sender may run ahead of its receiver; larger messages stream through
-_HEADER = 64 * 5  # written, read, closed, the writer's pid, the reader's pid: a cache line each
-_WRITTEN, _READ, _CLOSED, _WRITER, _READER = 0, 8, 16, 24, 32  # int64 positions in the header
+_HEADER = 64 * 4  # written, read, closed, the writer's pid (its reader's liveness check): a cache line each
+_WRITTEN, _READ, _CLOSED, _WRITER = 0, 8, 16, 24  # int64 positions in the header
 _LIVENESS_S = 0.1  # how often a wait checks that its peer lives
 
 
@@ -257,7 +257,6 @@ class Rings:
             return False
         path = self.store.get(key).decode()
         inn = Ring(path)
-        inn.counts[_READER] = os.getpid()
         os.unlink(path)  # mapped by both ends now: nothing is left in /dev/shm
         inn.touch(writer=False)
         link.inn, link.pid = inn, inn.counts[_WRITER]

@@ -193,19 +193,25 @@ class Wire:
 
     def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()
-        if self.rings is not None and self.rings.reaches(peer):
-            self._pending.append((self.rings.isend(tensor, peer, tag), tensor))
+        rings = self._rings_to(peer)
+        if rings is not None:
+            self._pending.append((rings.isend(tensor, peer, tag), tensor))
         else:
             self._pending.append((dist.isend(tensor, peer, group=self.group, tag=tag), tensor))
 
     def _irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        if self.rings is not None and self.rings.reaches(peer):
-            return self.rings.irecv(tensor, peer, tag)
+        rings = self._rings_to(peer)
+        if rings is not None:
+            return rings.irecv(tensor, peer, tag)
         return dist.irecv(tensor, peer, group=self.group, tag=tag)
 
     def _handover(self, peer: int) -> None:
-        if self.rings is None or not self.rings.reaches(peer):
+        if self._rings_to(peer) is None:
             _handover()
+
+    def _rings_to(self, peer: int) -> Rings | None:
+        """The rings messages with `peer` go through (a rank of this host), or None: gloo."""
+        return self.rings if self.rings is not None and self.rings.reaches(peer) else None
 
     def send(self, values: list[Any], peer: int, key: Hashable, tag: int) -> Description:
         """Send `values` to `peer`; describe them first if this key is new."""
