@@ -99,6 +99,7 @@ def _planned_copies(rank: int, world: int) -> dict[str, Any]:
 
     import plait.planner.autoplan as autoplan
     import plait.planner.layout as layout
+    from plait.cost.network import Link, Network
     from plait.plan.layer_costs import LayerCosts
     from plait.planner.profile import LayerProfile
     from tests.test_cross_mesh_dp import _two_steps
@@ -112,7 +113,11 @@ def _planned_copies(rank: int, world: int) -> dict[str, Any]:
     def priced(*args: Any, **kwargs: Any) -> LayerProfile:
         return LayerProfile(costs, 8, 1, 1, 0.0, "test")
 
+    # the link pinned too (a quiet host's gloo loopback): measured under a busy suite, its latency
+    # grew until tp=2's all-reduces looked dearer than a third stage, and the plan changed
+    gloo = Link(5e-5, 2e9)
     autoplan.profile_sample = layout.profile_sample = priced  # this rank's process only: the last run here
+    layout.calibrate = lambda: Network(gloo, gloo, 6, gloo, None, 3e-4)  # type: ignore[assignment]
     ref = copy.deepcopy(net)
     model = plait.Model(net, plait.Config(timeout_s=60.0), optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
                         loss=nn.MSELoss())
