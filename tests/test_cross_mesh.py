@@ -90,34 +90,22 @@ SIX: list[Run] = [  # two replicas of the whole pipeline: ranks 0 1 | 2 and 3 4 
 
 
 def _planned_copies(rank: int, world: int) -> dict[str, Any]:
-    """Config() on 6 ranks, the layers priced by a profile in place of the measured one (on every
-    rank): a pair of linears that tp=2 splits and a LayerNorm it does not, 0.01 s a row each, the
+    """Config() on 6 ranks, the layers and link priced in place of measured (`pin_measurements`,
+    on every rank): a pair of linears that tp=2 splits and a LayerNorm it does not, 0.01 s a row each, the
     linears' gradients 10 MB. Two copies of the pipeline (pair at tp=2 | LayerNorm) are predicted
     fastest: each copy runs 4 of the 8 rows, the LayerNorm no rank computes twice, and each
     gradient is summed over 2 ranks at half its size. It trains as one process does."""
     import copy
 
-    import plait.planner.autoplan as autoplan
-    import plait.planner.layout as layout
-    from plait.cost.network import Link, Network
     from plait.plan.layer_costs import LayerCosts
-    from plait.planner.profile import LayerProfile
-    from tests.test_cross_mesh_dp import _two_steps
+    from tests.test_cross_mesh_dp import _two_steps, pin_measurements
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 8), nn.LayerNorm(8))
     row, zeros, grads = (1e-2, 1e-6, 1e-2, 1e-2), (0.0,) * 4, (1e7, 0.0, 1e7, 0.0)
     costs = LayerCosts(("0", "1", "2", "3"), zeros, row, zeros, tuple(2 * r for r in row), zeros, zeros,
                        (64.0,) * 4, (32.0,) * 4, grads, grads, zeros, input_row_bytes=32.0)
-
-    def priced(*args: Any, **kwargs: Any) -> LayerProfile:
-        return LayerProfile(costs, 8, 1, 1, 0.0, "test")
-
-    # the link pinned too (a quiet host's gloo loopback): measured under a busy suite, its latency
-    # grew until tp=2's all-reduces looked dearer than a third stage, and the plan changed
-    gloo = Link(5e-5, 2e9)
-    autoplan.profile_sample = layout.profile_sample = priced  # this rank's process only: the last run here
-    layout.calibrate = lambda: Network(gloo, gloo, 6, gloo, None, 3e-4)  # type: ignore[assignment]
+    pin_measurements(costs, 8, world)
     ref = copy.deepcopy(net)
     model = plait.Model(net, plait.Config(timeout_s=60.0), optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
                         loss=nn.MSELoss())

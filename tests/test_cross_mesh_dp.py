@@ -201,6 +201,24 @@ def test_config_needs_one_stage_dp_of_the_cut_and_the_ranks_they_add_up_to() -> 
         config.lanes(4)
 
 
+def pin_measurements(costs: Any, rows: int, world: int) -> None:
+    """In this rank's process (on every rank: the last use of it there), price the layers by
+    `costs` measured on `rows` rows and the link as a quiet host's gloo loopback. Measured under a
+    busy suite, the link's latency grew to 5 ms and a plan of more stages won over tp=2's
+    all-reduces: the planner's choice is the test's only where both of its inputs are."""
+    import plait.planner.autoplan as autoplan
+    import plait.planner.layout as layout
+    from plait.cost.network import Link, Network
+    from plait.planner.profile import LayerProfile
+
+    def priced(*args: Any, **kwargs: Any) -> LayerProfile:
+        return LayerProfile(costs, rows, 1, 1, 0.0, "test")
+
+    gloo = Link(5e-5, 2e9)
+    autoplan.profile_sample = layout.profile_sample = priced
+    layout.calibrate = lambda: Network(gloo, gloo, world, gloo, None, 3e-4)  # type: ignore[assignment]
+
+
 def _planned(rank: int, world: int, root: str) -> dict[str, Any]:
     """Config() on 3 ranks, the layers priced as `tests.planner.test_widths._embedding_like` (a profile
     in place of the measured one, on every rank): the planner takes stages of dp (2, 1), which train
@@ -208,17 +226,10 @@ def _planned(rank: int, world: int, root: str) -> dict[str, Any]:
     checkpoint resumes in a fresh model: the same pipeline, taken from the checkpoint (no plan
     report: nothing was planned), and 2 more steps as one process. Its saved report replays it
     (Config(plan=...)), again as one process."""
-    import plait.planner.autoplan as autoplan
-    import plait.planner.layout as layout
-    from plait.planner.profile import LayerProfile
     from tests.planner.test_widths import _embedding_like
 
     net, _, costs = _embedding_like()
-
-    def priced(*args: Any, **kwargs: Any) -> LayerProfile:
-        return LayerProfile(costs, 4, 1, 1, 0.0, "test")
-
-    autoplan.profile_sample = layout.profile_sample = priced  # this rank's process only
+    pin_measurements(costs, 4, world)
     ref = copy.deepcopy(net)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     config = plait.Config(timeout_s=60.0, checkpoint_dir=root)
