@@ -8,8 +8,8 @@ from typing import Any, Callable
 from plait.config.aliases import taking_old_names
 from plait.config.json_form import config_from_dict, config_from_json, config_to_dict, config_to_json
 from plait.config.layout import check_layout, check_recompute, check_schedule, check_tp, check_zero
-from plait.config.settings import (check_checkpoints, check_init_fn, check_leaf_modules, check_planning,
-                                   check_precision, check_running)
+from plait.config.settings import (check_checkpoints, check_compile, check_init_fn, check_leaf_modules,
+                                   check_planning, check_precision, check_running)
 from plait.config.widths import check_stage_dp, check_stage_tp
 from plait.plan.execution import Execution
 from plait.plan.mesh import Mesh
@@ -185,6 +185,12 @@ class Config:
         data-parallel sums run once, at the k-th batch; a learning-rate schedule steps once per k.
         `model.step` still counts batches; a checkpoint is taken at a multiple of k only
         (checkpoint_every must be one); not with replan=True.
+    compile: run each stage's graph (forward and backward) through torch.compile: True (its default
+        backend, inductor) or a backend's name ("aot_eager", ...), compiled at a stage's first
+        micro-batch of each shape. Equal to eager within the rounding of fused kernels. A split
+        backward (zbh1) then computes its W with its B (a compiled backward is one call); tp's
+        collectives run between compiled graphs; not with zero=3 or batch_weight_grads=True (the
+        planner leaves both out). False (default): eager.
     """
 
     layers_per_stage: tuple[int, ...] | None = None
@@ -223,6 +229,7 @@ class Config:
     accumulate_steps: int = 1
     reduce_precision: str = "fp32"
     offload: str | bool | None = None
+    compile: bool | str = False
 
     def __post_init__(self) -> None:
         # the checks, in this order (a later one reads fields an earlier one normalised): the layout's
@@ -240,6 +247,7 @@ class Config:
         check_checkpoints(self)
         check_planning(self)
         check_precision(self)
+        check_compile(self)
 
     # the old names, read (`Config(layers_per_proc=...)` sets the new field: `taking_old_names`)
     @property
@@ -275,7 +283,8 @@ class Config:
         return Execution(timeout_s=float(self.timeout_s), trace_dir=self.trace_dir, on_nonfinite=self.on_nonfinite,
                          grad_reduction=self.grad_reduction, bucket_bytes=int(self.bucket_cap_mb * 2**20),
                          memory_limit_bytes=self.memory_limit_bytes, clip_grad_norm=self.clip_grad_norm,
-                         accumulate_steps=self.accumulate_steps, reduce_precision=self.reduce_precision)
+                         accumulate_steps=self.accumulate_steps, reduce_precision=self.reduce_precision,
+                         compile_backend=("inductor" if self.compile is True else self.compile or None))
 
     def lanes(self, world_size: int) -> int:
         """Ranks per tensor-parallel part (world size / tp): the pp x dp ranks the layout is planned on

@@ -111,6 +111,23 @@ def check_precision(config: Any) -> None:
         raise ConfigError(f"precision={config.precision!r} is not known; choose one of {list(PRECISIONS)}")
 
 
+def check_compile(config: Any) -> None:
+    """compile: False, True (torch.compile's default backend) or a backend's name; not beside
+    batch_weight_grads=True."""
+    value = config.compile
+    if not isinstance(value, bool) and not (isinstance(value, str) and value):
+        raise ConfigError(f"compile={value!r} is not known; give True (torch.compile's default backend, inductor), "
+                          "False, or a torch.compile backend's name such as 'aot_eager'")
+    if value and config.batch_weight_grads is True:
+        raise ConfigError(f"compile={value!r} with batch_weight_grads=True: the batched linears keep each "
+                          "micro-batch's inputs outside the compiled graph; set batch_weight_grads=False (or None: "
+                          "the planner leaves it off when compiling)")
+    if value and config.zero == 3:
+        raise ConfigError(f"compile={value!r} with zero=3: FSDP2's hooks on a stage's pieces do not trace into one "
+                          "compiled graph yet; set zero to 0, 1 or 2 (or None: the planner leaves zero=3 out when "
+                          "compiling), or compile=False")
+
+
 def _path(config: Any, name: str, what: str) -> str | None:
     """Field `name` as a str path (any os.PathLike is accepted), or None."""
     value = getattr(config, name)

@@ -26,6 +26,7 @@ class Execution:
     clip_grad_norm: the largest global gradient norm; above it every gradient is scaled down to it (None: no clipping).
     accumulate_steps: global batches whose gradients are summed (each loss / accumulate_steps) before one optimizer step.
     reduce_precision: the dtype the data-parallel gradient sums run in ("fp32", or "bf16" on request).
+    compile_backend: the torch.compile backend each stage's graph runs through (None: eager).
     """
 
     timeout_s: float = 300.0
@@ -37,6 +38,7 @@ class Execution:
     clip_grad_norm: float | None = None
     accumulate_steps: int = 1
     reduce_precision: str = "fp32"
+    compile_backend: str | None = None
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

@@ -84,10 +84,11 @@ def search_space(config: Config, world_size: int, global_batch: int) -> tuple[Se
     """What the search may choose: everything open (Config()), or the layers of a given layout."""
     recompute = (False, True) if config.recompute is None else (config.recompute is True,)
     zero = None if config.zero is None else (config.zero,)
-    zero3 = not config.replan  # zero=3 does not replan yet (Config.zero)
+    zero3 = not config.replan and not config.compile  # zero=3 does not replan yet (Config.zero), nor compile
     if config.plans_everything:
         schedules = (config.schedule,) if config.schedule else tuple(SEARCH_ORDER)
-        batched = (False, True) if config.batch_weight_grads is None else (config.batch_weight_grads,)
+        batched = (False, True) if config.batch_weight_grads is None and not config.compile else (
+            config.batch_weight_grads is True,)
         return SearchSpace(schedules=schedules, recompute=recompute, zero=zero, zero3=zero3,
                            batch_weight_grads=batched), "planned"
     c = config.with_defaults()

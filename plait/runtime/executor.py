@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from plait.capture.split import StageModule
-from plait.errors import LossError
+from plait.errors import ConfigError, LossError
 from plait.runtime.backward_split import SplitPlans, WeightGradients, backward_input
 from plait.runtime.batched_wgrad import WeightBatch, defer_linear_weight_grads
 from plait.runtime.layer_checkpoint import layer_checkpointed
@@ -68,8 +68,16 @@ class StageExecutor:
         copies: ComputeCopies | None = None,
         sharded: StageSharding | None = None,
         weight_batch: WeightBatch | None = None,
+        compile_backend: str | None = None,
     ):
         self.stage = stage
+        # torch.compile's: the stage's graph (or its pieces, recomputed layer by layer), made at first use
+        self.compile_backend = compile_backend
+        self._compiled: dict[int, Any] = {}
+        if compile_backend is not None and (sharded is not None or batch_weight_grads or weight_batch is not None):
+            raise ConfigError(f"compile={compile_backend!r} runs neither with zero=3 nor with batch_weight_grads "
+                              "(a replayed plan or checkpoint holds one of them): set Config(zero=..., "
+                              "batch_weight_grads=False) to run it compiled, or compile=False")
         self.sharded = sharded  # zero=3: told of each backward (and, a split one, of the batch's end)
         self.copies = copies  # low precision: the batch's floating inputs cast in, the model's outputs to fp32
         self.loss_scale = 1.0  # each loss's multiplier before its backward: fp16's scale / accumulate_steps
@@ -177,7 +185,12 @@ class StageExecutor:
         if written:
             args = tuple(a.clone() if i in written and isinstance(a, torch.Tensor) and a.requires_grad else a
                          for i, a in enumerate(args))
-        return (self.stage.module if module is None else module)(*args)
+        module = self.stage.module if module is None else module
+        if self.compile_backend is not None:
+            if id(module) not in self._compiled:
+                self._compiled[id(module)] = torch.compile(module, backend=self.compile_backend, dynamic=False)
+            module = self._compiled[id(module)]
+        return module(*args)
 
     def module_outputs(self, received: list[Any], inputs: list[Any]) -> Any:
         """The stage module's own outputs on these values (before `finish` on the last stage),
@@ -202,9 +215,10 @@ class StageExecutor:
         """B of a split backward: return dL/d(received tensors) now, keep the weight part for W.
 
         A recomputed stage runs its whole backward here (its W is empty): W runs one autograd
-        call per group of weights, and each would recompute the checkpointed forward again.
+        call per group of weights, and each would recompute the checkpointed forward again. So
+        does a compiled one: its backward is one node computing every gradient at once.
         """
-        if self.recompute:
+        if self.recompute or self.compile_backend is not None:
             return self.backward(microbatch_index, grads)
         inputs = self._inputs.pop(microbatch_index)
         if self.sharded is not None:

@@ -307,7 +307,8 @@ def _assemble(captured: CapturedGraph, layer_stage: list[int], parts: _Parts, ma
                          split_loss=split_loss if s == plan.num_chunks - 1 else None,
                          layer_pieces=pieces(plan.layer_names) if s in plan.recompute_by_layer else None,
                          copies=parts.copies,
-                         sharded=params, weight_batch=batches.get(s))
+                         sharded=params, weight_batch=batches.get(s),
+                         compile_backend=parts.execution.compile_backend)
         for s in mine
     }
     interpreter = Interpreter(rank, executors, lane_ranks(plan, rank), parts.wire, parts.tracer,

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -316,3 +318,20 @@ def test_precision_errors_name_the_value_and_the_fix(kwargs: dict, message: str)
 def test_precision_defaults_to_fp32_and_round_trips() -> None:
     assert Config().precision == "fp32"
     assert Config.from_json(Config(precision="bf16").to_json()).precision == "bf16"
+
+
+@pytest.mark.parametrize("value", [None, "", 1, ["inductor"]])
+def test_compile_takes_a_flag_or_a_backend_name(value: Any) -> None:
+    with pytest.raises(ConfigError, match=rf"compile={re.escape(repr(value))} is not known; give True .* or a torch.compile backend"):
+        Config(compile=value)
+    assert Config(compile=True).execution().compile_backend == "inductor"
+    assert Config(compile="aot_eager").execution().compile_backend == "aot_eager"
+    assert Config().execution().compile_backend is None
+
+
+def test_compile_refuses_what_it_does_not_run_with() -> None:
+    with pytest.raises(ConfigError, match=r"compile=True with batch_weight_grads=True: .* set batch_weight_grads=False"):
+        Config(compile=True, batch_weight_grads=True)
+    with pytest.raises(ConfigError, match=r"compile='aot_eager' with zero=3: .* set zero to 0, 1 or 2"):
+        Config(compile="aot_eager", zero=3)
+    assert Config.from_json(Config(compile="aot_eager").to_json()).compile == "aot_eager"

@@ -108,6 +108,17 @@ def test_zero3_searches_every_schedule_and_batched_weight_gradients() -> None:
     assert not search_space(plait.Config(replan=True), 4, 16)[0].zero3  # zero=3 does not replan yet
 
 
+def test_a_compiled_run_is_planned_without_zero3_or_batched_weight_gradients() -> None:
+    """Config(compile=...) runs neither (`plait.config.settings.check_compile`): the search leaves
+    them out, planned or partitioned."""
+    from plait.planner.choice import search_space
+
+    planned, source = search_space(plait.Config(compile=True), 4, 16)
+    assert source == "planned" and not planned.zero3 and planned.batch_weight_grads == (False,)
+    given = search_space(plait.Config(compile="aot_eager", num_stages=2, dp=2, num_microbatches=4), 4, 16)[0]
+    assert not given.zero3 and given.batch_weight_grads == (False,)
+
+
 def test_offload_is_searched_for_ranks_beside_a_host_unless_the_config_says() -> None:
     """Config.offload None: searched (taken where only it fits) on ranks with a host link (GPU
     presets), not on CPU ranks; "optimizer": always; False: never."""

@@ -30,6 +30,7 @@ from plait.capture.compute_dtype import LOW_DTYPES
 from plait.errors import ConfigError
 from plait.runtime.comm.collectives import local_device
 from plait.runtime.comm.waiting import finish
+from plait.runtime.eager import eager
 from plait.tensor_parts import local_part, part_size, whole_of
 
 __all__ = ["reduce_sum", "sum_both_ways", "TpCollective", "VocabLookup", "SplitDropout", "SplitAttention",
@@ -222,6 +223,7 @@ class TpCollective(nn.Module):
         self.kind, self.group, self.tp_rank, self.tp, self.dim, self.blocks = kind, group, tp_rank, tp, dim, blocks
         self.size = size  # a gather's whole size along `dim`, where it does not divide by tp (0: it does)
 
+    @eager  # a compiled stage (Config.compile) runs its collectives as they are, between its graphs
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "copy":
             return _apply(_Copy, x, self.group)
@@ -246,6 +248,7 @@ class BroadcastSum(nn.Module):
         super().__init__()
         self.group = group
 
+    @eager  # a collective: run as it is between a compiled stage's graphs
     def forward(self, w: torch.Tensor, *operands: Any) -> torch.Tensor:
         shape = torch.broadcast_shapes(  # type: ignore[no-untyped-call]
             w.shape, *(o.shape for o in operands if isinstance(o, torch.Tensor)))
@@ -317,6 +320,7 @@ class VocabLookup(nn.Module):
         super().__init__()
         self.group, self.start, self.padding_idx = group, start, padding_idx
 
+    @eager  # a collective: run as it is between a compiled stage's graphs
     def forward(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         rows, start = weight.shape[0], self.start
         outside = (ids < start) | (ids >= start + rows)

@@ -18,6 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from plait.errors import NonFiniteError
+from plait.runtime.eager import eager
 from plait.runtime.pipeline import Pipeline
 from plait.plan import Plan
 
@@ -39,7 +40,8 @@ class NonFiniteWatch:
         self.active = False
         self._open = [True] * self.num_chunks  # stages whose forwards of this step may still come
         self._extremes: list[list[torch.Tensor]] = [[] for _ in range(self.num_chunks)]
-        self._handles = [ex.stage.module.register_forward_hook(partial(self._check, s))
+        # run as it is, outside a compiled stage's graph (its flags are this step's Python state)
+        self._handles = [ex.stage.module.register_forward_hook(eager(partial(self._check, s)))
                          for s, ex in pipe.executors.items()]
 
     def _check(self, stage_index: int, module: Any, args: Any, output: Any) -> None:
