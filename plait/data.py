@@ -5,15 +5,19 @@ from __future__ import annotations
 import hashlib
 import itertools
 import warnings
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 import torch.utils._pytree as pytree
 from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler
 
-from plait.errors import ConfigError
+from plait.errors import ConfigError, PlaitError
 
 __all__ = [
+    "Share",
+    "global_rows",
+    "replica_rows",
     "as_call",
     "num_rows",
     "take",
@@ -26,9 +30,37 @@ __all__ = [
     "count_batches",
     "row_ranges",
     "data_order",
+    "epoch_seed",
     "epoch_batches",
     "join_rows",
 ]
+
+
+@dataclass(frozen=True)
+class Share:
+    """One replica's rows of a global batch, read alone (`plait.train.shares`): `x` and `y` hold
+    rows start:start + n of a batch of `rows` rows, n its share (`shard_bounds`; None when 0)."""
+
+    x: Any
+    y: Any
+    rows: int
+    start: int
+
+
+def global_rows(x: Any) -> int:
+    """Rows of the global batch `x` is, or is a replica's share of."""
+    return x.rows if isinstance(x, Share) else num_rows(x)
+
+
+def replica_rows(x: Any, y: Any, start: int, stop: int, whose: str) -> tuple[Any, Any, int]:
+    """x and y with rows start:stop of their global batch, and where those begin in them: at
+    `start` in a whole batch, at 0 in a `Share` (which must hold exactly those rows)."""
+    if not isinstance(x, Share):
+        return x, y, start
+    if (x.start, x.start + (0 if x.x is None else num_rows(x.x))) != (start, stop):
+        raise PlaitError(f"a share of rows {x.start}:... of a batch of {x.rows} came to {whose}, whose rows are "
+                         f"{start}:{stop}; read each replica's rows with its dp rank (`plait.train.shares`)")
+    return x.x, x.y, 0
 
 
 def as_call(x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -219,20 +251,25 @@ def fingerprint(x: Any, y: Any) -> str | None:
     return digest.hexdigest()[:16]
 
 
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed of an epoch's order: `seed` (Config.seed) and the epoch only."""
+    return seed * 1_000_003 + epoch
+
+
 def epoch_batches(x: Any, y: Any, batch_size: int | None, shuffle: bool, seed: int, epoch: int,
                   skip: int = 0) -> Iterator[tuple[Any, Any]]:
     """The (x, y) global batches of one epoch after the first `skip`; the order follows
     `seed` and `epoch` only."""
-    epoch_seed = seed * 1_000_003 + epoch
+    seed = epoch_seed(seed, epoch)
     if isinstance(x, (Dataset, DataLoader)):
-        yield from itertools.islice(loader_batches(x, batch_size, shuffle, epoch_seed), skip, None)
+        yield from itertools.islice(loader_batches(x, batch_size, shuffle, seed), skip, None)
         return
     if y is None:
         raise ConfigError("fit(x, y): targets y are missing")
     rows = num_rows(x)
     if num_rows(y) != rows:
         raise ConfigError(f"x has {rows} rows but y has {num_rows(y)}; give one target per row")
-    for index in index_batches(rows, batch_size or rows, shuffle, epoch_seed)[skip:]:
+    for index in index_batches(rows, batch_size or rows, shuffle, seed)[skip:]:
         if shuffle:
             yield take(x, index), take(y, index)
         else:

@@ -160,6 +160,11 @@ class Model:
             self.lr_scheduler.load_state_dict(carried)
 
     @property
+    def replanning(self) -> bool:
+        """Whether a step may still move the model to another layout (Config.replan, undecided)."""
+        return self._loop is not None and self._loop.replan and not self._loop.done
+
+    @property
     def plan(self) -> Plan:
         """The plan in use (made when the model first sees data)."""
         runner = self._built()
@@ -206,9 +211,8 @@ class Model:
     # -- one global batch ------------------------------------------------------------------------
 
     def _run(self, x: Any, y: Any, train: bool, keep_outputs: bool, where: str = "") -> tuple[list[float], Any, bool]:
-        """Run one global batch on every replica: the sums of loss and metrics over it (the same
-        on every rank), this rank's last-stage outputs (or None), and whether the optimizer step
-        was skipped."""
+        """Run one global batch (or a replica's `Share` of it) on every replica: the sums of loss and
+        metrics over it (the same on every rank), this rank's last-stage outputs, whether the step skipped."""
         runner = self._runner(x, train, y)
         if train:
             if self.loss is None or self.optimizer is None:

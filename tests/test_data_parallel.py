@@ -187,9 +187,21 @@ class _RowRecordingLoss:
         self.seen.append(self.last)
 
 
+class _Loaded(torch.utils.data.TensorDataset):
+    """A TensorDataset that records the index of every row it loads."""
+
+    def __init__(self, *tensors):
+        super().__init__(*tensors)
+        self.loaded: list[int] = []
+
+    def __getitem__(self, index):
+        self.loaded.append(int(index))
+        return super().__getitem__(index)
+
+
 def shuffled_sources(rank, world):
     import torch.distributed as dist
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
 
     rows, batch = 23, 6  # 4 batches an epoch, the last of 5 rows: uneven over dp=2
     g = torch.Generator().manual_seed(5)
@@ -204,7 +216,7 @@ def shuffled_sources(rank, world):
             with torch.no_grad():
                 for p in net.parameters():
                     p.add_(1.0)  # another seed's init: broadcast at start must undo it
-        data = TensorDataset(x, y)
+        data = _Loaded(x, y)
         source = data if kind == "dataset" else DataLoader(data, batch_size=batch, shuffle=True)
         loss = _RowRecordingLoss()
         model = plait.Model(net, plait.Config(dp=2, layers_per_stage=(3,), num_microbatches=1, seed=3),
@@ -213,6 +225,7 @@ def shuffled_sources(rank, world):
         everyone = [None] * world
         dist.all_gather_object(everyone, loss.seen)  # the test's own check, not plait's wire
         out[kind] = (everyone, start, {k: v.clone() for k, v in model.state_dict().items()})
+        out[f"{kind} loaded"] = data.loaded
     return out
 
 
@@ -226,7 +239,11 @@ def test_shuffled_datasets_and_loaders_are_sharded_across_replicas_that_start_eq
     g = torch.Generator().manual_seed(5)
     x = torch.randn(rows, 4, generator=g)
     y = torch.randn(rows, 3, generator=g)
-    for kind, (seen, start, final) in results[0].items():
+    for rank, result in enumerate(results):  # each replica loaded the first batch whole (to build on), then its own rows
+        for kind in ("dataset", "loader"):
+            seen = [i for step in result[kind][0][rank] for i in step]
+            assert len(result[f"{kind} loaded"]) == 6 + len(seen) and result[f"{kind} loaded"][6:] == seen, (rank, kind)
+    for kind, (seen, start, final) in ((k, v) for k, v in results[0].items() if not k.endswith("loaded")):
         assert len(seen[0]) == len(seen[1]) == 8, (kind, [len(s) for s in seen])  # 2 epochs x 4 batches
         epochs = []
         for step in range(8):

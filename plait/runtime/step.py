@@ -219,20 +219,22 @@ class StepRunner:
         """
         pipe, execution = self.pipe, self.pipe.execution
         if pipe.plan.stage_dp:
+            assert not isinstance(x, batching.Share), "stage_dp: every rank reads whole batches"
             return self._row_blocks(x, y)
-        rows = batching.num_rows(x)
+        rows = batching.global_rows(x)
         start, stop = batching.shard_bounds(rows, pipe.plan.dp)[pipe.replica]
         if stop == start:
             return []
+        x, y, offset = batching.replica_rows(x, y, start, stop, f"replica {pipe.replica} of dp={pipe.plan.dp}")
         denominator = rows if execution.grad_reduction == "mean" else stop - start
         x, y = batching.to_device(x, self.device), batching.to_device(y, self.device)
         out = []
         for a, b in batching.microbatch_bounds(stop - start, pipe.plan.num_microbatches):
-            xs = batching.slice_rows(x, start + a, start + b)
+            xs = batching.slice_rows(x, offset + a, offset + b)
             args, kwargs = batching.as_call(xs)
             inputs = pipe.captured.bind(args, kwargs)
             key = tuple(tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor))
-            target = None if y is None else batching.slice_rows(y, start + a, start + b)
+            target = None if y is None else batching.slice_rows(y, offset + a, offset + b)
             out.append(MicroBatch(inputs, target, (b - a) / denominator, key, b - a))
         return out
 

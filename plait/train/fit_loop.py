@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from plait import data as batching
 from plait.callbacks import History, PlanPrinter, ProgressBar, call_hooks
@@ -16,6 +16,7 @@ from plait.cost.row_blocks import check_rows
 from plait.errors import ConfigError
 from plait.metrics import logs_of
 from plait.runtime.step_sums import num_stats
+from plait.train.shares import share_batches
 
 __all__ = ["FitSteps", "FitRun", "run_fit"]
 
@@ -121,13 +122,12 @@ def _epoch(model: Any, fit: FitRun, epoch: int, start: ResumePoint | None) -> di
     totals, rows_seen, skip = [0.0] * num_stats(model.metrics), 0, 0
     if start is not None and start.totals is not None:
         totals, rows_seen, skip = list(start.totals), start.rows_seen, start.batch
-    batches = batching.epoch_batches(fit.x, fit.y, fit.batch_size, fit.shuffle, model.config.seed, epoch, skip)
-    for step, (xb, yb) in enumerate(batches, start=skip):
+    for step, (xb, yb) in enumerate(_batches(model, fit, epoch, skip), start=skip):
         if step <= skip + 1 and fit.steps.built() and model.plan.stage_dp:  # once the plan is known
             _check_batch_sizes(model, batching.batch_sizes(fit.x, fit.batch_size))
         stats, _, skipped = fit.steps.train(xb, yb, f"epoch {epoch + 1}, batch {step + 1} (training step {model.step + 1})")
         if not skipped:  # a skipped step's NaN loss stays out of the epoch's logs
-            rows_seen += batching.num_rows(xb)
+            rows_seen += batching.global_rows(xb)
             totals = [t + s for t, s in zip(totals, stats)]
         logs = logs_of(model.metrics, totals, max(rows_seen, 1))
         if model.grad_norm is not None:  # Config.clip_grad_norm: this step's norm before clipping
@@ -137,6 +137,19 @@ def _epoch(model: Any, fit: FitRun, epoch: int, start: ResumePoint | None) -> di
         if root is not None and every is not None and model.step % every == 0:
             fit.steps.save(root, fit.position(epoch, step + 1, totals, rows_seen))
     return logs_of(model.metrics, totals, max(rows_seen, 1))
+
+
+def _batches(model: Any, fit: FitRun, epoch: int, skip: int) -> Iterator[tuple[Any, Any]]:
+    """The epoch's global batches after the first `skip`: of a data set, each replica's own rows
+    alone (`plait.train.shares`) once the pipeline is built, unless its stages cut rows by their
+    own dp widths or it may be replanned (each reads whole batches)."""
+    seed = batching.epoch_seed(model.config.seed, epoch)
+    plan = model.plan if fit.steps.built() else None
+    if plan is not None and plan.dp > 1 and not plan.stage_dp and not model.replanning:
+        shares = share_batches(fit.x, fit.batch_size, fit.shuffle, seed, skip, plan.position_of(model.rank)[1], plan.dp)
+        if shares is not None:
+            return ((share, None) for share in shares)
+    return batching.epoch_batches(fit.x, fit.y, fit.batch_size, fit.shuffle, model.config.seed, epoch, skip)
 
 
 def _check_batch_sizes(model: Any, sizes: Sequence[int]) -> None:
