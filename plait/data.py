@@ -57,9 +57,10 @@ def replica_rows(x: Any, y: Any, start: int, stop: int, whose: str) -> tuple[Any
     `start` in a whole batch, at 0 in a `Share` (which must hold exactly those rows)."""
     if not isinstance(x, Share):
         return x, y, start
-    if (x.start, x.start + (0 if x.x is None else num_rows(x.x))) != (start, stop):
-        raise PlaitError(f"a share of rows {x.start}:... of a batch of {x.rows} came to {whose}, whose rows are "
-                         f"{start}:{stop}; read each replica's rows with its dp rank (`plait.train.shares`)")
+    held = (x.start, x.start + (0 if x.x is None else num_rows(x.x)))
+    if held != (start, stop):
+        raise PlaitError(f"a share of rows {held[0]}:{held[1]} of a batch of {x.rows} came to {whose}, whose rows "
+                         f"are {start}:{stop}; read each replica's rows with its dp rank (`plait.train.shares`)")
     return x.x, x.y, 0
 
 

@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import plait
 from plait import data
+from plait.errors import PlaitError
 
 
 def rows(n=10):
@@ -102,3 +103,14 @@ def test_batch_sizes_are_the_full_one_and_an_uneven_last_one_where_the_data_tell
     assert batch_sizes(DataLoader(data, batch_size=3, drop_last=True), None) == (3,)
     sampler = torch.utils.data.SubsetRandomSampler(range(7))
     assert batch_sizes(DataLoader(data, batch_size=3, sampler=sampler), None) == ()  # its own sampler: not known
+
+
+def test_a_share_names_the_rows_it_holds_where_another_replica_s_are_asked() -> None:
+    share = data.Share(torch.zeros(3, 2), torch.zeros(3), rows=7, start=4)
+    x, y, offset = data.replica_rows(share, None, 4, 7, "replica 1 of dp=2")
+    assert x is share.x and y is share.y and offset == 0 and data.global_rows(share) == 7
+    whole = torch.zeros(7, 2)
+    assert data.replica_rows(whole, None, 4, 7, "replica 1 of dp=2") == (whole, None, 4)
+    with pytest.raises(PlaitError, match=r"a share of rows 4:7 of a batch of 7 came to replica 0 of dp=2, whose "
+                                         r"rows are 0:4; read each replica's rows with its dp rank"):
+        data.replica_rows(share, None, 0, 4, "replica 0 of dp=2")

@@ -187,7 +187,8 @@ class Config:
         (checkpoint_every must be one); not with replan=True.
     compile: run each stage's graph (forward and backward) through torch.compile: True (its default
         backend, inductor) or a backend's name ("aot_eager", ...), compiled at a stage's first
-        micro-batch of each shape. Equal to eager within the rounding of fused kernels. A split
+        micro-batch (again, for any shape, where a shape changes: torch.compile's default). Equal to
+        eager within the rounding of fused kernels. A split
         backward (zbh1) then computes its W with its B (a compiled backward is one call); tp's
         collectives run between compiled graphs; not with zero=3 or batch_weight_grads=True (the
         planner leaves both out). False (default): eager.

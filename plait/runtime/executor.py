@@ -188,7 +188,7 @@ class StageExecutor:
         module = self.stage.module if module is None else module
         if self.compile_backend is not None:
             if id(module) not in self._compiled:
-                self._compiled[id(module)] = torch.compile(module, backend=self.compile_backend, dynamic=False)
+                self._compiled[id(module)] = torch.compile(module, backend=self.compile_backend)
             module = self._compiled[id(module)]
         return module(*args)
 
