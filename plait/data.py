@@ -27,6 +27,7 @@ __all__ = [
     "to_device",
     "index_batches",
     "loader_batches",
+    "pair_of",
     "count_batches",
     "row_ranges",
     "data_order",
@@ -173,12 +174,17 @@ def loader_batches(data: Dataset[Any] | DataLoader[Any], batch_size: int | None,
             data, batch_size=batch_size, shuffle=shuffle, generator=torch.Generator().manual_seed(seed)
         )
     for item in loader:
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise ConfigError(
-                f"each item of the dataset must be an (input, target) pair, got "
-                f"{type(item).__name__}{'' if not isinstance(item, (tuple, list)) else f' of {len(item)}'}"
-            )
-        yield item[0], item[1]
+        yield pair_of(item)
+
+
+def pair_of(item: Any) -> tuple[Any, Any]:
+    """(input, target) of a loader's batch; ConfigError naming what it is otherwise."""
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        raise ConfigError(
+            f"each item of the dataset must be an (input, target) pair, got "
+            f"{type(item).__name__}{'' if not isinstance(item, (tuple, list)) else f' of {len(item)}'}"
+        )
+    return item[0], item[1]
 
 
 def count_batches(x: Any, batch_size: int | None) -> int:

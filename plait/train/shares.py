@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 
-from plait.data import Share, shard_bounds
+from plait.data import Share, pair_of, shard_bounds
 from plait.errors import ConfigError
 
 __all__ = ["share_batches"]
@@ -65,10 +65,5 @@ def _shares(loader: Any, mine: list[tuple[int, int, int]]) -> Iterator[Share]:
         if hi == lo:  # a batch of fewer rows than replicas: this one has none
             yield Share(None, None, rows, lo)
             continue
-        item = next(items)
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise ConfigError(
-                f"each item of the dataset must be an (input, target) pair, got "
-                f"{type(item).__name__}{'' if not isinstance(item, (tuple, list)) else f' of {len(item)}'}"
-            )
-        yield Share(item[0], item[1], rows, lo)
+        x, y = pair_of(next(items))
+        yield Share(x, y, rows, lo)
